@@ -1,0 +1,1 @@
+"""Triton kernels of megatron-grpo (installed as megatron_grpo.kernels)."""

@@ -1,0 +1,207 @@
+"""Typed dataclass config trees loaded from YAML, with strict keys and dotted overrides.
+
+Every config section is a ``@dataclass``. A YAML mapping maps 1:1 onto the tree:
+
+* unknown keys raise :class:`ConfigError` naming the full dotted path and the closest valid key;
+* values are checked against the field's annotation (int, float, bool, str, Literal, tuples,
+  lists, ``X | None`` and nested dataclasses);
+* ``--set a.b=value`` overrides are parsed as YAML scalars and applied before validation.
+
+Cross-field checks belong in each dataclass's ``__post_init__`` and raise ``ValueError``
+naming the field; :func:`from_dict` re-raises them as :class:`ConfigError` with the path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config key or value is invalid; the message names its dotted path."""
+
+
+def _closest(key: str, valid: Sequence[str]) -> str:
+    match = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
+    if match:
+        return f"; did you mean '{match[0]}'?"
+    return f"; valid keys: {', '.join(sorted(valid))}"
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    """Check ``value`` against annotation ``tp``, converting YAML forms (list->tuple, int->float)."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        options = get_args(tp)
+        if value is None:
+            if type(None) in options:
+                return None
+            raise ConfigError(f"{path}: must not be null")
+        errors = []
+        for opt in options:
+            if opt is type(None):
+                continue
+            try:
+                return _coerce(value, opt, path)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} fits none of {tp}")
+    if origin is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{path}: {value!r} is not one of {list(choices)}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}: expected a mapping for {tp.__name__}, got {value!r}")
+        return from_dict(tp, value, path)
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        args = get_args(tp)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(args) != len(value):
+                raise ConfigError(f"{path}: expected {len(args)} items, got {len(value)}")
+            items = [_coerce(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args))]
+        else:
+            inner = args[0] if args else Any
+            items = [_coerce(v, inner, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict or tp is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true/false, got {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    if isinstance(tp, type) and not isinstance(value, tp):
+        raise ConfigError(f"{path}: expected {tp.__name__}, got {value!r}")
+    return value
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:
+    """Build dataclass ``cls`` from a mapping; unknown keys and bad values are errors."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path or cls.__name__}: expected a mapping, got {data!r}")
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in fields:
+            raise ConfigError(f"unknown config key '{_join(path, key)}'{_closest(key, list(fields))}")
+        kwargs[key] = _coerce(value, hints[key], _join(path, key))
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{path or cls.__name__}: {e}") from e
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain nested dict of a config tree (tuples become lists), suitable for YAML."""
+
+    def conv(v: Any) -> Any:
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            return {f.name: conv(getattr(v, f.name)) for f in dataclasses.fields(v) if f.init}
+        if isinstance(v, (list, tuple)):
+            return [conv(x) for x in v]
+        if isinstance(v, dict):
+            return {k: conv(x) for k, x in v.items()}
+        return v
+
+    return conv(cfg)
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str], root: type | None = None):
+    """Apply ``a.b.c=value`` overrides (values parsed as YAML) to a nested dict in place.
+
+    With ``root`` (the tree's dataclass), an unknown path raises a :class:`ConfigError`
+    that suggests the closest valid key, even when the YAML omitted that section.
+    """
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must have the form a.b=value")
+        dotted, raw = item.split("=", 1)
+        keys = dotted.strip().split(".")
+        value = yaml.safe_load(raw) if raw.strip() else ""
+        node, cls = data, root
+        for depth, key in enumerate(keys):
+            path = ".".join(keys[: depth + 1])
+            if cls is not None:
+                names = [f.name for f in dataclasses.fields(cls) if f.init]
+                if key not in names:
+                    raise ConfigError(f"unknown config key '{path}'{_closest(key, names)}")
+                tp = get_type_hints(cls)[key]
+                cls = _dataclass_in(tp)
+            if depth == len(keys) - 1:
+                node[key] = value
+            else:
+                child = node.get(key)
+                if child is None:
+                    child = node[key] = {}
+                if not isinstance(child, dict):
+                    raise ConfigError(f"override '{dotted}': '{path}' is not a section")
+                node = child
+    return data
+
+
+def _dataclass_in(tp: Any) -> type | None:
+    if dataclasses.is_dataclass(tp):
+        return tp
+    for arg in get_args(tp):
+        if dataclasses.is_dataclass(arg):
+            return arg
+    return None
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    return data
+
+
+def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
+    """Load ``cls`` from a YAML file (or defaults when ``path`` is None) plus overrides."""
+    data = load_yaml(path) if path is not None else {}
+    apply_overrides(data, overrides, root=cls)
+    return from_dict(cls, data)
+
+
+__all__ = [
+    "ConfigError",
+    "apply_overrides",
+    "from_dict",
+    "load_config",
+    "load_yaml",
+    "to_dict",
+]

@@ -1,0 +1,77 @@
+"""Spawn N gloo (CPU) or nccl (GPU) processes and run a test body in each.
+
+Usage::
+
+    def _body(rank, world_size, x):
+        ...  # torch.distributed is initialized here
+
+    def test_something():
+        run_distributed(_body, 2, x)
+
+Exceptions raised in any rank fail the test with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, errq) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(1)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        fn(rank, world_size, *args)
+    except BaseException:  # noqa: BLE001 - forwarded to the parent
+        errq.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes."""
+    ctx = mp.get_context("spawn")
+    errq = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errq))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    errors = []
+    while not errq.empty():
+        errors.append(errq.get())
+    if errors:
+        rank, tb = sorted(errors)[0]
+        raise AssertionError(f"rank {rank} failed:\n{tb}")
+    bad = [p.exitcode for p in procs if p.exitcode != 0]
+    if bad:
+        raise AssertionError(f"worker exit codes {bad}")
