@@ -1,3 +1,48 @@
-"""megatron-grpo: GRPO-family RL training on Megatron-Core."""
+"""megatron-grpo: GRPO-family RL training on Megatron-Core.
+
+Top-level API (importing it does not import Megatron):
+
+* :func:`grpo_loss`, :class:`GRPOLossConfig`, :func:`compute_advantages`,
+  :func:`global_denominators`, :func:`local_denominator`, :func:`reduce_metrics` — the loss family;
+* :func:`vocab_parallel_logprobs`, :func:`fused_grpo_loss` — the vocab-parallel log-prob op and
+  the fused LM-head + GRPO loss.
+"""
+
+from megatron_grpo.loss import (
+    Denominators,
+    GRPOLossConfig,
+    MaxMetric,
+    MeanMetric,
+    MinMetric,
+    SumMetric,
+    compute_advantages,
+    global_denominators,
+    grpo_loss,
+    local_denominator,
+    merge_metrics,
+    pack_padded,
+    reduce_metrics,
+    unpack_to_padded,
+)
+from megatron_grpo.ops import fused_grpo_loss, vocab_parallel_logprobs
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "Denominators",
+    "GRPOLossConfig",
+    "MaxMetric",
+    "MeanMetric",
+    "MinMetric",
+    "SumMetric",
+    "compute_advantages",
+    "fused_grpo_loss",
+    "global_denominators",
+    "grpo_loss",
+    "local_denominator",
+    "merge_metrics",
+    "pack_padded",
+    "reduce_metrics",
+    "unpack_to_padded",
+    "vocab_parallel_logprobs",
+]

@@ -1,0 +1,333 @@
+"""The GRPO loss math: the one place that computes ratios, clips, KL, IS weights, coefficients.
+
+THE SEAM (used by ``grpo_loss`` and by the fused log-prob path ``ops/fused_grpo.py``)
+------------------------------------------------------------------------------------
+The loss is split into two calls:
+
+1. ``ctx = build_context(cfg, old_logprobs=..., advantages=..., loss_mask=..., cu_seqlens=...,
+   ref_logprobs=None, rollout_logprobs=None, denominator=None, cp_group=None)``
+
+   Everything that does not depend on the current policy, computed once, in float32, on the
+   N valid rows only (``ctx.index`` ``[N]`` int64 indexes the packed ``[T]`` inputs): old / ref
+   log-probs, advantages, the detached IS weights (``ctx.is_weight``, MIS and non-finite
+   drops folded into the coefficients), and the aggregation coefficients ``ctx.coef`` ``[N]`` that
+   already include ``1 / denominator`` and ``1 / |y_i|`` or ``1 / max_response_length``.
+   ``ctx.metrics`` holds the policy-independent metrics (IS weights, train-vs-rollout mismatch).
+   ``ctx.rows(sel)`` returns the context of a row subset (``sel``: slice or index tensor into
+   ``[N]``) with empty ``metrics``, so chunk metrics never double count.
+
+2. ``loss, metrics = objective(cfg, ctx_or_slice, logprobs_valid, entropy_valid=None)``
+
+   ``logprobs_valid`` / ``entropy_valid`` ``[n]`` are the current policy's values at
+   ``ctx.index`` (of the slice). Returns ``sum(coef * (is_weight * pg + kl_coef * kl -
+   entropy_coef * entropy))`` (a float32 scalar, differentiable w.r.t. both inputs) and the
+   policy-dependent metric pieces.
+
+   * ``ratio_level="token"``: exactly separable over rows. Summing ``objective`` over a
+     partition of the rows gives ``grpo_loss`` (value and gradient), and
+     ``merge_metrics([ctx.metrics, *chunk_metrics])`` gives its metrics.
+   * ``ratio_level="sequence"`` (GSPO): the ratio is ``exp`` of the sequence's mean log-ratio, a
+     segment sum over all of its rows (all-reduced over ``cp_group``, differentiably), so it
+     needs the full context; a slice raises ``ValueError``.
+
+``grpo_loss`` = ``build_context`` + ``objective`` over all rows; nothing is scattered back.
+
+NaN safety: rows are selected by index before any arithmetic, so masked positions never enter
+the math and get exactly zero gradient. Every log-ratio is clamped before ``exp`` (None in the
+config disables a clamp only when asked). Non-finite inputs at valid rows raise (naming the
+tensor) or, with ``cfg.nonfinite="count"``, are dropped and counted in ``loss/nonfinite_count``.
+A row whose current log-prob / entropy is non-finite is neutralised in ``objective`` (weight 0)
+but stays in a ``denominator=None`` count, which is fixed before the policy forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron_grpo.loss import checks
+from megatron_grpo.loss.config import GRPOLossConfig
+from megatron_grpo.loss.metrics import MaxMetric, MeanMetric, MetricDict, MinMetric, SumMetric
+from megatron_grpo.loss.segments import check_cu_seqlens, segment_ids, segment_sum
+
+
+@dataclass
+class LossContext:
+    """Policy-independent loss inputs on the N valid rows (all ``[N]``, float32 unless noted)."""
+
+    index: Tensor  # [N] int64: positions in the packed [T] inputs
+    seg: Tensor  # [N] int64: sequence slot in [0, num_seqs)
+    num_seqs: int
+    old: Tensor
+    adv: Tensor
+    coef: Tensor  # aggregation coefficient incl. 1/denominator; 0 = dropped row
+    inv_len: Tensor  # 1 / |y_i| of the row's sequence (CP-global)
+    ref: Tensor | None = None
+    is_weight: Tensor | None = None  # detached, truncated
+    cp_group: dist.ProcessGroup | None = None
+    complete: bool = True  # holds every valid row (GSPO needs that)
+    metrics: MetricDict = field(default_factory=dict)
+
+    @property
+    def num_rows(self) -> int:
+        return self.index.numel()
+
+    def rows(self, sel: slice | Tensor) -> LossContext:
+        """Context of a row subset ``sel`` (slice or index tensor into ``[N]``)."""
+
+        def take(x: Tensor | None) -> Tensor | None:
+            return None if x is None else x[sel]
+
+        return replace(
+            self,
+            index=self.index[sel],
+            seg=self.seg[sel],
+            old=self.old[sel],
+            adv=self.adv[sel],
+            coef=self.coef[sel],
+            inv_len=self.inv_len[sel],
+            ref=take(self.ref),
+            is_weight=take(self.is_weight),
+            complete=False,
+            metrics={},
+        )
+
+
+def clamp_opt(x: Tensor, bound: float | None) -> Tensor:
+    """Clamp to ``+-bound``; ``None`` = no clamp."""
+    return x if bound is None else x.clamp(-bound, bound)
+
+
+def kl_estimate(
+    x: Tensor, estimator: str, input_clamp: float | None, output_clamp: float | None
+) -> Tensor:
+    """KL estimator of ``x = log q - log p`` for samples of p (k1 = -x, k2 = x^2/2,
+    k3 = e^x - 1 - x), with ``x`` clamped before ``exp`` and the estimate clamped after."""
+    x = clamp_opt(x, input_clamp)
+    if estimator == "k1":
+        k = -x
+    elif estimator == "k2":
+        k = 0.5 * x * x
+    else:
+        k = torch.expm1(x) - x
+    return clamp_opt(k, output_clamp)
+
+
+def pg_term(cfg: GRPOLossConfig, ratio: Tensor, adv: Tensor) -> tuple[Tensor, MetricDict]:
+    """Clipped (and optionally dual-clipped) policy-gradient term per row, with clip metrics."""
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
+    pg = torch.maximum(unclipped, clipped)
+    metrics: MetricDict = {
+        "loss/pg_clipfrac_low": MeanMetric.of((adv < 0) & (ratio < 1.0 - cfg.clip_eps_low)),
+        "loss/pg_clipfrac_high": MeanMetric.of((adv > 0) & (ratio > 1.0 + cfg.clip_eps_high)),
+    }
+    if cfg.dual_clip_c is not None:
+        bound = -cfg.dual_clip_c * adv
+        dual = (adv < 0) & (pg > bound)
+        pg = torch.where(dual, bound, pg)
+        metrics["loss/pg_clipfrac_dual"] = MeanMetric.of(dual)
+    return pg, metrics
+
+
+def is_log_weights(cfg: GRPOLossConfig, ctx: LossContext, rollout: Tensor) -> Tensor:
+    """Log IS weights ``[N]`` (before the clamp) at ``cfg.is_correction_level``."""
+    log_w = ctx.old - rollout
+    if cfg.is_correction_level == "token":
+        return log_w
+    seq_sum = segment_sum(log_w, ctx.seg, ctx.num_seqs, ctx.cp_group)[ctx.seg]
+    return seq_sum if cfg.is_correction_level == "sequence" else seq_sum * ctx.inv_len
+
+
+def apply_is_correction(cfg: GRPOLossConfig, ctx: LossContext, rollout: Tensor) -> None:
+    """Set ``ctx.is_weight`` (detached), drop MIS-masked rows from ``ctx.coef``; IS metrics."""
+    w = torch.exp(clamp_opt(is_log_weights(cfg, ctx, rollout), cfg.log_ratio_clamp))
+    ctx.metrics["is/weight_mean"] = MeanMetric.of(w)
+    ctx.metrics["is/weight_min"] = MinMetric.of(w)
+    ctx.metrics["is/weight_max"] = MaxMetric.of(w)
+    if cfg.is_mask is not None:
+        keep = (w >= cfg.is_mask[0]) & (w <= cfg.is_mask[1])
+        ctx.coef = torch.where(keep, ctx.coef, torch.zeros_like(ctx.coef))
+        ctx.metrics["is/frac_masked"] = MeanMetric.of(~keep)
+    if cfg.is_truncate is not None:
+        ctx.metrics["is/frac_truncated"] = MeanMetric.of(w > cfg.is_truncate)
+        w = w.clamp(max=cfg.is_truncate)
+    ctx.is_weight = w
+
+
+def mismatch_metrics(cfg: GRPOLossConfig, old: Tensor, rollout: Tensor) -> MetricDict:
+    """Train-vs-rollout mismatch: mean k1 and k3 of ``x = old - rollout`` (rollout samples)."""
+    x = old - rollout
+    k1 = kl_estimate(x, "k1", None, None)
+    k3 = kl_estimate(x, "k3", cfg.log_ratio_clamp, None)
+    return {"mismatch/k1": MeanMetric.of(k1), "mismatch/k3": MeanMetric.of(k3)}
+
+
+def agg_coefficients(
+    cfg: GRPOLossConfig,
+    inv_len: Tensor,
+    seq_len: Tensor,
+    denominator: float | Tensor | None,
+    cp_group: dist.ProcessGroup | None,
+) -> Tensor:
+    """Per-row aggregation coefficient ``[N]`` including ``1 / denominator``.
+
+    ``denominator=None`` uses the micro-batch's own count (summed over ``cp_group``): tokens for
+    token_mean, sequences with >= 1 valid token for the seq_mean_* modes.
+    """
+    if denominator is None:
+        if cfg.agg_counts_sequences:
+            count = (seq_len > 0).sum().float()
+        else:
+            count = seq_len.sum()  # CP-global per-sequence counts sum to the token count
+        denominator = count.clamp(min=1.0)
+    denom = torch.as_tensor(denominator, dtype=torch.float32, device=inv_len.device)
+    if cfg.loss_agg == "seq_mean_token_mean":
+        return inv_len / denom
+    if cfg.loss_agg == "seq_mean_token_sum_norm":
+        return torch.ones_like(inv_len) / (denom * cfg.max_response_length)
+    return torch.ones_like(inv_len) / denom
+
+
+def _valid_rows(cfg: GRPOLossConfig, loss_mask: Tensor, named: dict[str, Tensor]):
+    """Valid positions after the non-finite policy; returns (valid [T], metrics)."""
+    raise_ = cfg.nonfinite == "raise"
+    bad = checks.nonfinite_rows(named, loss_mask, raise_)
+    if raise_:
+        return loss_mask, {}
+    return loss_mask & ~bad, {"loss/nonfinite_count": SumMetric(bad.sum().float())}
+
+
+def build_context(
+    cfg: GRPOLossConfig,
+    *,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    cu_seqlens: Tensor,
+    ref_logprobs: Tensor | None = None,
+    rollout_logprobs: Tensor | None = None,
+    denominator: float | Tensor | None = None,
+    cp_group: dist.ProcessGroup | None = None,
+) -> LossContext:
+    """Validate the policy-independent inputs (``[T]``; ``cu_seqlens`` ``[S+1]``) and build
+    the :class:`LossContext` of their valid rows. See the module docstring."""
+    checks.check_config(cfg)
+    checks.check_mask(loss_mask)
+    total, device = loss_mask.numel(), loss_mask.device
+    named = {"old_logprobs": old_logprobs, "advantages": advantages}
+    named |= {"ref_logprobs": ref_logprobs, "rollout_logprobs": rollout_logprobs}
+    named = {k: v for k, v in named.items() if v is not None}
+    for name, x in named.items():
+        checks.check_float(name, x, total, device)
+    check_cu_seqlens(cu_seqlens, total)
+    checks.check_required(cfg, ref_logprobs, rollout_logprobs)
+    checks.check_denominator(denominator)
+
+    valid, metrics = _valid_rows(cfg, loss_mask, named)
+    index = valid.nonzero().squeeze(1)
+    sel = {k: v.index_select(0, index).float() for k, v in named.items()}
+    num_seqs = cu_seqlens.numel() - 1
+    seg = segment_ids(cu_seqlens.to(device), total).index_select(0, index)
+    seq_len = segment_sum(torch.ones_like(sel["old_logprobs"]), seg, num_seqs, cp_group)
+    inv_len = 1.0 / seq_len.clamp(min=1.0)[seg]
+    ctx = LossContext(
+        index=index,
+        seg=seg,
+        num_seqs=num_seqs,
+        old=sel["old_logprobs"],
+        adv=sel["advantages"],
+        coef=agg_coefficients(cfg, inv_len, seq_len, denominator, cp_group),
+        inv_len=inv_len,
+        ref=sel.get("ref_logprobs"),
+        cp_group=cp_group,
+        metrics=metrics,
+    )
+    if rollout_logprobs is not None:
+        ctx.metrics.update(mismatch_metrics(cfg, ctx.old, sel["rollout_logprobs"]))
+        if cfg.is_correction_level is not None:
+            apply_is_correction(cfg, ctx, sel["rollout_logprobs"])
+    return ctx
+
+
+def policy_log_ratio(cfg: GRPOLossConfig, ctx: LossContext, logprobs: Tensor) -> Tensor:
+    """Clamped ``log r`` per row: token ``logp - old``, or GSPO's sequence mean broadcast."""
+    log_ratio = logprobs - ctx.old
+    if cfg.ratio_level == "sequence":
+        if not ctx.complete:
+            raise ValueError(
+                "ratio_level='sequence' needs every row of each sequence: call objective() on "
+                "the full context, not on ctx.rows(...)"
+            )
+        weighted = log_ratio * ctx.inv_len
+        log_ratio = segment_sum(weighted, ctx.seg, ctx.num_seqs, ctx.cp_group)[ctx.seg]
+    return clamp_opt(log_ratio, cfg.log_ratio_clamp)
+
+
+def _neutralise(
+    cfg: GRPOLossConfig, ctx: LossContext, logprobs: Tensor, entropy: Tensor | None
+) -> tuple[Tensor, Tensor | None, Tensor, MetricDict]:
+    """Handle non-finite current log-probs / entropy at valid rows (raise, or zero-weight)."""
+    everything = torch.ones_like(ctx.coef, dtype=torch.bool)
+    raise_ = cfg.nonfinite == "raise"
+    named = {"logprobs": logprobs} | ({} if entropy is None else {"entropy": entropy})
+    bad = checks.nonfinite_rows(named, everything, raise_)
+    if raise_:
+        return logprobs, entropy, ctx.coef, {}
+    logprobs = torch.where(bad, ctx.old, logprobs)
+    entropy = None if entropy is None else torch.where(bad, torch.zeros_like(entropy), entropy)
+    coef = torch.where(bad, torch.zeros_like(ctx.coef), ctx.coef)
+    return logprobs, entropy, coef, {"loss/nonfinite_count": SumMetric(bad.sum().float())}
+
+
+def _penalties(
+    cfg: GRPOLossConfig, ctx: LossContext, lp: Tensor, ent: Tensor | None, metrics: MetricDict
+) -> Tensor | float:
+    """``kl_coef * kl - entropy_coef * entropy`` per row; adds their metrics to ``metrics``."""
+    out: Tensor | float = 0.0
+    if ctx.ref is not None:
+        # without a penalty the KL is only a metric: keep it out of the graph
+        kl_in = ctx.ref - (lp if cfg.kl_coef > 0 else lp.detach())
+        kl = kl_estimate(kl_in, cfg.kl_estimator, cfg.kl_input_clamp, cfg.kl_output_clamp)
+        metrics["loss/kl_mean"] = MeanMetric.of(kl)
+        if cfg.kl_coef > 0:
+            out = cfg.kl_coef * kl
+    if ent is not None:
+        metrics["entropy/mean"] = MeanMetric.of(ent)
+        if cfg.entropy_coef != 0:
+            out = out - cfg.entropy_coef * ent
+    return out
+
+
+def objective(
+    cfg: GRPOLossConfig,
+    ctx: LossContext,
+    logprobs: Tensor,
+    entropy: Tensor | None = None,
+) -> tuple[Tensor, MetricDict]:
+    """Weighted loss sum of the rows of ``ctx`` for current ``logprobs`` / ``entropy`` ``[n]``.
+
+    Returns ``(sum(coef * objective_t), metrics)``; see the module docstring.
+    """
+    n = ctx.num_rows
+    checks.check_float("logprobs", logprobs, n, ctx.old.device)
+    checks.check_float("entropy", entropy, n, ctx.old.device)
+    checks.check_entropy_needed(cfg, entropy)
+    if cfg.kl_coef > 0 and ctx.ref is None:
+        raise ValueError("ref_logprobs is required when kl_coef > 0")
+    lp = logprobs.float()
+    ent = None if entropy is None else entropy.float()
+    lp, ent, coef, metrics = _neutralise(cfg, ctx, lp, ent)
+
+    ratio = torch.exp(policy_log_ratio(cfg, ctx, lp))
+    per_row, pg_metrics = pg_term(cfg, ratio, ctx.adv)
+    metrics |= pg_metrics
+    metrics |= {"loss/ratio_mean": MeanMetric.of(ratio), "loss/ratio_min": MinMetric.of(ratio)}
+    metrics["loss/ratio_max"] = MaxMetric.of(ratio)
+    if ctx.is_weight is not None:
+        per_row = ctx.is_weight * per_row
+    per_row = per_row + _penalties(cfg, ctx, lp, ent, metrics)
+    return (coef * per_row).sum(), metrics

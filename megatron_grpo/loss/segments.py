@@ -1,0 +1,74 @@
+"""Segment (per-sequence) sums over packed ``[T]`` tensors, CP-aware.
+
+A packed micro-batch holds S sequences back to back; ``cu_seqlens`` ``[S+1]`` gives their
+boundaries. Under context parallelism every CP rank holds all S sequence slots (a slot may have 0
+local tokens) and the segment sums are all-reduced over ``cp_group``, so a sequence split across
+CP ranks gets exactly the sums of the unsplit sequence. The all-reduce is differentiable (its
+backward all-reduces the gradient), which is what a CP-split GSPO ratio needs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def check_cu_seqlens(cu_seqlens: Tensor, total: int) -> None:
+    """Validate ``cu_seqlens`` ``[S+1]``: int32/int64, first 0, non-decreasing, last == total."""
+    if not isinstance(cu_seqlens, Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens must have shape [S+1], got {list(cu_seqlens.shape)}")
+    values = cu_seqlens.tolist()
+    if values[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {values[0]}")
+    if any(b < a for a, b in zip(values[:-1], values[1:], strict=True)):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {values}")
+    if values[-1] != total:
+        raise ValueError(f"cu_seqlens must end at T={total}, got {values[-1]}")
+
+
+def segment_ids(cu_seqlens: Tensor, total: int) -> Tensor:
+    """Sequence index of every packed position: ``[T]`` int64 in ``[0, S)``."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    seqs = torch.arange(lengths.numel(), device=cu_seqlens.device)
+    return torch.repeat_interleave(seqs, lengths, output_size=total)
+
+
+def segment_sum(
+    values: Tensor, seg: Tensor, num_segments: int, cp_group: dist.ProcessGroup | None = None
+) -> Tensor:
+    """Sum ``values`` ``[N]`` into ``num_segments`` bins by ``seg`` ``[N]``; ``[S]`` float32.
+
+    With ``cp_group`` the result is all-reduced (SUM) over it, differentiably when ``values``
+    requires grad.
+    """
+    out = torch.zeros(num_segments, dtype=torch.float32, device=values.device)
+    out = out.index_add(0, seg, values.float())
+    if cp_group is None:
+        return out
+    if out.requires_grad:
+        return _AllReduceSum.apply(out, cp_group)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=cp_group)
+    return out
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """SUM all-reduce whose backward all-reduces the gradient: every rank's loss depends on
+    every rank's inputs through the sum."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:  # type: ignore[override]
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None

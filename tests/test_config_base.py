@@ -1,0 +1,68 @@
+"""The typed config machinery: strict keys with suggestions, type checks, dotted overrides."""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import pytest
+
+from megatron_grpo.config import ConfigError, apply_overrides, from_dict, load_config, to_dict
+
+
+@dataclass
+class Inner:
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    mode: Literal["a", "b"] = "a"
+    cap: float | None = None
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+
+
+@dataclass
+class Root:
+    steps: int = 10
+    name: str = "x"
+    inner: Inner = field(default_factory=Inner)
+
+
+def test_defaults_and_nested_values():
+    cfg = from_dict(Root, {"steps": 3, "inner": {"lr": 1, "betas": [0.5, 0.6], "mode": "b"}})
+    assert cfg.steps == 3 and cfg.inner.lr == 1.0 and isinstance(cfg.inner.lr, float)
+    assert cfg.inner.betas == (0.5, 0.6) and cfg.inner.mode == "b"
+    assert to_dict(cfg)["inner"]["betas"] == [0.5, 0.6]
+
+
+def test_unknown_key_suggests_closest():
+    with pytest.raises(ConfigError, match=r"unknown config key 'inner\.betaz'.*'betas'"):
+        from_dict(Root, {"inner": {"betaz": [0.1, 0.2]}})
+    with pytest.raises(ConfigError, match=r"'stepz'.*did you mean 'steps'"):
+        from_dict(Root, {"stepz": 1})
+
+
+@pytest.mark.parametrize(
+    "data, msg",
+    [
+        ({"steps": "ten"}, r"steps: expected an integer"),
+        ({"steps": True}, r"steps: expected an integer"),
+        ({"inner": {"mode": "c"}}, r"inner\.mode: 'c' is not one of"),
+        ({"inner": {"betas": [0.1]}}, r"inner\.betas: expected 2 items"),
+        ({"inner": {"lr": -1.0}}, r"inner: lr must be > 0"),
+        ({"inner": 3}, r"inner: expected a mapping"),
+    ],
+)
+def test_bad_values_name_the_field(data, msg):
+    with pytest.raises(ConfigError, match=msg):
+        from_dict(Root, data)
+
+
+def test_overrides_parse_yaml_scalars_and_create_sections(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("steps: 2\n")
+    cfg = load_config(Root, path, ["inner.lr=0.5", "inner.cap=null", "name=run1", "steps=7"])
+    assert cfg.steps == 7 and cfg.inner.lr == 0.5 and cfg.inner.cap is None and cfg.name == "run1"
+    with pytest.raises(ConfigError, match=r"'inner\.lrr'.*'lr'"):
+        apply_overrides({}, ["inner.lrr=1"], root=Root)
+    with pytest.raises(ConfigError, match="a.b=value"):
+        apply_overrides({}, ["steps"], root=Root)
