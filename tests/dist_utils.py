@@ -1,4 +1,4 @@
-"""Spawn N gloo (CPU) or nccl (GPU) processes and run a test body in each.
+"""Spawn N gloo (CPU, default) or nccl (GPU) processes and run a test body in each.
 
 Usage::
 
@@ -30,7 +30,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, errq) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple, errq
+) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -39,7 +41,6 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, er
         LOCAL_RANK=str(rank),
     )
     torch.set_num_threads(1)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     try:
@@ -53,13 +54,18 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, er
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes."""
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo"
+) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes.
+
+    The default backend is gloo (CPU tensors), also on GPU machines; GPU tests pass "nccl".
+    """
     ctx = mp.get_context("spawn")
     errq = ctx.SimpleQueue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errq))
+        ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, errq))
         for r in range(world_size)
     ]
     for p in procs:

@@ -1,0 +1,61 @@
+"""Picks the implementation of the kernel seam: torch reference (ops/) or Triton (kernels/)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from megatron_grpo.ops import reference
+
+IMPLS = ("auto", "torch", "triton")
+
+
+class Kernels(NamedTuple):
+    """The two seam functions (see ``megatron_grpo.ops.reference`` for the contract)."""
+
+    name: str
+    logits_row_stats: Callable
+    logits_grad: Callable
+
+
+_TORCH = Kernels("torch", reference.logits_row_stats, reference.logits_grad)
+
+
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _triton_kernels() -> Kernels:
+    mod = importlib.import_module("megatron_grpo.kernels")
+    missing = [n for n in ("logits_row_stats", "logits_grad") if not hasattr(mod, n)]
+    if missing:
+        raise ImportError(f"impl='triton': megatron_grpo.kernels does not define {missing}")
+    return Kernels("triton", mod.logits_row_stats, mod.logits_grad)
+
+
+def resolve_kernels(impl: str, device: torch.device) -> Kernels:
+    """``auto`` = triton on CUDA when triton imports, else torch.
+
+    ``triton`` on CPU tensors only works under ``TRITON_INTERPRET=1``: anything else is an error
+    rather than a silent switch to the torch path.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "torch":
+        return _TORCH
+    if impl == "auto":
+        if device.type == "cuda" and _triton_importable():
+            return _triton_kernels()
+        return _TORCH
+    if not _triton_importable():
+        raise ImportError("impl='triton' needs the triton package")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"impl='triton' on {device.type} tensors needs TRITON_INTERPRET=1 (or use impl='torch')"
+        )
+    return _triton_kernels()
