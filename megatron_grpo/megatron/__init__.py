@@ -1,1 +1,60 @@
-"""megatron_grpo.megatron"""
+"""Megatron-Core integration: config, model builder, portable layer spec, packed batches and
+the GRPO ``forward_step`` for Megatron's pipeline schedules.
+
+Typical use (see docs/megatron_usage.md)::
+
+    initialize_parallel(parallel_cfg, seed=1234)
+    chunks = build_model(model_cfg, parallel_cfg)
+    step = GRPOStep(loss_cfg, vocab_size=model_cfg.vocab_size)
+    get_forward_backward_func()(forward_step_func=step.forward_step, ...)
+"""
+
+from megatron_grpo.megatron.batch import (
+    PackedBatch,
+    pack_sequences,
+    packed_seq_params,
+    split_for_context_parallel,
+    thd_partition_index,
+)
+from megatron_grpo.megatron.config import (
+    ModelConfig,
+    ParallelConfig,
+    check_parallel,
+    to_transformer_config,
+)
+from megatron_grpo.megatron.forward import (
+    GRPOStep,
+    get_forward_backward_func,
+    hidden_states_only,
+    output_weight,
+)
+from megatron_grpo.megatron.model import build_model, padded_vocab_size, unwrap
+from megatron_grpo.megatron.parallel import (
+    cuda_compat,
+    destroy_parallel,
+    initialize_parallel,
+    seed_everything,
+)
+
+__all__ = [
+    "GRPOStep",
+    "ModelConfig",
+    "PackedBatch",
+    "ParallelConfig",
+    "build_model",
+    "check_parallel",
+    "cuda_compat",
+    "destroy_parallel",
+    "get_forward_backward_func",
+    "hidden_states_only",
+    "initialize_parallel",
+    "output_weight",
+    "pack_sequences",
+    "packed_seq_params",
+    "padded_vocab_size",
+    "seed_everything",
+    "split_for_context_parallel",
+    "thd_partition_index",
+    "to_transformer_config",
+    "unwrap",
+]

@@ -1,0 +1,299 @@
+"""forward_step + loss for megatron-core's pipeline schedules, and a no-grad log-prob pass.
+
+Usage with any Megatron schedule (PP, VPP, micro-batching work as usual)::
+
+    step = GRPOStep(loss_cfg, vocab_size=model_cfg.vocab_size)
+    losses = get_forward_backward_func()(
+        forward_step_func=step.forward_step, data_iterator=iter(micro_batches), model=chunks,
+        num_microbatches=len(micro_batches), seq_length=max_tokens, micro_batch_size=1,
+    )
+    finalize_model_grads(chunks, num_tokens=...)  # done by the schedule via config
+
+On the last pipeline stage the decoder runs to its final-normed hidden states (the GPTModel's
+output layer is skipped: no [T, V] logits), then the vocab-parallel log-prob op
+(``megatron_grpo.ops``) is applied to the output-layer weight (the embedding weight when tied),
+then the GRPO loss. The loss function returns Megatron's ``calculate_per_token_loss``
+convention ``(loss_sum, local_count, report)``: the loss module is called with
+``denominator=1.0`` and ``local_count`` comes from ``loss.reduction.local_denominator``;
+Megatron sums the counts over micro-batches and DP x CP ranks and divides the gradients by the
+total (``finalize_model_grads(num_tokens=...)``), so token_mean and the seq_mean modes are exact
+whatever the split. MoE aux losses are added by megatron-core itself (``MoEAuxLossAutoScaler``,
+scale 1 per micro-batch in this convention, then divided by the same global count).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.pipeline_parallel import get_forward_backward_func as _mcore_fb_func
+from torch import Tensor
+
+from megatron_grpo.loss import GRPOLossConfig, grpo_loss, local_denominator
+from megatron_grpo.loss.metrics import MeanMetric
+from megatron_grpo.megatron.batch import (
+    PackedBatch,
+    packed_seq_params,
+    padded_layout,
+    split_for_context_parallel,
+    thd_partition_index,
+)
+from megatron_grpo.megatron.model import unwrap
+from megatron_grpo.megatron.parallel import cuda_compat
+from megatron_grpo.ops import fused_grpo_loss, vocab_parallel_logprobs
+
+
+def get_forward_backward_func() -> Callable:
+    """megatron-core's schedule for the current layout; on CUDA-less hosts it runs under
+    :func:`cuda_compat` (its buffers are created with ``device="cuda"``)."""
+    func = _mcore_fb_func()
+
+    def run(**kwargs):
+        with cuda_compat():
+            return func(**kwargs)
+
+    return run
+
+
+@contextlib.contextmanager
+def hidden_states_only(gpt) -> Iterator[None]:
+    """Make GPTModel.forward return the decoder's final-normed hidden states ``[s, b, H]``
+    instead of logits: its ``_postprocess`` returns early when ``post_process`` is False (the
+    decoder keeps its final layernorm, chosen at construction). Works on megatron-core
+    0.14..0.16, where ``GPTModel`` has no hidden-state output option."""
+    saved = gpt.post_process
+    gpt.post_process = False
+    try:
+        yield
+    finally:
+        gpt.post_process = saved
+
+
+def output_weight(gpt) -> Tensor:
+    """``[V_local, H]`` output-layer weight of the last stage (the embedding when tied)."""
+    if gpt.share_embeddings_and_output_weights:
+        return gpt.shared_embedding_or_output_weight()
+    return gpt.output_layer.weight
+
+
+def _groups() -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    tp = parallel_state.get_tensor_model_parallel_group()
+    cp = parallel_state.get_context_parallel_group()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    cp_size = parallel_state.get_context_parallel_world_size()
+    return (tp if tp_size > 1 else None), (cp if cp_size > 1 else None)
+
+
+def prepare_batch(
+    batch: PackedBatch, sequence_parallel: bool
+) -> tuple[PackedBatch, PackedSeqParams]:
+    """Validate, split for context parallelism (when CP > 1) and check SP divisibility."""
+    batch.validate()
+    cp_size = parallel_state.get_context_parallel_world_size()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    multiple = tp_size if sequence_parallel else 1
+    if cp_size > 1:
+        cp_rank = parallel_state.get_context_parallel_rank()
+        local, params, _ = split_for_context_parallel(batch, cp_size, cp_rank, multiple)
+        return local, params
+    if batch.num_tokens % multiple:
+        raise ValueError(
+            f"packed micro-batch length T={batch.num_tokens} must be divisible by "
+            f"tensor_model_parallel_size={tp_size} under sequence_parallel "
+            "(pack_sequences(..., pad_to_multiple_of=TP))"
+        )
+    return batch, packed_seq_params(batch)
+
+
+def run_model(model: torch.nn.Module, batch: PackedBatch, params: PackedSeqParams) -> Tensor:
+    """Forward one (local) packed batch. Last stage: hidden ``[T_local, H]``; other stages:
+    the activation tensor for the next stage."""
+    gpt = unwrap(model)
+    device = next(gpt.parameters()).device
+    tokens = batch.tokens.to(device)[None]
+    positions = batch.position_ids.to(device)[None]
+    params = _params_to(params, device)
+    if not gpt.post_process:
+        return model(tokens, positions, None, packed_seq_params=params)
+    with hidden_states_only(gpt):
+        hidden = model(tokens, positions, None, packed_seq_params=params)
+    return hidden.squeeze(1)
+
+
+def _params_to(params: PackedSeqParams, device: torch.device) -> PackedSeqParams:
+    moved = {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in vars(params).items()}
+    return PackedSeqParams(**moved)
+
+
+@dataclass
+class GRPOStep:
+    """Megatron ``forward_step_func``s for GRPO training and for no-grad log-probs.
+
+    Args:
+        loss_cfg: the GRPO loss options.
+        vocab_size: the real vocabulary (``ModelConfig.vocab_size``): padded ids get zero
+            probability and are never scored.
+        temperature: sampling temperature the log-probs are computed under.
+        fused: token-level ratios use ``fused_grpo_loss`` (one pass over the vocab computing
+            loss and gradients); False = ``vocab_parallel_logprobs`` then ``grpo_loss``.
+        chunk_size / impl: passed to the log-prob op.
+    """
+
+    loss_cfg: GRPOLossConfig
+    vocab_size: int
+    temperature: float = 1.0
+    fused: bool = True
+    chunk_size: int | None = None
+    impl: str = "auto"
+
+    def forward_step(self, data_iterator: Iterator[PackedBatch], model: torch.nn.Module):
+        """Training ``forward_step_func``: returns ``(output, loss_func)`` for the schedule."""
+        return self._forward(data_iterator, model, self.loss_func)
+
+    def logprob_step(self, data_iterator: Iterator[PackedBatch], model: torch.nn.Module):
+        """No-grad ``forward_step_func``: the loss function reports ``{"logprobs": [T_local]}``
+        (log-probs at the ``loss_mask`` rows, 0 elsewhere)."""
+        return self._forward(data_iterator, model, self._logprob_loss)
+
+    def _forward(self, data_iterator, model, loss_func):
+        batch: PackedBatch = next(data_iterator)
+        gpt = unwrap(model)
+        sp = gpt.config.sequence_parallel
+        local, params = prepare_batch(batch, sp)
+        out = run_model(model, local, params)
+        weight = output_weight(gpt) if gpt.post_process else None
+        return out, partial(loss_func, local, weight, sp)
+
+    def loss_func(
+        self, batch: PackedBatch, weight: Tensor, sequence_parallel: bool, hidden: Tensor
+    ) -> tuple[Tensor, Tensor, dict]:
+        """Last stage: ``hidden [T_local, H]`` -> ``(loss_sum, local_count, report)``.
+
+        ``report`` maps metric keys to exactly-aggregating values
+        (``megatron_grpo.loss.reduce_metrics``); ``"loss/loss"`` aggregates to the loss of
+        the whole step (sum over micro-batches and ranks / global count).
+        """
+        tp_group, cp_group = _groups()
+        dev = hidden.device
+        args = dict(
+            old_logprobs=_req(batch, "old_logprobs").to(dev),
+            advantages=_req(batch, "advantages").to(dev),
+            loss_mask=batch.loss_mask.to(dev),
+            cu_seqlens=batch.cu_seqlens.to(dev),
+            ref_logprobs=_opt(batch.ref_logprobs, dev),
+            rollout_logprobs=_opt(batch.rollout_logprobs, dev),
+            denominator=1.0,
+            cp_group=cp_group,
+        )
+        targets = batch.targets.to(dev)
+        op = self._op_args(tp_group, sequence_parallel)
+        if self.fused and self.loss_cfg.ratio_level == "token":
+            loss, metrics, _ = fused_grpo_loss(hidden, weight, targets, self.loss_cfg, **args, **op)
+        else:
+            ent = self.loss_cfg.entropy_coef != 0
+            out = vocab_parallel_logprobs(
+                hidden, weight, targets, rows=args["loss_mask"], return_entropy=ent, **op
+            )
+            logp, entropy = out if ent else (out, None)
+            loss, metrics = grpo_loss(self.loss_cfg, logprobs=logp, entropy=entropy, **args)
+        count = local_denominator(self.loss_cfg, args["loss_mask"], args["cu_seqlens"], cp_group)
+        count = count.round().to(torch.int)
+        report = dict(metrics)
+        report["loss/loss"] = MeanMetric(loss.detach(), count.float())
+        return loss, count, report
+
+    def _op_args(self, tp_group: dist.ProcessGroup | None, sequence_parallel: bool) -> dict:
+        return dict(
+            tp_group=tp_group, sequence_parallel=sequence_parallel, temperature=self.temperature,
+            vocab_size=self.vocab_size, chunk_size=self.chunk_size, impl=self.impl,
+        )  # fmt: skip
+
+    def _logprob_loss(self, batch: PackedBatch, weight: Tensor, sp: bool, hidden: Tensor):
+        tp_group, _ = _groups()
+        dev = hidden.device
+        op = self._op_args(tp_group, sp)
+        rows = batch.loss_mask.to(dev)
+        logp = vocab_parallel_logprobs(hidden, weight, batch.targets.to(dev), rows=rows, **op)
+        return hidden.new_zeros(()), torch.zeros((), dtype=torch.int), {"logprobs": logp.detach()}
+
+    @torch.no_grad()
+    def compute_logprobs(
+        self, model: list[torch.nn.Module], batches: list[PackedBatch]
+    ) -> list[Tensor]:
+        """Log-probs ``[T]`` (float32, CPU) of each batch's targets under ``model``, no grad.
+
+        For old and reference log-probs: runs Megatron's forward-only schedule (so PP and
+        micro-batching work); results are gathered over CP and broadcast from the last pipeline
+        stage, so every rank gets the full ``[T]`` of its batches. 0 outside ``loss_mask``.
+        """
+        for chunk in model:
+            chunk.eval()
+        try:
+            out = get_forward_backward_func()(
+                forward_step_func=self.logprob_step,
+                data_iterator=iter(batches),
+                model=model if len(model) > 1 else model[0],
+                num_microbatches=len(batches),
+                seq_length=max(b.num_tokens for b in batches),
+                micro_batch_size=1,
+                forward_only=True,
+            )
+        finally:
+            for chunk in model:
+                chunk.train()
+        sp = unwrap(model[-1]).config.sequence_parallel
+        last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        return [
+            _full_logprobs(out[i]["logprobs"] if last else None, batch, sp)
+            for i, batch in enumerate(batches)
+        ]
+
+
+def _full_logprobs(local: Tensor | None, batch: PackedBatch, sp: bool) -> Tensor:
+    """Gather a last-stage ``[T_local]`` over CP and broadcast it over PP -> ``[T]`` on CPU."""
+    cp_size = parallel_state.get_context_parallel_world_size()
+    if local is not None and cp_size > 1:
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        local = gather_from_context_parallel(
+            local, batch, cp_size, tp_size if sp else 1, parallel_state.get_context_parallel_group()
+        )
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        )
+        buf = local if local is not None else torch.empty(batch.num_tokens, device=device)
+        group = parallel_state.get_pipeline_model_parallel_group()
+        src = dist.get_global_rank(group, dist.get_world_size(group) - 1)
+        dist.broadcast(buf.float().contiguous() if local is not None else buf, src=src, group=group)
+        local = buf
+    return local.float().cpu()
+
+
+def gather_from_context_parallel(
+    local: Tensor, batch: PackedBatch, cp_size: int, multiple: int, group: dist.ProcessGroup
+) -> Tensor:
+    """Inverse of :func:`split_for_context_parallel` for a per-token ``[T_local]`` tensor."""
+    shards = [torch.empty_like(local) for _ in range(cp_size)]
+    dist.all_gather(shards, local.contiguous(), group=group)
+    cu_pad, dest = padded_layout(batch, cp_size, multiple)
+    full = local.new_zeros(int(cu_pad[-1]))
+    for rank, shard in enumerate(shards):
+        full[thd_partition_index(cu_pad, cp_size, rank).to(local.device)] = shard
+    return full[dest.to(local.device)]
+
+
+def _req(batch: PackedBatch, name: str) -> Tensor:
+    value = getattr(batch, name)
+    if value is None:
+        raise ValueError(f"PackedBatch.{name} is required for the GRPO loss")
+    return value
+
+
+def _opt(x: Tensor | None, device: torch.device) -> Tensor | None:
+    return None if x is None else x.to(device)

@@ -1,0 +1,281 @@
+"""GPT decoder layer specs: Transformer Engine's when it imports, else our portable spec.
+
+megatron-core's own "local" spec has two gaps off the TE path: its ``DotProductAttention``
+materializes [b, heads, s, s] scores in a CUDA buffer and rejects packed (THD) sequences, and
+its torch norms (``WrappedTorchNorm``) refuse sequence parallelism. The portable spec closes both:
+
+* :class:`SDPAttention`: ``torch.nn.functional.scaled_dot_product_attention``, causal, GQA;
+  packed sequences attend per document (one SDPA call per ``cu_seqlens`` segment), so documents
+  never see each other and no [T, T] mask or score matrix is built (on GPU SDPA picks a
+  flash/memory-efficient kernel: O(s) memory).
+* :class:`Norm`: LayerNorm / RMSNorm whose parameters carry ``sequence_parallel`` so that
+  Megatron's ``finalize_model_grads`` all-reduces their gradients across TP under SP
+  (q/k norms are summed across TP by name, as Megatron does).
+
+Linear layers, MLP and MoE (router, aux loss, token dispatcher, ``SequentialMLP`` experts) are
+megatron-core's own modules. Checkpoint keys match the TE spec (``sharded_state_dict_keys_map``),
+so a torch_dist checkpoint moves between the two specs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
+
+try:
+    import transformer_engine  # noqa: F401
+
+    HAVE_TE = True
+except ImportError:  # optional dependency
+    HAVE_TE = False
+
+# megatron-core 0.16's router gating checks `te_general_gemm is not None` but only defines the
+# name when Transformer Engine imports; without TE every MoE forward raises NameError.
+if not hasattr(moe_utils, "te_general_gemm"):
+    moe_utils.te_general_gemm = None
+
+_SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+class Norm(torch.nn.Module):
+    """LayerNorm or RMSNorm (``config.normalization``) computed in float32; SP-aware.
+
+    Parameters get ``sequence_parallel = config.sequence_parallel``: under SP each TP rank
+    normalizes different tokens, so Megatron sums their gradients across the TP group.
+    Input ``[..., hidden_size]``; the output keeps the input dtype.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        hidden_size: int,
+        eps: float = 1e-5,
+        persist_layer_norm: bool = False,
+        zero_centered_gamma: bool = False,
+        normalization: str | None = None,
+    ) -> None:
+        super().__init__()
+        if config.layernorm_zero_centered_gamma or zero_centered_gamma:
+            raise ValueError("layernorm_zero_centered_gamma is not supported by the portable spec")
+        self.normalization = normalization or config.normalization
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(
+                f"normalization must be LayerNorm or RMSNorm, got {self.normalization}"
+            )
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.bias = None
+        if self.normalization == "LayerNorm":
+            self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        for param in self.parameters():
+            param.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = (self.hidden_size,)
+        xf, w = x.float(), self.weight.float()
+        if self.bias is None:
+            y = F.rms_norm(xf, shape, w, self.eps)
+        else:
+            y = F.layer_norm(xf, shape, w, self.bias.float(), self.eps)
+        return y.to(x.dtype)
+
+
+class SDPAttention(MegatronModule):
+    """Core attention through torch SDPA: causal, GQA, packed THD sequences per document.
+
+    Drop-in for megatron-core's ``DotProductAttention`` (same constructor and forward
+    signature). Shapes: unpacked ``q [s, b, n_q, d]``, ``k, v [s, b, n_kv, d]`` -> ``[s, b,
+    n_q * d]``; packed (``packed_seq_params.qkv_format == "thd"``) ``q [t, n_q, d]``,
+    ``k, v [t, n_kv, d]`` -> ``[t, n_q, d]``. Heads are this TP rank's heads.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+        **kwargs,
+    ) -> None:
+        super().__init__(config=config)
+        if config.context_parallel_size > 1:
+            raise ValueError(
+                "context_parallel_size > 1 needs Transformer Engine attention "
+                "(model.transformer_impl: transformer_engine); the portable spec has no CP"
+            )
+        if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
+            raise ValueError(f"SDPAttention supports causal masks only, got {attn_mask_type}")
+        if config.softmax_type != "vanilla" or config.window_size is not None:
+            raise ValueError("SDPAttention supports vanilla softmax without window attention")
+        head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale or config.softmax_scale or 1.0 / math.sqrt(head_dim)
+        self.dropout_p = (
+            config.attention_dropout if attention_dropout is None else attention_dropout
+        )
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [b, n_q, s, d], k/v [b, n_kv, s, d] -> [b, n_q, s, d], causal."""
+        groups = q.size(1) // k.size(1)
+        extra = {}
+        if groups > 1 and _SDPA_HAS_GQA:
+            extra["enable_gqa"] = True
+        elif groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        p = self.dropout_p if self.training else 0.0
+        return F.scaled_dot_product_attention(
+            q, k, v, dropout_p=p, is_causal=True, scale=self.softmax_scale, **extra
+        )
+
+    def _packed(self, q, k, v, params: PackedSeqParams) -> torch.Tensor:
+        """Per-document causal attention over ``cu_seqlens`` (padded bounds when given)."""
+        cu = params.cu_seqlens_q_padded
+        cu = params.cu_seqlens_q if cu is None else cu
+        out = torch.empty_like(q)
+        bounds = cu.tolist()
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+            if end == start:
+                continue
+            sl = slice(start, end)
+            # [L, n, d] -> [1, n, L, d]
+            qi, ki, vi = (x[sl].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+            out[sl] = self._sdpa(qi, ki, vi).squeeze(0).transpose(0, 1)
+        if bounds[-1] < q.size(0):  # tokens past the last document (TP/SP padding)
+            out[bounds[-1] :] = 0
+        return out
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> torch.Tensor:
+        if attention_bias is not None:
+            raise ValueError("SDPAttention does not support attention_bias")
+        rng = tensor_parallel.get_cuda_rng_tracker().fork
+        dropout = self.dropout_p > 0 and self.training and not self.config.sequence_parallel
+        ctx = rng() if dropout else contextlib.nullcontext()
+        with ctx:
+            if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+                return self._packed(query, key, value, packed_seq_params)
+            if attention_mask is not None:
+                raise ValueError(
+                    "SDPAttention applies the causal mask itself; pass attention_mask=None "
+                    "(use packed sequences for multiple documents per row)"
+                )
+            # [s, b, n, d] -> [b, n, s, d]
+            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+            out = self._sdpa(q, k, v)
+        s, b = query.size(0), query.size(1)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def _attention_spec(qk_layernorm: bool) -> ModuleSpec:
+    return ModuleSpec(
+        module=SelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=ColumnParallelLinear,
+            core_attention=SDPAttention,
+            linear_proj=RowParallelLinear,
+            q_layernorm=Norm if qk_layernorm else IdentityOp,
+            k_layernorm=Norm if qk_layernorm else IdentityOp,
+        ),
+    )
+
+
+def portable_layer_spec(config: TransformerConfig, moe: bool) -> ModuleSpec:
+    """One decoder layer of the portable spec (dense MLP, or megatron-core MoE when ``moe``)."""
+    if moe:
+        if config.moe_grouped_gemm:
+            raise ValueError("moe_grouped_gemm needs Transformer Engine; set it to false")
+        mlp = get_moe_module_spec_for_backend(
+            LocalSpecProvider(), num_experts=config.num_moe_experts, moe_grouped_gemm=False
+        )
+        # Same keys as the TE spec: only the attention norm is fused there for MoE layers.
+        keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
+    else:
+        mlp = ModuleSpec(
+            module=MLP,
+            submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+        )
+        keys_map = {
+            "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+            "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+        }
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=Norm,
+            self_attention=_attention_spec(config.qk_layernorm),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=Norm,
+            mlp=mlp,
+            mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map=keys_map,
+        ),
+    )
+
+
+def moe_layer_pattern(config: TransformerConfig) -> list[bool]:
+    """Which of the ``num_layers`` global layers are MoE (every ``moe_layer_freq``-th)."""
+    if config.num_moe_experts is None:
+        return [False] * config.num_layers
+    return [i % config.moe_layer_freq == 0 for i in range(config.num_layers)]
+
+
+def decoder_block_spec(
+    config: TransformerConfig, use_te: bool, vp_stage: int | None = None
+) -> TransformerBlockSubmodules:
+    """The layers of this pipeline (and virtual) stage plus the final norm.
+
+    ``use_te``: Transformer Engine's spec (megatron-core's ``get_gpt_decoder_block_spec``);
+    otherwise the portable spec of this module.
+    """
+    if use_te:
+        if not HAVE_TE:
+            raise ValueError("transformer_impl 'transformer_engine' but it does not import")
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
+    pattern = moe_layer_pattern(config)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage)
+    specs = {flag: portable_layer_spec(config, flag) for flag in set(pattern)}
+    return TransformerBlockSubmodules(
+        layer_specs=[specs[flag] for flag in pattern[offset : offset + count]], layer_norm=Norm
+    )

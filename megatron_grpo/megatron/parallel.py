@@ -1,0 +1,204 @@
+"""Process groups and RNG seeding for Megatron-Core, on GPU (nccl) and CPU (gloo).
+
+megatron-core's ``model_parallel_cuda_manual_seed`` and its RNG tracker read and write CUDA
+generator states, so on a CPU-only machine every ``get_cuda_rng_tracker().fork()`` (dropout in
+tensor-parallel regions, GPU-style initialization, sequence-parallel blocks) would fail. On CPU
+we install :class:`CpuRNGStatesTracker`, the same tracker over CPU generator states, seeded
+exactly like Megatron's (data-parallel seed, TP seed ``seed + 2718 + tp_rank``, expert seed
+``seed + 1024 + 100 * ep_rank + etp_rank``). Activation recomputation also saves CUDA RNG state
+and is therefore GPU-only.
+
+megatron-core also places buffers with ``device=torch.cuda.current_device()`` at run time (DDP
+gradient buffers, RoPE frequencies, MoE routing maps). On a host without CUDA that call can only
+raise, so :func:`redirect_cuda_device_to_cpu` makes it return the CPU device there; on GPU hosts
+nothing is changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from collections.abc import Iterator
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.tensor_parallel import random as mcore_random
+from torch.overrides import TorchFunctionMode
+
+from megatron_grpo.megatron.config import ParallelConfig
+
+
+class CpuRNGStatesTracker(mcore_random.CudaRNGStatesTracker):
+    """Megatron's named RNG-state tracker over the CPU generator (for CPU-only runs)."""
+
+    def add(self, name: str, seed: int) -> None:
+        if seed in self.seeds_:
+            raise ValueError(f"seed {seed} already exists")
+        if name in self.states_:
+            raise ValueError(f"rng state {name} already exists")
+        self._is_initialized = True
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
+        if name not in self.states_:
+            raise KeyError(f"rng state {name} is not added")
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+def redirect_cuda_device_to_cpu() -> None:
+    """On a CUDA-less host, make ``torch.cuda.current_device()`` return the CPU device.
+
+    Only affects a call that would otherwise raise "Torch not compiled with CUDA enabled"/"no
+    CUDA GPUs"; with CUDA available this is a no-op.
+    """
+    if torch.cuda.is_available() or getattr(torch.cuda.current_device, "_grpo_cpu", False):
+        return
+
+    def current_device() -> torch.device:
+        return torch.device("cpu")
+
+    current_device._grpo_cpu = True  # type: ignore[attr-defined]
+    torch.cuda.current_device = current_device  # type: ignore[assignment]
+
+
+class _CudaOnCpu(TorchFunctionMode):
+    """Tensors asked for on ``device="cuda"`` (or moved with ``.cuda()``) stay on the CPU.
+
+    Only used on CUDA-less hosts, where those calls could only raise.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.cuda:
+            return args[0]
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_compat() -> Iterator[None]:
+    """Run megatron-core code that hard-codes CUDA on a CUDA-less host.
+
+    The pipeline schedules create their token counter with ``device="cuda"`` and call
+    ``torch.cuda.synchronize()``; tied embeddings under PP call ``.cuda()``. Inside this context
+    such tensors stay on the CPU and the synchronize is a no-op. On GPU hosts it does nothing.
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    redirect_cuda_device_to_cpu()
+    sync = torch.cuda.synchronize
+    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+    try:
+        with _CudaOnCpu():
+            yield
+    finally:
+        torch.cuda.synchronize = sync  # type: ignore[assignment]
+
+
+def _init_process_group(timeout_minutes: int) -> None:
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:  # a plain `python` run: a world of one
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29511")
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy, torch and Megatron's tracked RNG states (CPU or CUDA).
+
+    Like Megatron-LM, pipeline stages get ``seed + 100 * pp_rank`` so that stages do not
+    initialize their layers identically.
+    """
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        return
+    tracker = CpuRNGStatesTracker()
+    mcore_random._CUDA_RNG_STATE_TRACKER = tracker
+    mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    etp_rank = parallel_state.get_expert_tensor_parallel_rank()
+    tracker.add(mcore_random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+    tracker.add(
+        mcore_random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank
+    )
+
+
+def initialize_parallel(
+    parallel_cfg: ParallelConfig, seed: int, *, timeout_minutes: int = 30
+) -> None:
+    """Initialize torch.distributed (if needed), Megatron's parallel_state, and the RNGs.
+
+    Uses the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) when torch.distributed is
+    not initialized yet; a plain ``python`` run becomes a world of one. Backend: nccl on GPU,
+    gloo on CPU. Calling it again with the same layout only re-seeds; a different layout raises
+    (call ``destroy_parallel()`` first).
+    """
+    _init_process_group(timeout_minutes)
+    redirect_cuda_device_to_cpu()
+    world = dist.get_world_size()
+    if world % parallel_cfg.model_parallel_size:
+        raise ValueError(
+            f"world size {world} is not divisible by tensor * pipeline * context parallel sizes "
+            f"= {parallel_cfg.model_parallel_size}"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        current = (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_context_parallel_world_size(),
+            parallel_state.get_expert_model_parallel_world_size(),
+        )
+        wanted = (
+            parallel_cfg.tensor_model_parallel_size,
+            parallel_cfg.pipeline_model_parallel_size,
+            parallel_cfg.context_parallel_size,
+            parallel_cfg.expert_model_parallel_size,
+        )
+        if current != wanted:
+            raise RuntimeError(
+                f"Megatron parallel_state is already initialized with (TP, PP, CP, EP) = {current}"
+                f", not {wanted}; call destroy_parallel() first"
+            )
+    else:
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=parallel_cfg.tensor_model_parallel_size,
+            pipeline_model_parallel_size=parallel_cfg.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=parallel_cfg.virtual_pipeline_model_parallel_size,
+            context_parallel_size=parallel_cfg.context_parallel_size,
+            expert_model_parallel_size=parallel_cfg.expert_model_parallel_size,
+            expert_tensor_parallel_size=parallel_cfg.expert_tensor_parallel_size,
+        )
+    seed_everything(seed)
+
+
+def destroy_parallel() -> None:
+    """Tear down Megatron's parallel_state (torch.distributed itself stays initialized)."""
+    parallel_state.destroy_model_parallel()
+    mcore_random._CUDA_RNG_STATE_TRACKER = None
+    mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
