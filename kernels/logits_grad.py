@@ -1,0 +1,169 @@
+"""Softmax-gradient epilogue: d logits of a chunk from its global log-sum-exp and d logp/d H.
+
+With ``z = logits * inv_temperature`` and ``p = exp(z - lse)`` on the valid columns (0 on the
+padded ones)::
+
+    dz = grad_logp * (onehot(target) - p) - grad_entropy * p * (z - entropy_pz)
+    dlogits = dz * inv_temperature
+
+One program per row streams the row's tiles once: read logits, write d logits (in place when
+``out`` is ``logits``: each tile is read before the same program overwrites it).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ._runtime import (
+    autotune_enabled,
+    check_device,
+    check_logits,
+    check_row_vector,
+    check_scalars,
+    interpret_mode,
+    require_triton,
+)
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the launcher raises a clear error on use
+    triton = None
+    tl = None
+
+# The fixed default config (autotuning only with MEGATRON_GRPO_AUTOTUNE=1).
+BLOCK_V = 4096
+NUM_WARPS = 8
+
+
+def _grad_kernel(
+    logits_ptr,
+    targets_ptr,
+    lse_ptr,
+    grad_logp_ptr,
+    grad_entropy_ptr,
+    entropy_pz_ptr,
+    out_ptr,
+    n_valid,
+    v_local,
+    stride_row,
+    stride_out_row,
+    inv_temperature,
+    BLOCK_V: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_row
+    out_row_ptr = out_ptr + row * stride_out_row
+    target = tl.load(targets_ptr + row)
+    lse = tl.load(lse_ptr + row)
+    g_logp = tl.load(grad_logp_ptr + row)
+    if HAS_ENTROPY:
+        g_ent = tl.load(grad_entropy_ptr + row)
+        pz = tl.load(entropy_pz_ptr + row)
+    lanes = tl.arange(0, BLOCK_V)
+    for start in range(0, v_local, BLOCK_V):
+        cols = start + lanes
+        valid = cols < n_valid
+        z = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32) * inv_temperature
+        p = tl.exp(tl.where(valid, z - lse, float("-inf")))  # exactly 0 on padded columns
+        onehot = tl.where(valid & (cols == target), 1.0, 0.0)
+        dz = g_logp * (onehot - p)
+        if HAS_ENTROPY:
+            dz -= g_ent * p * (z - pz)
+        dlogits = dz * inv_temperature
+        tl.store(out_row_ptr + cols, dlogits.to(out_ptr.dtype.element_ty), mask=cols < v_local)
+
+
+def _autotune_configs() -> list:
+    return [
+        triton.Config({"BLOCK_V": block}, num_warps=warps)
+        for block in (1024, 2048, 4096, 8192)
+        for warps in (4, 8, 16)
+        if block // (32 * warps) >= 4
+    ]
+
+
+@functools.cache
+def _build(interpret: bool, autotune: bool):
+    """The kernel for one (interpreter, autotune) mode; `interpret` keys the cache only."""
+    require_triton()
+    kernel = triton.heuristics({"HAS_ENTROPY": lambda args: args["grad_entropy_ptr"] is not None})(
+        triton.jit(_grad_kernel)
+    )
+    if autotune:
+        # Restore `out` between tuning runs: with out=logits the kernel overwrites its input.
+        kernel = triton.autotune(
+            configs=_autotune_configs(), key=["v_local"], restore_value=["out_ptr"]
+        )(kernel)
+    return kernel
+
+
+def _check_out(out: torch.Tensor, logits: torch.Tensor) -> None:
+    check_logits("out", out)
+    if out.shape != logits.shape:
+        raise ValueError(
+            f"out must have the logits' shape {list(logits.shape)}, got {list(out.shape)}"
+        )
+    if out.device != logits.device:
+        raise ValueError(f"out is on {out.device}, expected {logits.device} like the logits")
+
+
+def logits_grad(
+    logits: torch.Tensor,
+    targets_local: torch.Tensor,
+    n_valid: int,
+    inv_temperature: float,
+    lse: torch.Tensor,
+    grad_logp: torch.Tensor,
+    grad_entropy: torch.Tensor | None = None,
+    entropy_pz: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """d loss / d logits of a [C, V_local] chunk (see the module docstring for the formula).
+
+    Args:
+        logits: [C, V_local] float32/bf16/fp16 raw logits, last dim contiguous.
+        targets_local: [C] int64, target - vocab_start; outside [0, n_valid) = not in this shard.
+        n_valid: real (non-padded) columns, 0 <= n_valid <= V_local.
+        inv_temperature: 1 / temperature, finite and > 0.
+        lse: [C] float32 global log-sum-exp of z.
+        grad_logp: [C] float32 d loss / d logp.
+        grad_entropy: [C] float32 d loss / d entropy, or None (no entropy term).
+        entropy_pz: [C] float32 global sum_j p_j z_j; required with grad_entropy.
+        out: [C, V_local] float output written in place (may be `logits` itself), or None.
+
+    Returns:
+        [C, V_local] d logits in out's dtype (logits.dtype when out is None); padded columns 0.
+    """
+    require_triton()
+    check_logits("logits", logits)
+    rows, v_local = logits.shape
+    check_scalars(n_valid, v_local, inv_temperature)
+    dev = logits.device
+    check_row_vector("targets_local", targets_local, rows, torch.int64, dev)
+    check_row_vector("lse", lse, rows, torch.float32, dev)
+    check_row_vector("grad_logp", grad_logp, rows, torch.float32, dev)
+    if (grad_entropy is None) != (entropy_pz is None):
+        raise ValueError("grad_entropy and entropy_pz must be given together (or both None)")
+    if grad_entropy is not None:
+        check_row_vector("grad_entropy", grad_entropy, rows, torch.float32, dev)
+        check_row_vector("entropy_pz", entropy_pz, rows, torch.float32, dev)
+    if out is not None:
+        _check_out(out, logits)
+    check_device("logits", logits)
+    if out is None:
+        out = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    if rows == 0 or v_local == 0:
+        return out
+    autotune = autotune_enabled()
+    kernel = _build(interpret_mode(), autotune)
+    args = (logits, targets_local, lse, grad_logp, grad_entropy, entropy_pz, out)
+    args += (n_valid, v_local, logits.stride(0), out.stride(0), float(inv_temperature))
+    if autotune:
+        kernel[(rows,)](*args)
+    else:
+        kernel[(rows,)](*args, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS)
+    return out

@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# GPU suite of the log-prob op: the gpu-marked tests and the benchmark, results under $OUT.
+#
+# On a machine with PyPI (once; the GPU machine has no network):
+#   bash tools/gpu_suite.sh wheels     # megatron-core 0.16.1 + cut-cross-entropy for python 3.12
+#                                      # into wheels/ (keep it out of git; carry it to the GPU)
+# On the GPU machine, from the repository root, with wheels/ carried along:
+#   bash tools/gpu_suite.sh            # = tests + bench (one GPU)
+#   bash tools/gpu_suite.sh tests      # pytest -m gpu -q
+#   bash tools/gpu_suite.sh bench      # tools/bench_logprobs.py, T=8192 and 32768
+#   bash tools/gpu_suite.sh tp         # the --tp benchmark on every visible GPU (2 or 4)
+# Extra arguments after the mode go to the benchmark (e.g. `bench --T 8192`).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+MODE=${1:-all}
+shift || true
+WHEELS=${WHEELS:-wheels}
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+# Never use NVLink multicast on the shared hosts (see the device notes); unbuffered logs.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+
+download_wheels() {
+    local plats=()
+    for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 \
+        manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do
+        plats+=(--platform "$p")
+    done
+    python3 -m pip download --python-version 3.12 --implementation cp "${plats[@]}" \
+        --only-binary=:all: --no-deps -d "$WHEELS" \
+        megatron-core==0.16.1 cut-cross-entropy==25.1.1
+    ls -la "$WHEELS"
+}
+
+setup() {
+    # megatron-core (and cut-cross-entropy) from the carried wheels; their dependencies (torch,
+    # numpy, packaging, triton) are in the GPU image. Then this package, without dependencies.
+    if compgen -G "$WHEELS/*.whl" >/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site "$WHEELS"/*.whl || return 1
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    else
+        echo "no wheels in $WHEELS/: megatron-core and cut-cross-entropy must already be installed"
+    fi
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || return 1
+    python3 - <<'EOF' 2>&1 | tee "$OUT/env.txt"
+import torch, triton
+print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.version.cuda)
+n = torch.cuda.device_count()
+print("gpus", n, [torch.cuda.get_device_name(i) for i in range(n)])
+for name in ("megatron.core", "cut_cross_entropy", "megatron_grpo.kernels", "megatron_grpo.ops"):
+    try:
+        mod = __import__(name, fromlist=["_"])
+        print(name, getattr(mod, "__version__", ""), "ok")
+    except Exception as e:  # report, the suite still runs what it can
+        print(name, "MISSING:", type(e).__name__, e)
+a = torch.zeros(2, 2, device="cuda", dtype=torch.bfloat16)
+try:
+    print("torch.mm out_dtype=float32:", torch.mm(a, a, out_dtype=torch.float32).dtype)
+except Exception as e:
+    print("torch.mm out_dtype=float32: unsupported:", e)
+EOF
+}
+
+run_tests() {
+    python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest_gpu.log"
+    return "${PIPESTATUS[0]}"
+}
+
+run_bench() {
+    python3 tools/bench_logprobs.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench_single.log"
+    return "${PIPESTATUS[0]}"
+}
+
+run_tp() {
+    local n
+    n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+    if [ "$n" -lt 2 ]; then
+        echo "tp: needs at least 2 GPUs, found $n"
+        return 1
+    fi
+    python3 -m torch.distributed.run --standalone --nproc-per-node "$n" \
+        tools/bench_logprobs.py --tp --out "$OUT" "$@" 2>&1 | tee "$OUT/bench_tp$n.log"
+    return "${PIPESTATUS[0]}"
+}
+
+status=0
+case "$MODE" in
+    wheels) download_wheels || status=1 ;;
+    tests) { setup && run_tests; } || status=1 ;;
+    bench) { setup && run_bench "$@"; } || status=1 ;;
+    tp) { setup && run_tp "$@"; } || status=1 ;;
+    all)
+        setup || exit 1
+        run_tests || status=1
+        run_bench "$@" || status=1
+        ;;
+    *)
+        echo "usage: $0 [all|tests|bench|tp|wheels] [benchmark args]"
+        exit 2
+        ;;
+esac
+echo "gpu_suite $MODE: exit $status; results in $OUT"
+exit "$status"
