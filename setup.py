@@ -26,6 +26,7 @@ setup(
         "pyyaml>=6",
         "numpy",
         "safetensors>=0.4",
+        "psutil",  # megatron-core's torch_dist checkpoint writer needs it (else save hangs)
     ],
     extras_require={
         "test": ["pytest>=8", "ruff>=0.6", "triton>=3.2", "transformers>=4.51"],

@@ -1,0 +1,203 @@
+"""HF ``config.json`` <-> :class:`~megatron_grpo.megatron.config.ModelConfig`.
+
+HF configs are read through ``transformers.AutoConfig`` (it normalizes renamed keys across
+versions, e.g. ``rope_theta`` -> ``rope_parameters``, ``num_experts`` <-> ``num_local_experts``).
+Anything the Megatron model cannot express (rope scaling, biases on the output projection, MoE
+layer patterns other than "every layer", non-SiLU activations) is an error, never dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from megatron_grpo.convert.errors import ConversionError
+from megatron_grpo.convert.families import Family, family_for_architecture
+from megatron_grpo.megatron.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+# Fields that describe the architecture (compared when an exported config must agree with the
+# checkpoint's model_config.yaml); the rest are training knobs.
+ARCHITECTURE_FIELDS = (
+    "vocab_size",
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "ffn_hidden_size",
+    "kv_channels",
+    "layernorm_epsilon",
+    "qk_layernorm",
+    "add_qkv_bias",
+    "rotary_base",
+    "share_embeddings_and_output_weights",
+    "num_moe_experts",
+    "moe_router_topk",
+    "moe_ffn_hidden_size",
+    "moe_router_pre_softmax",
+)
+
+
+def read_hf_config(hf_dir: str | Path) -> tuple[Any, Family]:
+    """``(transformers config, family)`` of the checkpoint in ``hf_dir``."""
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise ConversionError(f"{path}: missing (not a Hugging Face checkpoint directory?)")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ConversionError(f"{path}: invalid JSON ({e})") from e
+    family = family_for_architecture(raw.get("architectures"), raw.get("model_type"))
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConversionError(f"{path}: transformers cannot parse it: {e}") from e
+    return cfg, family
+
+
+def _rope(cfg: Any) -> tuple[float, str, dict]:
+    """``(rope_theta, rope_type, parameters)`` for transformers 4.x and 5.x configs."""
+    params = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+    theta = params.get("rope_theta", getattr(cfg, "rope_theta", None))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if theta is None:
+        raise ConversionError("config.json: rope_theta is missing")
+    return float(theta), kind, params
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConversionError(f"config.json: {message}")
+
+
+def _check_supported(cfg: Any, family: Family) -> None:
+    _require(
+        getattr(cfg, "hidden_act", "silu") == "silu",
+        f"hidden_act={cfg.hidden_act!r} unsupported (only gated SiLU MLPs)",
+    )
+    _require(
+        not getattr(cfg, "mlp_bias", False),
+        "mlp_bias=true is unsupported (no MLP bias in Megatron)",
+    )
+    _require(
+        not getattr(cfg, "attention_bias", False),
+        "attention_bias=true is unsupported (it also biases o_proj; Megatron biases only QKV)",
+    )
+    _, kind, params = _rope(cfg)
+    _require(
+        kind == "default",
+        f"rope scaling {kind!r} ({params}) is unsupported: ModelConfig has no rope-scaling fields",
+    )
+    if family.moe:
+        _require(
+            getattr(cfg, "decoder_sparse_step", 1) == 1 and not getattr(cfg, "mlp_only_layers", []),
+            "decoder_sparse_step != 1 / mlp_only_layers (dense layers inside an MoE model) are "
+            "unsupported",
+        )
+
+
+def _max_sequence_length(cfg: Any, family: Family) -> int:
+    """max_position_embeddings, capped at an active sliding window (see docs/conversion.md)."""
+    length = cfg.max_position_embeddings
+    window = getattr(cfg, "sliding_window", None)
+    active = family.name == "mistral" or getattr(cfg, "use_sliding_window", False)
+    if active and window is not None and window < length:
+        log.warning(
+            "sliding_window=%d < max_position_embeddings=%d: Megatron uses full attention, which "
+            "matches only up to the window; max_sequence_length is set to %d",
+            window,
+            length,
+            window,
+        )
+        return window
+    return length
+
+
+def model_config_from_hf(cfg: Any, family: Family) -> ModelConfig:
+    """The :class:`ModelConfig` of an HF config (training knobs keep ModelConfig defaults)."""
+    _check_supported(cfg, family)
+    theta, _, _ = _rope(cfg)
+    _require(theta.is_integer(), f"rope_theta={theta} must be an integer for ModelConfig")
+    heads = cfg.num_attention_heads
+    kwargs: dict[str, Any] = dict(
+        vocab_size=cfg.vocab_size,
+        num_layers=cfg.num_hidden_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=heads,
+        num_query_groups=getattr(cfg, "num_key_value_heads", None) or heads,
+        ffn_hidden_size=cfg.intermediate_size,
+        kv_channels=getattr(cfg, "head_dim", None) or None,
+        max_sequence_length=_max_sequence_length(cfg, family),
+        normalization="RMSNorm",
+        layernorm_epsilon=float(cfg.rms_norm_eps),
+        qk_layernorm=family.qk_norm,
+        add_qkv_bias=family.qkv_bias,
+        gated_linear_unit=True,
+        activation_func="silu",
+        position_embedding_type="rope",
+        rotary_base=int(theta),
+        rotary_percent=float(getattr(cfg, "partial_rotary_factor", 1.0)),
+        share_embeddings_and_output_weights=bool(cfg.tie_word_embeddings),
+    )
+    if family.moe:
+        experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+        kwargs.update(
+            num_moe_experts=experts,
+            moe_router_topk=cfg.num_experts_per_tok,
+            moe_ffn_hidden_size=cfg.moe_intermediate_size,
+            # HF: softmax over all experts, top-k, renormalize iff norm_topk_prob. Megatron:
+            # pre_softmax=False is top-k then softmax over the k (= renormalized probabilities).
+            moe_router_pre_softmax=not cfg.norm_topk_prob,
+            moe_router_score_function="softmax",
+        )
+    try:
+        return ModelConfig(**kwargs)
+    except ValueError as e:
+        raise ConversionError(f"config.json is inconsistent: {e}") from e
+
+
+def hf_config_from_model(model_cfg: ModelConfig, family: Family) -> dict[str, Any]:
+    """An HF ``config.json`` dict for ``model_cfg`` (used when the checkpoint has none)."""
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[family.name]  # family names are transformers model_types
+    kwargs: dict[str, Any] = dict(
+        vocab_size=model_cfg.vocab_size,
+        hidden_size=model_cfg.hidden_size,
+        intermediate_size=model_cfg.ffn_hidden_size or 4 * model_cfg.hidden_size,
+        num_hidden_layers=model_cfg.num_layers,
+        num_attention_heads=model_cfg.num_attention_heads,
+        num_key_value_heads=model_cfg.num_query_groups or model_cfg.num_attention_heads,
+        head_dim=model_cfg.head_dim,
+        max_position_embeddings=model_cfg.max_sequence_length,
+        rms_norm_eps=model_cfg.layernorm_epsilon,
+        tie_word_embeddings=model_cfg.share_embeddings_and_output_weights,
+        hidden_act="silu",
+        architectures=[family.architectures[0]],
+    )
+    if family.name == "mistral":
+        kwargs["sliding_window"] = None
+    if family.moe:
+        kwargs.update(
+            num_experts=model_cfg.num_moe_experts,
+            num_experts_per_tok=model_cfg.moe_router_topk,
+            moe_intermediate_size=model_cfg.moe_ffn_hidden_size,
+            norm_topk_prob=not model_cfg.moe_router_pre_softmax,
+        )
+    # rope_theta= is accepted by transformers 4.x and 5.x (5.x stores it in rope_parameters).
+    return cls(rope_theta=float(model_cfg.rotary_base), **kwargs).to_dict()
+
+
+def check_same_architecture(a: ModelConfig, b: ModelConfig, what: str) -> None:
+    """Raise if two model configs disagree on an architecture field."""
+    for name in ARCHITECTURE_FIELDS:
+        va, vb = getattr(a, name), getattr(b, name)
+        if name == "kv_channels":
+            va, vb = a.head_dim, b.head_dim
+        if va != vb:
+            raise ConversionError(f"{what}: {name} is {vb!r}, but the checkpoint has {va!r}")

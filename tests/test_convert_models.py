@@ -1,0 +1,257 @@
+"""End-to-end conversion of tiny random transformers models (every supported family, tied and
+untied embeddings): logits of the converted Megatron GPTModel at TP=1 and TP=2 (gloo) equal the
+transformers forward in fp32, mcore -> hf round trips are bit-identical, bad input fails cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_grpo.convert import ConversionError, hf_to_mcore, mcore_to_hf, verify_conversion
+from megatron_grpo.convert.verify import hf_logits, load_megatron_model, model_logits, prompt_ids
+from tests.dist_utils import run_distributed
+
+TOL = 1e-4
+# vocab 300: padded to 384 at TP=1 and 512 at TP=2, so TP=2 loads exercise vocab resharding.
+_BASE = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+CASES = {
+    "llama": ("llama", {}),
+    "llama_tied": ("llama", {"tie_word_embeddings": True}),
+    "mistral": ("mistral", {"head_dim": 16}),  # head_dim != hidden / heads
+    "qwen2": ("qwen2", {}),
+    "qwen2_tied": ("qwen2", {"tie_word_embeddings": True}),
+    "qwen3_tied": ("qwen3", {"head_dim": 8, "tie_word_embeddings": True}),
+    "qwen3_moe": ("qwen3_moe", {"head_dim": 8, **_MOE}),
+    "qwen3_moe_norm_topk": ("qwen3_moe", {"head_dim": 8, "norm_topk_prob": True, **_MOE}),
+}
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Weights well away from init (norm gains != 1, biases != 0) so a swapped or mis-laid
+    tensor changes the logits visibly."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.2 * noise if "norm" in name else 0.15 * noise)
+
+
+def save_tiny_hf(model_type: str, overrides: dict, out: Path, seed: int = 0, **save_kw) -> Path:
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    cfg = CONFIG_MAPPING[model_type](**{**_BASE, **overrides})
+    model = AutoModelForCausalLM.from_config(cfg)
+    _randomize(model, seed)
+    model.save_pretrained(out, **save_kw)
+    return out
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    root = tmp_path_factory.mktemp("convert")
+    out = {}
+    for i, (case, (model_type, kw)) in enumerate(CASES.items()):
+        hf = save_tiny_hf(model_type, kw, root / case / "hf", seed=i)
+        out[case] = (hf, hf_to_mcore(hf, root / case / "mcore"))
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logits_tp1_match_transformers(converted, case: str):
+    hf, ckpt = converted[case]
+    assert verify_conversion(hf, ckpt, tp=1) <= TOL
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_mcore_to_hf_round_trip_is_identical(converted, tmp_path: Path, case: str):
+    from safetensors.torch import load_file
+
+    hf, ckpt = converted[case]
+    # several output shards, and several partial reads of the layer-stacked checkpoint tensors
+    out = mcore_to_hf(ckpt, tmp_path / "hf", max_shard_bytes=20_000, load_batch_bytes=20_000)
+    assert (out / "model.safetensors.index.json").is_file()
+    src = load_file(hf / "model.safetensors")
+    got = {}
+    for f in sorted(out.glob("*.safetensors")):
+        got.update(load_file(f))
+    if CASES[case][1].get("tie_word_embeddings"):
+        src.pop("lm_head.weight", None)  # tied: HF may or may not store it; we do not
+    assert sorted(got) == sorted(src)
+    for name, t in src.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+    cfg_src = json.loads((hf / "config.json").read_text())
+    cfg_out = json.loads((out / "config.json").read_text())
+    for key in ("architectures", "hidden_size", "num_key_value_heads", "tie_word_embeddings"):
+        assert cfg_out[key] == cfg_src[key], key
+
+
+def _tp2_body(rank: int, world: int, cases: dict, refs: dict, resave: dict) -> None:
+    from megatron.core import dist_checkpointing
+
+    from megatron_grpo.convert.mcore_io import checkpoint_io
+    from megatron_grpo.megatron.config import ParallelConfig
+    from megatron_grpo.megatron.parallel import destroy_parallel, initialize_parallel
+
+    initialize_parallel(ParallelConfig(tensor_model_parallel_size=world), seed=0)
+    for case, (ckpt, ids) in cases.items():
+        model = load_megatron_model(ckpt)
+        got = model_logits(model, 300, ids)
+        diff = max(float((a - b).abs().max()) for a, b in zip(got, refs[case], strict=True))
+        assert diff <= TOL, f"{case}: TP={world} max |logit diff| {diff}"
+        if case in resave:  # a checkpoint as a TP=2 trainer writes it (vocab padded to 512)
+            with checkpoint_io():
+                dist_checkpointing.save(model.sharded_state_dict(), resave[case])
+    destroy_parallel()
+
+
+@pytest.mark.slow
+def test_logits_tp2_match_transformers(converted, tmp_path: Path):
+    """One spawned TP=2 world loads every converted checkpoint (resharding TP=1 -> TP=2) and
+    re-saves two at TP=2; exporting those gives the original HF tensors back."""
+    from safetensors.torch import load_file
+
+    cases, refs = {}, {}
+    for case, (hf, ckpt) in converted.items():
+        ids = prompt_ids(hf, 300)
+        cases[case] = (str(ckpt), ids)
+        refs[case] = hf_logits(hf, ids)
+    resave = {c: tmp_path / c for c in ("llama_tied", "qwen3_moe")}
+    for path in resave.values():
+        path.mkdir()
+    run_distributed(_tp2_body, 2, cases, refs, {c: str(p) for c, p in resave.items()})
+    for case, path in resave.items():
+        hf, ckpt = converted[case]
+        out = mcore_to_hf(
+            path, tmp_path / f"{case}_hf", hf_config_dir=hf, model_config=ckpt / "model_config.yaml"
+        )
+        src, got = load_file(hf / "model.safetensors"), load_file(out / "model.safetensors")
+        assert sorted(got) == sorted(src) and all(torch.equal(got[k], src[k]) for k in src)
+
+
+def test_bfloat16_checkpoint(converted, tmp_path: Path):
+    from safetensors.torch import load_file
+
+    hf, _ = converted["qwen2"]
+    ckpt = hf_to_mcore(hf, tmp_path / "bf16", dtype="bfloat16")
+    assert verify_conversion(hf, ckpt) < 0.1  # bf16-rounded weights vs fp32 ones
+    out = mcore_to_hf(ckpt, tmp_path / "hf", dtype="float32")
+    src, got = load_file(hf / "model.safetensors"), load_file(out / "model.safetensors")
+    for name, t in src.items():
+        assert torch.equal(got[name], t.to(torch.bfloat16).float()), name
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_tensors_handed_to_the_writer_are_file_backed(converted, tmp_path: Path, monkeypatch):
+    """Streaming: every tensor dist_checkpointing writes is a memory map of exactly its own
+    bytes (no anonymous copy of the model, nothing Megatron's writer must clone)."""
+    import importlib
+
+    module = importlib.import_module("megatron_grpo.convert.hf_to_mcore")  # not the function
+    seen = []
+    real_save = module.save_checkpoint
+
+    def spy(tensors, others, ckpt_dir):
+        maps = [line.split() for line in Path("/proc/self/maps").read_text().splitlines()]
+        files = [
+            tuple(int(x, 16) for x in m[0].split("-")) for m in maps if len(m) > 5 and "/" in m[5]
+        ]
+        for name, parts in tensors.items():
+            for p in parts:
+                ptr, size = p.data.data_ptr(), p.data.untyped_storage().nbytes()
+                in_file = any(lo <= ptr < hi for lo, hi in files)
+                seen.append((name, in_file, size == p.data.numel() * p.data.element_size()))
+        real_save(tensors, others, ckpt_dir)
+
+    if not Path("/proc/self/maps").is_file():
+        pytest.skip("needs /proc/self/maps")
+    monkeypatch.setattr(module, "save_checkpoint", spy)
+    hf, _ = converted["qwen3_moe"]
+    hf_to_mcore(hf, tmp_path / "out")
+    assert seen and all(in_file and exact for _, in_file, exact in seen), seen
+
+
+def _edit_config(src: Path, dst: Path, **changes) -> Path:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "unsupported architecture"),
+        ({"num_hidden_layers": 1}, "no Megatron counterpart: model.layers.1"),
+        ({"num_hidden_layers": 3}, r"missing HF tensor\(s\) \['model.layers.2"),
+        ({"intermediate_size": 40}, "config.json implies"),
+        ({"num_key_value_heads": 3}, "num_query_groups=3 must divide"),
+    ],
+)
+def test_bad_input_fails_cleanly(converted, tmp_path: Path, changes: dict, match: str):
+    hf = _edit_config(converted["llama"][0], tmp_path / "hf", **changes)
+    with pytest.raises(ConversionError, match=match):
+        hf_to_mcore(hf, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # nothing half-written
+
+
+def test_missing_shard_fails_cleanly(tmp_path: Path):
+    hf = save_tiny_hf("llama", {}, tmp_path / "hf", max_shard_size="30KB")
+    shards = sorted(hf.glob("*.safetensors"))
+    assert len(shards) > 1
+    shards[-1].unlink()
+    with pytest.raises(ConversionError, match=f"missing shard file.*{shards[-1].name}"):
+        hf_to_mcore(hf, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_verify_tp_not_dividing_heads_fails_cleanly(converted, tmp_path: Path):
+    hf, _ = converted["qwen2"]
+    with pytest.raises(ConversionError, match="TP=3.*must divide model.num_attention_heads"):
+        hf_to_mcore(hf, tmp_path / "out", verify=True, verify_tp=3)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_mcore_to_hf_checks_config_agreement(converted, tmp_path: Path):
+    _, ckpt = converted["qwen3_tied"]
+    bad = _edit_config(ckpt / "hf", tmp_path / "hfcfg", rope_theta=5.0, rope_parameters=None)
+    with pytest.raises(ConversionError, match="rotary_base is 5"):
+        mcore_to_hf(ckpt, tmp_path / "out", hf_config_dir=bad)
+    with pytest.raises(ConversionError, match="model_config.yaml: missing"):
+        mcore_to_hf(ckpt / "hf", tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hfcfg"]
+
+
+def test_generated_config_without_hf_assets(converted, tmp_path: Path):
+    """A checkpoint without hf/ (e.g. a trainer checkpoint): --family generates config.json."""
+    hf, ckpt = converted["qwen3_moe"]
+    bare = tmp_path / "bare"
+    shutil.copytree(ckpt, bare, ignore=shutil.ignore_patterns("hf"))
+    with pytest.raises(ConversionError, match="pass --family"):
+        mcore_to_hf(bare, tmp_path / "x")
+    out = mcore_to_hf(bare, tmp_path / "hf", family="qwen3_moe", verify=True)
+    assert verify_conversion(out, ckpt) <= TOL
+
+
+def test_cli(converted, tmp_path: Path, capsys):
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "tools" / "convert_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", path)
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    hf, _ = converted["llama_tied"]
+    ckpt, back = tmp_path / "mc", tmp_path / "back"
+    assert cli.main(["hf-to-mcore", "--hf", str(hf), "--out", str(ckpt), "--verify"]) == 0
+    assert "max |logit difference|" in capsys.readouterr().out
+    args = ["mcore-to-hf", "--ckpt", str(ckpt), "--out", str(back), "--max-shard-size", "1MiB"]
+    assert cli.main(args) == 0
+    assert cli.main(["hf-to-mcore", "--hf", str(hf), "--out", str(ckpt)]) == 2
+    assert "already exists and is not empty" in capsys.readouterr().err

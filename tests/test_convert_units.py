@@ -1,0 +1,253 @@
+"""Unit tests of the converter's pieces that need no Megatron model: layout transforms, name
+maps, HF config mapping, streaming safetensors I/O, all-or-nothing output directories."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megatron_grpo.convert.errors import ConversionError
+from megatron_grpo.convert.families import FAMILIES, family_for_architecture
+from megatron_grpo.convert.hf_config import (
+    check_same_architecture,
+    hf_config_from_model,
+    model_config_from_hf,
+)
+from megatron_grpo.convert.outdir import atomic_output_dir
+from megatron_grpo.convert.safetensors_io import (
+    INDEX_NAME,
+    PlannedTensor,
+    SafetensorsReader,
+    SafetensorsWriter,
+)
+from megatron_grpo.convert.transforms import GATE_UP, QKV, VOCAB, LayoutInfo
+
+INFO = LayoutInfo(num_attention_heads=4, num_query_groups=2, head_dim=3, vocab_size=10,
+                  padded_vocab_size=16)  # fmt: skip
+
+
+def _rows(n: int, start: int) -> torch.Tensor:
+    """[n, 2] rows labelled start, start+1, ... (column 1 = label too)."""
+    labels = torch.arange(start, start + n, dtype=torch.float32)
+    return torch.stack([labels, labels], dim=1)
+
+
+def test_qkv_interleaves_per_query_group():
+    d, per_q = INFO.head_dim, 2 * INFO.head_dim  # 2 query heads per group
+    q, k, v = _rows(12, 0), _rows(6, 100), _rows(6, 200)
+    fused = QKV.to_mcore([q, k, v], INFO)[0]
+    expected = []
+    for g in range(2):  # group g: its query heads, then its key head, then its value head
+        expected += list(range(g * per_q, (g + 1) * per_q))
+        expected += list(range(100 + g * d, 100 + (g + 1) * d))
+        expected += list(range(200 + g * d, 200 + (g + 1) * d))
+    assert fused[:, 0].tolist() == expected
+    back = QKV.to_hf([fused], INFO)
+    assert all(torch.equal(a, b) for a, b in zip(back, (q, k, v), strict=True))
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_qkv_round_trip_weights_and_bias(groups: int):
+    info = LayoutInfo(4, groups, 5, 10, 16)
+    g = torch.Generator().manual_seed(groups)
+    for rest in [(7,), ()]:  # weight [rows, H] and bias [rows]
+        q = torch.randn(20, *rest, generator=g)
+        k, v = (
+            torch.randn(groups * 5, *rest, generator=g),
+            torch.randn(groups * 5, *rest, generator=g),
+        )
+        fused = QKV.to_mcore([q, k, v], info)[0]
+        assert fused.shape[0] == 20 + 2 * groups * 5
+        for a, b in zip(QKV.to_hf([fused], info), (q, k, v), strict=True):
+            assert torch.equal(a, b)
+
+
+def test_qkv_rejects_wrong_head_rows():
+    with pytest.raises(ConversionError, match="k projection"):
+        QKV.to_mcore([_rows(12, 0), _rows(5, 0), _rows(6, 0)], INFO)
+
+
+def test_gate_up_fused_and_split_parts():
+    gate, up = _rows(4, 0), _rows(4, 10)
+    fused = GATE_UP.to_mcore([gate, up], INFO)[0]
+    assert fused[:, 0].tolist() == list(range(4)) + list(range(10, 14))
+    parts = GATE_UP.to_mcore([gate, up], INFO, num_parts=2)
+    assert parts[0] is gate and parts[1] is up  # no copy for swiglu-split checkpoints
+    assert all(
+        torch.equal(a, b) for a, b in zip(GATE_UP.to_hf([fused], INFO), (gate, up), strict=True)
+    )
+    with pytest.raises(ConversionError, match="differ in shape"):
+        GATE_UP.to_mcore([gate, _rows(3, 0)], INFO)
+
+
+def test_vocab_pads_with_zeros_and_trims():
+    emb = torch.randn(10, 3)
+    padded = VOCAB.to_mcore([emb], INFO)[0]
+    assert padded.shape == (16, 3) and torch.equal(padded[:10], emb)
+    assert not padded[10:].any()
+    # a checkpoint padded for another TP (more rows) trims back to the same tensor
+    bigger = torch.cat([padded, torch.randn(16, 3)])
+    assert torch.equal(VOCAB.to_hf([bigger], INFO)[0], emb)
+    with pytest.raises(ConversionError, match="vocab_size"):
+        VOCAB.to_mcore([torch.randn(11, 3)], INFO)
+
+
+# Parameter names of the portable spec and the Transformer Engine spec / grouped experts.
+_MCORE_NAMES = {
+    "decoder.layers.3.input_layernorm.weight": ["model.layers.3.input_layernorm.weight"],
+    "decoder.layers.3.self_attention.linear_qkv.layer_norm_weight": [
+        "model.layers.3.input_layernorm.weight"
+    ],
+    "decoder.layers.0.mlp.experts.local_experts.7.linear_fc1.weight": [
+        "model.layers.0.mlp.experts.7.gate_proj.weight",
+        "model.layers.0.mlp.experts.7.up_proj.weight",
+    ],
+    "decoder.layers.1.mlp.experts.linear_fc2.weight12": [
+        "model.layers.1.mlp.experts.12.down_proj.weight"
+    ],
+    "output_layer.weight": ["lm_head.weight"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(_MCORE_NAMES))
+def test_name_map_templates(name: str):
+    rule, fields = FAMILIES["qwen3_moe"].rule_for(name)
+    assert rule.hf_names(fields) == _MCORE_NAMES[name]
+
+
+def test_name_map_rejects_unknown_parameters_and_architectures():
+    with pytest.raises(ConversionError, match="no HF tensor maps"):
+        FAMILIES["llama"].rule_for("decoder.layers.0.self_attention.linear_qkv.bias")
+    with pytest.raises(ConversionError, match="unsupported architecture.*GPT2LMHeadModel"):
+        family_for_architecture(["GPT2LMHeadModel"], "gpt2")
+    assert family_for_architecture(["Qwen2ForCausalLM"], None).name == "qwen2"
+
+
+def _hf_config(model_type: str, **kw):
+    from transformers import CONFIG_MAPPING
+
+    base = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0)  # fmt: skip
+    if model_type == "qwen3_moe":
+        base.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    return CONFIG_MAPPING[model_type](**{**base, **kw})
+
+
+def test_model_config_from_hf_fields():
+    cfg = model_config_from_hf(_hf_config("qwen2", tie_word_embeddings=True), FAMILIES["qwen2"])
+    assert (cfg.num_attention_heads, cfg.num_query_groups, cfg.head_dim) == (4, 2, 8)
+    assert cfg.add_qkv_bias and not cfg.qk_layernorm and cfg.share_embeddings_and_output_weights
+    assert cfg.rotary_base == 10000 and cfg.vocab_size == 300
+    moe = model_config_from_hf(_hf_config("qwen3_moe", head_dim=16), FAMILIES["qwen3_moe"])
+    assert (moe.num_moe_experts, moe.moe_router_topk, moe.moe_ffn_hidden_size) == (4, 2, 16)
+    assert moe.kv_channels == 16 and moe.qk_layernorm
+    # norm_topk_prob=False: softmax over all experts, no renormalization = pre-softmax
+    assert moe.moe_router_pre_softmax is True
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_hf_config_round_trip(family: str):
+    fam = FAMILIES[family]
+    extra = {"norm_topk_prob": True} if fam.moe else {}
+    cfg = model_config_from_hf(_hf_config(family, **extra), fam)
+    from transformers import CONFIG_MAPPING
+
+    raw = hf_config_from_model(cfg, fam)
+    assert raw["architectures"] == [fam.architectures[0]]
+    again = model_config_from_hf(CONFIG_MAPPING[family](**raw), fam)
+    check_same_architecture(cfg, again, "round trip")  # every ARCHITECTURE_FIELDS entry
+    assert again.head_dim == cfg.head_dim and again.max_sequence_length == cfg.max_sequence_length
+
+
+@pytest.mark.parametrize(
+    "model_type, kw, match",
+    [
+        ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 1024}}, "llama3"),
+        ("llama", {"hidden_act": "gelu"}, "hidden_act"),
+        ("llama", {"attention_bias": True}, "attention_bias"),
+        ("llama", {"mlp_bias": True}, "mlp_bias"),
+        ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers"),
+        ("llama", {"num_key_value_heads": 3}, "num_query_groups=3"),
+    ],
+)  # fmt: skip
+def test_model_config_from_hf_rejects(model_type: str, kw: dict, match: str):
+    with pytest.raises(ConversionError, match=match):
+        model_config_from_hf(_hf_config(model_type, **kw), FAMILIES[model_type])
+
+
+def _plan(tensors: dict[str, torch.Tensor]) -> list[PlannedTensor]:
+    return [PlannedTensor(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
+
+
+def test_writer_shards_and_reader_maps(tmp_path: Path):
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        f"t{i}": torch.randn(5, 4, generator=g).to(dt)
+        for i, dt in enumerate([torch.float32, torch.bfloat16, torch.float16, torch.float32])
+    }
+    tensors["empty"] = torch.zeros(0, 3)
+    writer = SafetensorsWriter(tmp_path, _plan(tensors), max_shard_bytes=100)
+    for name, t in tensors.items():
+        writer.write(name, t)
+    writer.close()
+    index = json.loads((tmp_path / INDEX_NAME).read_text())
+    assert len(set(index["weight_map"].values())) == len(writer.files) > 1
+    reader = SafetensorsReader(tmp_path)
+    for name, t in tensors.items():
+        got = reader.get(name)
+        assert got.dtype == t.dtype and torch.equal(got, t)
+        with safe_open(tmp_path / index["weight_map"][name], "pt") as f:  # the reference reader
+            assert torch.equal(f.get_tensor(name), t)
+
+
+def test_writer_enforces_plan_order(tmp_path: Path):
+    t = {"a": torch.ones(2), "b": torch.ones(3)}
+    writer = SafetensorsWriter(tmp_path, _plan(t), max_shard_bytes=1 << 20)
+    with pytest.raises(RuntimeError, match="mismatch"):
+        writer.write("b", t["b"])
+
+
+def test_reader_errors_name_the_problem(tmp_path: Path):
+    save_file({"a": torch.ones(4)}, tmp_path / "model-1.safetensors")
+    index = {"weight_map": {"a": "model-1.safetensors", "b": "model-2.safetensors"}}
+    (tmp_path / INDEX_NAME).write_text(json.dumps(index))
+    with pytest.raises(ConversionError, match="missing shard file.*model-2.safetensors"):
+        SafetensorsReader(tmp_path)
+    save_file({"c": torch.ones(4)}, tmp_path / "model-2.safetensors")
+    with pytest.raises(ConversionError, match=r"absent tensors \['b'\]"):
+        SafetensorsReader(tmp_path)
+    raw = (tmp_path / "model-1.safetensors").read_bytes()
+    (tmp_path / "model-1.safetensors").write_bytes(raw[:-4])  # truncated data
+    index["weight_map"]["c"] = index["weight_map"].pop("b")
+    (tmp_path / INDEX_NAME).write_text(json.dumps(index))
+    with pytest.raises(ConversionError, match="outside the file"):
+        SafetensorsReader(tmp_path)
+    with pytest.raises(ConversionError, match="no model.safetensors"):
+        SafetensorsReader(tmp_path / "nowhere")
+
+
+def test_reader_tensors_are_copy_on_write(tmp_path: Path):
+    save_file({"a": torch.arange(4.0)}, tmp_path / "model.safetensors")
+    t = SafetensorsReader(tmp_path).get("a")
+    t.add_(1)  # must not reach the file
+    assert torch.equal(SafetensorsReader(tmp_path).get("a"), torch.arange(4.0))
+
+
+def test_atomic_output_dir_leaves_nothing_on_error(tmp_path: Path):
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="boom"), atomic_output_dir(out) as tmp:
+        (tmp / "half.bin").write_bytes(b"x")
+        raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+    with atomic_output_dir(out) as tmp:
+        (tmp / "done").write_text("ok")
+    assert (out / "done").read_text() == "ok" and sorted(tmp_path.iterdir()) == [out]
+    with pytest.raises(ConversionError, match="not empty"), atomic_output_dir(out):
+        pass
