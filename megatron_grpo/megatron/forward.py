@@ -10,15 +10,26 @@ Usage with any Megatron schedule (PP, VPP, micro-batching work as usual)::
     finalize_model_grads(chunks, num_tokens=...)  # done by the schedule via config
 
 On the last pipeline stage the decoder runs to its final-normed hidden states (the GPTModel's
-output layer is skipped: no [T, V] logits), then the vocab-parallel log-prob op
-(``megatron_grpo.ops``) is applied to the output-layer weight (the embedding weight when tied),
-then the GRPO loss. The loss function returns Megatron's ``calculate_per_token_loss``
-convention ``(loss_sum, local_count, report)``: the loss module is called with
-``denominator=1.0`` and ``local_count`` comes from ``loss.reduction.local_denominator``;
-Megatron sums the counts over micro-batches and DP x CP ranks and divides the gradients by the
-total (``finalize_model_grads(num_tokens=...)``), so token_mean and the seq_mean modes are exact
-whatever the split. MoE aux losses are added by megatron-core itself (``MoEAuxLossAutoScaler``,
-scale 1 per micro-batch in this convention, then divided by the same global count).
+output layer is skipped: no [T, V] logits), then one of three log-prob paths
+(``GRPOStep.logprob_path``) feeds the GRPO loss:
+
+* ``"fused"``: ``fused_grpo_loss`` (the loss evaluated inside the tiled LM-head passes; GSPO
+  runs the "op" path, see ``ops/fused_grpo.py``);
+* ``"op"``: ``vocab_parallel_logprobs`` (tiled, recomputed in backward) then ``grpo_loss``;
+* ``"megatron"``: Megatron's standard path, the baseline of our comparisons: the GPTModel's
+  ``output_layer`` materializes vocab-parallel logits ``[s, b, V/TP]``, then
+  ``tensor_parallel.vocab_parallel_cross_entropy`` (fp32 logits, softmax saved for backward),
+  ``logp = -CE``, then ``grpo_loss``. Temperature and the padded-vocab mask are applied to the
+  logits in place, so all three paths compute the same distribution.
+
+The two ops are applied to the output-layer weight (the embedding weight when tied). The loss
+function returns Megatron's ``calculate_per_token_loss`` convention ``(loss_sum, local_count,
+report)``: the loss module is called with ``denominator=1.0`` and ``local_count`` comes from
+``loss.reduction.local_denominator``; Megatron sums the counts over micro-batches and DP x CP
+ranks and divides the gradients by the total (``finalize_model_grads(num_tokens=...)``), so
+token_mean and the seq_mean modes are exact whatever the split. MoE aux losses are added by
+megatron-core itself (``MoEAuxLossAutoScaler``, scale 1 per micro-batch in this convention, then
+divided by the same global count).
 """
 
 from __future__ import annotations
@@ -27,10 +38,11 @@ import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
+from typing import Literal
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func as _mcore_fb_func
 from torch import Tensor
@@ -47,6 +59,10 @@ from megatron_grpo.megatron.batch import (
 from megatron_grpo.megatron.model import unwrap
 from megatron_grpo.megatron.parallel import cuda_compat
 from megatron_grpo.ops import fused_grpo_loss, vocab_parallel_logprobs
+from megatron_grpo.ops.lm_head import check_targets
+
+LogprobPath = Literal["fused", "op", "megatron"]
+LOGPROB_PATHS: tuple[str, ...] = ("fused", "op", "megatron")
 
 
 def get_forward_backward_func() -> Callable:
@@ -112,8 +128,12 @@ def prepare_batch(
 
 
 def run_model(model: torch.nn.Module, batch: PackedBatch, params: PackedSeqParams) -> Tensor:
-    """Forward one (local) packed batch. Last stage: hidden ``[T_local, H]``; other stages:
-    the activation tensor for the next stage."""
+    """Forward one (local) packed batch. Last stage: hidden ``[T_local, H]`` in the output
+    weight's dtype; other stages: the activation tensor for the next stage.
+
+    Megatron's ``Float16Module`` upcasts last-stage outputs to fp32 (bf16/fp16 runs); the
+    hidden states are cast back (exact) so the log-prob paths see the GEMM dtype.
+    """
     gpt = unwrap(model)
     device = next(gpt.parameters()).device
     tokens = batch.tokens.to(device)[None]
@@ -123,7 +143,40 @@ def run_model(model: torch.nn.Module, batch: PackedBatch, params: PackedSeqParam
         return model(tokens, positions, None, packed_seq_params=params)
     with hidden_states_only(gpt):
         hidden = model(tokens, positions, None, packed_seq_params=params)
-    return hidden.squeeze(1)
+    return hidden.squeeze(1).to(output_weight(gpt).dtype)
+
+
+def megatron_logprobs(
+    output_layer: torch.nn.Module,
+    weight: Tensor,
+    hidden: Tensor,
+    targets: Tensor,
+    *,
+    vocab_size: int,
+    temperature: float = 1.0,
+) -> Tensor:
+    """Megatron's standard log-prob path: ``[T_local, H]`` hidden -> float32 ``[T]`` log-probs.
+
+    ``output_layer`` (the GPTModel's ``ColumnParallelLinear``; all-gathers the hidden states
+    under sequence parallelism) materializes ``[T, 1, V_local]`` logits; they are divided by
+    ``temperature`` and padded vocab columns (ids ``>= vocab_size``) set to ``-inf`` in place,
+    then ``tensor_parallel.vocab_parallel_cross_entropy`` gives ``logp = -CE``. Every position
+    is scored (prompt tokens too), as in Megatron; ``targets`` ``[T]`` must be real ids.
+    """
+    check_targets(targets, None, vocab_size)
+    logits, _ = output_layer(hidden.unsqueeze(1), weight=weight)  # [T, 1, V_local]
+    if logits.dtype == torch.float32:
+        # vocab_parallel_cross_entropy upcasts with .float() and then overwrites that tensor in
+        # place: a bf16 input gets its own fp32 copy, an fp32 one needs the same explicitly.
+        logits = logits.clone()
+    if temperature != 1.0:
+        logits.div_(temperature)
+    v_local = logits.size(-1)
+    n_valid = vocab_size - parallel_state.get_tensor_model_parallel_rank() * v_local
+    if n_valid < v_local:
+        logits[..., max(n_valid, 0) :] = float("-inf")
+    ce = tensor_parallel.vocab_parallel_cross_entropy(logits, targets.unsqueeze(1))
+    return -ce.view(-1).float()
 
 
 def _params_to(params: PackedSeqParams, device: torch.device) -> PackedSeqParams:
@@ -140,9 +193,12 @@ class GRPOStep:
         vocab_size: the real vocabulary (``ModelConfig.vocab_size``): padded ids get zero
             probability and are never scored.
         temperature: sampling temperature the log-probs are computed under.
-        fused: token-level ratios use ``fused_grpo_loss`` (one pass over the vocab computing
-            loss and gradients); False = ``vocab_parallel_logprobs`` then ``grpo_loss``.
-        chunk_size / impl: passed to the log-prob op.
+        fused: the original switch, kept for compatibility: True = ``logprob_path="fused"``,
+            False = ``"op"``. Ignored when ``logprob_path`` is given (False together with
+            ``logprob_path="fused"`` is an error); afterwards it reflects the chosen path.
+        chunk_size / impl: passed to the log-prob op ("fused" / "op" paths).
+        logprob_path: "fused", "op" or "megatron" (see the module docstring); None = from
+            ``fused``. "megatron" computes no entropy, so it needs ``loss_cfg.entropy_coef == 0``.
     """
 
     loss_cfg: GRPOLossConfig
@@ -151,6 +207,23 @@ class GRPOStep:
     fused: bool = True
     chunk_size: int | None = None
     impl: str = "auto"
+    logprob_path: LogprobPath | None = None
+
+    def __post_init__(self) -> None:
+        if self.logprob_path is None:
+            self.logprob_path = "fused" if self.fused else "op"
+        elif self.logprob_path not in LOGPROB_PATHS:
+            raise ValueError(
+                f"logprob_path must be one of {list(LOGPROB_PATHS)}, got {self.logprob_path!r}"
+            )
+        elif self.logprob_path == "fused" and not self.fused:
+            raise ValueError("fused=False contradicts logprob_path='fused'; set only one")
+        self.fused = self.logprob_path == "fused"
+        if self.logprob_path == "megatron" and self.loss_cfg.entropy_coef != 0:
+            raise ValueError(
+                "logprob_path='megatron' (vocab_parallel_cross_entropy) computes no entropy; "
+                f"loss.entropy_coef must be 0, got {self.loss_cfg.entropy_coef}"
+            )
 
     def forward_step(self, data_iterator: Iterator[PackedBatch], model: torch.nn.Module):
         """Training ``forward_step_func``: returns ``(output, loss_func)`` for the schedule."""
@@ -167,17 +240,26 @@ class GRPOStep:
         sp = gpt.config.sequence_parallel
         local, params = prepare_batch(batch, sp)
         out = run_model(model, local, params)
-        weight = output_weight(gpt) if gpt.post_process else None
-        return out, partial(loss_func, local, weight, sp)
+        if not gpt.post_process:
+            return out, partial(loss_func, local, None, sp)
+        layer = gpt.output_layer if self.logprob_path == "megatron" else None
+        return out, partial(loss_func, local, output_weight(gpt), sp, output_layer=layer)
 
     def loss_func(
-        self, batch: PackedBatch, weight: Tensor, sequence_parallel: bool, hidden: Tensor
+        self,
+        batch: PackedBatch,
+        weight: Tensor,
+        sequence_parallel: bool,
+        hidden: Tensor,
+        *,
+        output_layer: torch.nn.Module | None = None,
     ) -> tuple[Tensor, Tensor, dict]:
         """Last stage: ``hidden [T_local, H]`` -> ``(loss_sum, local_count, report)``.
 
         ``report`` maps metric keys to exactly-aggregating values
         (``megatron_grpo.loss.reduce_metrics``); ``"loss/loss"`` aggregates to the loss of
-        the whole step (sum over micro-batches and ranks / global count).
+        the whole step (sum over micro-batches and ranks / global count). ``output_layer`` (the
+        GPTModel's) is required by ``logprob_path="megatron"``.
         """
         tp_group, cp_group = _groups()
         dev = hidden.device
@@ -193,7 +275,10 @@ class GRPOStep:
         )
         targets = batch.targets.to(dev)
         op = self._op_args(tp_group, sequence_parallel)
-        if self.fused and self.loss_cfg.ratio_level == "token":
+        if self.logprob_path == "megatron":
+            logp = self._megatron_logprobs(output_layer, weight, hidden, targets)
+            loss, metrics = grpo_loss(self.loss_cfg, logprobs=logp, **args)
+        elif self.fused and self.loss_cfg.ratio_level == "token":
             loss, metrics, _ = fused_grpo_loss(hidden, weight, targets, self.loss_cfg, **args, **op)
         else:
             ent = self.loss_cfg.entropy_coef != 0
@@ -214,12 +299,34 @@ class GRPOStep:
             vocab_size=self.vocab_size, chunk_size=self.chunk_size, impl=self.impl,
         )  # fmt: skip
 
-    def _logprob_loss(self, batch: PackedBatch, weight: Tensor, sp: bool, hidden: Tensor):
+    def _megatron_logprobs(
+        self, output_layer: torch.nn.Module | None, weight: Tensor, hidden: Tensor, targets: Tensor
+    ) -> Tensor:
+        if output_layer is None:
+            raise ValueError("logprob_path='megatron' needs the GPTModel's output_layer")
+        return megatron_logprobs(
+            output_layer, weight, hidden, targets,
+            vocab_size=self.vocab_size, temperature=self.temperature,
+        )  # fmt: skip
+
+    def _logprob_loss(
+        self,
+        batch: PackedBatch,
+        weight: Tensor,
+        sp: bool,
+        hidden: Tensor,
+        *,
+        output_layer: torch.nn.Module | None = None,
+    ):
         tp_group, _ = _groups()
         dev = hidden.device
-        op = self._op_args(tp_group, sp)
         rows = batch.loss_mask.to(dev)
-        logp = vocab_parallel_logprobs(hidden, weight, batch.targets.to(dev), rows=rows, **op)
+        targets = batch.targets.to(dev)
+        if self.logprob_path == "megatron":
+            logp = self._megatron_logprobs(output_layer, weight, hidden, targets) * rows
+        else:
+            op = self._op_args(tp_group, sp)
+            logp = vocab_parallel_logprobs(hidden, weight, targets, rows=rows, **op)
         return hidden.new_zeros(()), torch.zeros((), dtype=torch.int), {"logprobs": logp.detach()}
 
     @torch.no_grad()

@@ -1,0 +1,534 @@
+"""Per-rank memory plan and the ``--dry-run`` layout check, without GPUs and without a model.
+
+``memory_plan`` estimates, for every distinct rank role (a pipeline stage; all TP/CP/DP/EP ranks
+of a stage hold the same amounts), the bytes of parameters, gradients, optimizer state, an
+optional frozen reference copy, activations of the in-flight micro-batches and the log-prob/loss
+working set. Parameter counts are exact for the models ``build_model`` builds (the tests compare
+them with ``numel``); activations and working sets are estimates whose assumptions the plan
+lists. ``dry_run`` validates a trainer config's layout against a world size, prints which global
+ranks form each group (Megatron's default order ``tp-cp-ep-dp-pp``) and the plan.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from functools import reduce
+from itertools import pairwise
+from operator import mul
+from typing import Any, TextIO
+
+import torch
+
+from megatron_grpo.megatron.config import ModelConfig, ParallelConfig, check_parallel
+from megatron_grpo.megatron.model import padded_vocab_size
+from megatron_grpo.ops.tiling import Tiling
+
+GIB = 2**30
+ASSUMPTIONS = (
+    "activations: bf16/fp16 tensors saved for backward with flash/SDPA attention (no s^2 term), "
+    "no dropout masks; SP divides the norm/GEMM-input terms by TP, TP divides the rest",
+    "MoE: balanced routing (each rank's experts get topk * ETP copies of its SP tokens)",
+    "pipeline 1F1B with >= PP micro-batches: stage p holds PP - p micro-batches (interleaved: "
+    "Megatron's warm-up count of model chunks)",
+    "full recompute keeps each layer (uniform: each group of N layers) input plus one unit "
+    "recomputed at a time; selective recompute (core attention) saves nothing extra here",
+    "excluded: CUDA context, NCCL buffers, allocator fragmentation, rollout generation",
+)
+
+
+@dataclass(frozen=True)
+class LossWorkingSet:
+    """Bytes of one log-prob path on the last stage for one micro-batch: ``logits`` (the
+    vocabulary-sized buffers) and ``other`` ([T, H] hidden / d_hidden buffers, [T] stats)."""
+
+    path: str
+    logits: float
+    other: float
+
+    @property
+    def total(self) -> float:
+        return self.logits + self.other
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One rank role: pipeline stage ``stage``; ``bytes`` per component, params in elements."""
+
+    stage: int
+    layers: int
+    moe_layers: int
+    dense_params: int
+    expert_params: int
+    in_flight: float
+    bytes: dict[str, float]
+
+    @property
+    def params(self) -> int:
+        return self.dense_params + self.expert_params
+
+    @property
+    def total_bytes(self) -> float:
+        return sum(self.bytes.values())
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    stages: tuple[StagePlan, ...]
+    logprob_path: str
+    loss_paths: dict[str, LossWorkingSet]
+    micro_batch_tokens: int
+    params_dtype: torch.dtype
+    ranks_per_stage: int  # TP x CP x DP ranks share each stage's row
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(s.total_bytes for s in self.stages)
+
+
+# ----------------------------------------------------------------------------- parameters
+def _norm(cfg: ModelConfig, size: int) -> int:
+    return size * (2 if cfg.normalization == "LayerNorm" else 1)
+
+
+def _ffn(cfg: ModelConfig) -> int:
+    return cfg.ffn_hidden_size or 4 * cfg.hidden_size  # TransformerConfig's default
+
+
+def _mlp_params(cfg: ModelConfig, ffn: int, shard: int) -> int:
+    """fc1 ([2F or F] x H, column-parallel) + fc2 (H x F, row-parallel; bias not sharded)."""
+    h, fc1 = cfg.hidden_size, ffn * (2 if cfg.gated_linear_unit else 1)
+    n = fc1 // shard * h + h * (ffn // shard)
+    return n + (fc1 // shard + h if cfg.add_bias_linear else 0)
+
+
+def _attention_params(cfg: ModelConfig, tp: int) -> int:
+    """input norm + QKV (column-parallel) + q/k norms + output projection (row-parallel)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    nq, nkv = cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads
+    qkv = (nq + 2 * nkv) * d // tp
+    n = _norm(cfg, h) + qkv * h + h * (nq * d // tp)
+    n += qkv if (cfg.add_qkv_bias or cfg.add_bias_linear) else 0
+    n += h if cfg.add_bias_linear else 0
+    return n + (2 * _norm(cfg, d) if cfg.qk_layernorm else 0)
+
+
+def layer_params(cfg: ModelConfig, par: ParallelConfig, moe: bool) -> tuple[int, int]:
+    """(non-expert, expert) parameters of one decoder layer on one rank."""
+    tp = par.tensor_model_parallel_size
+    dense = _attention_params(cfg, tp) + _norm(cfg, cfg.hidden_size)
+    if not moe:
+        return dense + _mlp_params(cfg, _ffn(cfg), tp), 0
+    experts = cfg.num_moe_experts or 0
+    dense += experts * cfg.hidden_size + (experts if cfg.add_bias_linear else 0)  # router
+    if cfg.moe_shared_expert_intermediate_size:
+        dense += _mlp_params(cfg, cfg.moe_shared_expert_intermediate_size, tp)
+    etp = _etp(par)
+    local = experts // par.expert_model_parallel_size
+    return dense, local * _mlp_params(cfg, cfg.moe_ffn_hidden_size or _ffn(cfg), etp)
+
+
+def stage_layers(cfg: ModelConfig, par: ParallelConfig, stage: int) -> list[int]:
+    """Global indices of the decoder layers held by pipeline rank ``stage`` (all its chunks)."""
+    pp, vpp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
+    per_chunk = cfg.num_layers // (pp * vpp)
+    out = []
+    for chunk in range(vpp):
+        start = (chunk * pp + stage) * per_chunk
+        out += range(start, start + per_chunk)
+    return out
+
+
+def is_moe_layer(cfg: ModelConfig, index: int) -> bool:
+    return cfg.num_moe_experts is not None and index % cfg.moe_layer_freq == 0
+
+
+def stage_params(cfg: ModelConfig, par: ParallelConfig, stage: int) -> tuple[int, int]:
+    """(non-expert, expert) parameters of one rank of pipeline stage ``stage`` (exact)."""
+    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    dense = expert = 0
+    for i in stage_layers(cfg, par, stage):
+        d, e = layer_params(cfg, par, is_moe_layer(cfg, i))
+        dense, expert = dense + d, expert + e
+    vocab_rows = padded_vocab_size(cfg, tp) // tp * cfg.hidden_size
+    if stage == 0:
+        dense += vocab_rows
+        if cfg.position_embedding_type == "learned_absolute":
+            dense += cfg.max_sequence_length * cfg.hidden_size
+    if stage == pp - 1:
+        dense += _norm(cfg, cfg.hidden_size)  # final norm
+        # Tied weights: one copy when first == last stage, else the last stage keeps its own.
+        if not (cfg.share_embeddings_and_output_weights and pp == 1):
+            dense += vocab_rows
+    return dense, expert
+
+
+# ----------------------------------------------------------------------------- activations
+def layer_activation_bytes(
+    cfg: ModelConfig, par: ParallelConfig, moe: bool, tokens: float, act_bytes: int
+) -> float:
+    """Saved-for-backward bytes of one layer for ``tokens`` tokens on this CP rank."""
+    tp = par.tensor_model_parallel_size
+    sp = tp if par.sequence_parallel else 1
+    h, d = cfg.hidden_size, cfg.head_dim
+    nq, nkv = cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads
+    # Attention: norm input, QKV input | q, k, v, attention output (= projection input).
+    sp_terms, tp_terms = 2 * h, (nq + 2 * nkv) * d + nq * d
+    tp_terms += (nq + nkv) * d if cfg.qk_layernorm else 0  # q/k before their norms
+    sp_terms += 2 * h  # pre-MLP norm input, MLP / router input
+    glu = 2 if cfg.gated_linear_unit else 1
+    extra = 0.0
+    if not moe:
+        tp_terms += (glu + 1) * _ffn(cfg)  # fc1 output, activation output (= fc2 input)
+    else:
+        experts = cfg.num_moe_experts or 0
+        sp_terms += 4 * experts / act_bytes  # fp32 router logits
+        shared = cfg.moe_shared_expert_intermediate_size or 0
+        tp_terms += (glu + 1) * shared
+        etp = _etp(par)
+        copies = tokens / tp * cfg.moe_router_topk * etp  # tokens enter MoE SP-split (TP>1: SP)
+        f_moe = cfg.moe_ffn_hidden_size or _ffn(cfg)
+        extra = copies * (2 * h + (glu + 1) * f_moe / etp) * act_bytes  # permuted in/out
+    return tokens * (sp_terms / sp + tp_terms / tp) * act_bytes + extra
+
+
+def in_flight_micro_batches(par: ParallelConfig, stage: int) -> float:
+    """Micro-batches whose activations a stage holds at once (in units of its full layers)."""
+    pp, vpp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
+    if not vpp or vpp == 1:
+        return float(pp - stage)
+    chunks = (pp - stage - 1) * 2 + (vpp - 1) * pp + 1  # Megatron's interleaved warm-up + 1
+    return chunks / vpp
+
+
+def stage_activation_bytes(
+    cfg: ModelConfig, par: ParallelConfig, stage: int, tokens: float, act_bytes: int
+) -> tuple[float, float]:
+    """(activation bytes of the in-flight micro-batches, in-flight count) of one stage."""
+    layers = stage_layers(cfg, par, stage)
+    full = [
+        layer_activation_bytes(cfg, par, is_moe_layer(cfg, i), tokens, act_bytes) for i in layers
+    ]
+    sp = par.tensor_model_parallel_size if par.sequence_parallel else 1
+    layer_input = tokens / sp * cfg.hidden_size * act_bytes
+    flight = in_flight_micro_batches(par, stage)
+    if cfg.recompute_granularity != "full" or not full:
+        return flight * sum(full), flight
+    n = cfg.recompute_num_layers or 1
+    if cfg.recompute_method == "block":
+        n = min(n, len(full))
+        stored = n * layer_input + sum(full[n:])
+        return flight * stored + max(full[:n], default=0.0), flight
+    groups = math.ceil(len(full) / n)
+    working = max(sum(full[i : i + n]) for i in range(0, len(full), n))
+    return flight * groups * layer_input + working, flight
+
+
+def loss_working_set(
+    path: str, *, tokens: float, hidden: int, v_local: int, param_bytes: int, sp: bool, tp: int
+) -> LossWorkingSet:
+    """Log-prob + loss buffers of one micro-batch on the last stage (``tokens`` on this CP rank,
+    all of them scored: an upper bound for our paths, which score response tokens only)."""
+    if path == "megatron":
+        # output_layer logits [T, V_local] in the param dtype + the fp32 copy the cross entropy
+        # turns into the saved softmax (in backward: fp32 grad in place + its cast for the GEMM).
+        logits = tokens * v_local * (4 + param_bytes)
+        other = 2 * tokens * hidden * param_bytes + 8 * tokens  # gathered input, d_hidden, [T]
+        return LossWorkingSet(path, logits, other)
+    if path not in ("fused", "op"):
+        raise ValueError(f"logprob_path must be 'fused', 'op' or 'megatron', got {path!r}")
+    # Both run the ops' tiled passes: one fp32 logits tile (its gradient written in place), an
+    # fp32 [R, H] d_hidden block, a [T, H] d_hidden (fp32 under TP), [T] stats.
+    tile = Tiling.plan(max(int(tokens), 1), v_local, None)
+    logits = tile.rows * tile.cols * 4
+    other = tile.rows * hidden * 4 + tokens * hidden * (4 if tp > 1 else param_bytes)
+    other += tokens * hidden * param_bytes if sp else 0  # all-gathered hidden
+    return LossWorkingSet(path, logits, other + 24 * tokens)
+
+
+# ----------------------------------------------------------------------------- the plan
+def _dtype(cfg: ModelConfig, params_dtype: torch.dtype | str | None) -> torch.dtype:
+    if isinstance(params_dtype, torch.dtype):
+        return params_dtype
+    if params_dtype is None:
+        return cfg.torch_dtype("cuda")  # plans are for GPU runs: "auto" = bfloat16
+    if params_dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"params_dtype must be float32, bfloat16 or float16, got {params_dtype!r}")
+    return getattr(torch, params_dtype)
+
+
+def _static_bytes(
+    params: tuple[int, int], pbytes: int, par: ParallelConfig, shards: tuple[int, int],
+    optimizer: str, reference_model: bool,
+) -> dict[str, float]:  # fmt: skip
+    """params = (non-expert, expert) elements; shards = optimizer shards of each."""
+    total = sum(params)
+    states = (8 if optimizer == "adam" else 4) + (4 if pbytes < 4 else 0)  # m, v (+ fp32 master)
+    return {
+        "params": total * pbytes,
+        "grads": total * (4 if par.grad_reduce_in_fp32 else pbytes),
+        "optimizer": states * (params[0] / shards[0] + params[1] / shards[1]),
+        "reference": total * pbytes if reference_model else 0.0,
+    }
+
+
+def _loss_paths(cfg: ModelConfig, par: ParallelConfig, tokens: float, pbytes: int) -> dict:
+    tp = par.tensor_model_parallel_size
+    v_local = padded_vocab_size(cfg, tp) // tp
+    kw = dict(hidden=cfg.hidden_size, v_local=v_local, param_bytes=pbytes, tp=tp)
+    return {
+        p: loss_working_set(p, tokens=tokens, sp=par.sequence_parallel, **kw)
+        for p in ("fused", "op", "megatron")
+    }
+
+
+def memory_plan(
+    model_cfg: ModelConfig,
+    parallel_cfg: ParallelConfig,
+    *,
+    micro_batch_tokens: int,
+    use_distributed_optimizer: bool,
+    dp_size: int,
+    logprob_path: str = "fused",
+    params_dtype: torch.dtype | str | None = None,
+    optimizer: str = "adam",
+    reference_model: bool = False,
+) -> MemoryPlan:
+    """Per-rank memory of training ``model_cfg`` under ``parallel_cfg`` with ``dp_size`` DP ranks.
+
+    ``micro_batch_tokens``: packed tokens per micro-batch (before CP splitting). Recompute
+    settings are the model's (``model_cfg.recompute_*``, the fields the model is built with).
+    ``params_dtype`` None = the model's dtype on GPU (``auto`` = bfloat16). ``optimizer``:
+    "adam" (fp32 m, v and master weights) or "sgd" (momentum); sharded over DP x CP (experts:
+    expert-DP) with ``use_distributed_optimizer``. ``reference_model``: a frozen copy.
+    ``logprob_path`` picks which loss working set enters the last stage's total; all three are
+    in ``loss_paths`` for comparison ("fused" with GSPO runs the "op" path: pass "op").
+    """
+    if micro_batch_tokens <= 0 or dp_size <= 0:
+        raise ValueError(f"micro_batch_tokens and dp_size must be positive, got "
+                         f"{micro_batch_tokens} and {dp_size}")  # fmt: skip
+    if optimizer not in ("adam", "sgd"):
+        raise ValueError(f"optimizer must be 'adam' or 'sgd', got {optimizer!r}")
+    dtype, par = _dtype(model_cfg, params_dtype), parallel_cfg
+    pbytes = torch.finfo(dtype).bits // 8
+    tp, cp, etp = par.tensor_model_parallel_size, par.context_parallel_size, _etp(par)
+    edp = tp * cp * dp_size // (etp * par.expert_model_parallel_size)
+    shards = (dp_size * cp, edp) if use_distributed_optimizer else (1, 1)
+    tokens = micro_batch_tokens / cp
+    paths = _loss_paths(model_cfg, par, tokens, pbytes)
+    if logprob_path not in paths:
+        raise ValueError(f"logprob_path must be one of {list(paths)}, got {logprob_path!r}")
+    stages, pp = [], par.pipeline_model_parallel_size
+    for s in range(pp):
+        params = stage_params(model_cfg, par, s)
+        parts = _static_bytes(params, pbytes, par, shards, optimizer, reference_model)
+        parts["activations"], flight = stage_activation_bytes(model_cfg, par, s, tokens, pbytes)
+        parts["logprobs"] = paths[logprob_path].total if s == pp - 1 else 0.0
+        layers = stage_layers(model_cfg, par, s)
+        moe = sum(is_moe_layer(model_cfg, i) for i in layers)
+        stages.append(StagePlan(s, len(layers), moe, *params, flight, parts))
+    ranks = tp * cp * dp_size
+    return MemoryPlan(tuple(stages), logprob_path, paths, micro_batch_tokens, dtype, ranks)
+
+
+def _etp(par: ParallelConfig) -> int:
+    return par.expert_tensor_parallel_size or par.tensor_model_parallel_size
+
+
+_COLUMNS = ("params", "grads", "optimizer", "reference", "activations", "logprobs")
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    """The plan as a table: one row per rank role (a pipeline stage: its TP / CP / DP / EP ranks
+    hold the same amounts), GiB per component, then the log-prob working sets and assumptions."""
+    head = f"{'role':<6}{'ranks':>6}{'layers':>7}{'params(M)':>10}"
+    head += "".join(f"{c:>12}" for c in _COLUMNS)
+    lines = [
+        f"memory plan per rank (GiB): {plan.micro_batch_tokens} tokens per micro-batch, "
+        f"{str(plan.params_dtype).removeprefix('torch.')} parameters, "
+        f"log-prob path {plan.logprob_path!r}",
+        head + f"{'total':>10}",
+    ]
+    for s in plan.stages:
+        role = f"pp{s.stage}"
+        layers = f"{s.layers}" + (f"/{s.moe_layers}m" if s.moe_layers else "")
+        row = f"{role:<6}{plan.ranks_per_stage:>6}{layers:>7}{s.params / 1e6:>10.1f}"
+        row += "".join(f"{s.bytes[c] / GIB:>12.2f}" for c in _COLUMNS)
+        lines.append(row + f"{s.total_bytes / GIB:>10.2f}")
+    lines.append(
+        f"peak {plan.peak_bytes / GIB:.2f} GiB ({plan.peak_bytes / 1e9:.1f} GB); "
+        "'layers' counts decoder layers (/ MoE layers)"
+    )
+    ours = plan.loss_paths["fused"]
+    lines.append("log-prob/loss working set per micro-batch on the last stage:")
+    for p in plan.loss_paths.values():
+        ratio = p.logits / ours.logits if ours.logits else float("nan")
+        lines.append(
+            f"  {p.path:<9} logits {p.logits / GIB:8.3f} GiB + other "
+            f"{p.other / GIB:7.3f} GiB  (logits {ratio:.1f}x fused)"
+        )
+    lines.append("assumptions: " + "; ".join(ASSUMPTIONS))
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- rank layout
+def orthogonal_groups(sizes: list[int], members: list[bool]) -> list[list[int]]:
+    """Rank groups of a mixed-radix layout (first dimension fastest): each group varies the
+    ``members`` dimensions and fixes the others; groups and ranks in ascending order."""
+    strides = [reduce(mul, sizes[:i], 1) for i in range(len(sizes))]
+
+    def offsets(dims: list[tuple[int, int]]) -> list[int]:
+        out = [0]
+        for size, stride in dims:
+            out = [o + i * stride for i in range(size) for o in out]
+        return out
+
+    inner = [(n, st) for n, st, m in zip(sizes, strides, members, strict=True) if m]
+    outer = [(n, st) for n, st, m in zip(sizes, strides, members, strict=True) if not m]
+    return [[base + o for o in offsets(inner)] for base in offsets(outer)]
+
+
+ORDER = ("tp", "cp", "ep", "dp", "pp")  # Megatron's default order "tp-cp-ep-dp-pp"
+_DENSE_GROUPS = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",), "dp-cp": ("cp", "dp")}
+_EXPERT_GROUPS = {"ep": ("ep",), "etp": ("tp",), "edp": ("dp",)}
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    sizes: dict[str, int]  # tp, cp, pp, dp, ep, etp, edp
+    groups: dict[str, list[list[int]]]
+    verified: str
+
+
+def rank_layout(par: ParallelConfig, world_size: int) -> RankLayout:
+    """The global ranks of every TP / CP / DP / PP / DP-CP and EP / expert-TP / expert-DP group
+    (computed arithmetically; compared with megatron-core's ``RankGenerator`` when it exists)."""
+    tp, cp = par.tensor_model_parallel_size, par.context_parallel_size
+    pp, ep, etp = par.pipeline_model_parallel_size, par.expert_model_parallel_size, _etp(par)
+    dp, edp = world_size // (tp * cp * pp), world_size // (etp * ep * pp)
+    dense = dict(tp=tp, cp=cp, ep=1, dp=dp, pp=pp)
+    expert = dict(tp=etp, cp=1, ep=ep, dp=edp, pp=pp)
+    groups = {}
+    for table, dims in ((_DENSE_GROUPS, dense), (_EXPERT_GROUPS, expert)):
+        for name, varying in table.items():
+            sizes = [dims[d] for d in ORDER]
+            groups[name] = orthogonal_groups(sizes, [d in varying for d in ORDER])
+    sizes = dict(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp, edp=edp)
+    return RankLayout(sizes, groups, _verify(groups, dense, expert))
+
+
+def _verify(groups: dict, dense: dict, expert: dict) -> str:
+    try:
+        from megatron.core.parallel_state import RankGenerator
+
+        order = "-".join(ORDER)
+        for table, dims in ((_DENSE_GROUPS, dense), (_EXPERT_GROUPS, expert)):
+            gen = RankGenerator(dims["tp"], dims["ep"], dims["dp"], dims["pp"], dims["cp"], order)
+            for name, varying in table.items():
+                token = "-".join(d for d in ORDER if d in varying)
+                if gen.get_ranks(token) != groups[name]:
+                    raise RuntimeError(f"{name} groups differ from megatron's RankGenerator")
+    except (ImportError, TypeError) as e:  # older/newer megatron-core without this API
+        return f"not verified against megatron-core ({type(e).__name__}: {e})"
+    return "matches megatron.core.parallel_state.RankGenerator"
+
+
+def _fmt_group(ranks: list[int]) -> str:
+    if len(ranks) > 3 and all(b - a == ranks[1] - ranks[0] for a, b in pairwise(ranks)):
+        step = ranks[1] - ranks[0]
+        return f"{ranks[0]}-{ranks[-1]}" if step == 1 else f"{ranks[0]}..{ranks[-1]}/{step}"
+    return ",".join(map(str, ranks))
+
+
+def format_layout(layout: RankLayout, max_groups: int = 8) -> str:
+    """One line per group kind: its size, count and the first ``max_groups`` groups
+    (``a-b`` = consecutive ranks, ``a..b/k`` = every k-th rank)."""
+    sz = layout.sizes
+    lines = [
+        "rank layout (order tp-cp-ep-dp-pp): " + " ".join(f"{k}={v}" for k, v in sz.items()),
+        f"rank groups: {layout.verified}",
+    ]
+    trivial = [name for name, groups in layout.groups.items() if len(groups[0]) == 1]
+    same = sz["ep"] == 1 and sz["etp"] == sz["tp"]  # expert groups = the dense tp / dp ones
+    for name, groups in layout.groups.items():
+        if name in trivial or (same and name in _EXPERT_GROUPS):
+            continue
+        shown = " ".join(f"[{_fmt_group(g)}]" for g in groups[:max_groups])
+        more = f" ... (+{len(groups) - max_groups} more)" if len(groups) > max_groups else ""
+        lines.append(f"  {name:<6} {len(groups)} x {len(groups[0])}: {shown}{more}")
+    if trivial:
+        lines.append(f"  (groups of one rank: {', '.join(trivial)})")
+    if same:
+        lines.append("  (expert groups: etp = tp, edp = dp)")
+    return "\n".join(lines)
+
+
+def check_layout(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, world_size: int) -> int:
+    """Validate the layout against ``world_size`` (ValueError naming the field); returns DP."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    check_parallel(model_cfg, parallel_cfg, world_size)
+    tp = parallel_cfg.tensor_model_parallel_size
+    moe = model_cfg.num_moe_experts is not None
+    if moe and tp > 1 and not parallel_cfg.sequence_parallel:
+        raise ValueError(
+            "parallel.sequence_parallel must be true for MoE with tensor_model_parallel_size > 1 "
+            "(megatron-core's MoE layer refuses to train without it)"
+        )
+    if parallel_cfg.context_parallel_size > 1 and model_cfg.transformer_impl == "local":
+        raise ValueError(
+            "parallel.context_parallel_size > 1 needs model.transformer_impl "
+            "'transformer_engine' or 'auto' (Transformer Engine attention)"
+        )
+    return world_size // parallel_cfg.model_parallel_size
+
+
+@dataclass(frozen=True)
+class DryRun:
+    layout: RankLayout
+    plan: MemoryPlan
+    text: str
+
+
+def micro_batch_tokens(train_cfg: Any) -> int:
+    """Longest packed micro-batch of a trainer config: ``max_tokens_per_micro_batch`` (a longer
+    sample forms its own micro-batch), else ``micro_batch_size`` longest samples."""
+    t, r = train_cfg.training, train_cfg.rollout
+    longest = r.max_prompt_length + r.max_response_length
+    if t.max_tokens_per_micro_batch is not None:
+        return max(t.max_tokens_per_micro_batch, longest)
+    return t.micro_batch_size * longest
+
+
+def dry_run(train_cfg: Any, world_size: int, *, file: TextIO | None = None) -> DryRun:
+    """Validate ``train_cfg`` (the trainer's ``TrainConfig``) for ``world_size`` ranks, print the
+    rank layout and the per-rank memory plan; no GPU, no torch.distributed, no model.
+
+    Reads ``model``, ``parallel``, ``loss.ratio_level``, ``rollout`` lengths and
+    ``num_prompts``, ``training`` (micro-batching, ``use_reference_model``, and
+    ``logprob_path`` when the trainer has it: "fused", GRPOStep's default, otherwise) and
+    ``optimizer`` (``optimizer``, ``use_distributed_optimizer``).
+    """
+    model, par = train_cfg.model, train_cfg.parallel
+    dp = check_layout(model, par, world_size)
+    if train_cfg.rollout.num_prompts % dp:
+        raise ValueError(
+            f"rollout.num_prompts={train_cfg.rollout.num_prompts} must be divisible "
+            f"by the data-parallel size {dp}"
+        )
+    path = getattr(train_cfg.training, "logprob_path", "fused")
+    note = ""
+    if path == "fused" and train_cfg.loss.ratio_level == "sequence":
+        path = "op"  # GSPO couples a sequence's tokens: the fused path runs the op path
+        note = "\n(loss.ratio_level 'sequence': the fused log-prob path runs the 'op' path)"
+    opt = train_cfg.optimizer
+    plan = memory_plan(
+        model, par, micro_batch_tokens=micro_batch_tokens(train_cfg), dp_size=dp,
+        use_distributed_optimizer=opt.use_distributed_optimizer, optimizer=opt.optimizer,
+        logprob_path=path, reference_model=train_cfg.training.use_reference_model,
+    )  # fmt: skip
+    layout = rank_layout(par, world_size)
+    text = f"dry run: world size {world_size}\n{format_layout(layout)}\n{format_plan(plan)}{note}"
+    print(text, file=file or sys.stdout, flush=True)
+    return DryRun(layout, plan, text)

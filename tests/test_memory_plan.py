@@ -1,0 +1,197 @@
+"""memory_plan: exact parameter counts (vs. models built with build_model on CPU), how the plan
+responds to TP / SP / PP / distributed optimizer / recompute / EP, the rank layout arithmetic
+and the layout checks of dry_run."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from megatron.core import parallel_state
+
+from megatron_grpo.megatron import ModelConfig, ParallelConfig, unwrap
+from megatron_grpo.megatron.memory_plan import (
+    check_layout,
+    format_layout,
+    format_plan,
+    memory_plan,
+    orthogonal_groups,
+    rank_layout,
+    stage_params,
+)
+from megatron_grpo.ops.tiling import TILE_BYTES
+from tests.dist_utils import run_distributed
+from tests.test_megatron_common import build_layout, tiny_model
+
+P = ParallelConfig
+
+
+def _variants() -> list[tuple[ModelConfig, ParallelConfig]]:
+    dense = tiny_model()  # RMSNorm, GLU, qk norms, qkv bias, untied
+    other = tiny_model(
+        normalization="LayerNorm", add_bias_linear=True, gated_linear_unit=False,
+        activation_func="gelu", position_embedding_type="learned_absolute",
+        share_embeddings_and_output_weights=True, qk_layernorm=False, add_qkv_bias=False,
+    )  # fmt: skip
+    moe = tiny_model(
+        num_layers=4, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+        moe_layer_freq=2, moe_shared_expert_intermediate_size=48,
+    )  # fmt: skip
+    return [
+        (dense, P()),
+        (other, P()),
+        (moe, P()),
+        (moe, P(expert_model_parallel_size=2)),
+        (dense, P(tensor_model_parallel_size=2, sequence_parallel=True)),
+        (
+            moe,
+            P(
+                tensor_model_parallel_size=2,
+                sequence_parallel=True,
+                expert_model_parallel_size=2,
+                expert_tensor_parallel_size=1,
+            ),
+        ),  # fmt: skip
+        (other, P(pipeline_model_parallel_size=2)),  # tied: the last stage keeps a copy
+        (dense, P(pipeline_model_parallel_size=2)),
+    ]
+
+
+def _count_body(rank: int, world: int) -> None:
+    for model_cfg, par in _variants():
+        chunks = build_layout(par, model_cfg)
+        named = [(n, p.numel()) for c in chunks for n, p in unwrap(c).named_parameters()]
+        expert = sum(k for n, k in named if ".experts." in n)  # routed experts, not shared
+        dense = sum(k for _, k in named) - expert
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        want = stage_params(model_cfg, par, stage)
+        assert (dense, expert) == want, f"{model_cfg} {par} stage {stage}: {(dense, expert)}"
+
+
+@pytest.mark.slow
+def test_parameter_counts_match_built_models():
+    run_distributed(_count_body, 2)
+
+
+QWEN3_8B = ModelConfig(
+    vocab_size=151936, num_layers=36, hidden_size=4096, num_attention_heads=32,
+    num_query_groups=8, ffn_hidden_size=12288, qk_layernorm=True, max_sequence_length=40960,
+)  # fmt: skip
+MOE = ModelConfig(
+    vocab_size=151936, num_layers=8, hidden_size=2048, num_attention_heads=32,
+    num_query_groups=4, kv_channels=128, num_moe_experts=16, moe_router_topk=4,
+    moe_ffn_hidden_size=768,
+)  # fmt: skip
+
+
+def _plan(model=QWEN3_8B, par=None, **kw):
+    args = dict(micro_batch_tokens=32768, use_distributed_optimizer=False, dp_size=8)
+    return memory_plan(model, par or P(), **{**args, **kw})
+
+
+def test_qwen3_8b_parameter_count():
+    dense, expert = stage_params(QWEN3_8B, P(), 0)
+    assert expert == 0 and 8.18e9 < dense < 8.20e9  # Qwen3-8B: 8.19B with untied embeddings
+
+
+def test_tp_and_sequence_parallel_divide_activations():
+    act = _plan().stages[0].bytes["activations"]
+    sp = _plan(par=P(tensor_model_parallel_size=4, sequence_parallel=True))
+    no_sp = _plan(par=P(tensor_model_parallel_size=4))
+    assert sp.stages[0].bytes["activations"] == pytest.approx(act / 4)
+    assert act / 4 < no_sp.stages[0].bytes["activations"] < act
+    assert sp.stages[0].params < _plan().stages[0].params / 3.9
+
+
+def test_distributed_optimizer_shards_over_dp_and_cp():
+    base = _plan().stages[0].bytes
+    dist = _plan(use_distributed_optimizer=True, dp_size=8).stages[0].bytes
+    assert dist["optimizer"] == pytest.approx(base["optimizer"] / 8)
+    assert dist["grads"] == base["grads"] and dist["params"] == base["params"]
+    assert base["optimizer"] == 12 * _plan().stages[0].params  # fp32 m, v, master
+    fp32 = _plan(params_dtype="float32").stages[0]
+    assert fp32.bytes["optimizer"] == 8 * fp32.params and fp32.bytes["params"] == 4 * fp32.params
+
+
+def test_pipeline_stages_split_params_and_hold_in_flight_micro_batches():
+    one = _plan().stages[0]
+    two = _plan(par=P(pipeline_model_parallel_size=2)).stages
+    assert two[0].params + two[1].params == one.params  # untied: nothing duplicated
+    assert (two[0].in_flight, two[1].in_flight) == (2.0, 1.0)
+    assert two[0].bytes["activations"] == pytest.approx(one.bytes["activations"])
+    assert two[0].bytes["logprobs"] == 0 < two[1].bytes["logprobs"]
+    vpp = P(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    assert _plan(par=vpp).stages[0].in_flight == 2.5  # Megatron's interleaved warm-up: 4 + 1
+
+
+def test_full_recompute_keeps_layer_inputs():
+    model = replace(
+        QWEN3_8B, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+    )
+    plan = _plan(model=model, par=P(tensor_model_parallel_size=4, sequence_parallel=True))
+    per_layer = _plan(par=P(tensor_model_parallel_size=4, sequence_parallel=True))
+    per_layer = per_layer.stages[0].bytes["activations"] / 36
+    layer_input = 32768 / 4 * 4096 * 2
+    assert plan.stages[0].bytes["activations"] == pytest.approx(36 * layer_input + per_layer)
+
+
+def test_expert_parallel_divides_expert_params():
+    one = _plan(model=MOE).stages[0]
+    ep = _plan(model=MOE, par=P(expert_model_parallel_size=4)).stages[0]
+    assert one.expert_params == 4 * ep.expert_params > 0
+    assert one.dense_params == ep.dense_params
+
+
+def test_megatron_logits_working_set_is_larger():
+    plan = _plan(par=P(tensor_model_parallel_size=4, sequence_parallel=True))
+    ours, theirs = plan.loss_paths["fused"], plan.loss_paths["megatron"]
+    assert theirs.logits >= 4 * ours.logits
+    assert 0 < ours.logits <= TILE_BYTES  # one fp32 logits tile of the ops' tiled passes
+    assert plan.loss_paths["op"] == replace(ours, path="op")
+    v_local = 152064 // 4  # 151936 padded to a multiple of 128 * TP
+    assert theirs.logits == 32768 * v_local * 6  # bf16 logits + fp32 softmax
+    text = format_plan(plan)
+    assert "megatron" in text and "pp0" in text
+
+
+def test_rank_layout_arithmetic():
+    groups = orthogonal_groups([2, 1, 1, 2, 2], [True, False, False, False, False])
+    assert groups == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    lay = rank_layout(P(tensor_model_parallel_size=2, pipeline_model_parallel_size=2), 8)
+    assert lay.groups["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert lay.groups["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert lay.verified.startswith("match")
+    par = P(
+        tensor_model_parallel_size=2,
+        context_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        expert_model_parallel_size=4,
+        expert_tensor_parallel_size=1,
+        sequence_parallel=True,
+    )
+    lay = rank_layout(par, 32)
+    assert lay.sizes == dict(tp=2, cp=2, pp=2, dp=4, ep=4, etp=1, edp=4)
+    assert lay.groups["ep"][0] == [0, 1, 2, 3] and lay.groups["cp"][0] == [0, 2]
+    assert lay.verified.startswith("match"), lay.verified
+    assert "ep" in format_layout(lay)
+
+
+def test_check_layout_errors_name_fields():
+    with pytest.raises(ValueError, match="world size 12"):
+        check_layout(QWEN3_8B, P(tensor_model_parallel_size=8), 12)
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        check_layout(MOE, P(tensor_model_parallel_size=2), 8)
+    with pytest.raises(ValueError, match="expert_model"):
+        check_layout(MOE, P(expert_model_parallel_size=8), 4)  # EP does not fit the world
+    with pytest.raises(ValueError, match="world_size"):
+        check_layout(QWEN3_8B, P(), 0)
+    assert check_layout(QWEN3_8B, P(tensor_model_parallel_size=4), 64) == 16
+
+
+def test_plan_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="logprob_path"):
+        _plan(logprob_path="liger")
+    with pytest.raises(ValueError, match="micro_batch_tokens"):
+        _plan(micro_batch_tokens=0)
+    assert isinstance(_plan().params_dtype, torch.dtype)

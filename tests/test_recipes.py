@@ -1,0 +1,132 @@
+"""The scale recipes: they load into TrainConfig, every non-default value is commented, the model
+sections match what the checkpoint converter derives from the HF configs, and dry_run at a
+plausible world size validates the layout and prints a sane memory plan."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from transformers import Qwen3Config, Qwen3MoeConfig
+
+from megatron_grpo.config import to_dict
+from megatron_grpo.convert.families import FAMILIES
+from megatron_grpo.convert.hf_config import check_same_architecture, model_config_from_hf
+from megatron_grpo.megatron.memory_plan import dry_run
+from megatron_grpo.train.config import TrainConfig, load_train_config
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+FULL = ("qwen3_8b_long_sp", "qwen3_30b_a3b_moe")
+TWINS = ("qwen3_8b_long_sp_twin", "qwen3_30b_a3b_moe_twin")
+H200_BYTES = 141e9
+_QWEN3 = dict(
+    vocab_size=151936, num_attention_heads=32, head_dim=128, max_position_embeddings=40960,
+    rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+)  # fmt: skip
+HF_CONFIGS = {  # the published config.json values of the two models
+    "qwen3_8b_long_sp": (
+        Qwen3Config(
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_key_value_heads=8,
+            **_QWEN3,
+        ),
+        "qwen3",
+    ),  # fmt: skip
+    "qwen3_30b_a3b_moe": (
+        Qwen3MoeConfig(
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_hidden_layers=48,
+            num_key_value_heads=4,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            **_QWEN3,
+        ),
+        "qwen3_moe",
+    ),  # fmt: skip
+}
+
+
+def _load(name: str, *overrides: str) -> TrainConfig:
+    return load_train_config(RECIPES / f"{name}.yaml", list(overrides))
+
+
+@pytest.mark.parametrize("name", FULL + TWINS)
+def test_recipe_loads_and_comments_every_non_default(name):
+    cfg = to_dict(_load(name))
+    default = to_dict(TrainConfig())
+    stack: list[tuple[int, str]] = []
+    for line in (RECIPES / f"{name}.yaml").read_text().splitlines():
+        m = re.match(r"^(\s*)(\w+):\s*([^#]*?)\s*(#.*)?$", line)
+        if not m:
+            continue
+        indent, key, value, comment = len(m.group(1)), m.group(2), m.group(3), m.group(4)
+        stack = [(i, k) for i, k in stack if i < indent] + [(indent, key)]
+        if not value:
+            continue  # a section header
+        path = [k for _, k in stack]
+        got, want = _get(cfg, path), _get(default, path)
+        assert got == want or comment, f"{name}: {'.'.join(path)}={got!r} needs a comment"
+
+
+def _get(tree: dict, path: list[str]):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+@pytest.mark.parametrize("name", FULL)
+def test_model_section_matches_the_converter(name):
+    hf, family = HF_CONFIGS[name]
+    converted = model_config_from_hf(hf, FAMILIES[family])
+    check_same_architecture(converted, _load(name).model, f"recipes/{name}.yaml")
+
+
+def test_dense_recipe_fits_an_h200_at_32k(capsys):
+    cfg = _load("qwen3_8b_long_sp")
+    assert cfg.training.max_tokens_per_micro_batch == 32768 and cfg.parallel.sequence_parallel
+    run = dry_run(cfg, 64)
+    out = capsys.readouterr().out
+    assert "memory plan per rank" in out and "tp     16 x 4" in out
+    assert run.plan.peak_bytes < H200_BYTES
+    ours, theirs = run.plan.loss_paths["fused"], run.plan.loss_paths["megatron"]
+    assert theirs.logits >= 4 * ours.logits
+    # Sane magnitudes: ~8.2B parameters over TP=4 (bf16), activations dominate at 32k tokens.
+    stage = run.plan.stages[0]
+    assert 2.0e9 < stage.params < 2.1e9
+    assert stage.bytes["activations"] > stage.bytes["params"]
+
+
+def test_moe_recipe_plan_at_64_ranks(capsys):
+    run = dry_run(_load("qwen3_30b_a3b_moe"), 64)
+    out = capsys.readouterr().out
+    assert "ep     8 x 8: [0-7]" in out and "matches megatron" in out
+    stage = run.plan.stages[0]
+    assert stage.moe_layers == 48
+    # 128 experts / EP 8 = 16 local experts x 48 layers x 3 x 768 x 2048.
+    assert stage.expert_params == 16 * 48 * 3 * 768 * 2048
+    assert run.plan.peak_bytes < H200_BYTES
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_twins_fit_two_gpus_with_the_qwen_vocabulary(name, capsys):
+    long_ctx = ("model.vocab_size=151936", "rollout.max_prompt_length=256")
+    cfg = _load(name, *long_ctx, "rollout.max_response_length=3840")
+    run = dry_run(cfg, 2)
+    assert run.plan.peak_bytes < H200_BYTES / 4
+    with pytest.raises(ValueError, match="world size 3"):
+        dry_run(cfg, 3)
+
+
+def test_dense_twin_on_one_gpu(capsys):
+    cfg = _load(
+        "qwen3_8b_long_sp_twin",
+        "parallel.tensor_model_parallel_size=1",
+        "parallel.sequence_parallel=false",
+    )
+    assert dry_run(cfg, 1).layout.sizes["dp"] == 1

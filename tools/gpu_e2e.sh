@@ -1,0 +1,279 @@
+#!/usr/bin/env bash
+# End-to-end GPU runs of the scale twins, our log-prob path vs Megatron's standard path.
+#
+# On a 1- or 2-GPU H200 machine, from the repository root, with the wheels carried in .whl/
+# (megatron-core and cut-cross-entropy for python 3.12; see /work/.library/device/README.md):
+#   bash tools/gpu_e2e.sh dense     # the dense twin: toy-task trajectory + 8k synthetic rollouts
+#   bash tools/gpu_e2e.sh moe       # the MoE twin (2 GPUs): toy task + 4k synthetic rollouts
+#   bash tools/gpu_e2e.sh maxctx    # longest packed micro-batch per log-prob path, one GPU
+#   bash tools/gpu_e2e.sh all       # all three (may exceed a 10-minute command limit)
+# Each mode runs every path of PATHS ("fused megatron"); the trainer must expose
+# training.logprob_path (GRPOStep.logprob_path). Results under $OUT (at most 4 files):
+#   summary.md    tables: tokens/s, peak memory, final reward/loss, longest context per path
+#   results.jsonl one line per (run, step) and per max-context trial
+#   e2e.log       every command's output;  env.txt  versions and GPUs
+# Knobs (environment): STEPS (toy steps, 8), LONG_STEPS (synthetic steps, 4; step 1 is
+# warm-up and left out of the means), PATHS, MAXCTX_LAYERS ("1 4": decoder layers of the
+# Qwen3-8B-shaped model; the embedding and LM head are full size), MAXCTX_DOC (8192 tokens per
+# packed document; 0 = one sequence), WHEELS (.whl).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+MODE=${1:-all}
+WHEELS=${WHEELS:-.whl}
+OUT=${OUT:-$PWD/gpu_out}
+WORK=${WORK:-/tmp/gpu_e2e}
+STEPS=${STEPS:-8}
+LONG_STEPS=${LONG_STEPS:-4}
+PATHS=${PATHS:-fused megatron}
+MAXCTX_LAYERS=${MAXCTX_LAYERS:-1 4}
+MAXCTX_DOC=${MAXCTX_DOC:-8192}
+mkdir -p "$OUT" "$WORK"
+LOG="$OUT/e2e.log"
+RESULTS="$OUT/results.jsonl"
+# Never use NVLink multicast on the shared hosts (see the device notes); unbuffered logs; less
+# fragmentation for the max-context search.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+
+setup() {
+    if compgen -G "$WHEELS/*.whl" >/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site "$WHEELS"/*.whl || return 1
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    else
+        echo "no wheels in $WHEELS/: megatron-core must already be installed"
+    fi
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || return 1
+    python3 - <<'EOF' 2>&1 | tee "$OUT/env.txt"
+import torch
+import megatron.core
+print("torch", torch.__version__, "cuda", torch.version.cuda, "megatron-core",
+      getattr(megatron.core, "__version__", "?"))
+print("gpus", [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
+EOF
+    NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+    [ "$NGPU" -ge 1 ] || { echo "no GPU"; return 1; }
+}
+
+# Sample nvidia-smi's memory.used (MiB, all GPUs) while a command runs: the peak is what the
+# process reserved (allocator cache included), a bound on torch's max_memory_allocated.
+with_memory_sampling() {
+    local tag=$1
+    shift
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 \
+        >"$WORK/$tag.smi" 2>/dev/null &
+    local smi=$!
+    "$@" >>"$LOG" 2>&1
+    local rc=$?
+    kill "$smi" 2>/dev/null
+    wait "$smi" 2>/dev/null
+    echo "$tag: exit $rc" | tee -a "$LOG"
+    return $rc
+}
+
+# train TAG RECIPE PATH [--set overrides...]: a trainer run under torchrun on every GPU used.
+train() {
+    local tag=$1 recipe=$2 path=$3
+    shift 3
+    local nproc=$((NGPU >= 2 ? 2 : 1))
+    local layout=()
+    if [ "$nproc" -eq 1 ]; then
+        layout=(--set parallel.tensor_model_parallel_size=1 --set parallel.sequence_parallel=false
+            --set parallel.expert_model_parallel_size=1)
+    fi
+    rm -rf "${WORK:?}/$tag"
+    echo "== $tag: $recipe, logprob_path=$path, $nproc GPU(s)" | tee -a "$LOG"
+    with_memory_sampling "$tag" python3 -m torch.distributed.run --standalone \
+        --nproc-per-node "$nproc" -m megatron_grpo.train --config "recipes/$recipe.yaml" \
+        --set training.logprob_path="$path" --set logging.dir="$WORK/$tag" \
+        --set logging.progress_bar=false --set checkpoint.dir=null "${layout[@]}" "$@"
+}
+
+# synthetic ROLLOUT_DIR GROUPS GROUP_SIZE PROMPT_LEN RESPONSE_LEN: random Qwen3-vocabulary
+# rollouts (rewards 0/1, generator log-probs near a uniform policy's) in the rollout-file format.
+synthetic() {
+    python3 - "$@" <<'EOF'
+import json, math, random, sys
+from pathlib import Path
+out, groups, size, p_len, r_len = sys.argv[1], *map(int, sys.argv[2:6])
+vocab, rng = 151936, random.Random(0)
+Path(out).mkdir(parents=True, exist_ok=True)
+with open(Path(out) / "rollouts.jsonl", "w") as f:
+    for gid in range(groups):
+        prompt = [rng.randrange(vocab) for _ in range(p_len)]
+        for _ in range(size):
+            resp = [rng.randrange(vocab) for _ in range(r_len)]
+            lp = [round(-math.log(vocab) + rng.gauss(0, 0.1), 4) for _ in resp]
+            row = dict(prompt_ids=prompt, response_ids=resp, group_id=gid, rollout_logprobs=lp,
+                       reward=float(rng.random() < 0.5))
+            f.write(json.dumps(row) + "\n")
+EOF
+}
+
+# twin NAME RECIPE SEQ_LEN PROMPTS: toy-task runs, then synthetic long-rollout runs per path.
+twin() {
+    local name=$1 recipe=$2 seq=$3 prompts=$4 status=0 p
+    for p in $PATHS; do
+        train "${name}_toy_$p" "$recipe" "$p" --set training.steps="$STEPS" || status=1
+    done
+    local data="$WORK/${name}_rollouts"
+    synthetic "$data" $((prompts * LONG_STEPS)) 8 256 $((seq - 256)) || return 1
+    for p in $PATHS; do
+        train "${name}_long_$p" "$recipe" "$p" --set model.vocab_size=151936 \
+            --set rollout.input_path="$data" --set rollout.num_prompts="$prompts" \
+            --set rollout.group_size=8 --set rollout.max_prompt_length=256 \
+            --set rollout.max_response_length=$((seq - 256)) \
+            --set training.steps="$LONG_STEPS" || status=1
+    done
+    return $status
+}
+
+# maxctx: per path and layer count, the longest packed micro-batch (tokens) whose forward +
+# backward fits one GPU: doubling from 16k, then 3 bisections; plus fwd+bwd tokens/s at 16k.
+maxctx() {
+    local status=0 p n
+    for n in $MAXCTX_LAYERS; do
+        for p in $PATHS; do
+            echo "== maxctx: $p, $n layer(s), documents of $MAXCTX_DOC" | tee -a "$LOG"
+            python3 - "$p" "$n" "$MAXCTX_DOC" "$RESULTS" >>"$LOG" 2>&1 <<'EOF' || status=1
+import gc, json, math, sys, time
+import torch
+from megatron_grpo.loss import GRPOLossConfig
+from megatron_grpo.megatron import (GRPOStep, ModelConfig, ParallelConfig, build_model,
+                                    get_forward_backward_func, initialize_parallel, pack_sequences)
+path, layers, doc, results = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+V = 151936
+cfg = ModelConfig(  # Qwen3-8B's shape with `layers` decoder layers
+    vocab_size=V, num_layers=layers, hidden_size=4096, num_attention_heads=32,
+    num_query_groups=8, kv_channels=128, ffn_hidden_size=12288, qk_layernorm=True,
+    layernorm_epsilon=1e-6, rotary_base=1000000, max_sequence_length=1 << 21,
+    params_dtype="bfloat16")
+initialize_parallel(ParallelConfig(), seed=1)
+chunks = build_model(cfg, ParallelConfig())
+step = GRPOStep(GRPOLossConfig(), vocab_size=V, logprob_path=path)  # token-level: fused = fused
+schedule = get_forward_backward_func()
+
+def batch(tokens):
+    g = torch.Generator().manual_seed(tokens)
+    lens = [doc] * (tokens // doc) + ([tokens % doc] if tokens % doc else []) if doc else [tokens]
+    seqs = [torch.randint(0, V, (n,), generator=g) for n in lens]
+    masks = [torch.arange(n) >= min(256, n // 8) for n in lens]  # short prompt, long response
+    old = [torch.full((n,), -math.log(V)) for n in lens]
+    adv = [1.0 if i % 2 else -1.0 for i in range(len(lens))]
+    return pack_sequences(seqs, masks, advantages=adv, old_logprobs=old)
+
+def run(tokens):
+    b = batch(tokens)
+    for c in chunks:
+        c.zero_grad_buffer()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    try:
+        schedule(forward_step_func=step.forward_step, data_iterator=iter([b]), model=chunks[0],
+                 num_microbatches=1, seq_length=tokens, micro_batch_size=1, forward_only=False)
+        torch.cuda.synchronize()
+    except torch.OutOfMemoryError:
+        return None
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    return dict(seconds=time.perf_counter() - t0, peak_gib=peak)
+
+def trial(tokens):
+    r = run(tokens)
+    gc.collect()
+    torch.cuda.empty_cache()
+    row = dict(kind="maxctx_trial", path=path, layers=layers, doc=doc, tokens=tokens,
+               fits=r is not None, **(r or {}))
+    print(json.dumps(row), flush=True)
+    with open(results, "a") as f:
+        f.write(json.dumps(row) + "\n")
+    return r
+
+run(4096)  # warm-up
+speed = [trial(16384) for _ in range(3)]
+lo, hi, tokens = 0, None, 16384
+while hi is None and tokens <= (1 << 21):
+    if trial(tokens):
+        lo, tokens = tokens, tokens * 2
+    else:
+        hi = tokens
+for _ in range(3 if hi else 0):
+    mid = (lo + hi) // 2 // 1024 * 1024
+    if trial(mid):
+        lo = mid
+    else:
+        hi = mid
+secs = [s["seconds"] for s in speed if s]
+row = dict(kind="maxctx", path=path, layers=layers, doc=doc, max_tokens=lo, first_oom=hi,
+           tokens_per_s_16k=16384 / min(secs) if secs else None)
+print(json.dumps(row), flush=True)
+with open(results, "a") as f:
+    f.write(json.dumps(row) + "\n")
+EOF
+        done
+    done
+    return $status
+}
+
+# Collect every run's JSONL + sampled memory into results.jsonl and the tables of summary.md.
+summarize() {
+    python3 - "$WORK" "$RESULTS" "$OUT/summary.md" <<'EOF'
+import json, sys
+from pathlib import Path
+work, results, summary = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+old = [json.loads(l) for l in results.read_text().splitlines()] if results.exists() else []
+rows = [r for r in old if r.get("kind", "").startswith("maxctx")]
+table = ["| run | log-prob path | steps | tokens/s (mean, step >= 2) | peak GiB (torch) | "
+         "peak MiB/GPU (nvidia-smi) | reward first -> last | loss first -> last |",
+         "|---|---|---|---|---|---|---|---|"]
+def first_last(steps, key):
+    v = [s[key] for s in steps if s.get(key) is not None]
+    return f"{v[0]:.3f} -> {v[-1]:.3f}" if v else "n/a"
+
+for run in sorted(p for p in work.iterdir() if (p / "metrics.jsonl").exists()):
+    steps = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    rows += [dict(kind="train_step", run=run.name, **s) for s in steps]
+    name, _, path = run.name.rpartition("_")
+    later = [s["perf/tokens_per_s"] for s in steps[1:] if s.get("perf/tokens_per_s")]
+    tps = f"{sum(later) / len(later):.0f}" if later else "n/a"
+    peak = [v for s in steps for k, v in s.items() if k.startswith("perf/peak") and v]
+    smi = work / f"{run.name}.smi"
+    used = [int(x) for x in smi.read_text().split() if x.isdigit()] if smi.exists() else []
+    cells = [name, path, len(steps), tps, f"{max(peak):.1f}" if peak else "not logged",
+             max(used) if used else "n/a", first_last(steps, "reward/mean"),
+             first_last(steps, "loss/loss")]
+    table.append("| " + " | ".join(map(str, cells)) + " |")
+ctx = ["| log-prob path | decoder layers | tokens per document | longest fitting micro-batch "
+       "| first OOM | fwd+bwd tokens/s at 16k |", "|---|---|---|---|---|---|"]
+for r in rows:
+    if r.get("kind") == "maxctx":
+        tps = f"{r['tokens_per_s_16k']:.0f}" if r.get("tokens_per_s_16k") else "n/a"
+        ctx.append(f"| {r['path']} | {r['layers']} | {r['doc'] or 'one sequence'} | "
+                   f"{r['max_tokens']} | {r['first_oom']} | {tps} |")
+results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+text = "## Twin runs\n\n" + "\n".join(table) + "\n\n## Longest context on one GPU\n\n"
+summary.write_text(text + "\n".join(ctx) + "\n")
+print(summary.read_text())
+EOF
+}
+
+status=0
+case "$MODE" in
+    dense) { setup && twin dense qwen3_8b_long_sp_twin 8192 4; } || status=1 ;;
+    moe) { setup && twin moe qwen3_30b_a3b_moe_twin 4096 8; } || status=1 ;;
+    maxctx) { setup && maxctx; } || status=1 ;;
+    all)
+        setup || exit 1
+        twin dense qwen3_8b_long_sp_twin 8192 4 || status=1
+        twin moe qwen3_30b_a3b_moe_twin 4096 8 || status=1
+        maxctx || status=1
+        ;;
+    *)
+        echo "usage: $0 [dense|moe|maxctx|all]"
+        exit 2
+        ;;
+esac
+summarize || status=1
+echo "gpu_e2e $MODE: exit $status; results in $OUT"
+exit "$status"
