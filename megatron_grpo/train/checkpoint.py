@@ -1,0 +1,232 @@
+"""Checkpoints with megatron-core ``dist_checkpointing``: model, optimizer, RNG, step, data position.
+
+Layout under ``checkpoint.dir``::
+
+    step_00000010/      one dist_checkpointing (torch_dist) directory per save
+    step_00000020/
+    latest              text file: the name of the newest complete step directory
+
+A save writes into ``.tmp_step_N`` first, renames it to ``step_N`` only after every rank finished
+writing, and then atomically replaces ``latest`` (write ``latest.tmp``, ``os.replace``). A save
+interrupted at any point therefore leaves ``latest`` pointing at the previous, intact checkpoint;
+leftover temporary directories are removed by the next save. Only the last ``keep_last`` step
+directories are kept. ``dir`` must be on a file system all ranks share.
+
+Model tensors are the unwrapped GPTModel's ``sharded_state_dict`` (the keys the conversion tool
+writes too, so ``load_model_weights`` starts training from a converted checkpoint); optimizer
+state is the Megatron optimizer's ``sharded_state_dict``; each rank's RNG states are a
+``ShardedObject``; step, data position and the LR schedule are common (rank-0) state.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.optimizer import DistributedOptimizer
+from megatron.core.tensor_parallel import random as mcore_random
+
+from megatron_grpo.megatron.model import unwrap
+from megatron_grpo.megatron.parallel import cuda_compat
+from megatron_grpo.train.optim import optimizer_compat
+
+LATEST = "latest"
+# DistributedOptimizer state: each DP rank writes its own shard (reshardable along DP only).
+_OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The directory ``root/latest`` points to, or None when there is no complete checkpoint."""
+    pointer = Path(root) / LATEST
+    if not pointer.is_file():
+        return None
+    path = Path(root) / pointer.read_text().strip()
+    if not path.is_dir():
+        raise FileNotFoundError(f"{pointer} points to {path}, which does not exist")
+    return path
+
+
+def _rng_state() -> dict[str, Any]:
+    tracker = mcore_random.get_cuda_rng_tracker()
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tracker.get_states(),
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    mcore_random.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _rng_object(data: Any) -> ShardedObject:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return ShardedObject("rng_state", data, (world,), (_rank(),), replica_id=0)
+
+
+def _model_state(chunks: list[torch.nn.Module]) -> dict[str, Any]:
+    if len(chunks) == 1:
+        return {"model": unwrap(chunks[0]).sharded_state_dict()}
+    return {f"model{i}": unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def _materialize_optimizer_state(optimizer) -> None:
+    """A fresh DistributedOptimizer over torch's Adam has no per-parameter ``step`` yet, and
+    megatron-core's ``state_dict`` (no Apex/TE) asserts on it while building the state to load
+    into; Megatron's own dummy initialization (a zero-gradient step) creates the states, which
+    the load then overwrites."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
+            with optimizer_compat():
+                opt._init_optimizer_states_with_dummy_values()
+
+
+def _sharded_state(chunks, optimizer, is_loading: bool) -> dict[str, Any]:
+    state = _model_state(chunks)
+    if optimizer is not None:
+        if is_loading:
+            _materialize_optimizer_state(optimizer)
+        model_sd = {k: v for k, v in state.items()}
+        with optimizer_compat():
+            state["optimizer"] = optimizer.sharded_state_dict(
+                model_sd, is_loading=is_loading, metadata=_OPTIM_METADATA
+            )
+    return state
+
+
+def write_checkpoint(
+    root: str | Path, step: int, chunks, optimizer, scheduler, trainer_state: dict[str, Any]
+) -> Path:
+    """Write step ``step`` into ``root/.tmp_step_N`` (all ranks); not yet visible to resume."""
+    tmp = Path(root) / f".tmp_{step_dir_name(step)}"
+    if _rank() == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    _barrier()
+    state = _sharded_state(chunks, optimizer, is_loading=False)
+    state["rng"] = _rng_object(_rng_state())
+    state["scheduler"] = scheduler.state_dict() if scheduler is not None else None
+    state["trainer_state"] = dict(trainer_state, step=step)
+    with cuda_compat():
+        dist_checkpointing.save(state, str(tmp))
+    _barrier()
+    return tmp
+
+
+def commit_checkpoint(root: str | Path, tmp: Path, step: int, keep_last: int) -> Path:
+    """Publish a written checkpoint: rename into place, switch ``latest``, prune old ones."""
+    root = Path(root)
+    final = root / step_dir_name(step)
+    if _rank() == 0:
+        current = latest_checkpoint(root)
+        if final.exists():
+            if current is not None and current.resolve() == final.resolve():
+                raise RuntimeError(f"refusing to overwrite {final}, which 'latest' points to")
+            shutil.rmtree(final)
+        tmp.rename(final)
+        pointer_tmp = root / (LATEST + ".tmp")
+        pointer_tmp.write_text(final.name + "\n")
+        os.replace(pointer_tmp, root / LATEST)
+        _prune(root, keep_last)
+    _barrier()
+    return final
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    steps = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_"))
+    for old in steps[:-keep_last]:
+        shutil.rmtree(old)
+    for leftover in root.glob(".tmp_step_*"):
+        shutil.rmtree(leftover)
+
+
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    chunks,
+    optimizer,
+    scheduler,
+    trainer_state: dict[str, Any],
+    keep_last: int,
+) -> Path:
+    """Write then publish a checkpoint (see the module docstring); returns ``root/step_N``."""
+    tmp = write_checkpoint(root, step, chunks, optimizer, scheduler, trainer_state)
+    return commit_checkpoint(root, tmp, step, keep_last)
+
+
+def load_checkpoint(path: str | Path, chunks, optimizer, scheduler) -> dict[str, Any]:
+    """Restore model, optimizer, LR schedule and (same world size) RNG states from ``path``.
+
+    Returns the saved trainer state (``step``, ``data_position``, ...).
+    """
+    common = dist_checkpointing.load_common_state_dict(str(path))
+    if "trainer_state" not in common:
+        raise ValueError(
+            f"{path} is not a trainer checkpoint (no trainer_state); use "
+            "checkpoint.load for model-only checkpoints"
+        )
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    same_world = common["trainer_state"].get("world_size") == world
+    state = _sharded_state(chunks, optimizer, is_loading=True)
+    if same_world:
+        state["rng"] = _rng_object(None)
+    with cuda_compat():
+        loaded = dist_checkpointing.load(state, str(path))
+    _load_model(chunks, loaded)
+    if optimizer is not None:
+        # megatron-core copies into parameter views outside no_grad on this path.
+        with torch.no_grad(), optimizer_compat():
+            optimizer.load_state_dict(loaded["optimizer"])
+    if scheduler is not None and loaded.get("scheduler") is not None:
+        scheduler.load_state_dict(loaded["scheduler"])
+    if same_world:
+        _set_rng_state(loaded["rng"])
+    return dict(loaded["trainer_state"], rng_restored=same_world)
+
+
+def _load_model(chunks, loaded: dict[str, Any]) -> None:
+    if len(chunks) == 1:
+        unwrap(chunks[0]).load_state_dict(loaded["model"])
+        return
+    for i, c in enumerate(chunks):
+        unwrap(c).load_state_dict(loaded[f"model{i}"])
+
+
+def load_model_weights(path: str | Path, chunks) -> None:
+    """Load only the model tensors from a dist_checkpointing directory (a trainer checkpoint or
+    one written by ``tools/convert_checkpoint.py``)."""
+    path = Path(path)
+    if not (path / "metadata.json").is_file():
+        raise ValueError(f"checkpoint.load {str(path)!r} is not a dist_checkpointing directory")
+    with cuda_compat():
+        loaded = dist_checkpointing.load(_model_state(chunks), str(path))
+    _load_model(chunks, loaded)

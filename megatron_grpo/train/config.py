@@ -1,0 +1,266 @@
+"""The trainer's root config tree, ``TrainConfig``, one YAML section per dataclass.
+
+Load with :func:`load_train_config` (YAML + ``--set a.b=value`` overrides); unknown keys raise a
+:class:`~megatron_grpo.config.ConfigError` naming the closest valid key. ``model`` / ``parallel``
+are the Megatron integration's sections, ``loss`` is :class:`GRPOLossConfig`; the sections defined
+here are ``rollout``, ``optimizer`` (megatron-core ``OptimizerConfig`` field names), ``training``,
+``checkpoint`` and ``logging``. Checks that span sections live in ``TrainConfig.__post_init__``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from megatron_grpo.config import load_config
+from megatron_grpo.loss import GRPOLossConfig
+from megatron_grpo.megatron.config import ModelConfig, ParallelConfig
+
+TaskName = Literal["reverse_digits", "math"]
+
+
+def _check_positive(obj: object, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+
+
+@dataclass
+class ReverseDigitsConfig:
+    """The toy task: ``<bos> d1 .. dk =`` -> ``dk .. d1 <eos>`` (see ``tasks/reverse_digits.py``).
+
+    ``num_digits``: k. The reward is the fraction of the k + 1 target tokens (digits, then
+    ``<eos>``) that the response matches position by position.
+    """
+
+    num_digits: int = 3
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "num_digits")
+
+
+@dataclass
+class MathTaskConfig:
+    """A local JSONL of ``{"prompt": ..., "answer": ...}`` rows with a local HF tokenizer.
+
+    ``tokenizer_dir`` is loaded with ``AutoTokenizer.from_pretrained`` from disk only (never a hub
+    download). ``prompt_template`` wraps each prompt (``{prompt}`` is replaced). The built-in
+    reward is 1.0 when the last number in the response equals the answer, else 0.0.
+    """
+
+    data_path: str = ""
+    tokenizer_dir: str = ""
+    prompt_template: str = "{prompt}"
+
+
+@dataclass
+class RolloutConfig:
+    """What each step generates (or reads) and how it is scored.
+
+    Attributes:
+        num_prompts: prompts per training step, over all data-parallel ranks.
+        group_size: G samples per prompt (one advantage group).
+        max_prompt_length / max_response_length: in tokens; longer prompts are an error, responses
+            stop at ``<eos>`` or at ``max_response_length``.
+        temperature / top_p: sampling; the recorded rollout log-probs are those of the sampled
+            token under ``softmax(logits / temperature)`` before top-p truncation.
+        task: ``reverse_digits`` (toy, built-in tokenizer) or ``math`` (local JSONL + HF tokenizer).
+        reward_fn: optional ``"pkg.module:function"`` replacing the task's reward; called as
+            ``fn(prompt: str, response: str, answer: str) -> float``.
+        input_path: train on rollouts from a file (``.jsonl`` / ``.parquet``) or a directory of
+            them instead of generating; each step consumes the next ``num_prompts`` groups.
+        output_dir: write each step's rollouts to ``output_dir/rollouts_step{N}.{output_format}``.
+    """
+
+    num_prompts: int = 16
+    group_size: int = 8
+    max_prompt_length: int = 256
+    max_response_length: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    task: TaskName = "reverse_digits"
+    reverse_digits: ReverseDigitsConfig = field(default_factory=ReverseDigitsConfig)
+    math: MathTaskConfig = field(default_factory=MathTaskConfig)
+    reward_fn: str | None = None
+    input_path: str | None = None
+    output_dir: str | None = None
+    output_format: Literal["jsonl", "parquet"] = "jsonl"
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "num_prompts", "max_prompt_length", "max_response_length")
+        if self.group_size < 2:
+            raise ValueError(
+                f"group_size must be >= 2 (GRPO compares samples), got {self.group_size}"
+            )
+        if not self.temperature > 0.0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.reward_fn is not None and ":" not in self.reward_fn:
+            raise ValueError(
+                f"reward_fn must look like 'pkg.module:function', got {self.reward_fn!r}"
+            )
+        if self.task == "math" and self.input_path is None:
+            for name in ("data_path", "tokenizer_dir"):
+                if not getattr(self.math, name):
+                    raise ValueError(f"math.{name} is required when task is 'math'")
+
+
+@dataclass
+class OptimizerConfig:
+    """megatron-core ``OptimizerConfig`` fields plus the LR schedule (``OptimizerParamScheduler``).
+
+    ``lr_warmup_steps`` and ``lr_decay_steps`` count optimizer steps (``training.steps *
+    training.mini_batches_per_step`` in all; ``lr_decay_steps=None`` decays over all of them).
+    """
+
+    optimizer: Literal["adam", "sgd"] = "adam"
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
+    clip_grad: float = 1.0
+    use_distributed_optimizer: bool = False
+    lr_warmup_steps: int = 0
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    lr_decay_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "lr", "adam_eps", "lr_decay_steps")
+        if not 0.0 <= self.min_lr <= self.lr:
+            raise ValueError(f"min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
+        for name in ("weight_decay", "clip_grad", "lr_warmup_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("adam_beta1", "adam_beta2", "sgd_momentum"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+
+
+@dataclass
+class TrainingConfig:
+    """The loop.
+
+    Attributes:
+        steps: rollout steps (each: rollout, rewards, advantages, log-probs, policy update).
+        mini_batches_per_step: optimizer steps per rollout batch (the batch is split in order).
+        micro_batch_size: sequences per micro-batch, or ``max_tokens_per_micro_batch``: pack
+            sequences up to this many tokens (exactly one of the two).
+        advantage_estimator: ``grpo`` / ``dr_grpo`` / ``rloo`` (``loss.compute_advantages``).
+        use_reference_model: keep a frozen copy of the initial policy for ``ref_logprobs`` (needed
+            when ``loss.kl_coef > 0``; otherwise only the KL metric uses it).
+        max_consecutive_nonfinite_skips: abort after this many optimizer steps in a row were
+            skipped for a non-finite loss or gradient.
+    """
+
+    steps: int = 100
+    seed: int = 1234
+    mini_batches_per_step: int = 1
+    micro_batch_size: int | None = 16
+    max_tokens_per_micro_batch: int | None = None
+    advantage_estimator: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    use_reference_model: bool = False
+    max_consecutive_nonfinite_skips: int = 3
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "steps", "mini_batches_per_step", "max_consecutive_nonfinite_skips")
+        _check_positive(self, "micro_batch_size", "max_tokens_per_micro_batch")
+        if (self.micro_batch_size is None) == (self.max_tokens_per_micro_batch is None):
+            raise ValueError(
+                "set exactly one of micro_batch_size and max_tokens_per_micro_batch, got "
+                f"{self.micro_batch_size} and {self.max_tokens_per_micro_batch}"
+            )
+
+
+@dataclass
+class CheckpointConfig:
+    """dist_checkpointing saves of model, optimizer, RNG states, step and data position.
+
+    Attributes:
+        dir: checkpoint root; ``dir/step_N`` per save and a ``dir/latest`` pointer file.
+        save_interval: save every N steps (and after the last step); 0 = only after the last.
+        keep_last: how many ``step_N`` directories to keep.
+        load: start from the model weights of this dist_checkpointing directory (one of ours, or
+            one written by ``tools/convert_checkpoint.py``); ignored when ``--resume`` finds a
+            checkpoint in ``dir``.
+    """
+
+    dir: str | None = None
+    save_interval: int = 0
+    keep_last: int = 2
+    load: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.save_interval < 0:
+            raise ValueError(f"save_interval must be >= 0, got {self.save_interval}")
+        _check_positive(self, "keep_last")
+
+
+@dataclass
+class LoggingConfig:
+    """Where the run's resolved config and metrics go.
+
+    ``dir/config.yaml`` (the resolved config) and one JSON line of metrics per step in
+    ``jsonl_path`` (default ``dir/metrics.jsonl``). ``tensorboard_dir`` needs the ``tensorboard``
+    package. ``progress_bar``: a one-line status per step on rank 0.
+    """
+
+    dir: str = "runs/default"
+    jsonl_path: str | None = None
+    tensorboard_dir: str | None = None
+    progress_bar: bool = True
+
+    @property
+    def metrics_path(self) -> Path:
+        return Path(self.jsonl_path) if self.jsonl_path else Path(self.dir) / "metrics.jsonl"
+
+
+def _default_model() -> ModelConfig:
+    # The toy task's vocabulary; real models set their own.
+    return ModelConfig(vocab_size=16)
+
+
+@dataclass
+class TrainConfig:
+    """Root of a recipe: ``model, parallel, loss, rollout, optimizer, training, checkpoint,
+    logging``."""
+
+    model: ModelConfig = field(default_factory=_default_model)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        if self.loss.kl_coef > 0 and not self.training.use_reference_model:
+            raise ValueError("loss.kl_coef > 0 needs training.use_reference_model: true")
+        samples = self.rollout.num_prompts * self.rollout.group_size
+        if samples % self.training.mini_batches_per_step:
+            raise ValueError(
+                f"training.mini_batches_per_step={self.training.mini_batches_per_step} must "
+                f"divide rollout.num_prompts * rollout.group_size = {samples}"
+            )
+        total = self.rollout.max_prompt_length + self.rollout.max_response_length
+        if total > self.model.max_sequence_length:
+            raise ValueError(
+                f"rollout.max_prompt_length + rollout.max_response_length = {total} exceeds "
+                f"model.max_sequence_length = {self.model.max_sequence_length}"
+            )
+
+    @property
+    def optimizer_steps(self) -> int:
+        return self.training.steps * self.training.mini_batches_per_step
+
+
+def load_train_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """``TrainConfig`` from a YAML recipe plus ``a.b=value`` overrides (validated)."""
+    return load_config(TrainConfig, path, overrides)

@@ -1,0 +1,176 @@
+"""Generation over the Megatron GPT itself: recompute per token, temperature and top-p.
+
+Each decoding step packs the unfinished sequences into one THD stream (``cu_seqlens``; no padding,
+documents never attend to each other), runs the model without a KV cache (fine for the small
+models this path is meant for; large-scale users bring their own generation fleet through
+``rollout.input_path``), takes each sequence's last-position vocab-parallel logits and all-gathers
+only those ``[A, V_local]`` rows across TP.
+
+Every TP rank must emit the same tokens: all ranks hold identical gathered logits and the same
+seeded generator, and the tokens of TP rank 0 are broadcast anyway so that no floating-point
+nondeterminism can split the ranks. Padded vocabulary ids (``>= vocab_size``) get probability 0.
+
+Recorded rollout log-probs: ``log softmax(logits / temperature)[token]`` over the real vocabulary,
+before top-p truncation: the same distribution the training passes score with the same
+temperature, so importance-sampling correction compares like with like.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.packed_seq_params import PackedSeqParams
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """``max_new_tokens`` includes the eos token; ``vocab_size`` is the real vocabulary."""
+
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    eos_id: int
+    vocab_size: int
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
+        if not 0 <= self.eos_id < self.vocab_size:
+            raise ValueError(
+                f"eos_id {self.eos_id} is outside the vocabulary [0, {self.vocab_size})"
+            )
+
+
+def sample_tokens(
+    logits: Tensor, params: SamplingParams, generator: torch.Generator
+) -> tuple[Tensor, Tensor]:
+    """Sample one token per row of full-vocabulary ``logits`` ``[A, V_padded]``.
+
+    Returns ``(tokens [A] int64, logprobs [A] float32)``; see the module docstring for which
+    log-prob is recorded.
+    """
+    if logits.size(-1) < params.vocab_size:
+        raise ValueError(
+            f"logits have {logits.size(-1)} columns, fewer than vocab_size={params.vocab_size}"
+        )
+    logp = torch.log_softmax(logits[:, : params.vocab_size].float() / params.temperature, dim=-1)
+    probs = logp.exp()
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the most likely token always stays).
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _packed_inputs(seqs: list[list[int]], pad_to: int) -> tuple[Tensor, Tensor, PackedSeqParams]:
+    """``input_ids, position_ids`` ``[1, T]`` (T padded to a multiple of ``pad_to``) + THD params."""
+    lens = [len(s) for s in seqs]
+    total = sum(lens)
+    padded = -(-total // pad_to) * pad_to
+    ids = torch.zeros(1, padded, dtype=torch.long)
+    ids[0, :total] = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
+    pos = torch.zeros(1, padded, dtype=torch.long)
+    pos[0, :total] = torch.cat([torch.arange(n) for n in lens])
+    cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lens).cumsum(0)
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=max(lens),
+        max_seqlen_kv=max(lens),
+    )
+    return ids, pos, params
+
+
+def last_token_logits(model: torch.nn.Module, seqs: list[list[int]]) -> Tensor:
+    """Full-vocabulary logits ``[A, V_padded]`` at the last position of each sequence, gathered
+    across TP (only these rows are communicated)."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    sp = bool(getattr(getattr(model, "config", None), "sequence_parallel", False))
+    ids, pos, packed = _packed_inputs(seqs, tp if sp else 1)
+    device = next(model.parameters()).device
+    ids, pos = ids.to(device), pos.to(device)
+    for name in ("cu_seqlens_q", "cu_seqlens_kv"):
+        setattr(packed, name, getattr(packed, name).to(device))
+    local = model(ids, pos, None, packed_seq_params=packed)  # [1, T, V_local]
+    last = local[0, packed.cu_seqlens_q[1:].long() - 1].contiguous()  # [A, V_local]
+    if tp == 1:
+        return last
+    return tensor_parallel.gather_from_tensor_model_parallel_region(last)
+
+
+def _broadcast_from_tp_src(*tensors: Tensor) -> None:
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return
+    src = parallel_state.get_tensor_model_parallel_src_rank()
+    group = parallel_state.get_tensor_model_parallel_group()
+    # NCCL communicates device tensors only.
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    )
+    for t in tensors:
+        buf = t if device is None else t.to(device)
+        dist.broadcast(buf, src, group=group)
+        if device is not None:
+            t.copy_(buf)
+
+
+def _check_layout() -> None:
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        raise ValueError(
+            "the built-in sampler needs pipeline_model_parallel_size == 1; generate elsewhere "
+            "and train on files (rollout.input_path)"
+        )
+    if parallel_state.get_context_parallel_world_size() > 1:
+        raise ValueError("the built-in sampler needs context_parallel_size == 1")
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    generator: torch.Generator,
+) -> tuple[list[list[int]], list[list[float]]]:
+    """Sample a response for each prompt (the model is put in eval mode while sampling).
+
+    Args:
+        model: this rank's unwrapped GPTModel (vocab-parallel output, PP = CP = 1).
+        prompts: token ids per sample (G copies of a prompt are simply G entries).
+        generator: a CPU generator seeded identically on every TP rank of the group.
+    Returns:
+        ``(responses, logprobs)``: response ids (ending in ``eos_id`` unless cut at
+        ``max_new_tokens``) and the recorded log-prob of each response token.
+    """
+    _check_layout()
+    was_training = model.training
+    model.eval()
+    responses: list[list[int]] = [[] for _ in prompts]
+    logprobs: list[list[float]] = [[] for _ in prompts]
+    active = list(range(len(prompts)))
+    try:
+        for _ in range(params.max_new_tokens):
+            if not active:
+                break
+            logits = last_token_logits(model, [list(prompts[i]) + responses[i] for i in active])
+            tokens, logp = sample_tokens(logits.cpu(), params, generator)
+            _broadcast_from_tp_src(tokens, logp)
+            for i, tok, lp in zip(active, tokens.tolist(), logp.tolist(), strict=True):
+                responses[i].append(tok)
+                logprobs[i].append(lp)
+            active = [i for i in active if responses[i][-1] != params.eos_id]
+    finally:
+        model.train(was_training)
+    return responses, logprobs

@@ -1,0 +1,114 @@
+"""Rollout files: JSONL / Parquet round trips, group-wise reading, and clear errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+
+import pytest
+
+from megatron_grpo.train.rollout_batch import RolloutBatch
+from megatron_grpo.train.rollout_io import RolloutFileSource, read_rollouts, write_rollouts
+
+HAVE_PYARROW = importlib.util.find_spec("pyarrow") is not None
+
+
+def _batch(with_logprobs: bool = True, with_rewards: bool = True) -> RolloutBatch:
+    return RolloutBatch(
+        prompt_ids=[[1, 2, 3], [1, 2, 3], [4, 5], [4, 5]],
+        response_ids=[[7, 8], [9], [10, 11, 12], [13]],
+        group_ids=[0, 0, 5, 5],
+        rollout_logprobs=[[-0.5, -1.25], [-2.0], [-0.1, -0.2, -1e-7], [-3.5]]
+        if with_logprobs
+        else None,
+        rewards=[1.0, 0.0, 0.25, -1.5] if with_rewards else None,
+    )
+
+
+FORMATS = [
+    "jsonl",
+    pytest.param(
+        "parquet", marks=pytest.mark.skipif(not HAVE_PYARROW, reason="pyarrow not installed")
+    ),
+]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("full", [True, False], ids=["all_columns", "ids_only"])
+def test_round_trip_is_exact(tmp_path, fmt, full):
+    batch = _batch(with_logprobs=full, with_rewards=full)
+    path = tmp_path / f"r.{fmt}"
+    write_rollouts(batch, path)
+    assert read_rollouts(path) == batch
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.skipif(HAVE_PYARROW, reason="checks the message shown without pyarrow")
+def test_parquet_without_pyarrow_names_the_package(tmp_path):
+    with pytest.raises(ImportError, match="pyarrow"):
+        write_rollouts(_batch(), tmp_path / "r.parquet")
+
+
+def test_file_source_takes_whole_groups_in_order_and_renumbers(tmp_path):
+    write_rollouts(_batch(), tmp_path / "a_step1.jsonl")
+    second = _batch()
+    second.group_ids = [3, 3, 3, 9]
+    write_rollouts(second, tmp_path / "b_step2.jsonl")
+    source = RolloutFileSource(tmp_path)
+    assert len(source) == 4  # groups 0, 5 of file a; 3, 9 of file b
+    got = source.take(1, 2)
+    assert got.group_ids == [0, 0, 1, 1, 1]
+    assert got.prompt_ids == [[4, 5], [4, 5], [1, 2, 3], [1, 2, 3], [4, 5]]
+    assert got.rewards == [0.25, -1.5, 1.0, 0.0, 0.25]
+    with pytest.raises(ValueError, match="4 groups"):
+        source.take(3, 2)
+
+
+def test_nonfinite_logprobs_survive_jsonl(tmp_path):
+    # Users' files may carry NaN log-probs; the trainer must see them to skip and report.
+    batch = _batch()
+    batch.rollout_logprobs[1] = [math.nan]
+    write_rollouts(batch, tmp_path / "r.jsonl")
+    assert math.isnan(read_rollouts(tmp_path / "r.jsonl").rollout_logprobs[1][0])
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([{"prompt_ids": [1], "response_ids": [2]}], "no 'group_id'"),
+        (
+            [
+                {"prompt_ids": [1], "response_ids": [2], "group_id": 0, "reward": 1.0},
+                {"prompt_ids": [1], "response_ids": [2], "group_id": 0},
+            ],
+            "'reward' is present in some rows but not all",
+        ),
+        (
+            [{"prompt_ids": [1], "response_ids": [2, 3], "group_id": 0, "rollout_logprobs": [0]}],
+            "rollout_logprobs has 1 values for 2 response tokens",
+        ),
+        ([{"prompt_ids": [1], "response_ids": [], "group_id": 0}], "must be non-empty"),
+        (
+            [{"prompt_ids": [1], "response_ids": [2], "group_id": 0, "reward": float("inf")}],
+            "rewards are non-finite",
+        ),
+    ],
+)
+def test_bad_rows_are_errors_naming_the_column(tmp_path, rows, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=message):
+        read_rollouts(path)
+
+
+def test_paths_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="must end in one of"):
+        write_rollouts(_batch(), tmp_path / "r.csv")
+    with pytest.raises(ValueError, match="does not exist"):
+        RolloutFileSource(tmp_path / "missing.jsonl")
+    with pytest.raises(ValueError, match="holds no .jsonl/.parquet"):
+        RolloutFileSource(tmp_path)
+    (tmp_path / "broken.jsonl").write_text("{not json}\n")
+    with pytest.raises(ValueError, match="broken.jsonl:1: invalid JSON"):
+        read_rollouts(tmp_path / "broken.jsonl")
