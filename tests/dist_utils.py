@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -55,11 +56,13 @@ def _worker(
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo"
+    fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo", timeout: float = 600
 ) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes.
 
     The default backend is gloo (CPU tensors), also on GPU machines; GPU tests pass "nccl".
+    When a rank fails, the others (possibly blocked in a collective) are terminated shortly
+    after; the whole run is bounded by ``timeout`` seconds.
     """
     ctx = mp.get_context("spawn")
     errq = ctx.SimpleQueue()
@@ -70,7 +73,18 @@ def run_distributed(
     ]
     for p in procs:
         p.start()
+    deadline = time.monotonic() + timeout
+    failed_at = None
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > 20:
+            break  # a peer failed: the survivors are stuck in a collective
+        time.sleep(0.05)
+    timed_out = any(p.is_alive() for p in procs)
     for p in procs:
+        if p.is_alive():
+            p.terminate()
         p.join()
     errors = []
     while not errq.empty():
@@ -78,6 +92,8 @@ def run_distributed(
     if errors:
         rank, tb = sorted(errors)[0]
         raise AssertionError(f"rank {rank} failed:\n{tb}")
+    if timed_out and failed_at is None:
+        raise AssertionError(f"distributed test timed out after {timeout:.0f} s")
     bad = [p.exitcode for p in procs if p.exitcode != 0]
     if bad:
         raise AssertionError(f"worker exit codes {bad}")

@@ -60,8 +60,8 @@ def test_bad_values_name_the_field(data, msg):
 def test_overrides_parse_yaml_scalars_and_create_sections(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("steps: 2\n")
-    cfg = load_config(Root, path, ["inner.lr=0.5", "inner.cap=null", "name=run1", "steps=7"])
-    assert cfg.steps == 7 and cfg.inner.lr == 0.5 and cfg.inner.cap is None and cfg.name == "run1"
+    cfg = load_config(Root, path, ["inner.lr=3e-4", "inner.cap=null", "name=run1", "steps=7"])
+    assert cfg.steps == 7 and cfg.inner.lr == 3e-4 and cfg.inner.cap is None and cfg.name == "run1"
     with pytest.raises(ConfigError, match=r"'inner\.lrr'.*'lr'"):
         apply_overrides({}, ["inner.lrr=1"], root=Root)
     with pytest.raises(ConfigError, match="a.b=value"):

@@ -76,7 +76,10 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(args) != len(value):
                 raise ConfigError(f"{path}: expected {len(args)} items, got {len(value)}")
-            items = [_coerce(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args))]
+            items = [
+                _coerce(v, a, f"{path}[{i}]")
+                for i, (v, a) in enumerate(zip(value, args, strict=True))
+            ]
         else:
             inner = args[0] if args else Any
             items = [_coerce(v, inner, f"{path}[{i}]") for i, v in enumerate(value)]
@@ -86,6 +89,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
             raise ConfigError(f"{path}: expected a mapping, got {value!r}")
         return dict(value)
     if tp is float:
+        if isinstance(value, str):
+            value = _float_or_same(value)  # YAML 1.1 reads `3e-4` (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: expected a number, got {value!r}")
         return float(value)
@@ -106,6 +111,13 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     return value
 
 
+def _float_or_same(text: str) -> float | str:
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def from_dict(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:
     """Build dataclass ``cls`` from a mapping; unknown keys and bad values are errors."""
     if not isinstance(data, Mapping):
@@ -115,7 +127,9 @@ def from_dict(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:
     kwargs = {}
     for key, value in data.items():
         if key not in fields:
-            raise ConfigError(f"unknown config key '{_join(path, key)}'{_closest(key, list(fields))}")
+            raise ConfigError(
+                f"unknown config key '{_join(path, key)}'{_closest(key, list(fields))}"
+            )
         kwargs[key] = _coerce(value, hints[key], _join(path, key))
     try:
         return cls(**kwargs)

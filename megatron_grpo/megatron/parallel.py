@@ -74,7 +74,10 @@ def redirect_cuda_device_to_cpu() -> None:
 
 
 class _CudaOnCpu(TorchFunctionMode):
-    """Tensors asked for on ``device="cuda"`` (or moved with ``.cuda()``) stay on the CPU.
+    """Tensors asked for on ``device="cuda"`` (or moved with ``.cuda()``) stay on the CPU, and
+    ``tensor.type()`` reports CUDA type names (megatron-core's gradient clipping and distributed
+    optimizer assert ``grad.type() == 'torch.cuda.FloatTensor'``; their arithmetic is
+    device-agnostic).
 
     Only used on CUDA-less hosts, where those calls could only raise.
     """
@@ -82,6 +85,8 @@ class _CudaOnCpu(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return func(*args).replace("torch.", "torch.cuda.", 1)
         kwargs = kwargs or {}
         device = kwargs.get("device")
         if device is not None and torch.device(device).type == "cuda":
@@ -94,7 +99,8 @@ def cuda_compat() -> Iterator[None]:
     """Run megatron-core code that hard-codes CUDA on a CUDA-less host.
 
     The pipeline schedules create their token counter with ``device="cuda"`` and call
-    ``torch.cuda.synchronize()``; tied embeddings under PP call ``.cuda()``. Inside this context
+    ``torch.cuda.synchronize()``; tied embeddings under PP call ``.cuda()``; the optimizer checks
+    CUDA type names. Inside this context
     such tensors stay on the CPU and the synchronize is a no-op. On GPU hosts it does nothing.
     """
     if torch.cuda.is_available():

@@ -1,5 +1,7 @@
 """``python -m megatron_grpo.train --config recipes/tiny.yaml [--set a.b=value ...] [--resume]``.
 
+``--dry-run [--world-size N]`` prints the rank layout and per-rank memory plan and exits.
+
 Runs under ``torchrun`` (single node or multi-node rendezvous) or as a plain ``python`` process
 (a world of one). On a CPU-only host the backend is gloo.
 """
@@ -7,6 +9,7 @@ Runs under ``torchrun`` (single node or multi-node rendezvous) or as a plain ``p
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -30,6 +33,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--resume", action="store_true", help="continue from checkpoint.dir's latest checkpoint"
     )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate the parallel layout, print the rank groups and the per-rank memory plan "
+        "(no GPU, no model, no torch.distributed), then exit",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=int(os.environ.get("WORLD_SIZE", "1")),
+        help="ranks assumed by --dry-run (default: $WORLD_SIZE or 1)",
+    )
     return parser.parse_args(argv)
 
 
@@ -40,6 +55,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if args.dry_run:
+        from megatron_grpo.megatron.memory_plan import dry_run
+
+        try:
+            dry_run(cfg, args.world_size)
+        except ValueError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
+        return 0
     # Imported after the config is valid: Megatron's import is slow and noisy.
     from megatron_grpo.train.trainer import Trainer
 

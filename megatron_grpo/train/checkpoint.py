@@ -36,7 +36,6 @@ from megatron.core.tensor_parallel import random as mcore_random
 
 from megatron_grpo.megatron.model import unwrap
 from megatron_grpo.megatron.parallel import cuda_compat
-from megatron_grpo.train.optim import optimizer_compat
 
 LATEST = "latest"
 # DistributedOptimizer state: each DP rank writes its own shard (reshardable along DP only).
@@ -105,7 +104,7 @@ def _materialize_optimizer_state(optimizer) -> None:
     the load then overwrites."""
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
-            with optimizer_compat():
+            with cuda_compat():
                 opt._init_optimizer_states_with_dummy_values()
 
 
@@ -115,7 +114,7 @@ def _sharded_state(chunks, optimizer, is_loading: bool) -> dict[str, Any]:
         if is_loading:
             _materialize_optimizer_state(optimizer)
         model_sd = {k: v for k, v in state.items()}
-        with optimizer_compat():
+        with cuda_compat():
             state["optimizer"] = optimizer.sharded_state_dict(
                 model_sd, is_loading=is_loading, metadata=_OPTIM_METADATA
             )
@@ -204,7 +203,7 @@ def load_checkpoint(path: str | Path, chunks, optimizer, scheduler) -> dict[str,
     _load_model(chunks, loaded)
     if optimizer is not None:
         # megatron-core copies into parameter views outside no_grad on this path.
-        with torch.no_grad(), optimizer_compat():
+        with torch.no_grad(), cuda_compat():
             optimizer.load_state_dict(loaded["optimizer"])
     if scheduler is not None and loaded.get("scheduler") is not None:
         scheduler.load_state_dict(loaded["scheduler"])

@@ -157,6 +157,10 @@ class TrainingConfig:
             when ``loss.kl_coef > 0``; otherwise only the KL metric uses it).
         max_consecutive_nonfinite_skips: abort after this many optimizer steps in a row were
             skipped for a non-finite loss or gradient.
+        logprob_path: how the last stage turns hidden states into log-probs and the loss:
+            ``fused`` (LM head + GRPO loss in one vocab pass), ``op`` (vocab_parallel_logprobs,
+            then grpo_loss) or ``megatron`` (Megatron's output_layer + vocab_parallel_cross_entropy
+            on materialized [T, V/TP] logits: the baseline for comparisons).
     """
 
     steps: int = 100
@@ -167,6 +171,7 @@ class TrainingConfig:
     advantage_estimator: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
     use_reference_model: bool = False
     max_consecutive_nonfinite_skips: int = 3
+    logprob_path: Literal["fused", "op", "megatron"] = "fused"
 
     def __post_init__(self) -> None:
         _check_positive(self, "steps", "mini_batches_per_step", "max_consecutive_nonfinite_skips")

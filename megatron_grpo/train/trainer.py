@@ -54,7 +54,10 @@ class Trainer:
         self._setup_data()
         self._setup_models()
         self.step_fn = GRPOStep(
-            cfg.loss, vocab_size=cfg.model.vocab_size, temperature=cfg.rollout.temperature
+            cfg.loss,
+            vocab_size=cfg.model.vocab_size,
+            temperature=cfg.rollout.temperature,
+            logprob_path=cfg.training.logprob_path,
         )
         self.start_step, self.skipped, self.consecutive_skips = 0, 0, 0
         self._load(resume)
