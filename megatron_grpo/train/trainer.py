@@ -248,13 +248,20 @@ class Trainer:
         )
         total, sq, n, resp_tokens, tokens = sums
         mean = total / n
-        return {
+        metrics = {
             "reward/mean": mean,
             "reward/std": max(sq / n - mean * mean, 0.0) ** 0.5,
             "response/length_mean": resp_tokens / n,
             "perf/step_seconds": seconds,
             "perf/tokens_per_s": tokens / seconds,
         }
+        if torch.cuda.is_available():
+            # this step's peak (reset below for the next one), the max over all ranks
+            peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30, device="cuda")
+            torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+            torch.cuda.reset_peak_memory_stats()
+            metrics["perf/peak_memory_gib"] = peak.item()
+        return metrics
 
     def maybe_save(self, step: int) -> None:
         cfg = self.cfg.checkpoint
