@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from megatron_grpo.loss import GRPOLossConfig, grpo_loss
 from megatron_grpo.ops import fused_grpo_loss, vocab_parallel_logprobs
+from megatron_grpo.ops import tiling as tiling_mod
 from megatron_grpo.ops.lm_head import LMHead
 from tests.dist_utils import run_distributed
 from tests.test_logprobs import close, make_inputs
@@ -114,21 +115,54 @@ def test_fused_matches_grpo_loss_tp1(name, dtype):
 
 
 def test_fused_token_pass_is_one_pass_over_loss_rows(monkeypatch):
-    """Token ratio: logits only for loss rows, in chunks, and no recompute in backward."""
-    seen: list[int] = []
+    """Token ratio: logits only for loss rows, in row blocks: one statistics pass in forward,
+    one recompute pass in backward (the op's passes; the loss is evaluated once in between)."""
+    seen: list[tuple[int, int]] = []
     original = LMHead.logits
-    monkeypatch.setattr(
-        LMHead, "logits", lambda self, h: seen.append(h.shape[0]) or original(self, h)
-    )
+
+    def spy(self, h, start, stop, buf):
+        seen.append((h.shape[0], stop - start))
+        return original(self, h, start, stop, buf)
+
+    monkeypatch.setattr(LMHead, "logits", spy)
     hidden, weight, _ = make_inputs(T, H, V)
     targets, batch = loss_batch(hidden, weight, 1.0)
     seen.clear()
     h = hidden.clone().requires_grad_()
     loss, _, _ = fused_grpo_loss(h, weight, targets, GRPOLossConfig(), chunk_size=8,
                                  vocab_size=VOCAB, impl="torch", **batch)  # fmt: skip
-    loss.backward()
     n = int(batch["loss_mask"].sum())
-    assert seen == [8] * (n // 8) + [n % 8]
+    one_pass = [(8, VOCAB)] * (n // 8) + [(n % 8, VOCAB)]
+    assert seen == one_pass
+    loss.backward()
+    assert seen == one_pass * 2
+
+
+@pytest.mark.parametrize("main_grad", [False, True])
+def test_fused_2d_tiles(monkeypatch, main_grad):
+    """Vocab tiles that do not divide the vocabulary: the fused path equals the unfused one
+    (bf16, both d_weight destinations: vocab-outer into a bf16 grad, rows-outer into main_grad)."""
+    monkeypatch.setattr(tiling_mod, "TILE_BYTES", 4 * 5 * 11)  # chunk 5 -> 11-column tiles
+    cfg = GRPOLossConfig(**CONFIGS["token_full"])
+    hidden, weight, _ = make_inputs(T, H, V, dtype=torch.bfloat16)
+    targets, batch = loss_batch(hidden, weight, 0.8)
+    op = dict(temperature=0.8, vocab_size=VOCAB, chunk_size=5, impl="torch")
+    out = []
+    for fused in (True, False):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        if main_grad:
+            w.main_grad = torch.zeros(w.shape)
+        if fused:
+            loss, _, lp = fused_grpo_loss(h, w, targets, cfg, **batch, **op)
+        else:
+            lp, ent = vocab_parallel_logprobs(h, w, targets, rows=batch["loss_mask"],
+                                              return_entropy=True, **op)  # fmt: skip
+            loss, _ = grpo_loss(cfg, logprobs=lp, entropy=ent, **batch)
+        (2.0 * loss).backward()
+        out.append((loss.detach(), lp.detach(), h.grad, w.main_grad if main_grad else w.grad))
+    for a, b in zip(*out, strict=True):  # the same passes: equal up to fp32 reassociation
+        close(a.float(), b.float(), rtol=1e-5, atol=1e-5 * b.float().abs().max().item())
+    assert out[0][3].dtype == (torch.float32 if main_grad else torch.bfloat16)
 
 
 def test_fused_main_grad_scaled_by_grad_output():

@@ -87,6 +87,36 @@ def ref_grad(logits, targets, n_valid, inv_t, lse, g_logp, g_ent, pz, dtype):
     return dz * inv_t
 
 
+FP32_U = 2.0**-24  # unit roundoff of float32
+
+
+def grad_error_bound(logits, targets, n_valid, inv_t, lse, g_logp, g_ent, pz):
+    """Per-element first-order error bound of an fp32 evaluation of the d logits formula.
+
+    The inputs (logits, lse, pz, grads) are exact; each rounding costs at most u = 2^-24:
+    ``z = x * inv_t`` (inv_t itself rounded to fp32) is off by 2u|z|, so the exponent
+    ``a = z - lse`` by 2u|z| + u|a|; exp adds a few ulps and exp2-based implementations u|a|:
+    ``|dp| / p <= u (2|z| + 3|a| + 6)``. ``w = z - pz`` is off by u (2|z| + |w|). The final
+    products and sums add a few u of their terms. Large logits (|z| ~ 1e4) make the bound
+    large: the argument of exp is then only known to ~1e-3 in fp32, in any implementation, and
+    which rounding sequence (FMA contraction, exp2 vs expf) hits closer varies element by
+    element. A factor 2 covers the second-order terms.
+    """
+    z = logits.double() * inv_t
+    cols = torch.arange(logits.size(1), device=logits.device)
+    valid = cols[None, :] < n_valid
+    a = z - lse.double()[:, None]
+    p = torch.where(valid, torch.exp(a), 0.0)
+    onehot = (valid & (cols[None, :] == targets[:, None])).double()
+    g = g_logp.double().abs()[:, None]
+    ge = torch.zeros_like(g) if g_ent is None else g_ent.double().abs()[:, None]
+    w = torch.zeros_like(z) if g_ent is None else (z - pz.double()[:, None]).abs()
+    z, a = z.abs(), a.abs()
+    err = (g + ge * w) * p * (2 * z + 3 * a + 6) + ge * p * (2 * z + w)
+    err += 4 * (g * (onehot + p) + ge * p * w)
+    return torch.where(valid, 2 * FP32_U * inv_t * err, 0.0)
+
+
 def derived(m, s, zt, b):
     """lse, the target log-prob and the p-weighted mean of z: what the op builds from stats."""
     lse = m + torch.log(s)
@@ -185,6 +215,7 @@ OUT_MODES = {
     "bf16_inplace": (torch.bfloat16, "inplace"),
     "bf16_to_fp32_out": (torch.bfloat16, torch.float32),
     "fp32_to_bf16_out": (torch.float32, torch.bfloat16),
+    "fp32_narrow_bf16_alias": (torch.float32, "narrow"),  # bf16 rows over the fp32 rows
 }
 
 
@@ -224,12 +255,14 @@ def _check_grad(mode, shard, with_entropy):
     x_orig = x.clone()
     if out_spec == "inplace":
         out = x
+    elif out_spec == "narrow":
+        out = x.view(torch.bfloat16)[:, : x.size(1)]
     elif out_spec is None:
         out = None
     else:
         out = torch.full(x.shape, float("nan"), dtype=out_spec)  # every element must be written
     d = logits_grad(x, t, n_valid, inv_t, lse, g_logp, g_ent, pz, out=out)
-    out_dtype = dtype if out_spec in (None, "inplace") else out_spec
+    out_dtype = {None: dtype, "inplace": dtype, "narrow": torch.bfloat16}.get(out_spec, out_spec)
     assert d.dtype == out_dtype and d.shape == x.shape
     if out is not None:
         assert d.data_ptr() == out.data_ptr()
@@ -244,6 +277,10 @@ def _check_grad(mode, shard, with_entropy):
     ulp = 0.0 if out_dtype == torch.float32 else torch.finfo(out_dtype).eps
     bound = ulp * d64.abs() + err32 + 1e-6 * d64.abs().max().item() + 1e-12
     assert ((d.double() - d64).abs() <= bound).all()
+    # The first-order bound holds for the kernel and for the fp32 torch reference alike.
+    fo = grad_error_bound(*args)
+    assert ((d.double() - d64).abs() <= ulp * d64.abs() + (1 + ulp) * fo + 1e-30).all()
+    assert ((ref_grad(*args, torch.float32).double() - d64).abs() <= fo + 1e-30).all()
 
 
 @interpreter_only
@@ -314,6 +351,9 @@ def test_grad_bad_input():
         logits_grad(x, t, 10, 1.0, f, f, grad_entropy=f)
     with pytest.raises(ValueError, match=r"out must have the logits' shape"):
         logits_grad(x, t, 10, 1.0, f, f, out=torch.zeros(4, 11))
+    shifted = x.view(torch.bfloat16)[:, 10:]  # shares memory, row r not at logits row r
+    with pytest.raises(ValueError, match="out shares memory with logits"):
+        logits_grad(x, t, 10, 1.0, f, f, out=shifted)
 
 
 @pytest.mark.skipif(IN_INTERPRETER, reason="checks the compiled (non-interpreter) mode")
@@ -392,14 +432,21 @@ def test_kernels_gpu_full_size(rows, tp, rank, dtype):
     half_ulp = 0.0 if dtype == torch.float32 else torch.finfo(dtype).eps / 2
 
     def grad_err(xc, tc, dc, lc, gl, ge, pc):
-        """Per chunk: max excess over round-to-nearest, fp32 reference error, scale."""
-        a = ref_grad(xc, tc, n_valid, inv_t, lc, gl, ge, pc, torch.float64)
-        a32 = ref_grad(xc, tc, n_valid, inv_t, lc, gl, ge, pc, torch.float32)
-        excess = (dc.double() - a).abs() - half_ulp * a.abs()
-        return excess.max()[None], (a32.double() - a).abs().max()[None], a.abs().max()[None]
+        """Per chunk: worst ratio of the error (beyond round-to-nearest) to the first-order
+        bound, for the kernel and for the fp32 torch reference."""
+        args = (xc, tc, n_valid, inv_t, lc, gl, ge, pc)
+        a = ref_grad(*args, torch.float64)
+        a32 = ref_grad(*args, torch.float32)
+        fo = (1 + half_ulp) * grad_error_bound(*args) + 1e-30
+        excess = ((dc.double() - a).abs() - half_ulp * a.abs()) / fo
+        return excess.max()[None], ((a32.double() - a).abs() / fo).max()[None]
 
-    excess, err32, scale = _chunked(grad_err, x, t, d, lse, g_logp, g_ent, pz)
-    assert excess.max().item() <= err32.max().item() + 1e-6 * scale.max().item()
+    # Elementwise max(kernel error / bound) and the same for torch fp32: both must be <= 1. The
+    # max error of one fp32 evaluation is not a bound for another's: at the |z| ~ 1e4 rows the
+    # exponent is only known to ~1e-3 and each rounding sequence lands differently (see
+    # grad_error_bound); the first run on an H200 had 8.8e-5 vs torch's 5.8e-5 there.
+    kernel_ratio, torch_ratio = _chunked(grad_err, x, t, d, lse, g_logp, g_ent, pz)
+    assert kernel_ratio.max().item() <= 1.0 and torch_ratio.max().item() <= 1.0
 
 
 @pytest.mark.gpu

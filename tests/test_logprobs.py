@@ -9,9 +9,11 @@ import sys
 import pytest
 import torch
 
+from megatron_grpo.ops import tiling as tiling_mod
 from megatron_grpo.ops import vocab_parallel_logprobs
 from megatron_grpo.ops.lm_head import LMHead
 from megatron_grpo.ops.reference import logits_grad, logits_row_stats
+from megatron_grpo.ops.tiling import TILE_BYTES, Tiling
 
 # ---------------------------------------------------------------- float64 reference helpers
 
@@ -253,24 +255,104 @@ def test_entropy_only_backward_and_no_grad():
     assert lp.grad_fn is None
 
 
-def test_chunking_bounds_logits_and_skips_inactive_rows(monkeypatch):
-    """Every logits GEMM has <= chunk rows; only active rows are computed; backward recomputes."""
-    seen: list[int] = []
+def _spy_tiles(monkeypatch) -> list[tuple[int, int, int]]:
+    """Records (rows, first vocab row, vocab rows) of every logits tile GEMM."""
+    seen: list[tuple[int, int, int]] = []
     original = LMHead.logits
 
-    def spy(self, h):
-        seen.append(h.shape[0])
-        return original(self, h)
+    def spy(self, h, start, stop, buf):
+        seen.append((h.shape[0], start, stop - start))
+        return original(self, h, start, stop, buf)
 
     monkeypatch.setattr(LMHead, "logits", spy)
+    return seen
+
+
+def test_chunking_bounds_logits_and_skips_inactive_rows(monkeypatch):
+    """Every logits GEMM has <= chunk rows; only active rows are computed; backward recomputes."""
+    seen = _spy_tiles(monkeypatch)
     hidden, weight, targets = make_inputs(23, 8, 30)
     rows = torch.zeros(23, dtype=torch.bool)
     rows[5:16] = True  # 11 active rows
     h = hidden.clone().requires_grad_()
     lp = vocab_parallel_logprobs(h, weight, targets, chunk_size=4, impl="torch", rows=rows)
-    assert seen == [4, 4, 3]
+    assert seen == [(4, 0, 30), (4, 0, 30), (3, 0, 30)]
     lp.sum().backward()
-    assert seen == [4, 4, 3] * 2
+    assert seen == [(4, 0, 30), (4, 0, 30), (3, 0, 30)] * 2
+
+
+def test_tiling_plan():
+    """Square default tiles within the budget, fewer rows for short inputs, vocab remainder."""
+    side = int((TILE_BYTES // 4) ** 0.5)
+    big = Tiling.plan(4 * side + 5, 151655, None)
+    assert (big.rows, big.cols) == (side, side) and big.rows * big.cols * 4 <= TILE_BYTES
+    assert big.row_blocks()[-1] == (4 * side, 4 * side + 5)
+    assert big.col_tiles()[-1] == (151655 // side * side, 151655)
+    short = Tiling.plan(1000, 151655, None)
+    assert short.rows == 1024 and short.cols * short.rows * 4 <= TILE_BYTES
+    assert short.cols % 256 == 0 and short.row_blocks() == [(0, 1000)]
+    assert Tiling.plan(100, 151655, None).cols == 151655  # a few rows: the whole shard
+    assert Tiling.plan(10, 37, 4).cols == 37  # the whole shard fits: one vocab tile
+    assert Tiling.plan(10, 0, None).col_tiles() == []  # all-padded shard: nothing to compute
+
+
+TILED = [  # (T, V, vocab_size, chunk, tile elements, dtype, main_grad dtype, masked, entropy)
+    (23, 45, 41, 4, 32, torch.float32, None, True, True),  # fp32 grad: rows outer
+    (23, 45, 41, 5, 40, torch.bfloat16, None, False, True),  # bf16 grad: vocab outer
+    (19, 40, 40, 3, 21, torch.bfloat16, torch.float32, True, False),  # main_grad: rows outer
+    (19, 40, 37, 8, 48, torch.bfloat16, torch.bfloat16, False, True),  # bf16 main_grad
+    (12, 40, 37, 16, 48, torch.bfloat16, None, True, True),  # one row block: GEMM into grad
+]
+
+
+@pytest.mark.parametrize("t,v,vocab_size,chunk,elems,dtype,mg,masked,entropy", TILED)
+def test_2d_tiles_match_float64(
+    monkeypatch, t, v, vocab_size, chunk, elems, dtype, mg, masked, entropy
+):
+    """Vocab tiles that do not divide the vocabulary (nor the rows the chunk): values and both
+    gradients against float64, padded rows never computed, and the backward loop order that
+    keeps the fp32 accumulators small (rows outer iff d_weight accumulates in place in fp32)."""
+    monkeypatch.setattr(tiling_mod, "TILE_BYTES", elems * 4)
+    seen = _spy_tiles(monkeypatch)
+    hidden, weight, targets = make_inputs(t, 16, v, dtype=dtype, scale=4.0)
+    weight[vocab_size:] = 50.0
+    targets = targets % vocab_size
+    rows = (torch.arange(t) % 4 != 1) if masked else None
+    g_lp, g_ent = upstream(t)
+    g_ent = g_ent if entropy else torch.zeros_like(g_ent)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    if mg is not None:
+        w.main_grad = torch.full(w.shape, 0.25, dtype=mg)
+    out = vocab_parallel_logprobs(h, w, targets, temperature=0.9, vocab_size=vocab_size,
+                                  return_entropy=entropy, chunk_size=chunk, impl="torch",
+                                  rows=rows)  # fmt: skip
+    lp, ent = out if entropy else (out, torch.zeros_like(out))
+    n_fwd = len(seen)
+    (lp.double() * g_lp.double() + ent.double() * g_ent.double()).sum().backward()
+    dw = w.grad if mg is None else w.main_grad - 0.25
+    exact = grads_of(
+        lambda a, b: ref_logprobs(a, b, targets, temperature=0.9, vocab_size=vocab_size,
+                                  rows=rows),
+        hidden.double(), weight.double(), g_lp, g_ent,
+    )  # fmt: skip
+    n_active = t if rows is None else int(rows.sum())
+    cols = min(elems // chunk, vocab_size)
+    assert {c for _, _, c in seen} == {cols, vocab_size % cols or cols}
+    assert all(r <= chunk and v0 + c <= vocab_size for r, v0, c in seen)
+    assert sum(r * c for r, _, c in seen[:n_fwd]) == n_active * vocab_size  # each logit once
+    if n_active > chunk:  # second backward tile: the next vocab tile (same rows) or rows
+        rows_outer = seen[n_fwd + 1][1] != 0
+        assert rows_outer == (dtype == torch.float32 or mg == torch.float32)
+    close(lp, exact[0], rtol=1e-5, atol=1e-5)
+    if entropy:
+        close(ent, exact[1], rtol=1e-4, atol=1e-4)
+    if dtype == torch.float32:
+        close(h.grad, exact[2], rtol=1e-4, atol=1e-5)
+        close(dw, exact[3], rtol=1e-4, atol=1e-5)
+    else:  # bf16 d logits and outputs: a few bf16 roundings
+        for got, want in ((h.grad, exact[2]), (dw, exact[3])):
+            assert rel_err(got, want) <= 3 * rel_err(want.to(torch.bfloat16), want) + 1e-3
+    assert (dw[vocab_size:] == 0).all()
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -383,3 +465,32 @@ def test_gpu_bf16_accuracy_and_memory(impl):
     print(f"{impl}: logp/entropy max abs {errs[:2]}, grad rel {errs[2:]}, bf16 rounding {rounding}")
     assert errs[0] <= 1e-4 and errs[1] <= 1e-3, errs
     assert errs[2] <= 3 * rounding[0] and errs[3] <= 3 * rounding[1], (errs, rounding)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("main_grad", [True, False])
+def test_gpu_tiled_memory(main_grad):
+    """Default 2D tiles at a size with several vocab tiles: the extra memory of forward +
+    backward beyond the gradients is one logits tile plus the accumulators: an fp32 [R, H]
+    d_hidden block with an fp32 main_grad; without, an fp32 [T, H] d_hidden and one fp32
+    [Vc, H] d_weight tile. Never a [V, H] fp32 accumulator."""
+    dev = torch.device("cuda")
+    t, h, v = 4096, 1024, 65536
+    hidden, weight, targets = make_inputs(t, h, v, dtype=torch.bfloat16)
+    hidden, weight, targets = hidden.to(dev).requires_grad_(), weight.to(dev), targets.to(dev)
+    weight.requires_grad_()
+    if main_grad:
+        weight.main_grad = torch.zeros(v, h, device=dev)
+    plan = Tiling.plan(t, v, None)
+    assert plan.cols < v  # several vocab tiles
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    lp = vocab_parallel_logprobs(hidden, weight, targets, return_entropy=False, impl="triton")
+    lp.sum().backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    grads = hidden.grad.nbytes + (0 if main_grad else weight.grad.nbytes)
+    acc = plan.rows * h * 4 if main_grad else t * h * 4 + plan.cols * h * 4
+    bound = grads + plan.rows * plan.cols * 4 + acc + 64 * t * 4 + 2**24
+    assert extra <= bound, (extra / 2**20, bound / 2**20)

@@ -1,5 +1,6 @@
 """vocab_parallel_logprobs at TP = 4, 2, 1 (one spawn of 4 gloo processes) against float64 full
-logits and Megatron's vocab_parallel_cross_entropy, with and without sequence parallelism."""
+logits and Megatron's vocab_parallel_cross_entropy, with and without sequence parallelism, with
+2D (row x vocab) tiles and with whole-shard tiles."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_grpo.ops import tiling as tiling_mod
 from megatron_grpo.ops import vocab_parallel_logprobs
 from tests.dist_utils import run_distributed
 from tests.test_logprobs import close, make_inputs, ref_logprobs, rel_err, upstream
 
 T, H = 24, 16
+DEFAULT_TILE_BYTES = tiling_mod.TILE_BYTES
 
 # (sequence_parallel, vocab_size, temperature, chunk_size, masked, dtype)
 CASES = [
@@ -41,6 +44,8 @@ def _shard_inputs(case, tp: int, rank: int):
 
 def _run_ours(case, group, h_loc, w_loc, targets, rows, g_lp, g_ent):
     sp, vocab, temperature, chunk, _, _ = case
+    # With a chunk: 2D tiles of 6 vocab columns (not dividing the shards); else the default.
+    tiling_mod.TILE_BYTES = 4 * chunk * 6 if chunk else DEFAULT_TILE_BYTES
     h = h_loc.requires_grad_()
     w = w_loc.requires_grad_()
     lp, ent = vocab_parallel_logprobs(

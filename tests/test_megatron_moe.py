@@ -8,7 +8,7 @@ import torch
 from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.megatron import GRPOStep, ParallelConfig, unwrap
 from tests.dist_utils import run_distributed
-from tests.test_megatron_common import (
+from tests.megatron_utils import (
     assert_close,
     build_layout,
     full_params,

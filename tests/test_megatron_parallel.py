@@ -15,7 +15,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.megatron import GRPOStep, ParallelConfig, cuda_compat, pack_sequences, unwrap
 from tests.dist_utils import run_distributed
-from tests.test_megatron_common import (
+from tests.megatron_utils import (
     VOCAB,
     assert_close,
     build_layout,

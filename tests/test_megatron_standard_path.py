@@ -14,7 +14,7 @@ from megatron.core import parallel_state
 from megatron_grpo.loss import GRPOLossConfig, reduce_metrics
 from megatron_grpo.megatron import GRPOStep, ParallelConfig, unwrap
 from tests.dist_utils import run_distributed
-from tests.test_megatron_common import (
+from tests.megatron_utils import (
     VOCAB,
     assert_close,
     build_layout,

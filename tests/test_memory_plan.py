@@ -22,7 +22,7 @@ from megatron_grpo.megatron.memory_plan import (
 )
 from megatron_grpo.ops.tiling import TILE_BYTES
 from tests.dist_utils import run_distributed
-from tests.test_megatron_common import build_layout, tiny_model
+from tests.megatron_utils import build_layout, tiny_model
 
 P = ParallelConfig
 
