@@ -6,8 +6,12 @@ padded ones)::
     dz = grad_logp * (onehot(target) - p) - grad_entropy * p * (z - entropy_pz)
     dlogits = dz * inv_temperature
 
-One program per row streams the row's tiles once: read logits, write d logits (in place when
-``out`` is ``logits``: each tile is read before the same program overwrites it).
+One program per row streams the row's tiles once: read logits, write d logits. In place:
+``out`` may be ``logits`` itself (every element is read and written by the same thread), or a
+narrower-dtype view over the logits' memory whose row r starts at fp32 row r (the op writes bf16
+d logits into the first half of each fp32 logits row). Then tile k's stores land on fp32 columns
+``< (k + 1) * BLOCK_V``, all read by tile k or before, but by other threads: a CTA barrier
+between the loads and the stores of each tile orders them (rows belong to one program each).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ def _grad_kernel(
     inv_temperature,
     BLOCK_V: tl.constexpr,
     HAS_ENTROPY: tl.constexpr,
+    NARROW_ALIAS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
@@ -74,6 +79,8 @@ def _grad_kernel(
         if HAS_ENTROPY:
             dz -= g_ent * p * (z - pz)
         dlogits = dz * inv_temperature
+        if NARROW_ALIAS:
+            tl.debug_barrier()  # every thread's loads of this tile are done (see module doc)
         tl.store(out_row_ptr + cols, dlogits.to(out_ptr.dtype.element_ty), mask=cols < v_local)
 
 
@@ -101,7 +108,8 @@ def _build(interpret: bool, autotune: bool):
     return kernel
 
 
-def _check_out(out: torch.Tensor, logits: torch.Tensor) -> None:
+def _check_out(out: torch.Tensor, logits: torch.Tensor) -> bool:
+    """Validates ``out``; True when it is a narrower-dtype alias of the logits' rows."""
     check_logits("out", out)
     if out.shape != logits.shape:
         raise ValueError(
@@ -109,6 +117,18 @@ def _check_out(out: torch.Tensor, logits: torch.Tensor) -> None:
         )
     if out.device != logits.device:
         raise ValueError(f"out is on {out.device}, expected {logits.device} like the logits")
+    if out.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr():
+        return False
+    row_bytes = out.stride(0) * out.element_size()
+    same_rows = out.size(0) <= 1 or row_bytes == logits.stride(0) * logits.element_size()
+    if out.data_ptr() != logits.data_ptr() or not same_rows:
+        raise ValueError(
+            "out shares memory with logits: it must be logits itself or a view whose row r "
+            "starts where logits row r starts"
+        )
+    if out.element_size() > logits.element_size():
+        raise ValueError(f"out ({out.dtype}) aliasing logits ({logits.dtype}) must not be wider")
+    return out.element_size() < logits.element_size()
 
 
 def logits_grad(
@@ -133,7 +153,8 @@ def logits_grad(
         grad_logp: [C] float32 d loss / d logp.
         grad_entropy: [C] float32 d loss / d entropy, or None (no entropy term).
         entropy_pz: [C] float32 global sum_j p_j z_j; required with grad_entropy.
-        out: [C, V_local] float output written in place (may be `logits` itself), or None.
+        out: [C, V_local] float output, or None. May alias the logits: `logits` itself, or a
+            narrower-dtype view whose row r starts at logits row r (see the module docstring).
 
     Returns:
         [C, V_local] d logits in out's dtype (logits.dtype when out is None); padded columns 0.
@@ -151,8 +172,7 @@ def logits_grad(
     if grad_entropy is not None:
         check_row_vector("grad_entropy", grad_entropy, rows, torch.float32, dev)
         check_row_vector("entropy_pz", entropy_pz, rows, torch.float32, dev)
-    if out is not None:
-        _check_out(out, logits)
+    narrow_alias = out is not None and _check_out(out, logits)
     check_device("logits", logits)
     if out is None:
         out = torch.empty_like(logits, memory_format=torch.contiguous_format)
@@ -163,7 +183,7 @@ def logits_grad(
     args = (logits, targets_local, lse, grad_logp, grad_entropy, entropy_pz, out)
     args += (n_valid, v_local, logits.stride(0), out.stride(0), float(inv_temperature))
     if autotune:
-        kernel[(rows,)](*args)
+        kernel[(rows,)](*args, NARROW_ALIAS=narrow_alias)
     else:
-        kernel[(rows,)](*args, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS)
+        kernel[(rows,)](*args, BLOCK_V=BLOCK_V, NARROW_ALIAS=narrow_alias, num_warps=NUM_WARPS)
     return out

@@ -15,6 +15,11 @@ sum(c * logp + u * entropy) for the entropy variants, the GRPO loss for the GRPO
 fp32 reference is the fp32 GEMM of the same bf16 inputs (TF32 off), chunked, with autograd.
 Peak extra memory = max_memory_allocated during one step minus what was allocated before it
 (inputs, no gradients), so it includes the gradients themselves ("over_grads" subtracts them).
+Which gradients: by default d hidden and d weight in the input dtype (``h.grad``, ``w.grad``,
+bf16: what autograd hands back). With ``--main-grad`` the weight carries an fp32 ``main_grad``
+allocated before the step, as Megatron's DDP grad buffer (d weight lands there, no ``w.grad``):
+the counted gradient is then ``h.grad`` only, main_grad being part of the baseline; only our
+methods support it (the peers are skipped).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ TARGETS = {"fused_ratio": 1.10, "op_ratio": 1.40, "over_grads_gib": 0.5, "logp":
 TP_TARGETS = {2: 0.97, 4: 0.93}
 SINGLE = ["floor", "torch", "triton", "torch_entropy", "triton_entropy", "fused_grpo",
           "unfused_grpo", "megatron_fused_ce", "cce_exact", "cce"]  # fmt: skip
+PEERS = ("megatron_fused_ce", "cce_exact", "cce")
 TP_METHODS = ["floor", "triton", "triton_sp", "fused_grpo", "fused_grpo_sp", "megatron_fused_ce"]
 
 
@@ -52,6 +58,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=1024, help="GRPO sequence length")
+    ap.add_argument(
+        "--main-grad",
+        action="store_true",
+        help="fp32 weight.main_grad allocated up front (Megatron DDP buffer)",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     a = ap.parse_args(argv)
     if a.tiny:
@@ -263,6 +274,13 @@ METHODS: dict[str, tuple[Callable, str]] = {
 def _clear(p: Problem) -> None:
     p.h.grad = None
     p.w.grad = None
+    if hasattr(p.w, "main_grad"):
+        p.w.main_grad.zero_()
+
+
+def _dw(p: Problem) -> torch.Tensor | None:
+    """The weight gradient where it landed: main_grad (if any) else w.grad."""
+    return getattr(p.w, "main_grad", p.w.grad)
 
 
 def _rel(a: torch.Tensor | None, b: torch.Tensor) -> float:
@@ -282,15 +300,16 @@ def run_method(name: str, p: Problem, ref: dict | None, args, dev, keep: bool = 
         _clear(p)
         logp, ent, value = step(p)  # also the warm-up / compile run
         sync(dev)
-        res["grad_gib"] = sum(t.grad.numel() * t.grad.element_size() for t in (p.h, p.w)) / 2**30
+        grads = [t.grad for t in (p.h, p.w) if t.grad is not None]
+        res["grad_gib"] = sum(g.numel() * g.element_size() for g in grads) / 2**30
         if ref is not None:
             res["logp_max_abs"] = (logp - ref["logp"]).abs().max().item()
             if ent is not None:
                 res["ent_max_abs"] = (ent - ref["ent"]).abs().max().item()
             res["value_rel"] = abs(value.item() - ref["value"]) / max(abs(ref["value"]), 1e-30)
-            res["dh_rel"], res["dw_rel"] = _rel(p.h.grad, ref["dh"]), _rel(p.w.grad, ref["dw"])
+            res["dh_rel"], res["dw_rel"] = _rel(p.h.grad, ref["dh"]), _rel(_dw(p), ref["dw"])
         if keep:
-            res["_out"] = (logp, p.h.grad, p.w.grad)
+            res["_out"] = (logp, p.h.grad, _dw(p).clone())
         _clear(p)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -413,6 +432,8 @@ def make_problem(T: int, args, dev: torch.device, seed: int = 0) -> Problem:
     h = randn(T, args.H, scale=0.5).to(dt).requires_grad_()
     w = randn(args.V, args.H, scale=0.02).to(dt).requires_grad_()
     targets = torch.randint(0, args.vocab_size, (T,), generator=g, device=dev)
+    if getattr(args, "main_grad", False):
+        w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=dev)
     return Problem(h, w, targets, randn(T), randn(T, scale=0.1), args.vocab_size,
                    chunk_size=args.chunk_size)  # fmt: skip
 
@@ -511,8 +532,10 @@ def _print_row(T, name: str, r: dict, floor: dict | None) -> None:
     )
 
 
-def _print_summary(results: dict) -> None:
+def _print_summary(results: dict, main_grad: bool) -> None:
+    counted = "h.grad; fp32 w.main_grad preallocated" if main_grad else "h.grad + w.grad"
     print("\n== summary (ms fwd+bwd; x floor; peak extra GiB incl. grads; errors vs fp32 ref)")
+    print(f"== gradients counted in 'over grads': {counted}")
     for T, res in results.items():
         for name, r in res.items():
             if name != "gemm_options":
@@ -636,6 +659,13 @@ def main() -> int:
     unknown = set(methods) - set(METHODS) - {"floor", "gemm_options"}
     if unknown:
         raise SystemExit(f"unknown --methods {sorted(unknown)}; known: {sorted(METHODS)}")
+    if args.main_grad:
+        if args.tp:
+            raise SystemExit("--main-grad is a single-GPU mode (drop --tp)")
+        peers = [m for m in methods if m in PEERS]
+        if peers:
+            print(f"--main-grad: skipping {peers} (they write w.grad, not main_grad)")
+        methods = [m for m in methods if m not in PEERS]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     backend = "nccl" if dev.type == "cuda" else "gloo"
@@ -650,7 +680,7 @@ def main() -> int:
     world, rank = dist.get_world_size(), dist.get_rank()
     _SOLO.append([dist.new_group([r]) for r in range(world)][rank])
     info = _info(args, dev)
-    tag = "-".join(map(str, args.T))
+    tag = "-".join(map(str, args.T)) + ("_main_grad" if args.main_grad else "")
     if args.tp:
         rows = run_tp(args, dev, methods)
         if rank == 0:
@@ -659,7 +689,7 @@ def main() -> int:
             (out / f"bench_tp{world}_T{tag}.json").write_text(json.dumps(doc, indent=1))
     else:
         results = run_single(args, dev, methods)
-        _print_summary(results)
+        _print_summary(results, args.main_grad)
         doc = {"info": info, "targets": TARGETS, "results": _jsonable(results)}
         (out / f"bench_single_T{tag}.json").write_text(json.dumps(doc, indent=1))
     dist.barrier()

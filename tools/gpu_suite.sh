@@ -8,6 +8,7 @@
 #   bash tools/gpu_suite.sh            # = tests + bench (one GPU)
 #   bash tools/gpu_suite.sh tests      # pytest -m gpu -q
 #   bash tools/gpu_suite.sh bench      # tools/bench_logprobs.py, T=8192 and 32768
+#   bash tools/gpu_suite.sh bench --main-grad   # same with an fp32 main_grad (own log)
 #   bash tools/gpu_suite.sh tp         # the --tp benchmark on every visible GPU (2 or 4)
 # Extra arguments after the mode go to the benchmark (e.g. `bench --T 8192`).
 set -uo pipefail
@@ -70,7 +71,9 @@ run_tests() {
 }
 
 run_bench() {
-    python3 tools/bench_logprobs.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench_single.log"
+    local log=bench_single
+    case " $* " in *" --main-grad "*) log=bench_single_main_grad ;; esac
+    python3 tools/bench_logprobs.py --out "$OUT" "$@" 2>&1 | tee "$OUT/$log.log"
     return "${PIPESTATUS[0]}"
 }
 

@@ -1,16 +1,30 @@
 """``fused_grpo_loss``: the GRPO loss straight from hidden states and the LM-head shard.
 
-ratio_level "token" (one pass, 3 GEMMs, no recompute): the loss context (``loss.math``) is built
-once; then per chunk of the loss's valid rows: fp32 logits -> row stats -> TP combine ->
-log-probs (and entropy, only when needed) -> ``loss.math.objective`` on the chunk under
-autograd, giving d loss / d logp and d loss / d entropy -> d logits from the same logits chunk ->
-d_hidden and d_weight GEMMs. All of it runs in the forward of an autograd.Function; its backward
-only scales the saved fp32 gradients by the incoming grad_output. Until then it holds an fp32
-[T_local, H] d_hidden and an fp32 [V_local, H] d_weight buffer.
+ratio_level "token": the loss context (``loss.math``) is built once; the forward runs the
+op's tiled statistics pass over the loss's valid rows only (:func:`ops.passes.forward_stats`),
+evaluates ``loss.math.objective`` on all of them at once under autograd and keeps d loss /
+d logp and d loss / d entropy ([N] vectors). The backward scales those by grad_output and runs
+the op's recompute pass (:func:`ops.passes.backward_grads`): 4 GEMMs, the op's memory (one
+logits tile; d_weight straight into an fp32 ``main_grad``), and no [T]-sized autograd graph.
 
-ratio_level "sequence" (GSPO): a token's ratio depends on every token of its sequence, so the
-loss cannot be finished chunk by chunk. It runs ``vocab_parallel_logprobs`` (rows = loss mask),
-then ``grpo_loss``, and autograd through the op, which recomputes the logits in backward.
+Why not the 3-GEMM design (logits, d_hidden, d_weight all in the forward, no recompute): the
+loss of a row needs its full-vocabulary statistics before any d logits, so a chunk must hold
+complete fp32 [C, V_local] rows (0.58 MiB per row at V = 151936), and d_weight must be kept in a
+separate fp32 [V_local, H] buffer until grad_output is known (it cannot go into ``main_grad``
+early), read and written once per chunk. Measured on one H200 (T = 8192, H = 4096,
+V = 151936, bf16; 3-GEMM floor 43.9 ms; "over" = peak memory beyond the gradients):
+
+    3-GEMM, C = 384 (256 MiB chunks)    110.4 ms  2.54x  over 2.44 GiB
+    3-GEMM, C = 1024                      62.4 ms  1.42x  over 2.44 GiB
+    3-GEMM, C = 2048                      56.8 ms  1.29x  over 2.98 GiB
+    this path (tiled, 4 GEMMs)            67.2 ms  1.51x  over 0.38 GiB (also with main_grad)
+
+The 3-GEMM design only gets fast with chunks far beyond the memory target (gradients +
+0.5 GiB), so the tiled pass is the one implementation.
+
+ratio_level "sequence" (GSPO): a token's ratio depends on every token of its sequence (across
+CP ranks too), so it runs ``vocab_parallel_logprobs`` (rows = loss mask), then ``grpo_loss``,
+and autograd through the op.
 
 Prompt tokens (loss_mask False) never reach the LM head in either mode.
 """
@@ -24,107 +38,69 @@ from torch import Tensor
 from megatron_grpo.loss import GRPOLossConfig, grpo_loss
 from megatron_grpo.loss.math import LossContext, build_context, objective
 from megatron_grpo.loss.metrics import MetricDict, merge_metrics
-from megatron_grpo.ops.comm import TPInfo, combine_row_stats
-from megatron_grpo.ops.lm_head import LMHead, build_lm_head, check_targets, take_rows
-from megatron_grpo.ops.logprobs import (
+from megatron_grpo.ops.comm import TPInfo
+from megatron_grpo.ops.lm_head import LMHead, RowGrads, build_lm_head, check_targets
+from megatron_grpo.ops.logprobs import vocab_parallel_logprobs
+from megatron_grpo.ops.passes import (
+    backward_grads,
+    forward_stats,
     gather_hidden,
     local_targets,
-    reduce_hidden_grad,
     scatter_rows,
-    vocab_parallel_logprobs,
 )
-from megatron_grpo.ops.weight_grad import finish_weight_grad, weight_grad_accumulator
+from megatron_grpo.ops.weight_grad import WeightGradSink
 
 
-def _chunk_objective(
-    cfg: GRPOLossConfig, ctx: LossContext, logp: Tensor, ent: Tensor | None
-) -> tuple[Tensor, MetricDict, Tensor, Tensor | None]:
-    """Objective of one chunk and its gradients w.r.t. logp / entropy ([n] each)."""
+def _objective_grads(
+    cfg: GRPOLossConfig, lctx: LossContext, logp: Tensor, ent: Tensor | None, want_grad: bool
+) -> tuple[Tensor, MetricDict, Tensor | None, Tensor | None]:
+    """Objective of all rows and, if wanted, its gradients w.r.t. logp / entropy ([N] each)."""
     with torch.enable_grad():
-        lp = logp.detach().requires_grad_()
-        en = None if ent is None else ent.detach().requires_grad_()
-        loss, metrics = objective(cfg, ctx, lp, en)
+        lp = logp.detach().requires_grad_(want_grad)
+        en = None if ent is None else ent.detach().requires_grad_(want_grad)
+        loss, metrics = objective(cfg, lctx, lp, en)
+        if not want_grad:
+            return loss.detach(), metrics, None, None
         inputs = [lp] if en is None else [lp, en]
         grads = torch.autograd.grad(loss, inputs, allow_unused=True, materialize_grads=True)
     g_ent = grads[1] if en is not None and cfg.entropy_coef != 0 else None
     return loss.detach(), metrics, grads[0], g_ent
 
 
-class _TokenPass:
-    """One pass over the loss's valid rows: loss, metrics, log-probs and fp32 gradients."""
-
-    def __init__(self, head: LMHead, lctx: LossContext, hidden, weight, targets, opts: dict):
-        self.head, self.lctx, self.cfg = head, lctx, opts["cfg"]
-        self.need_ent = opts["need_entropy"]
-        self.want_dh, self.want_dw = opts["want_dh"], opts["want_dw"]
-        self.t_local = local_targets(targets, lctx.index, head)
-        self.h_full = gather_hidden(hidden, head)
-        n_rows, dev = lctx.num_rows, hidden.device
-        self.logp = torch.zeros(n_rows, device=dev)
-        self.ent = torch.zeros(n_rows, device=dev) if self.need_ent else None
-        self.loss = torch.zeros((), device=dev)
-        self.metrics = [lctx.metrics]
-        self.dh_full = None
-        if self.want_dh:
-            self.dh_full = self.h_full.new_zeros(self.h_full.shape, dtype=torch.float32)
-        self.dw_acc = weight_grad_accumulator(weight, direct=False) if self.want_dw else None
-
-    def run(self) -> None:
-        n_rows, step = self.lctx.num_rows, self.head.chunk_size
-        for start in range(0, n_rows, step):
-            self._chunk(start, min(start + step, n_rows))
-
-    def _chunk(self, start: int, stop: int) -> None:
-        head, rows, idx = self.head, slice(start, stop), self.lctx.index
-        h = take_rows(self.h_full, idx, start, stop)
-        logits = head.logits(h)
-        m, s, zt, b = head.stats(logits, self.t_local[rows], self.need_ent)
-        lse, zt, pz = combine_row_stats(m, s, zt, b, head.tp)
-        self.logp[rows] = zt - lse
-        ent = None
-        if self.ent is not None:
-            ent = self.ent[rows] = lse - pz
-        part, metrics, g_lp, g_ent = _chunk_objective(
-            self.cfg, self.lctx.rows(rows), self.logp[rows], ent
-        )
-        self.loss += part
-        self.metrics.append(metrics)
-        if not (self.want_dh or self.want_dw):
-            return
-        pz = pz if g_ent is not None else None
-        dlogits = head.dlogits(logits, self.t_local[rows], lse, g_lp, g_ent, pz)
-        del logits
-        dh = head.grad_gemms(dlogits, h, self.dw_acc, self.want_dh)
-        if dh is not None:
-            self.dh_full.index_copy_(0, idx[rows], dh)
-
-
 class _FusedTokenGRPO(torch.autograd.Function):
-    """Forward does the whole loss + gradient pass; backward scales by grad_output."""
+    """Forward: stats pass + loss + d loss / d logp; backward: the recompute pass."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, head: LMHead, lctx: LossContext, opts: dict):
-        run = _TokenPass(head, lctx, hidden, weight, targets, opts)
-        run.run()
-        dh_local = reduce_hidden_grad(run.dh_full, head) if run.want_dh else None
-        ctx.save_for_backward(dh_local, run.dw_acc)
-        ctx.weight, ctx.hidden_dtype = weight, hidden.dtype
-        opts["metrics"] = merge_metrics(run.metrics)
         total = targets.shape[0]
-        logp = scatter_rows(run.logp, lctx.index, total)
-        ent = logp.new_zeros(0) if run.ent is None else scatter_rows(run.ent, lctx.index, total)
-        ctx.mark_non_differentiable(logp, ent)
-        return run.loss, logp, ent
+        idx = None if lctx.num_rows == total else lctx.index  # sorted: all rows = arange
+        t_local = local_targets(targets, idx, head)
+        need_ent = opts["need_entropy"]
+        lse, zt, pz = forward_stats(head, gather_hidden(hidden, head), idx, t_local, need_ent)
+        logp = zt - lse
+        ent = lse - pz if need_ent else None
+        want_grad = opts["want_dh"] or opts["want_dw"]
+        loss, metrics, g_lp, g_ent = _objective_grads(opts["cfg"], lctx, logp, ent, want_grad)
+        opts["metrics"] = merge_metrics([lctx.metrics, metrics])
+        ctx.head, ctx.opts = head, opts
+        pz = pz if g_ent is not None else None
+        ctx.save_for_backward(hidden, weight, idx, t_local, lse, pz, g_lp, g_ent)
+        logp_out = scatter_rows(logp, idx, total)
+        ent_out = logp.new_zeros(0) if ent is None else scatter_rows(ent, idx, total)
+        ctx.mark_non_differentiable(logp_out, ent_out)
+        return loss, logp_out, ent_out
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_logp, _grad_ent):
-        dh_local, dw_acc = ctx.saved_tensors
-        dh = dw = None
-        if dh_local is not None:
-            dh = (dh_local * grad_loss).to(ctx.hidden_dtype)
-        if dw_acc is not None:
-            dw = finish_weight_grad(ctx.weight, dw_acc.mul_(grad_loss))
-        return dh, dw, None, None, None, None
+        hidden, weight, idx, t_local, lse, pz, g_lp, g_ent = ctx.saved_tensors
+        want_dh, want_dw = ctx.opts["want_dh"], ctx.opts["want_dw"]
+        if grad_loss is None or not (want_dh or want_dw):
+            return None, None, None, None, None, None
+        scale = grad_loss.float()
+        grads = RowGrads(lse, g_lp * scale, None if g_ent is None else g_ent * scale, pz)
+        sink = WeightGradSink(weight, ctx.head.n_valid) if want_dw else None
+        dh = backward_grads(ctx.head, hidden, idx, t_local, grads, sink, want_dh)
+        return dh, None if sink is None else sink.finish(), None, None, None, None
 
 
 def fused_grpo_loss(
@@ -149,8 +125,9 @@ def fused_grpo_loss(
     impl: str = "auto",
     return_entropy: bool = False,
 ) -> tuple[Tensor, MetricDict, Tensor] | tuple[Tensor, MetricDict, Tensor, Tensor]:
-    """``grpo_loss`` of the log-probs of ``hidden @ weight^T / temperature`` without a second
-    LM-head pass: same loss, gradients and metrics as ``vocab_parallel_logprobs`` + ``grpo_loss``.
+    """``grpo_loss`` of the log-probs of ``hidden @ weight^T / temperature``: same loss,
+    gradients and metrics as ``vocab_parallel_logprobs`` + ``grpo_loss``, with the loss and its
+    log-prob gradients computed inside the op (see the module docstring).
 
     hidden / weight / targets / TP arguments: as :func:`vocab_parallel_logprobs`; the loss
     arguments (all [T], ``cu_seqlens`` [S+1]): as :func:`megatron_grpo.loss.grpo_loss`.

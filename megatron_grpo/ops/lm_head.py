@@ -1,9 +1,10 @@
-"""The chunked vocab-parallel LM head shared by the log-prob op and the fused GRPO path.
+"""The vocab-parallel LM head shared by the log-prob op and the fused GRPO path.
 
-Rows (tokens) are processed in chunks of ``chunk_size``; each chunk's ``[C, V_local]`` fp32
-logits are the only vocabulary-sized tensor alive. The three GEMMs (logits, d_hidden, d_weight)
-run through torch (cuBLAS on GPU) with fp32 results; the per-chunk softmax work goes through
-the kernel seam (:mod:`megatron_grpo.ops.reference` or ``megatron_grpo.kernels``).
+Logits are computed in 2D tiles (:mod:`megatron_grpo.ops.tiling`): ``[R, Vc]`` fp32, the only
+vocabulary-sized tensor alive. The three GEMMs (logits, d_hidden, d_weight) run through torch
+(cuBLAS on GPU) with fp32 results; the per-tile softmax work goes through the kernel seam
+(:mod:`megatron_grpo.ops.reference` or ``megatron_grpo.kernels``), which sees each vocab tile as
+a shard of ``Vc`` valid columns.
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ from torch import Tensor
 
 from megatron_grpo.ops.comm import TPInfo
 from megatron_grpo.ops.dispatch import Kernels, resolve_kernels
+from megatron_grpo.ops.tiling import TILE_BYTES, Tiling, narrow_alias, tile_view
 
-# Budget of one fp32 [C, V_local] logits chunk when chunk_size is None.
-DEFAULT_CHUNK_BYTES = 256 * 2**20
 _CHUNK_ALIGN = 64
 
 
@@ -34,35 +34,57 @@ def _has_out_dtype_mm(device_type: str, dtype: torch.dtype) -> bool:
         return False
 
 
-def mm_f32(a: Tensor, b: Tensor, acc: Tensor | None = None) -> Tensor:
-    """``a @ b`` accumulated and returned in fp32; ``acc += a @ b`` in place when given.
+def mm_f32(a: Tensor, b: Tensor, acc: Tensor | None = None, out: Tensor | None = None) -> Tensor:
+    """``a @ b`` accumulated and returned in fp32: ``acc += a @ b`` in place when ``acc`` is
+    given, else written into ``out`` (a contiguous fp32 tensor) or a new tensor.
 
     Low-precision operands use the out_dtype GEMM (fp32 accumulator written out as fp32) where
     torch provides it, else they are upcast (exact products, more memory: CPU and old torch).
     """
-    if a.dtype == torch.float32 and b.dtype == torch.float32:
-        return torch.mm(a, b) if acc is None else acc.addmm_(a, b)
-    if a.dtype == b.dtype and _has_out_dtype_mm(a.device.type, a.dtype):
-        if acc is None:
-            return torch.mm(a, b, out_dtype=torch.float32)
-        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    if acc is None:
-        return torch.mm(a.float(), b.float())
-    return acc.addmm_(a.float(), b.float())
+    f32 = torch.float32
+    if not (a.dtype == f32 and b.dtype == f32):
+        if a.dtype == b.dtype and _has_out_dtype_mm(a.device.type, a.dtype):
+            if acc is not None:
+                return torch.addmm(acc, a, b, out_dtype=f32, out=acc)
+            if out is not None:
+                return torch.mm(a, b, out_dtype=f32, out=out)
+            return torch.mm(a, b, out_dtype=f32)
+        a, b = a.float(), b.float()
+    if acc is not None:
+        return acc.addmm_(a, b)
+    return torch.mm(a, b) if out is None else torch.mm(a, b, out=out)
 
 
 def default_chunk_size(v_local: int) -> int:
-    """Rows per chunk so that one fp32 [C, V_local] chunk stays near ``DEFAULT_CHUNK_BYTES``."""
-    rows = DEFAULT_CHUNK_BYTES // (4 * max(v_local, 1))
+    """Rows of one full-width fp32 [C, V_local] tile within ``TILE_BYTES`` (a memory-planning
+    figure: the op itself tiles the vocabulary too, see :class:`Tiling`)."""
+    rows = TILE_BYTES // (4 * max(v_local, 1))
     return max(_CHUNK_ALIGN, rows // _CHUNK_ALIGN * _CHUNK_ALIGN)
 
 
 @dataclass(frozen=True)
+class RowGrads:
+    """Per-row inputs of the logits gradient, each [R] fp32 (g_ent and pz both or neither)."""
+
+    lse: Tensor
+    g_logp: Tensor
+    g_ent: Tensor | None
+    pz: Tensor | None
+
+    def rows(self, start: int, stop: int) -> RowGrads:
+        def cut(x: Tensor | None) -> Tensor | None:
+            return None if x is None else x[start:stop]
+
+        return RowGrads(*(cut(x) for x in (self.lse, self.g_logp, self.g_ent, self.pz)))
+
+
+@dataclass(frozen=True)
 class LMHead:
-    """A validated vocab-parallel LM head shard and how to run it chunk by chunk.
+    """A validated vocab-parallel LM head shard and how to run it tile by tile.
 
     ``weight`` is this rank's [V_local, H] shard: rows ``[vocab_start, vocab_start + V_local)``
-    of the padded vocabulary, of which the first ``n_valid`` are real tokens.
+    of the padded vocabulary, of which the first ``n_valid`` are real tokens (only those are
+    tiled). ``chunk_size``: rows per tile, None = automatic (see :meth:`Tiling.plan`).
     """
 
     weight: Tensor
@@ -72,47 +94,36 @@ class LMHead:
     vocab_start: int
     n_valid: int
     inv_temperature: float
-    chunk_size: int
+    chunk_size: int | None
     kernels: Kernels
 
-    def logits(self, h: Tensor) -> Tensor:
-        """[C, H] -> raw fp32 logits [C, V_local] (temperature is applied by the kernels)."""
-        return mm_f32(h, self.weight.t())
+    def tiling(self, n_rows: int) -> Tiling:
+        return Tiling.plan(n_rows, self.n_valid, self.chunk_size)
 
-    def stats(self, logits: Tensor, t_local: Tensor, with_entropy: bool):
-        """Local row stats (m, s, zt, b) of a chunk; see ``reference.logits_row_stats``."""
+    def logits(self, h: Tensor, start: int, stop: int, buf: Tensor) -> Tensor:
+        """[R, H] -> raw fp32 logits [R, stop - start] of vocab rows ``start:stop``, in ``buf``
+        (temperature is applied by the kernels)."""
+        out = tile_view(buf, h.shape[0], stop - start)
+        return mm_f32(h, self.weight[start:stop].t(), out=out)
+
+    def stats(self, logits: Tensor, t_local: Tensor, start: int, with_entropy: bool):
+        """Row stats (m, s, zt, b) of a tile starting at vocab row ``start``."""
         return self.kernels.logits_row_stats(
-            logits, t_local, self.n_valid, self.inv_temperature, with_entropy
+            logits, t_local - start, logits.shape[1], self.inv_temperature, with_entropy
         )
 
-    def dlogits(
-        self,
-        logits: Tensor,
-        t_local: Tensor,
-        lse: Tensor,
-        g_logp: Tensor,
-        g_ent: Tensor | None,
-        pz: Tensor | None,
-    ) -> Tensor:
-        """d loss / d logits of a chunk in the GEMM dtype (the weight's), [C, V_local].
+    def dlogits(self, logits: Tensor, t_local: Tensor, start: int, g: RowGrads) -> Tensor:
+        """d loss / d logits of a tile in the GEMM dtype (the weight's), written over ``logits``.
 
-        fp32 weights: written in place over ``logits``. Low precision: rounded to the weight
-        dtype like the input of any bf16 GEMM; the GEMMs then accumulate in fp32.
+        fp32 weights: in place. Low precision: rounded to the weight dtype like the input of
+        any bf16 GEMM, into the first half of each fp32 row (row stride 2 * Vc elements); the
+        GEMMs then accumulate in fp32.
         """
-        out = logits if self.weight.dtype == torch.float32 else None
-        if out is None:
-            out = torch.empty(logits.shape, dtype=self.weight.dtype, device=logits.device)
+        out = narrow_alias(logits, self.weight.dtype)
         return self.kernels.logits_grad(
-            logits, t_local, self.n_valid, self.inv_temperature, lse, g_logp, g_ent, pz, out=out
-        )
-
-    def grad_gemms(
-        self, dlogits: Tensor, h: Tensor, dw_acc: Tensor | None, want_dh: bool
-    ) -> Tensor | None:
-        """``dw_acc += dlogits^T @ h`` (fp32) and returns fp32 ``dlogits @ W`` [C, H]."""
-        if dw_acc is not None:
-            mm_f32(dlogits.t(), h, acc=dw_acc)
-        return mm_f32(dlogits, self.weight) if want_dh else None
+            logits, t_local - start, logits.shape[1], self.inv_temperature,
+            g.lse, g.g_logp, g.g_ent, g.pz, out=out,
+        )  # fmt: skip
 
 
 def build_lm_head(
@@ -142,9 +153,9 @@ def build_lm_head(
             f"vocab_size must be in [1, V_local * TP = {padded}] (padded rows excluded), "
             f"got {vocab_size}"
         )
-    if chunk_size is None:
-        chunk_size = default_chunk_size(v_local)
-    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    ):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     start = tp.rank * v_local
     return LMHead(
@@ -200,6 +211,8 @@ def select_rows(rows: Tensor | None, targets: Tensor, vocab_size: int) -> Tensor
                 f"{list(rows.shape)} on {rows.device}"
             )
         idx = rows.nonzero().squeeze(1)
+        if idx.numel() == t_total:  # every row: plain slices instead of gathers
+            idx = None
     check_targets(targets, idx, vocab_size)
     return idx
 

@@ -1,11 +1,12 @@
 """``vocab_parallel_logprobs``: per-token log-probs (and entropy) from hidden states and a
-vocab-parallel LM-head shard, chunked over tokens, without materializing [T, V] logits.
+vocab-parallel LM-head shard, in 2D tiles, without materializing [T, V] logits.
 
-Forward: per row-chunk fp32 logits ``h @ W^T`` -> local row stats (kernel seam) -> one TP
-combine over all active rows (all-reduce MAX, then one all-reduce SUM). Only [R]-sized stats are
-saved. Backward recomputes each chunk's logits, turns them into d logits (kernel seam) and runs
-the two gradient GEMMs; d_hidden is accumulated in fp32 and reduce-scattered (sequence parallel)
-or all-reduced (replicated hidden) across TP.
+Forward: per [R, Vc] tile fp32 logits ``h @ W^T`` -> tile row stats (kernel seam) -> merged
+over tiles -> one TP combine over all active rows (all-reduce MAX, then one all-reduce SUM).
+Only [R]-sized stats are saved. Backward recomputes each tile's logits, turns them into d logits
+(kernel seam) and runs the two gradient GEMMs with fp32 accumulation (see
+:mod:`megatron_grpo.ops.passes`); d_hidden is reduce-scattered (sequence parallel) or
+all-reduced (replicated hidden) across TP in fp32.
 """
 
 from __future__ import annotations
@@ -14,102 +15,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_grpo.ops.comm import (
-    TPInfo,
-    all_gather_rows,
-    all_reduce_sum_,
-    combine_row_stats,
-    reduce_scatter_rows,
+from megatron_grpo.ops.comm import TPInfo
+from megatron_grpo.ops.lm_head import LMHead, RowGrads, build_lm_head, select_rows
+from megatron_grpo.ops.passes import (
+    backward_grads,
+    forward_stats,
+    gather_hidden,
+    local_targets,
+    scatter_rows,
 )
-from megatron_grpo.ops.lm_head import LMHead, build_lm_head, select_rows, take_rows
-from megatron_grpo.ops.weight_grad import finish_weight_grad, weight_grad_accumulator
-
-
-def gather_hidden(hidden: Tensor, head: LMHead) -> Tensor:
-    """[T_local, H] -> [T, H] under sequence parallelism (identity otherwise)."""
-    return all_gather_rows(hidden, head.tp) if head.sequence_parallel else hidden
-
-
-def reduce_hidden_grad(dh_full: Tensor, head: LMHead) -> Tensor:
-    """Sums the fp32 [T, H] per-shard d_hidden over TP: [T_local, H] with SP, else [T, H]."""
-    if head.sequence_parallel:
-        return reduce_scatter_rows(dh_full, head.tp)
-    return all_reduce_sum_(dh_full, head.tp)
-
-
-def scatter_rows(values: Tensor, idx: Tensor | None, total: int) -> Tensor:
-    """[R] values of the active rows -> [T] float32 with zeros elsewhere."""
-    if idx is None:
-        return values
-    out = values.new_zeros(total)
-    return out.index_copy_(0, idx, values)
-
-
-def local_targets(targets: Tensor, idx: Tensor | None, head: LMHead) -> Tensor:
-    """[R] int64 targets of the active rows relative to this shard's first vocab id."""
-    sel = targets if idx is None else targets[idx]
-    return sel.long() - head.vocab_start
-
-
-def forward_stats(
-    head: LMHead, h_full: Tensor, idx: Tensor | None, t_local: Tensor, with_entropy: bool
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Global (lse, zt, pz) [R] of the active rows; one chunk of logits alive at a time."""
-    n_rows = t_local.shape[0]
-    stats = torch.empty((4 if with_entropy else 3, n_rows), device=h_full.device)
-    for start in range(0, n_rows, head.chunk_size):
-        stop = min(start + head.chunk_size, n_rows)
-        logits = head.logits(take_rows(h_full, idx, start, stop))
-        for i, value in enumerate(head.stats(logits, t_local[start:stop], with_entropy)):
-            if value is not None:
-                stats[i, start:stop] = value
-        del logits
-    return combine_row_stats(
-        stats[0], stats[1], stats[2], stats[3] if with_entropy else None, head.tp
-    )
-
-
-def backward_grads(
-    head: LMHead,
-    hidden: Tensor,
-    idx: Tensor | None,
-    t_local: Tensor,
-    lse: Tensor,
-    g_logp: Tensor,
-    g_ent: Tensor | None,
-    pz: Tensor | None,
-    dw_acc: Tensor | None,
-    want_dh: bool,
-) -> Tensor | None:
-    """Recomputes each chunk; ``dw_acc += dW`` and returns the TP-reduced fp32 d_hidden."""
-    h_full = gather_hidden(hidden, head)
-    dh_full = h_full.new_zeros(h_full.shape, dtype=torch.float32) if want_dh else None
-    n_rows = t_local.shape[0]
-    for start in range(0, n_rows, head.chunk_size):
-        stop = min(start + head.chunk_size, n_rows)
-        h = take_rows(h_full, idx, start, stop)
-        logits = head.logits(h)
-        rows = slice(start, stop)
-        dlogits = head.dlogits(
-            logits,
-            t_local[rows],
-            lse[rows],
-            g_logp[rows],
-            None if g_ent is None else g_ent[rows],
-            None if g_ent is None else pz[rows],
-        )
-        del logits
-        dh = head.grad_gemms(dlogits, h, dw_acc, want_dh)
-        if dh is not None:
-            _put_rows(dh_full, idx, start, stop, dh)
-    return reduce_hidden_grad(dh_full, head) if want_dh else None
-
-
-def _put_rows(dst: Tensor, idx: Tensor | None, start: int, stop: int, src: Tensor) -> None:
-    if idx is None:
-        dst[start:stop] = src
-    else:
-        dst.index_copy_(0, idx[start:stop], src)
+from megatron_grpo.ops.weight_grad import WeightGradSink
 
 
 class _VocabParallelLogprobs(torch.autograd.Function):
@@ -129,17 +44,14 @@ class _VocabParallelLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy=None):
         hidden, weight, idx, t_local, lse, pz = ctx.saved_tensors
-        head: LMHead = ctx.head
         want_dh, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (grad_logp is None and grad_entropy is None) or not (want_dh or want_dw):
             return None, None, None, None, None, None
-        g_logp = _active(grad_logp, idx, lse)
         g_ent = None if grad_entropy is None else _active(grad_entropy, idx, lse)
-        dw_acc = weight_grad_accumulator(weight, direct=True) if want_dw else None
-        dh = backward_grads(head, hidden, idx, t_local, lse, g_logp, g_ent, pz, dw_acc, want_dh)
-        dw = finish_weight_grad(weight, dw_acc) if want_dw else None
-        dh = None if dh is None else dh.to(hidden.dtype)
-        return dh, dw, None, None, None, None
+        grads = RowGrads(lse, _active(grad_logp, idx, lse), g_ent, None if g_ent is None else pz)
+        sink = WeightGradSink(weight, ctx.head.n_valid) if want_dw else None
+        dh = backward_grads(ctx.head, hidden, idx, t_local, grads, sink, want_dh)
+        return dh, None if sink is None else sink.finish(), None, None, None, None
 
 
 def _active(grad: Tensor | None, idx: Tensor | None, like: Tensor) -> Tensor:
@@ -147,7 +59,7 @@ def _active(grad: Tensor | None, idx: Tensor | None, like: Tensor) -> Tensor:
     if grad is None:
         return torch.zeros_like(like)
     grad = grad if idx is None else grad[idx]
-    return grad.float()
+    return grad.float().contiguous()
 
 
 def vocab_parallel_logprobs(
@@ -178,7 +90,8 @@ def vocab_parallel_logprobs(
         vocab_size: real vocabulary size; padded rows ``>= vocab_size`` never contribute.
             Default: V_local * TP.
         return_entropy: also return the full-distribution entropy (differentiable).
-        chunk_size: rows per chunk (bounds the [chunk, V_local] fp32 logits); None = auto.
+        chunk_size: rows per tile of the fp32 logits (the vocab is tiled so that a tile stays
+            within ``ops.tiling.TILE_BYTES``); None = automatic.
         impl: "torch", "triton" or "auto" (triton on CUDA when it imports).
         rows: optional bool [T]: only these rows go through the LM head; other positions
             return 0 with no gradient and may hold any target (e.g. -100).

@@ -1,10 +1,16 @@
 """Where the LM-head weight gradient goes: ``weight.main_grad`` (Megatron) or ``weight.grad``.
 
-The gradient is accumulated over row chunks in fp32. With Megatron's DDP the weight carries an
-fp32 ``main_grad`` buffer; it is accumulated into directly (gradient_accumulation_fusion
-semantics) and autograd receives no weight gradient. When the weight also carries
-``grad_added_to_main_grad`` (Megatron DDP sets it on every parameter) the flag is set and a
-dummy gradient is returned instead of None, exactly as Megatron's own linear layers do: DDP's
+The gradient is accumulated vocab tile by vocab tile in fp32. It is accumulated *in place*
+("direct") where an fp32 buffer of the gradient already exists or is the gradient itself: an
+fp32 ``weight.main_grad`` (Megatron DDP, gradient_accumulation_fusion semantics), or a fresh fp32
+gradient of an fp32 weight. Otherwise (bf16 weight without main_grad, or a low-precision
+main_grad) each tile is summed in an fp32 scratch and rounded once into the gradient (or, from a
+single row block, written by one GEMM with an fp32 accumulator), so no fp32 buffer of the whole
+[V_local, H] shard exists beyond the gradient itself.
+
+With ``main_grad`` autograd receives no weight gradient. When the weight also carries
+``grad_added_to_main_grad`` (Megatron DDP sets it on every parameter) the flag is set and a dummy
+gradient is returned instead of None, exactly as Megatron's own linear layers do: DDP's
 post-accumulate hook, which marks the parameter ready for overlapped gradient reduction, only
 runs when autograd delivers a gradient.
 """
@@ -13,6 +19,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from megatron_grpo.ops.lm_head import mm_f32
 
 
 def _main_grad(weight: Tensor) -> Tensor | None:
@@ -24,25 +32,57 @@ def _main_grad(weight: Tensor) -> Tensor | None:
     return main_grad
 
 
-def weight_grad_accumulator(weight: Tensor, direct: bool) -> Tensor:
-    """An fp32 [V_local, H] accumulator: ``weight.main_grad`` itself when ``direct`` and it is
-    fp32, else a fresh zero buffer (``direct=False`` when the result is scaled later)."""
-    main_grad = _main_grad(weight)
-    if direct and main_grad is not None and main_grad.dtype == torch.float32:
-        return main_grad
-    return torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+class WeightGradSink:
+    """The d_weight of one backward pass, delivered in vocab tiles of [Vc, H].
 
+    ``n_valid``: rows ``>= n_valid`` (padded vocabulary) receive no tile and stay 0.
+    """
 
-def finish_weight_grad(weight: Tensor, acc: Tensor) -> Tensor | None:
-    """Lands the accumulated gradient; returns what autograd should get for ``weight``."""
-    main_grad = _main_grad(weight)
-    if main_grad is None:
-        return acc if weight.dtype == torch.float32 else acc.to(weight.dtype)
-    if acc is not main_grad:
-        main_grad.add_(acc)
-    if not hasattr(weight, "grad_added_to_main_grad"):
-        return None
-    weight.grad_added_to_main_grad = True
-    if getattr(weight, "zero_out_wgrad", False):
-        return torch.zeros_like(weight)
-    return torch.empty_like(weight)
+    def __init__(self, weight: Tensor, n_valid: int):
+        self.weight = weight
+        self.main_grad = _main_grad(weight)
+        # fresh: a new low-precision gradient whose tiles are each written exactly once
+        self.fresh = self.main_grad is None and weight.dtype != torch.float32
+        if self.main_grad is not None:
+            self.target = self.main_grad
+        elif self.fresh:  # no zero fill of the whole shard: every valid row is written
+            self.target = torch.empty_like(weight, memory_format=torch.contiguous_format)
+            self.target[n_valid:].zero_()
+        else:  # an fp32 weight's gradient, accumulated in place
+            self.target = torch.zeros_like(weight, memory_format=torch.contiguous_format)
+        self.direct = self.target.dtype == torch.float32
+
+    def tile(self, start: int, stop: int) -> Tensor:
+        """Rows ``start:stop`` of the fp32 d_weight, to accumulate into in place."""
+        if not self.direct:
+            raise RuntimeError("WeightGradSink.tile: no fp32 d_weight to accumulate into")
+        return self.target[start:stop]
+
+    def add_product(self, start: int, stop: int, a: Tensor, b: Tensor) -> None:
+        """``d_weight[start:stop] += a @ b`` as one GEMM: fp32 accumulation, one rounding."""
+        out = self.target[start:stop]
+        if self.direct:
+            mm_f32(a, b, acc=out)
+        elif self.fresh:
+            torch.mm(a, b, out=out)
+        else:
+            torch.addmm(out, a, b, out=out)
+
+    def commit(self, start: int, stop: int, acc: Tensor) -> None:
+        """Adds a finished fp32 [stop - start, H] sum into d_weight (computed in fp32, rounded
+        once)."""
+        if self.fresh:
+            self.target[start:stop].copy_(acc)
+        else:
+            self.target[start:stop].add_(acc)
+
+    def finish(self) -> Tensor | None:
+        """What autograd should get for ``weight``."""
+        if self.main_grad is None:
+            return self.target
+        if not hasattr(self.weight, "grad_added_to_main_grad"):
+            return None
+        self.weight.grad_added_to_main_grad = True
+        if getattr(self.weight, "zero_out_wgrad", False):
+            return torch.zeros_like(self.weight)
+        return torch.empty_like(self.weight)
