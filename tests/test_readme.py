@@ -20,7 +20,9 @@ def test_readme_has_quick_start_commands():
     lines = [ln for ln in quick.splitlines() if ln.strip()]
     assert len(lines) == 2
     assert all(ln.startswith("pip install -e ") for ln in lines)
-    assert "torchrun --nproc-per-node 2 -m megatron_grpo.train --config recipes/tiny.yaml" in lines[0]
+    assert (
+        "torchrun --nproc-per-node 2 -m megatron_grpo.train --config recipes/tiny.yaml" in lines[0]
+    )
     assert "pytest" in lines[1]
 
 
