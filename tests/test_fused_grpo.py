@@ -1,24 +1,30 @@
 """fused_grpo_loss == grpo_loss(vocab_parallel_logprobs(...)): loss, metrics, log-probs, entropy
-and gradients, at TP=1 (in process) and TP=2 with and without sequence parallelism (spawned)."""
+and gradients, on both token-ratio paths (single pass / tiled recompute), at TP=1 (in process)
+and TP=2 with and without sequence parallelism (spawned); the rule that picks the path."""
 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from megatron_grpo.loss import GRPOLossConfig, grpo_loss
+from megatron_grpo.ops import fused_grpo as fused_mod
 from megatron_grpo.ops import fused_grpo_loss, vocab_parallel_logprobs
+from megatron_grpo.ops import single_pass as single_mod
 from megatron_grpo.ops import tiling as tiling_mod
 from megatron_grpo.ops.lm_head import LMHead
+from megatron_grpo.ops.single_pass import needs_accumulator, single_pass_rows
 from tests.dist_utils import run_distributed
 from tests.test_logprobs import close, make_inputs
 
 T, H, V, VOCAB = 30, 16, 40, 37  # V = padded rows of the full weight
 CU = torch.tensor([0, 10, 18, 30])
 PROMPT = (4, 3, 5)  # leading prompt tokens of each sequence
+N_ROWS = T - sum(PROMPT)  # loss rows
 
 CONFIGS = {
     "token_full": dict(kl_coef=0.05, entropy_coef=0.01, dual_clip_c=3.0,
@@ -27,19 +33,44 @@ CONFIGS = {
     "gspo": dict(ratio_level="sequence", loss_agg="seq_mean_token_mean", kl_coef=0.05,
                  entropy_coef=0.02, clip_eps_low=3e-4, clip_eps_high=4e-4),
 }  # fmt: skip
+PATHS = ("single", "tiled")
 
 
-def loss_batch(hidden, weight_full, temperature):
+@contextmanager
+def forced_path(path: str | None):
+    """Selects the token path through the rule's row threshold (chunks smaller than the loss
+    rows: 1 -> single pass, huge -> tiled) and yields the list of paths that ran."""
+    ran: list[str] = []
+    classes = {"single": fused_mod._SinglePassTokenGRPO, "tiled": fused_mod._TiledTokenGRPO}
+    saved = single_mod.SINGLE_PASS_MIN_ROWS, {k: c.forward for k, c in classes.items()}
+    for name, cls in classes.items():
+
+        def spy(ctx, *args, _name=name, _orig=saved[1][name]):
+            ran.append(_name)
+            return _orig(ctx, *args)
+
+        cls.forward = staticmethod(spy)
+    if path is not None:
+        single_mod.SINGLE_PASS_MIN_ROWS = 1 if path == "single" else 10**9
+    try:
+        yield ran
+    finally:
+        single_mod.SINGLE_PASS_MIN_ROWS = saved[0]
+        for name, cls in classes.items():
+            cls.forward = staticmethod(saved[1][name])
+
+
+def loss_batch(hidden, weight_full, temperature, vocab=VOCAB):
     """Targets, mask and policy-independent loss inputs around the current policy."""
     g = torch.Generator().manual_seed(7)
     mask = torch.ones(T, dtype=torch.bool)
     for start, n in zip(CU[:-1].tolist(), PROMPT, strict=True):
         mask[start : start + n] = False
-    targets = torch.randint(0, VOCAB, (T,), generator=g)
+    targets = torch.randint(0, vocab, (T,), generator=g)
     targets = torch.where(mask, targets, torch.full_like(targets, -100))
     with torch.no_grad():
         logp = vocab_parallel_logprobs(
-            hidden.float(), weight_full[:VOCAB].float(), targets, temperature=temperature,
+            hidden.float(), weight_full[:vocab].float(), targets, temperature=temperature,
             rows=mask, impl="torch",
         )  # fmt: skip
     noise = torch.randn(3, T, generator=g) * 0.3
@@ -62,11 +93,20 @@ def metric_values(metrics) -> dict[str, float]:
     return out
 
 
-def run_both(cfg, h, w, targets, batch, *, scale=1.0, **op):
-    """(loss, metrics, logp, ent, d_hidden, d_weight) of the fused path and of the reference."""
+def _leaf(x, main_grad: torch.dtype | None):
+    x = x.detach().clone().requires_grad_()
+    if main_grad is not None:
+        x.main_grad = torch.full(x.shape, 0.5, dtype=main_grad)
+        x.grad_added_to_main_grad = False
+    return x
+
+
+def run_both(cfg, h, w, targets, batch, *, scale=1.0, main_grad=None, **op):
+    """(loss, metrics, logp, ent, d_hidden, d_weight) of the fused path and of the reference;
+    d_weight = main_grad - 0.5 with an initial ``main_grad`` of 0.5 (dtype ``main_grad``)."""
     results = []
     for fused in (True, False):
-        hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        hh, ww = h.detach().clone().requires_grad_(), _leaf(w, main_grad)
         if fused:
             loss, met, lp, ent = fused_grpo_loss(hh, ww, targets, cfg, return_entropy=True,
                                                  **batch, **op)  # fmt: skip
@@ -75,8 +115,11 @@ def run_both(cfg, h, w, targets, batch, *, scale=1.0, **op):
                                               return_entropy=True, **op)  # fmt: skip
             loss, met = grpo_loss(cfg, logprobs=lp, entropy=ent, **batch)
         (loss * scale).backward()
+        dw = ww.grad if main_grad is None else ww.main_grad.float() - 0.5
+        if main_grad is not None:
+            assert ww.grad_added_to_main_grad
         results.append((loss.detach(), metric_values(met), lp.detach(), ent.detach(), hh.grad,
-                        ww.grad))  # fmt: skip
+                        dw))  # fmt: skip
     return results
 
 
@@ -95,28 +138,68 @@ def assert_same(fused, ref, grads=True):
         close(fused[5], ref[5], rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+def assert_bf16_grads(fused, ref, dw_ulp=0.0):
+    """bf16: both round d logits to bf16 (the single pass before applying grad_output);
+    ``dw_ulp``: the spacing of a bf16 main_grad's values (each path rounds into it once)."""
+    assert_same(fused, ref, grads=False)
+    for i, extra in ((4, 0.0), (5, dw_ulp)):
+        close(fused[i], ref[i], rtol=2e-2, atol=1e-2 * ref[i].abs().max().item() + extra)
+
+
+CASES = [(n, p) for n in ("token_full", "token_plain") for p in PATHS] + [("gspo", None)]
+
+
+@pytest.mark.parametrize(("name", "path"), CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_matches_grpo_loss_tp1(name, dtype):
+def test_fused_matches_grpo_loss_tp1(name, path, dtype):
+    """Masked prompt rows, padded vocabulary (padded rows of weight 50), temperature, entropy
+    bonus (token_full), grad_output 2.5, several chunks on each path."""
     cfg = GRPOLossConfig(**CONFIGS[name])
     hidden, weight, _ = make_inputs(T, H, V, dtype=dtype)
     weight[VOCAB:] = 50.0
     targets, batch = loss_batch(hidden, weight, 0.8)
     op = dict(temperature=0.8, vocab_size=VOCAB, chunk_size=7, impl="torch")
-    fused, ref = run_both(cfg, hidden, weight, targets, batch, scale=2.5, **op)
+    with forced_path(path) as ran:
+        fused, ref = run_both(cfg, hidden, weight, targets, batch, scale=2.5, **op)
+    assert ran == ([path] if path else [])
     if dtype == torch.float32:
         assert_same(fused, ref)
         assert fused[1]["loss/pg_clipfrac_high"] + fused[1]["loss/pg_clipfrac_low"] > 0
-    else:  # bf16 gradients: both round d logits to bf16, in different chunkings
-        assert_same(fused, ref, grads=False)
-        for i in (4, 5):
-            close(fused[i], ref[i], rtol=2e-2, atol=1e-2 * ref[i].abs().max().item())
+    else:
+        assert_bf16_grads(fused, ref)
     assert (fused[2][~batch["loss_mask"]] == 0).all() and (fused[4][~batch["loss_mask"]] == 0).all()
 
 
-def test_fused_token_pass_is_one_pass_over_loss_rows(monkeypatch):
-    """Token ratio: logits only for loss rows, in row blocks: one statistics pass in forward,
-    one recompute pass in backward (the op's passes; the loss is evaluated once in between)."""
+# (weight dtype, main_grad dtype): Megatron's fp32 buffer, fp32 weight, a low-precision buffer
+MAIN_GRADS = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+              (torch.bfloat16, torch.bfloat16)]  # fmt: skip
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(("w_dtype", "mg_dtype"), MAIN_GRADS)
+@pytest.mark.parametrize("scale", [1.0, 3.0])
+def test_fused_main_grad(path, w_dtype, mg_dtype, scale):
+    """d_weight accumulates onto an existing main_grad, scaled by grad_output (the single pass
+    writes it in forward and corrects a grad_output != 1 in backward)."""
+    cfg = GRPOLossConfig(**CONFIGS["token_full"])
+    hidden, weight, _ = make_inputs(T, H, V, dtype=w_dtype)
+    targets, batch = loss_batch(hidden, weight, 1.0)
+    op = dict(vocab_size=VOCAB, chunk_size=5, impl="torch", main_grad=mg_dtype)
+    with forced_path(path) as ran:
+        fused, ref = run_both(cfg, hidden, weight, targets, batch, scale=scale, **op)
+    assert ran == [path]
+    if w_dtype == torch.float32:
+        assert_same(fused, ref)
+    else:  # a bf16 main_grad holds 0.5 + d_weight in steps of 2^-8
+        assert_bf16_grads(fused, ref, dw_ulp=2.0**-8 if mg_dtype == torch.bfloat16 else 0.0)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("with_main_grad", [False, True])
+def test_fused_gemm_schedule(monkeypatch, path, with_main_grad):
+    """Logits only for loss rows, chunk_size rows per tile. Single pass: full-width tiles in the
+    forward only (3 GEMMs) while grad_output is 1, a recompute pass for the main_grad correction
+    otherwise; tiled: one stats pass in forward, one recompute pass in backward."""
     seen: list[tuple[int, int]] = []
     original = LMHead.logits
 
@@ -127,56 +210,112 @@ def test_fused_token_pass_is_one_pass_over_loss_rows(monkeypatch):
     monkeypatch.setattr(LMHead, "logits", spy)
     hidden, weight, _ = make_inputs(T, H, V)
     targets, batch = loss_batch(hidden, weight, 1.0)
-    seen.clear()
-    h = hidden.clone().requires_grad_()
-    loss, _, _ = fused_grpo_loss(h, weight, targets, GRPOLossConfig(), chunk_size=8,
-                                 vocab_size=VOCAB, impl="torch", **batch)  # fmt: skip
-    n = int(batch["loss_mask"].sum())
-    one_pass = [(8, VOCAB)] * (n // 8) + [(n % 8, VOCAB)]
-    assert seen == one_pass
+    one_pass = [(8, VOCAB)] * (N_ROWS // 8) + [(N_ROWS % 8, VOCAB)]
+    for scale in (1.0, 2.0):
+        seen.clear()
+        w = _leaf(weight, torch.float32 if with_main_grad else None)
+        with forced_path(path):
+            loss, _, _ = fused_grpo_loss(hidden, w, targets, GRPOLossConfig(), chunk_size=8,
+                                         vocab_size=VOCAB, impl="torch", **batch)  # fmt: skip
+        assert seen == one_pass
+        (scale * loss).backward()
+        recompute = path == "tiled" or (with_main_grad and scale != 1.0)
+        assert seen == one_pass * (2 if recompute else 1)
+
+
+def test_single_pass_second_backward_and_no_grad():
+    """retain_graph: a second backward adds the gradients again (by recompute); no_grad: loss
+    and log-probs only (the stats pass), equal to the reference."""
+    cfg = GRPOLossConfig(**CONFIGS["token_full"])
+    hidden, weight, _ = make_inputs(T, H, V)
+    targets, batch = loss_batch(hidden, weight, 1.0)
+    op = dict(vocab_size=VOCAB, chunk_size=6, impl="torch")
+    expected = run_both(cfg, hidden, weight, targets, batch, scale=3.0, **op)[1]
+    for main_grad in (None, torch.float32):
+        h, w = hidden.clone().requires_grad_(), _leaf(weight, main_grad)
+        with forced_path("single") as ran:
+            loss, _, _ = fused_grpo_loss(h, w, targets, cfg, **batch, **op)
+        (2.0 * loss).backward(retain_graph=True)
+        loss.backward()
+        assert ran == ["single"]
+        close(h.grad, expected[4], rtol=1e-4, atol=1e-6)
+        close(w.grad if main_grad is None else w.main_grad - 0.5, expected[5], 1e-4, 1e-6)
+    with torch.no_grad(), forced_path("single") as ran:
+        loss, _, lp = fused_grpo_loss(hidden, weight, targets, cfg, **batch, **op)
+    assert ran == ["tiled"]
+    close(loss, expected[0], rtol=1e-5, atol=1e-7)
+    close(lp, expected[2])
+
+
+def test_single_pass_rule():
+    """The documented rule at V = 151936, H = 4096 (an fp32 main_grad, or an extra fp32
+    d_weight buffer of at most one tile); explicit chunk_size; the threshold; small batches."""
+    tile_rows = {1: 384, 2: 832, 4: 1728, 8: 3520}  # full-width 256 MiB rows, 64-aligned
+    for tp, rows in tile_rows.items():
+        v_local = 151936 // tp
+        assert rows * v_local * 4 <= tiling_mod.TILE_BYTES < (rows + 64) * v_local * 4
+        with_mg = single_pass_rows(8192, v_local, 4096, None, extra_accumulator=False)
+        assert with_mg == (rows if rows >= single_mod.SINGLE_PASS_MIN_ROWS else None)
+        assert single_pass_rows(8192, v_local, 4096, None, extra_accumulator=True) is None
+        assert single_pass_rows(300, v_local, 4096, None, False) == (300 if rows >= 300 else None)
+    assert single_pass_rows(8192, 151936 // 8, 2048, None, extra_accumulator=True) == 3520
+    assert single_pass_rows(8192, 18992, 4096, 2048, False) == 2048
+    assert single_pass_rows(8192, 18992, 4096, 1000, False) is None  # below the threshold
+    assert single_pass_rows(8192, 18992, 4096, 4096, False) is None  # does not fit a tile
+    assert single_pass_rows(0, 18992, 4096, None, False) is None
+    w = torch.zeros(2, 2, dtype=torch.bfloat16)
+    assert needs_accumulator(w) and not needs_accumulator(w.float())
+    w.main_grad = torch.zeros(2, 2)
+    assert not needs_accumulator(w)
+    w.main_grad = torch.zeros(2, 2, dtype=torch.bfloat16)
+    assert needs_accumulator(w)
+
+
+@pytest.mark.parametrize(
+    ("w_dtype", "mg_dtype", "weight_grad", "expected"),
+    [(torch.bfloat16, None, True, "tiled"), (torch.bfloat16, torch.bfloat16, True, "tiled"),
+     (torch.bfloat16, torch.float32, True, "single"), (torch.float32, None, True, "single"),
+     (torch.bfloat16, None, False, "single")],
+)  # fmt: skip
+def test_rule_picks_path_from_gradient_buffers(monkeypatch, w_dtype, mg_dtype, weight_grad,
+                                               expected):  # fmt: skip
+    """Default threshold and chunking, a budget of one full-width chunk of all loss rows: the
+    single pass runs unless d_weight needs an fp32 buffer (bf16 gradient, no fp32 main_grad)
+    larger than a tile; a frozen weight needs none."""
+    wide = 3 * H  # 4 * V * wide > 4 * V * N_ROWS: the buffer exceeds the tile
+    monkeypatch.setattr(tiling_mod, "TILE_BYTES", 4 * V * N_ROWS)
+    hidden, weight, _ = make_inputs(T, wide, V, dtype=w_dtype)
+    targets, batch = loss_batch(hidden, weight, 1.0)
+    w = _leaf(weight, mg_dtype).requires_grad_(weight_grad)
+    with forced_path(None) as ran:
+        loss, _, _ = fused_grpo_loss(hidden.requires_grad_(), w, targets, GRPOLossConfig(),
+                                     vocab_size=VOCAB, impl="torch", **batch)  # fmt: skip
     loss.backward()
-    assert seen == one_pass * 2
+    assert ran == [expected]
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("main_grad", [False, True])
-def test_fused_2d_tiles(monkeypatch, main_grad):
-    """Vocab tiles that do not divide the vocabulary: the fused path equals the unfused one
-    (bf16, both d_weight destinations: vocab-outer into a bf16 grad, rows-outer into main_grad)."""
-    monkeypatch.setattr(tiling_mod, "TILE_BYTES", 4 * 5 * 11)  # chunk 5 -> 11-column tiles
+def test_fused_2d_tiles(monkeypatch, path, main_grad):
+    """A small tile budget: vocab tiles that do not divide the vocabulary on the tiled path,
+    5-row full-width chunks on the single pass (within a budget that also admits the extra fp32
+    d_weight buffer of a bf16 grad); bf16, d_weight into a bf16 grad or main_grad."""
+    monkeypatch.setattr(tiling_mod, "TILE_BYTES", 4 * 5 * 11 if path == "tiled" else 4 * V * H)
     cfg = GRPOLossConfig(**CONFIGS["token_full"])
     hidden, weight, _ = make_inputs(T, H, V, dtype=torch.bfloat16)
     targets, batch = loss_batch(hidden, weight, 0.8)
     op = dict(temperature=0.8, vocab_size=VOCAB, chunk_size=5, impl="torch")
-    out = []
-    for fused in (True, False):
-        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        if main_grad:
-            w.main_grad = torch.zeros(w.shape)
-        if fused:
-            loss, _, lp = fused_grpo_loss(h, w, targets, cfg, **batch, **op)
-        else:
-            lp, ent = vocab_parallel_logprobs(h, w, targets, rows=batch["loss_mask"],
-                                              return_entropy=True, **op)  # fmt: skip
-            loss, _ = grpo_loss(cfg, logprobs=lp, entropy=ent, **batch)
-        (2.0 * loss).backward()
-        out.append((loss.detach(), lp.detach(), h.grad, w.main_grad if main_grad else w.grad))
-    for a, b in zip(*out, strict=True):  # the same passes: equal up to fp32 reassociation
-        close(a.float(), b.float(), rtol=1e-5, atol=1e-5 * b.float().abs().max().item())
-    assert out[0][3].dtype == (torch.float32 if main_grad else torch.bfloat16)
-
-
-def test_fused_main_grad_scaled_by_grad_output():
-    hidden, weight, _ = make_inputs(T, H, V)
-    targets, batch = loss_batch(hidden, weight, 1.0)
-    cfg = GRPOLossConfig(**CONFIGS["token_full"])
-    op = dict(vocab_size=VOCAB, chunk_size=5, impl="torch")
-    expected = run_both(cfg, hidden, weight, targets, batch, scale=3.0, **op)[1][5]
-    w = weight.clone().requires_grad_()
-    w.main_grad = torch.ones(w.shape)
-    loss, _, _ = fused_grpo_loss(hidden, w, targets, cfg, **batch, **op)
-    (3.0 * loss).backward()
-    assert w.grad is None
-    close(w.main_grad - 1.0, expected, rtol=1e-4, atol=1e-6)
+    with forced_path(path) as ran:
+        fused, ref = run_both(cfg, hidden, weight, targets, batch, scale=2.0,
+                              main_grad=torch.float32 if main_grad else None, **op)  # fmt: skip
+    assert ran == [path]
+    if path == "tiled":  # the same passes: equal up to fp32 reassociation
+        for i in (0, 2, 4, 5):
+            a, b = fused[i].float(), ref[i].float()
+            close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+    else:
+        assert_bf16_grads(fused, ref)
+    assert fused[5].dtype == ref[5].dtype == (torch.float32 if main_grad else torch.bfloat16)
 
 
 def test_fused_rejects_bad_inputs():
@@ -190,31 +329,114 @@ def test_fused_rejects_bad_inputs():
         fused_grpo_loss(hidden, weight, bad, GRPOLossConfig(), vocab_size=VOCAB, **batch)
 
 
+# ---------------------------------------------------------------- GPU
+
+
+def _gpu_problem(t: int, h: int, v: int, seq: int, prompt: int):
+    dev = torch.device("cuda")
+    hidden, weight, targets = make_inputs(t, h, v, dtype=torch.bfloat16, scale=3.0)
+    hidden, weight, targets = hidden.to(dev), weight.to(dev), targets.to(dev)
+    cu = torch.arange(0, t + 1, seq, device=dev)
+    mask = (torch.arange(t, device=dev) % seq) >= prompt
+    g = torch.Generator(device=dev).manual_seed(3)
+    with torch.no_grad():
+        logp = vocab_parallel_logprobs(hidden, weight, targets, rows=mask)
+    adv = torch.randn(t // seq, generator=g, device=dev).repeat_interleave(seq)
+    noise = 0.05 * torch.randn(3, t, generator=g, device=dev)
+    batch = dict(old_logprobs=logp + noise[0], ref_logprobs=logp + noise[1],
+                 rollout_logprobs=logp + noise[0] + 0.1 * noise[2], advantages=adv,
+                 loss_mask=mask, cu_seqlens=cu)  # fmt: skip
+    return hidden, weight, targets, batch
+
+
+def _gpu_run(path, cfg, hidden, weight, targets, batch):
+    """(loss, d_hidden, main_grad, extra peak bytes) of fused_grpo_loss on ``path``."""
+    h = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    w.main_grad = torch.zeros(w.shape, device=w.device)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with forced_path(path) as ran:
+        loss, _, _ = fused_grpo_loss(h, w, targets, cfg, **batch)
+    loss.backward()
+    torch.cuda.synchronize()
+    assert ran == [path]
+    return loss.detach(), h.grad, w.main_grad, torch.cuda.max_memory_allocated() - base
+
+
+@pytest.mark.gpu
+def test_gpu_single_pass_accuracy_and_memory():
+    """The TP = 8 shard of a 151936 vocabulary (V_local = 18992), bf16, an fp32 main_grad: the
+    rule picks 3520-row single-pass chunks; its gradient error against an fp64 reference is
+    within the tiled path's, and its memory beyond the gradients is one full-width tile plus
+    the fp32 d_hidden."""
+    t, h, v, seq, prompt = 4096, 1024, 18992, 512, 64
+    cfg = GRPOLossConfig(**CONFIGS["token_full"])
+    hidden, weight, targets, batch = _gpu_problem(t, h, v, seq, prompt)
+    n_rows = int(batch["loss_mask"].sum())
+    w_mg = weight.clone()
+    w_mg.main_grad = torch.zeros(1, device=weight.device).expand(v, h)  # dtype only
+    assert fused_mod.token_pass_rows(w_mg, n_rows, None) == 3520 < n_rows
+    single = _gpu_run("single", cfg, hidden, weight, targets, batch)
+    tiled = _gpu_run("tiled", cfg, hidden, weight, targets, batch)
+    bound = t * h * 2 + 3520 * v * 4 + t * h * 4 + 3520 * h * 6 + 64 * t * 4 + 2**24
+    assert single[3] <= bound, (single[3] / 2**20, bound / 2**20)
+    close(single[0], tiled[0], rtol=1e-5, atol=1e-6)
+
+    z = (hidden.double() @ weight.double().t()).requires_grad_()
+    lp64 = z.log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
+    ent64 = -(z.softmax(-1) * z.log_softmax(-1)).sum(-1)
+    rows = batch["loss_mask"]
+    loss64, _ = grpo_loss(cfg, logprobs=torch.where(rows, lp64, 0.0),
+                          entropy=torch.where(rows, ent64, 0.0), **batch)  # fmt: skip
+    loss64.backward()
+    dh64, dw64 = z.grad @ weight.double(), z.grad.t() @ hidden.double()
+
+    def rel(x, ref):
+        return ((x.double() - ref).norm() / ref.norm()).item()
+
+    errs = [(rel(r[1], dh64), rel(r[2], dw64)) for r in (single, tiled)]
+    print(f"single pass (dh, dw) rel err {errs[0]}, tiled {errs[1]}")
+    for e_single, e_tiled in zip(*errs, strict=True):
+        assert e_single <= 1.1 * e_tiled + 1e-4, errs
+
+
 # ---------------------------------------------------------------- TP = 2 (spawned)
+
+
+def _tp2_case(rank, world, group, name, path, vocab, main_grad):
+    hidden, weight, _ = make_inputs(T, H, V)
+    weight[vocab:] = 50.0
+    targets, batch = loss_batch(hidden, weight, 0.9, vocab)
+    v_local, t_local = V // world, T // world
+    w_loc = weight[rank * v_local : (rank + 1) * v_local]
+    cfg = GRPOLossConfig(**CONFIGS[name])
+    single = run_both(cfg, hidden, weight, targets, batch, scale=2.0, temperature=0.9,
+                      vocab_size=vocab, impl="torch", main_grad=main_grad)[1]  # fmt: skip
+    for sp in (False, True):
+        h_loc = hidden[rank * t_local : (rank + 1) * t_local] if sp else hidden
+        op = dict(tp_group=group, sequence_parallel=sp, temperature=0.9, vocab_size=vocab,
+                  chunk_size=6, impl="torch", main_grad=main_grad)  # fmt: skip
+        with forced_path(path) as ran:
+            fused, ref = run_both(cfg, h_loc, w_loc, targets, batch, scale=2.0, **op)
+        assert ran == ([path] if path else [])
+        assert_same(fused, ref)
+        # ... and both equal the TP=1 result (on this rank's slices).
+        assert_same(fused, single, grads=False)
+        dh_single = single[4][rank * t_local : (rank + 1) * t_local] if sp else single[4]
+        close(fused[4], dh_single, rtol=1e-4, atol=1e-6)
+        close(fused[5], single[5][rank * v_local : (rank + 1) * v_local], rtol=1e-4, atol=1e-6)
 
 
 def _tp2_body(rank: int, world_size: int) -> None:
     group = dist.new_group(list(range(world_size)))
-    hidden, weight, _ = make_inputs(T, H, V)
-    weight[VOCAB:] = 50.0
-    targets, batch = loss_batch(hidden, weight, 0.9)
-    v_local, t_local = V // world_size, T // world_size
-    w_loc = weight[rank * v_local : (rank + 1) * v_local]
-    for name in ("token_full", "gspo"):
-        cfg = GRPOLossConfig(**CONFIGS[name])
-        single = run_both(cfg, hidden, weight, targets, batch, temperature=0.9, vocab_size=VOCAB,
-                          impl="torch")[1]  # fmt: skip
-        for sp in (False, True):
-            h_loc = hidden[rank * t_local : (rank + 1) * t_local] if sp else hidden
-            op = dict(tp_group=group, sequence_parallel=sp, temperature=0.9, vocab_size=VOCAB,
-                      chunk_size=6, impl="torch")  # fmt: skip
-            fused, ref = run_both(cfg, h_loc, w_loc, targets, batch, **op)
-            assert_same(fused, ref)
-            # ... and both equal the TP=1 result (on this rank's slices).
-            assert_same(fused, single, grads=False)
-            dh_single = single[4][rank * t_local : (rank + 1) * t_local] if sp else single[4]
-            close(fused[4], dh_single, rtol=1e-4, atol=1e-6)
-            close(fused[5], single[5][rank * v_local : (rank + 1) * v_local], rtol=1e-4, atol=1e-6)
+    for path in PATHS:
+        _tp2_case(rank, world_size, group, "token_full", path, VOCAB, None)
+    _tp2_case(rank, world_size, group, "token_plain", "single", VOCAB, torch.float32)
+    # vocab 18 <= V_local: rank 1's shard is all padding (no logits, zero local gradients)
+    _tp2_case(rank, world_size, group, "token_full", "single", 18, torch.float32)
+    _tp2_case(rank, world_size, group, "gspo", None, VOCAB, None)
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ One GPU (T=8192 and 32768, H=4096, V=151936, bf16; a table on stdout, JSON under
 
     python tools/bench_logprobs.py
     torchrun --nproc-per-node 4 tools/bench_logprobs.py --tp     # per-GPU time vs TP=1 time / TP
+    torchrun --nproc-per-node 4 tools/bench_logprobs.py --tp --main-grad  # Megatron's fp32 buffer
 
 CPU dry run of the same logic at tiny sizes (Triton kernels in the interpreter)::
 
@@ -20,6 +21,12 @@ bf16: what autograd hands back). With ``--main-grad`` the weight carries an fp32
 allocated before the step, as Megatron's DDP grad buffer (d weight lands there, no ``w.grad``):
 the counted gradient is then ``h.grad`` only, main_grad being part of the baseline; only our
 methods support it (the peers are skipped).
+
+fused_grpo picks its token-ratio path by the rule in ``megatron_grpo/ops/fused_grpo.py``
+(single pass when a full-width chunk of >= SINGLE_PASS_MIN_ROWS rows fits the tile budget and
+d_weight has an fp32 buffer: at V = 151936 from TP = 4 with ``--main-grad``); the path it took
+is printed ("single C=<rows>" / "tiled"). ``--single-pass-min-rows`` overrides the threshold to
+measure both paths at one size (e.g. 0 forces the single pass wherever the chunk fits).
 """
 
 from __future__ import annotations
@@ -50,10 +57,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--V", type=int, default=151936, help="padded vocab (rows of the weight)")
     ap.add_argument("--vocab-size", type=int, default=None, help="real vocab (default V)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    ap.add_argument("--tiny", action="store_true", help="T=96 160, H=64, V=1000, vocab 997")
+    ap.add_argument(
+        "--tiny",
+        action="store_true",
+        help="T=96 160, H=64, V=1000, vocab 997 (single-pass threshold 32: several chunks)",
+    )
     ap.add_argument("--tp", action="store_true", help="tensor-parallel mode (under torchrun)")
     ap.add_argument("--methods", nargs="+", default=None, help="subset of the methods")
     ap.add_argument("--chunk-size", type=int, default=None, help="rows per chunk of our op")
+    ap.add_argument(
+        "--single-pass-min-rows",
+        type=int,
+        default=None,
+        help="override ops.single_pass.SINGLE_PASS_MIN_ROWS (fused_grpo's path rule)",
+    )
     ap.add_argument("--gemm-rows", type=int, nargs="+", default=[512, 1024, 4096])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
@@ -69,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.T, a.H, a.V = a.T or [96, 160], 64, 1000
         a.vocab_size = a.vocab_size or 997
         a.chunk_size, a.gemm_rows, a.seq_len, a.reps, a.warmup = a.chunk_size or 64, [32], 32, 2, 1
+        if a.single_pass_min_rows is None:
+            a.single_pass_min_rows = 32
     a.T = a.T or [8192, 32768]
     a.vocab_size = a.vocab_size or a.V
     return a
@@ -83,7 +102,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron_grpo.loss import GRPOLossConfig, grpo_loss  # noqa: E402
-from megatron_grpo.ops import fused_grpo_loss, vocab_parallel_logprobs  # noqa: E402
+from megatron_grpo.ops import fused_grpo_loss, single_pass, vocab_parallel_logprobs  # noqa: E402
+from megatron_grpo.ops.fused_grpo import token_pass_rows  # noqa: E402
 
 
 @dataclass
@@ -217,6 +237,12 @@ def _fused_grpo(p: Problem):
     return logp.detach(), None, loss.detach()
 
 
+def _fused_path(p: Problem) -> str:
+    """The token-ratio path fused_grpo_loss takes on this problem (its rule)."""
+    rows = token_pass_rows(p.w, int(p.grpo["loss_mask"].sum()), p.chunk_size)
+    return "tiled" if rows is None else f"single C={rows}"
+
+
 def _unfused_grpo(p: Problem):
     logp = vocab_parallel_logprobs(
         p.h, p.w, p.targets, tp_group=p.group, sequence_parallel=p.sp, rows=p.grpo["loss_mask"],
@@ -297,6 +323,8 @@ def run_method(name: str, p: Problem, ref: dict | None, args, dev, keep: bool = 
     step = METHODS[name][0]
     res: dict = {}
     try:
+        if name.startswith("fused_grpo"):
+            res["path"] = _fused_path(p)
         _clear(p)
         logp, ent, value = step(p)  # also the warm-up / compile run
         sync(dev)
@@ -527,7 +555,8 @@ def _print_row(T, name: str, r: dict, floor: dict | None) -> None:
         f"T={T:<6} {name:<20} {r['ms']:9.2f} ms  x{_fmt(x, '.3f'):>6}  "
         f"peak {_fmt(r.get('peak_extra_gib'), '.2f'):>6} GiB (over grads "
         f"{_fmt(r.get('over_grads_gib'), '.2f')})  logp {_fmt(r.get('logp_max_abs'))}  "
-        f"dh {_fmt(r.get('dh_rel'))}  dw {_fmt(r.get('dw_rel'))}",
+        f"dh {_fmt(r.get('dh_rel'))}  dw {_fmt(r.get('dw_rel'))}"
+        + (f"  [{r['path']}]" if "path" in r else ""),
         flush=True,
     )
 
@@ -586,6 +615,8 @@ def run_tp(args, dev, methods: list[str]) -> list[dict]:
             )
         full.grpo = make_grpo(logp0, args.seq_len)
         shard = full.w.detach().chunk(world)[rank].clone().requires_grad_()
+        if args.main_grad:
+            shard.main_grad = torch.zeros(shard.shape, dtype=torch.float32, device=dev)
         for name in methods:
             if name == "floor":
                 r1, rn = floor_ms(full.h, full.w, args, dev), floor_ms(full.h, shard, args, dev)
@@ -621,8 +652,10 @@ def _print_tp(rows: list[dict]) -> None:
         lim = TP_TARGETS.get(tp)
         verdict = "-" if lim is None else ("PASS" if eff >= lim else f"MISS({lim:.0%})")
         cmp = [max(r["tpn"].get(k, -1.0) for r in rs) for k in _CMP_KEYS]
+        path = rs[0]["tpn"].get("path")
+        paths = "" if path is None else f"  [TP1 {rs[0]['tp1']['path']}; TP{tp} {path}]"
         print(f"{T:>6} {tp:>3} {name:<16} {ms1:9.2f} {msn:11.2f} {ms1 / tp:8.2f} {eff:14.1%}  "
-              f"{verdict:<6}  {'/'.join('-' if c < 0 else f'{c:.2g}' for c in cmp)}")  # fmt: skip
+              f"{verdict:<6}  {'/'.join('-' if c < 0 else f'{c:.2g}' for c in cmp)}{paths}")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- main
@@ -659,9 +692,9 @@ def main() -> int:
     unknown = set(methods) - set(METHODS) - {"floor", "gemm_options"}
     if unknown:
         raise SystemExit(f"unknown --methods {sorted(unknown)}; known: {sorted(METHODS)}")
+    if args.single_pass_min_rows is not None:
+        single_pass.SINGLE_PASS_MIN_ROWS = args.single_pass_min_rows
     if args.main_grad:
-        if args.tp:
-            raise SystemExit("--main-grad is a single-GPU mode (drop --tp)")
         peers = [m for m in methods if m in PEERS]
         if peers:
             print(f"--main-grad: skipping {peers} (they write w.grad, not main_grad)")

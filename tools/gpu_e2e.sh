@@ -15,7 +15,9 @@
 # Knobs (environment): STEPS (toy steps, 8), LONG_STEPS (synthetic steps, 4; step 1 is
 # warm-up and left out of the means), PATHS, MAXCTX_LAYERS ("1 4": decoder layers of the
 # Qwen3-8B-shaped model; the embedding and LM head are full size), MAXCTX_DOC (8192 tokens per
-# packed document; 0 = one sequence), WHEELS (.whl).
+# packed document; 0 = one sequence), MAXCTX_RECOMPUTE ("full": full activation recompute, as
+# long-context recipes use; the 36-layer Qwen3-8B then fits one H200 without optimizer state),
+# WHEELS (.whl).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,6 +30,7 @@ LONG_STEPS=${LONG_STEPS:-4}
 PATHS=${PATHS:-fused megatron}
 MAXCTX_LAYERS=${MAXCTX_LAYERS:-1 4}
 MAXCTX_DOC=${MAXCTX_DOC:-8192}
+MAXCTX_RECOMPUTE=${MAXCTX_RECOMPUTE:-}
 mkdir -p "$OUT" "$WORK"
 LOG="$OUT/e2e.log"
 RESULTS="$OUT/results.jsonl"
@@ -136,19 +139,22 @@ maxctx() {
     for n in $MAXCTX_LAYERS; do
         for p in $PATHS; do
             echo "== maxctx: $p, $n layer(s), documents of $MAXCTX_DOC" | tee -a "$LOG"
-            python3 - "$p" "$n" "$MAXCTX_DOC" "$RESULTS" >>"$LOG" 2>&1 <<'EOF' || status=1
+            python3 - "$p" "$n" "$MAXCTX_DOC" "$RESULTS" "$MAXCTX_RECOMPUTE" >>"$LOG" 2>&1 <<'EOF' || status=1
 import gc, json, math, sys, time
 import torch
 from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.megatron import (GRPOStep, ModelConfig, ParallelConfig, build_model,
                                     get_forward_backward_func, initialize_parallel, pack_sequences)
 path, layers, doc, results = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+recompute = sys.argv[5] == "full"  # full activation recompute: layer inputs only are kept
 V = 151936
 cfg = ModelConfig(  # Qwen3-8B's shape with `layers` decoder layers
     vocab_size=V, num_layers=layers, hidden_size=4096, num_attention_heads=32,
     num_query_groups=8, kv_channels=128, ffn_hidden_size=12288, qk_layernorm=True,
     layernorm_epsilon=1e-6, rotary_base=1000000, max_sequence_length=1 << 21,
-    params_dtype="bfloat16")
+    params_dtype="bfloat16",
+    **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+       if recompute else {}))
 initialize_parallel(ParallelConfig(), seed=1)
 chunks = build_model(cfg, ParallelConfig())
 step = GRPOStep(GRPOLossConfig(), vocab_size=V, logprob_path=path)  # token-level: fused = fused
@@ -183,7 +189,8 @@ def trial(tokens):
     r = run(tokens)
     gc.collect()
     torch.cuda.empty_cache()
-    row = dict(kind="maxctx_trial", path=path, layers=layers, doc=doc, tokens=tokens,
+    row = dict(kind="maxctx_trial", path=path, layers=layers, doc=doc, recompute=recompute,
+               tokens=tokens,
                fits=r is not None, **(r or {}))
     print(json.dumps(row), flush=True)
     with open(results, "a") as f:
@@ -205,7 +212,8 @@ for _ in range(3 if hi else 0):
     else:
         hi = mid
 secs = [s["seconds"] for s in speed if s]
-row = dict(kind="maxctx", path=path, layers=layers, doc=doc, max_tokens=lo, first_oom=hi,
+row = dict(kind="maxctx", path=path, layers=layers, doc=doc, recompute=recompute, max_tokens=lo,
+           first_oom=hi,
            tokens_per_s_16k=16384 / min(secs) if secs else None)
 print(json.dumps(row), flush=True)
 with open(results, "a") as f:

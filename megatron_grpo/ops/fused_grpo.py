@@ -1,32 +1,58 @@
 """``fused_grpo_loss``: the GRPO loss straight from hidden states and the LM-head shard.
 
-ratio_level "token": the loss context (``loss.math``) is built once; the forward runs the
-op's tiled statistics pass over the loss's valid rows only (:func:`ops.passes.forward_stats`),
-evaluates ``loss.math.objective`` on all of them at once under autograd and keeps d loss /
-d logp and d loss / d entropy ([N] vectors). The backward scales those by grad_output and runs
-the op's recompute pass (:func:`ops.passes.backward_grads`): 4 GEMMs, the op's memory (one
-logits tile; d_weight straight into an fp32 ``main_grad``), and no [T]-sized autograd graph.
+ratio_level "token" builds the loss context (``loss.math.build_context``) once and runs one of
+two paths, chosen automatically (:func:`megatron_grpo.ops.single_pass.single_pass_rows`):
 
-Why not the 3-GEMM design (logits, d_hidden, d_weight all in the forward, no recompute): the
-loss of a row needs its full-vocabulary statistics before any d logits, so a chunk must hold
-complete fp32 [C, V_local] rows (0.58 MiB per row at V = 151936), and d_weight must be kept in a
-separate fp32 [V_local, H] buffer until grad_output is known (it cannot go into ``main_grad``
-early), read and written once per chunk. Measured on one H200 (T = 8192, H = 4096,
-V = 151936, bf16; 3-GEMM floor 43.9 ms; "over" = peak memory beyond the gradients):
+(a) single pass, 3 GEMMs, no recompute (:mod:`megatron_grpo.ops.single_pass`): per full-width
+    row chunk [C, V_local] of the loss's rows: fp32 logits, row stats, TP combine of those rows,
+    logp / entropy, ``loss.math.objective`` on the chunk under autograd (metrics merged),
+    d logits in place, ``dh_chunk = dlogits @ W`` (fp32, TP-reduced at the end) and
+    ``d_weight += dlogits^T @ h`` into an fp32 ``main_grad`` when there is one, else into an fp32
+    [V_local, H] buffer. Backward only scales by grad_output (see "grad_output" below).
+(b) tiled recompute, 4 GEMMs: the op's tiled stats pass over the loss rows
+    (:func:`ops.passes.forward_stats`), the objective of all rows at once, and in backward the
+    op's recompute pass (:func:`ops.passes.backward_grads`); one logits tile, d_weight straight
+    into an fp32 ``main_grad``.
 
-    3-GEMM, C = 384 (256 MiB chunks)    110.4 ms  2.54x  over 2.44 GiB
-    3-GEMM, C = 1024                      62.4 ms  1.42x  over 2.44 GiB
-    3-GEMM, C = 2048                      56.8 ms  1.29x  over 2.98 GiB
-    this path (tiled, 4 GEMMs)            67.2 ms  1.51x  over 0.38 GiB (also with main_grad)
+The rule. (a) needs complete fp32 rows (a row's loss needs its full-vocabulary statistics) and
+reads + writes the fp32 [V_local, H] d_weight once per chunk: ``8 V_local H`` bytes against
+``6 C V_local H`` GEMM flops, a relative cost of ``(4/3) (F/B) / C`` (F/B, the flop:byte ratio,
+is ~175 on an H200: ~700 TFLOP/s achieved, ~4 TB/s), i.e. ~230 / C. Measured on one H200
+(T = 8192, H = 4096, V = 151936, TP = 1, bf16; 3-GEMM floor 43.9 ms; "over" = peak memory
+beyond the gradients, (a) with an extra fp32 d_weight buffer):
 
-The 3-GEMM design only gets fast with chunks far beyond the memory target (gradients +
-0.5 GiB), so the tiled pass is the one implementation.
+    (a) C = 384 (256 MiB chunks)    110.4 ms  2.54x  over 2.44 GiB
+    (a) C = 1024                      62.4 ms  1.42x  over 2.44 GiB
+    (a) C = 2048                      56.8 ms  1.29x  over 2.98 GiB
+    (b) 8192 x 8192 tiles             67.2 ms  1.51x  over 0.38 GiB (1.46x at T = 32768)
+
+(a) fits ``x = 1.16 + 266 / C`` (the 266 matches the ~230 of the traffic model; 384 rows are
+worse than the fit: small GEMMs), so it beats (b)'s 1.46-1.51x from C ~ 890 rows:
+``SINGLE_PASS_MIN_ROWS = 1024``. (a) runs when a full-width chunk of
+C >= min(1024, N rows) fits the 256 MiB tile (``chunk_size`` rows if given, else as many as
+fit) and, where no fp32 gradient buffer exists to accumulate into (bf16 weight without an fp32
+``main_grad``), the extra fp32 [V_local, H] buffer costs at most one tile
+(``ACCUMULATOR_TILES = 1``; peak over the gradients then stays ~2 tiles, the 0.5 GiB target).
+At V = 151936 the full-width chunk is 384 rows at TP = 1, 832 at TP = 2, 1728 at TP = 4 and
+3520 at TP = 8: with an fp32 ``main_grad`` (Megatron) (a) runs from TP = 4 (predicted
+1.31x / 1.24x at TP = 4 / 8, d_weight traffic 13% / 7%), and at any TP for batches of at most
+one chunk; without main_grad at H = 4096 it needs V_local H <= 16M (TP = 16, or H = 2048 at
+TP = 8). Otherwise (b). Without gradients (no_grad / frozen) (b)'s stats pass runs.
+
+grad_output in (a): d_weight lands in an fp32 ``main_grad`` during the forward, for a
+grad_output of 1 (Megatron's bf16 per-token-loss step: ``loss_scale * loss`` with scale 1). A
+backward with grad_output s != 1 (fp16 loss scaling, a scaled loss) adds ``(s - 1) d_weight``
+by a recompute pass (one host sync decides), so the result is exact for any s. A forward with
+gradients enabled whose loss is never backpropagated leaves d_weight in ``main_grad``: evaluate
+under ``torch.no_grad()``. A second backward (``retain_graph``) recomputes like (b).
 
 ratio_level "sequence" (GSPO): a token's ratio depends on every token of its sequence (across
 CP ranks too), so it runs ``vocab_parallel_logprobs`` (rows = loss mask), then ``grpo_loss``,
 and autograd through the op.
 
-Prompt tokens (loss_mask False) never reach the LM head in either mode.
+``chunk_size`` means rows per logits tile on every path: full-width [chunk_size, V_local] in (a)
+(chosen only when that fits the tile budget), [chunk_size, Vc] tiles in (b). Prompt tokens
+(loss_mask False) never reach the LM head.
 """
 
 from __future__ import annotations
@@ -36,7 +62,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_grpo.loss import GRPOLossConfig, grpo_loss
-from megatron_grpo.loss.math import LossContext, build_context, objective
+from megatron_grpo.loss.math import LossContext, build_context
 from megatron_grpo.loss.metrics import MetricDict, merge_metrics
 from megatron_grpo.ops.comm import TPInfo
 from megatron_grpo.ops.lm_head import LMHead, RowGrads, build_lm_head, check_targets
@@ -48,27 +74,38 @@ from megatron_grpo.ops.passes import (
     local_targets,
     scatter_rows,
 )
-from megatron_grpo.ops.weight_grad import WeightGradSink
+from megatron_grpo.ops.single_pass import (
+    ForwardWeightGrad,
+    TokenSinglePass,
+    needs_accumulator,
+    objective_grads,
+    single_pass_rows,
+)
+from megatron_grpo.ops.weight_grad import WeightGradSink, main_grad_done
+
+_NO_GRADS = (None,) * 6
 
 
-def _objective_grads(
-    cfg: GRPOLossConfig, lctx: LossContext, logp: Tensor, ent: Tensor | None, want_grad: bool
-) -> tuple[Tensor, MetricDict, Tensor | None, Tensor | None]:
-    """Objective of all rows and, if wanted, its gradients w.r.t. logp / entropy ([N] each)."""
-    with torch.enable_grad():
-        lp = logp.detach().requires_grad_(want_grad)
-        en = None if ent is None else ent.detach().requires_grad_(want_grad)
-        loss, metrics = objective(cfg, lctx, lp, en)
-        if not want_grad:
-            return loss.detach(), metrics, None, None
-        inputs = [lp] if en is None else [lp, en]
-        grads = torch.autograd.grad(loss, inputs, allow_unused=True, materialize_grads=True)
-    g_ent = grads[1] if en is not None and cfg.entropy_coef != 0 else None
-    return loss.detach(), metrics, grads[0], g_ent
+def _recompute(ctx, factor: Tensor, want_dh: bool, want_dw: bool):
+    """(d_hidden, autograd's d_weight) of ``factor`` x the saved loss gradients, by the op's
+    tiled recompute pass (d_weight into main_grad / the gradient, as the op does)."""
+    hidden, weight, idx, t_local, lse, g_lp, g_ent, pz = ctx.saved_tensors
+    grads = RowGrads(lse, g_lp * factor, None if g_ent is None else g_ent * factor, pz)
+    sink = WeightGradSink(weight, ctx.head.n_valid) if want_dw else None
+    dh = backward_grads(ctx.head, hidden, idx, t_local, grads, sink, want_dh)
+    return dh, None if sink is None else sink.finish()
 
 
-class _FusedTokenGRPO(torch.autograd.Function):
-    """Forward: stats pass + loss + d loss / d logp; backward: the recompute pass."""
+def _outputs(ctx, logp: Tensor, ent: Tensor | None, idx: Tensor | None, total: int):
+    """[N] log-probs (entropy) -> non-differentiable [T] outputs (entropy: [0] when absent)."""
+    logp_out = scatter_rows(logp, idx, total)
+    ent_out = logp.new_zeros(0) if ent is None else scatter_rows(ent, idx, total)
+    ctx.mark_non_differentiable(logp_out, ent_out)
+    return logp_out, ent_out
+
+
+class _TiledTokenGRPO(torch.autograd.Function):
+    """Path (b). Forward: stats pass + loss + d loss / d logp; backward: the recompute pass."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, head: LMHead, lctx: LossContext, opts: dict):
@@ -80,27 +117,71 @@ class _FusedTokenGRPO(torch.autograd.Function):
         logp = zt - lse
         ent = lse - pz if need_ent else None
         want_grad = opts["want_dh"] or opts["want_dw"]
-        loss, metrics, g_lp, g_ent = _objective_grads(opts["cfg"], lctx, logp, ent, want_grad)
+        loss, metrics, g_lp, g_ent = objective_grads(opts["cfg"], lctx, logp, ent, want_grad)
         opts["metrics"] = merge_metrics([lctx.metrics, metrics])
         ctx.head, ctx.opts = head, opts
         pz = pz if g_ent is not None else None
-        ctx.save_for_backward(hidden, weight, idx, t_local, lse, pz, g_lp, g_ent)
-        logp_out = scatter_rows(logp, idx, total)
-        ent_out = logp.new_zeros(0) if ent is None else scatter_rows(ent, idx, total)
-        ctx.mark_non_differentiable(logp_out, ent_out)
-        return loss, logp_out, ent_out
+        ctx.save_for_backward(hidden, weight, idx, t_local, lse, g_lp, g_ent, pz)
+        return (loss, *_outputs(ctx, logp, ent, idx, total))
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_logp, _grad_ent):
-        hidden, weight, idx, t_local, lse, pz, g_lp, g_ent = ctx.saved_tensors
         want_dh, want_dw = ctx.opts["want_dh"], ctx.opts["want_dw"]
         if grad_loss is None or not (want_dh or want_dw):
-            return None, None, None, None, None, None
+            return _NO_GRADS
+        dh, dw = _recompute(ctx, grad_loss.float(), want_dh, want_dw)
+        return dh, dw, None, None, None, None
+
+
+class _SinglePassTokenGRPO(torch.autograd.Function):
+    """Path (a). Forward: loss and the gradients of grad_output 1; backward: scales them."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, head: LMHead, lctx: LossContext, opts: dict):
+        total = targets.shape[0]
+        idx = None if lctx.num_rows == total else lctx.index
+        t_local = local_targets(targets, idx, head)
+        dw = ForwardWeightGrad(weight, head.n_valid) if opts["want_dw"] else None
+        run = TokenSinglePass(head, lctx, opts["cfg"], opts["need_entropy"])
+        h_full = gather_hidden(hidden, head)
+        res = run.run(h_full, idx, t_local, opts["rows"], opts["want_dh"], dw)
+        opts["metrics"] = merge_metrics(res.metrics)
+        ctx.head, ctx.opts = head, opts
+        ctx.dh, ctx.dw = res.dh, dw  # consumed (scaled in place) by the first backward
+        g = res.grads
+        ctx.save_for_backward(hidden, weight, idx, t_local, g.lse, g.g_logp, g.g_ent, g.pz)
+        return (res.loss, *_outputs(ctx, res.logp, res.ent, idx, total))
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_logp, _grad_ent):
+        want_dh, want_dw = ctx.opts["want_dh"], ctx.opts["want_dw"]
+        if grad_loss is None or not (want_dh or want_dw):
+            return _NO_GRADS
         scale = grad_loss.float()
-        grads = RowGrads(lse, g_lp * scale, None if g_ent is None else g_ent * scale, pz)
-        sink = WeightGradSink(weight, ctx.head.n_valid) if want_dw else None
-        dh = backward_grads(ctx.head, hidden, idx, t_local, grads, sink, want_dh)
-        return dh, None if sink is None else sink.finish(), None, None, None, None
+        if ctx.dh is None and ctx.dw is None:  # a second backward (retain_graph)
+            dh, dw = _recompute(ctx, scale, want_dh, want_dw)
+            return dh, dw, None, None, None, None
+        dh, acc = ctx.dh, ctx.dw
+        ctx.dh = ctx.dw = None
+        if dh is not None:
+            dh = dh.mul_(scale).to(ctx.saved_tensors[0].dtype)
+        dw = None if acc is None else _deliver_weight_grad(ctx, acc, scale)
+        return dh, dw, None, None, None, None
+
+
+def _deliver_weight_grad(ctx, acc: ForwardWeightGrad, scale: Tensor) -> Tensor | None:
+    """grad_output ``scale`` applied to the forward's d_weight; what autograd gets for weight."""
+    weight = ctx.saved_tensors[1]
+    if acc.in_main_grad:  # main_grad already holds 1 x d_weight
+        if bool(scale != 1):  # one host sync; the correction also marks main_grad done
+            return _recompute(ctx, scale - 1, want_dh=False, want_dw=True)[1]
+        return main_grad_done(weight)
+    grad = acc.acc.mul_(scale)
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is not None:  # a low-precision main_grad: rounded once
+        main_grad.add_(grad)
+        return main_grad_done(weight)
+    return grad.to(weight.dtype)
 
 
 def fused_grpo_loss(
@@ -132,6 +213,9 @@ def fused_grpo_loss(
     hidden / weight / targets / TP arguments: as :func:`vocab_parallel_logprobs`; the loss
     arguments (all [T], ``cu_seqlens`` [S+1]): as :func:`megatron_grpo.loss.grpo_loss`.
     Entropy is computed only when ``cfg.entropy_coef != 0`` or ``return_entropy``.
+    ``chunk_size``: rows per logits tile on either token path (None = automatic). The token path
+    (single pass or tiled recompute) follows :func:`token_pass_rows`; on the single pass an fp32
+    ``weight.main_grad`` receives d_weight during the forward (see the module docstring).
 
     Returns:
         ``(loss, metrics, logprobs[, entropy])``: the float32 scalar loss (differentiable
@@ -165,8 +249,28 @@ def fused_grpo_loss(
         want_dh=grad_on and hidden.requires_grad,
         want_dw=grad_on and weight.requires_grad,
     )
-    loss, logp, ent = _FusedTokenGRPO.apply(hidden, weight, targets, head, lctx, opts)
+    opts["rows"] = token_pass_rows(
+        weight, lctx.num_rows, chunk_size, want_dh=opts["want_dh"], want_dw=opts["want_dw"]
+    )
+    fn = _TiledTokenGRPO if opts["rows"] is None else _SinglePassTokenGRPO
+    loss, logp, ent = fn.apply(hidden, weight, targets, head, lctx, opts)
     return (loss, opts["metrics"], logp, ent) if return_entropy else (loss, opts["metrics"], logp)
+
+
+def token_pass_rows(
+    weight: Tensor,
+    n_rows: int,
+    chunk_size: int | None,
+    *,
+    want_dh: bool = True,
+    want_dw: bool = True,
+) -> int | None:
+    """Rows per chunk of the single pass (a) for ``n_rows`` loss rows and this [V_local, H]
+    ``weight`` (its main_grad / dtype), or None for the tiled path (b) (see the module doc)."""
+    if not (want_dh or want_dw):
+        return None
+    extra = want_dw and needs_accumulator(weight)
+    return single_pass_rows(n_rows, weight.shape[0], weight.shape[1], chunk_size, extra)
 
 
 def _sequence_level(hidden, weight, targets, cfg, need_ent, return_entropy, loss_args, op_args):

@@ -75,11 +75,12 @@ def forward_stats(
     return combine_row_stats(stats[0], stats[1], stats[2], b, head.tp)
 
 
-class _HiddenGrad:
+class HiddenGrad:
     """d_hidden output: rows put as fp32 blocks; TP-summed and cast by :meth:`finish`.
 
-    TP = 1: written straight into a [T, H] tensor of the hidden dtype (the gradient itself).
+    TP = 1: written straight into a [T, H] tensor of ``dtype`` (the gradient itself).
     TP > 1: an fp32 [T, H] buffer, reduce-scattered (sequence parallel) or all-reduced.
+    ``dtype`` float32 keeps the result in fp32 (the single pass scales it in backward).
     """
 
     def __init__(self, head: LMHead, h_full: Tensor, idx: Tensor | None, dtype: torch.dtype):
@@ -115,7 +116,7 @@ def backward_grads(
     the hidden dtype (TP-reduced), or None when not ``want_dh``."""
     h_full = gather_hidden(hidden, head)
     tiling = head.tiling(t_local.shape[0])
-    dh = _HiddenGrad(head, h_full, idx, hidden.dtype) if want_dh else None
+    dh = HiddenGrad(head, h_full, idx, hidden.dtype) if want_dh else None
     if sink is None or sink.direct:
         _rows_outer(head, tiling, h_full, idx, t_local, grads, sink, dh)
     else:

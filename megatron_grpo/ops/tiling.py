@@ -24,7 +24,7 @@ ROW_ALIGN = 64
 COL_ALIGN = 256
 
 
-def _round_down(x: int, align: int) -> int:
+def round_down(x: int, align: int) -> int:
     return x // align * align if x >= align else x
 
 
@@ -46,11 +46,11 @@ class Tiling:
         """
         elems = TILE_BYTES // 4
         if chunk_size is None:
-            side = _round_down(math.isqrt(elems), COL_ALIGN)
+            side = round_down(math.isqrt(elems), COL_ALIGN)
             rows = min(side, -(-max(n_rows, 1) // ROW_ALIGN) * ROW_ALIGN)
         else:
             rows = chunk_size
-        cols = max(1, _round_down(elems // rows, COL_ALIGN))
+        cols = max(1, round_down(elems // rows, COL_ALIGN))
         return Tiling(rows, min(cols, max(n_cols, 1)), n_rows, n_cols)
 
     def row_blocks(self) -> list[tuple[int, int]]:

@@ -23,7 +23,8 @@ from torch import Tensor
 from megatron_grpo.ops.lm_head import mm_f32
 
 
-def _main_grad(weight: Tensor) -> Tensor | None:
+def main_grad_of(weight: Tensor) -> Tensor | None:
+    """``weight.main_grad`` (shape-checked) or None."""
     main_grad = getattr(weight, "main_grad", None)
     if main_grad is not None and main_grad.shape != weight.shape:
         raise ValueError(
@@ -40,7 +41,7 @@ class WeightGradSink:
 
     def __init__(self, weight: Tensor, n_valid: int):
         self.weight = weight
-        self.main_grad = _main_grad(weight)
+        self.main_grad = main_grad_of(weight)
         # fresh: a new low-precision gradient whose tiles are each written exactly once
         self.fresh = self.main_grad is None and weight.dtype != torch.float32
         if self.main_grad is not None:
@@ -80,9 +81,14 @@ class WeightGradSink:
         """What autograd should get for ``weight``."""
         if self.main_grad is None:
             return self.target
-        if not hasattr(self.weight, "grad_added_to_main_grad"):
-            return None
-        self.weight.grad_added_to_main_grad = True
-        if getattr(self.weight, "zero_out_wgrad", False):
-            return torch.zeros_like(self.weight)
-        return torch.empty_like(self.weight)
+        return main_grad_done(self.weight)
+
+
+def main_grad_done(weight: Tensor) -> Tensor | None:
+    """What autograd gets for a weight whose gradient went into ``main_grad`` (module doc)."""
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    weight.grad_added_to_main_grad = True
+    if getattr(weight, "zero_out_wgrad", False):
+        return torch.zeros_like(weight)
+    return torch.empty_like(weight)
