@@ -14,7 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from megatron_grpo.config import load_config
+from megatron_grpo.config import ConfigError, apply_overrides, from_dict, load_yaml, to_dict
+from megatron_grpo.convert.errors import ConversionError
+from megatron_grpo.convert.hf_config import check_same_architecture
+from megatron_grpo.convert.layout import MODEL_CONFIG_NAME, read_model_config
 from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.megatron.config import ModelConfig, ParallelConfig
 
@@ -193,7 +196,8 @@ class CheckpointConfig:
         keep_last: how many ``step_N`` directories to keep.
         load: start from the model weights of this dist_checkpointing directory (one of ours, or
             one written by ``tools/convert_checkpoint.py``); ignored when ``--resume`` finds a
-            checkpoint in ``dir``.
+            checkpoint in ``dir``. A recipe without a ``model`` section takes it from the
+            converted directory's ``model_config.yaml`` (see :func:`load_train_config`).
     """
 
     dir: str | None = None
@@ -267,5 +271,42 @@ class TrainConfig:
 
 
 def load_train_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
-    """``TrainConfig`` from a YAML recipe plus ``a.b=value`` overrides (validated)."""
-    return load_config(TrainConfig, path, overrides)
+    """``TrainConfig`` from a YAML recipe plus ``a.b=value`` overrides (validated).
+
+    When the recipe has no ``model`` section and ``checkpoint.load`` is set, the model section is
+    ``checkpoint.load``'s ``model_config.yaml`` (written by ``tools/convert_checkpoint.py``), with
+    any ``--set model.X=...`` applied on top. Whenever that file exists, the resolved model must
+    have its architecture (a ConfigError names the field): matching shapes alone would load a
+    checkpoint into, e.g., a model with another rotary base without any error.
+    """
+    data = load_yaml(path) if path is not None else {}
+    model_from_checkpoint = "model" not in data
+    apply_overrides(data, overrides, root=TrainConfig)
+    load = (data.get("checkpoint") or {}).get("load")
+    stored = _stored_model(str(load)) if isinstance(load, str) else None
+    if model_from_checkpoint and isinstance(load, str):
+        if stored is None:
+            raise ConfigError(
+                f"model: the recipe has no model section and checkpoint.load={load!r} has no "
+                f"{MODEL_CONFIG_NAME} (tools/convert_checkpoint.py writes one); add a model "
+                "section"
+            )
+        data["model"] = {**to_dict(stored), **(data.get("model") or {})}
+    cfg = from_dict(TrainConfig, data)
+    if stored is not None:
+        try:
+            check_same_architecture(stored, cfg.model, "model")
+        except ConversionError as e:
+            raise ConfigError(f"{e} (in {Path(load) / MODEL_CONFIG_NAME})") from e
+    return cfg
+
+
+def _stored_model(load: str) -> ModelConfig | None:
+    """The ModelConfig saved next to a converted checkpoint, or None when there is none."""
+    path = Path(load) / MODEL_CONFIG_NAME
+    if not path.is_file():
+        return None
+    try:
+        return read_model_config(path)
+    except ConversionError as e:
+        raise ConfigError(f"checkpoint.load: {e}") from e
