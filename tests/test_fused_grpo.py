@@ -247,9 +247,18 @@ def test_single_pass_second_backward_and_no_grad():
     close(lp, expected[2])
 
 
-def test_single_pass_rule():
+def test_single_pass_default_threshold_follows_the_measurements():
+    """The measured H200 cases (V = 151936, H = 4096, TP = 1 and TP = 4 with an fp32 main_grad)
+    were faster on the tiled path: the default rule must pick it there."""
+    for tp in (1, 4):
+        assert single_pass_rows(8192, 151936 // tp, 4096, None, extra_accumulator=False) is None
+    assert single_pass_rows(8192, 16384, 4096, None, extra_accumulator=False) == 4096
+
+
+def test_single_pass_rule(monkeypatch):
     """The documented rule at V = 151936, H = 4096 (an fp32 main_grad, or an extra fp32
     d_weight buffer of at most one tile); explicit chunk_size; the threshold; small batches."""
+    monkeypatch.setattr(single_mod, "SINGLE_PASS_MIN_ROWS", 1024)
     tile_rows = {1: 384, 2: 832, 4: 1728, 8: 3520}  # full-width 256 MiB rows, 64-aligned
     for tp, rows in tile_rows.items():
         v_local = 151936 // tp

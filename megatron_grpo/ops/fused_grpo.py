@@ -26,18 +26,18 @@ beyond the gradients, (a) with an extra fp32 d_weight buffer):
     (a) C = 2048                      56.8 ms  1.29x  over 2.98 GiB
     (b) 8192 x 8192 tiles             67.2 ms  1.51x  over 0.38 GiB (1.46x at T = 32768)
 
-(a) fits ``x = 1.16 + 266 / C`` (the 266 matches the ~230 of the traffic model; 384 rows are
-worse than the fit: small GEMMs), so it beats (b)'s 1.46-1.51x from C ~ 890 rows:
-``SINGLE_PASS_MIN_ROWS = 1024``. (a) runs when a full-width chunk of
-C >= min(1024, N rows) fits the 256 MiB tile (``chunk_size`` rows if given, else as many as
-fit) and, where no fp32 gradient buffer exists to accumulate into (bf16 weight without an fp32
-``main_grad``), the extra fp32 [V_local, H] buffer costs at most one tile
-(``ACCUMULATOR_TILES = 1``; peak over the gradients then stays ~2 tiles, the 0.5 GiB target).
-At V = 151936 the full-width chunk is 384 rows at TP = 1, 832 at TP = 2, 1728 at TP = 4 and
-3520 at TP = 8: with an fp32 ``main_grad`` (Megatron) (a) runs from TP = 4 (predicted
-1.31x / 1.24x at TP = 4 / 8, d_weight traffic 13% / 7%), and at any TP for batches of at most
-one chunk; without main_grad at H = 4096 it needs V_local H <= 16M (TP = 16, or H = 2048 at
-TP = 8). Otherwise (b). Without gradients (no_grad / frozen) (b)'s stats pass runs.
+(a) fits ``x = 1.16 + 266 / C`` at TP = 1, which predicted a win over (b) from C ~ 890 rows.
+The TP = 4 measurement (4 x H200, T = 8192, fp32 ``main_grad``, per-GPU ms) contradicts it: (a)
+with C = 1728 took 23.4 ms (24.5 with SP) against 19.2 ms (19.5) for (b), whose TP efficiency is
+89%: each chunk adds a TP all-reduce, a host sync of the loss's finite check and the small
+objective kernels, which the traffic model leaves out. So the threshold is
+``SINGLE_PASS_MIN_ROWS = 4096`` rows per full-width chunk (C >= min(4096, N rows)): (a) runs
+when a batch's loss rows fit one or two chunks of a narrow shard (V_local <= 16384 at the 256 MiB
+tile: e.g. a 32k vocabulary at TP >= 2, or a 152k vocabulary at TP >= 10) and for every batch of
+at most one chunk; the measured cases above all run (b). Where no fp32 gradient buffer exists to
+accumulate into (bf16 weight without an fp32 ``main_grad``), the extra fp32 [V_local, H] buffer
+may cost at most one tile (``ACCUMULATOR_TILES = 1``; peak over the gradients then stays ~2
+tiles, the 0.5 GiB target). Without gradients (no_grad / frozen) (b)'s stats pass runs.
 
 grad_output in (a): d_weight lands in an fp32 ``main_grad`` during the forward, for a
 grad_output of 1 (Megatron's bf16 per-token-loss step: ``loss_scale * loss`` with scale 1). A

@@ -26,8 +26,8 @@ from megatron_grpo.ops.lm_head import LMHead, RowGrads, mm_f32, take_rows
 from megatron_grpo.ops.passes import HiddenGrad
 from megatron_grpo.ops.weight_grad import main_grad_of
 
-# Smallest full-width row chunk worth the single pass (derivation: ops/fused_grpo.py).
-SINGLE_PASS_MIN_ROWS = 1024
+# Smallest full-width row chunk worth the single pass (measurements: ops/fused_grpo.py).
+SINGLE_PASS_MIN_ROWS = 4096
 # An fp32 [V_local, H] d_weight buffer beyond the gradient may cost at most this many tiles.
 ACCUMULATOR_TILES = 1
 
