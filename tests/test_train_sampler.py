@@ -44,7 +44,7 @@ def test_bad_params_name_the_field():
         sample_tokens(torch.zeros(1, 3), _params(), torch.Generator())
 
 
-def _tp_body(rank: int, world: int, temperature: float) -> None:
+def _tp_body(rank: int, world: int, temperature: float, sequence_parallel: bool) -> None:
     import torch.distributed as dist
 
     from megatron_grpo.loss import GRPOLossConfig
@@ -60,8 +60,9 @@ def _tp_body(rank: int, world: int, temperature: float) -> None:
         max_sequence_length=16, make_vocab_size_divisible_by=8, transformer_impl="local",
         init_method_std=0.5,  # a peaked random policy: tokens differ between prompts
     )  # fmt: skip
-    initialize_parallel(ParallelConfig(tensor_model_parallel_size=world), seed=3)
-    model = build_model(model_cfg, ParallelConfig(tensor_model_parallel_size=world))
+    parallel = ParallelConfig(tensor_model_parallel_size=world, sequence_parallel=sequence_parallel)
+    initialize_parallel(parallel, seed=3)
+    model = build_model(model_cfg, parallel)
     prompts = [[11, 1, 2, 3, 10], [11, 4, 5, 10], [11, 9, 10]] * 2
     params = SamplingParams(temperature, 0.9, 5, eos_id=12, vocab_size=13)
     responses, logprobs = generate(
@@ -79,7 +80,7 @@ def _tp_body(rank: int, world: int, temperature: float) -> None:
         torch.tensor([False] * len(p) + [True] * len(r))
         for p, r in zip(prompts, responses, strict=True)
     ]
-    batch = pack_sequences(seqs, masks)
+    batch = pack_sequences(seqs, masks, pad_to_multiple_of=world if sequence_parallel else 1)
     step = GRPOStep(GRPOLossConfig(), vocab_size=13, temperature=temperature, impl="torch")
     [train_lp] = step.compute_logprobs(model, [batch])
     recorded = torch.cat(
@@ -94,5 +95,6 @@ def _tp_body(rank: int, world: int, temperature: float) -> None:
 
 
 @pytest.mark.slow
-def test_tp2_sampling_is_consistent_and_matches_training_logprobs():
-    run_distributed(_tp_body, 2, 0.8)
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tp2_sampling_is_consistent_and_matches_training_logprobs(sequence_parallel):
+    run_distributed(_tp_body, 2, 0.8, sequence_parallel)

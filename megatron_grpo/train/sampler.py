@@ -3,8 +3,8 @@
 Each decoding step packs the unfinished sequences into one THD stream (``cu_seqlens``; no padding,
 documents never attend to each other), runs the model without a KV cache (fine for the small
 models this path is meant for; large-scale users bring their own generation fleet through
-``rollout.input_path``), takes each sequence's last-position vocab-parallel logits and all-gathers
-only those ``[A, V_local]`` rows across TP.
+``rollout.input_path``), runs only each sequence's last-position hidden state through the LM head
+and all-gathers only those ``[A, V_local]`` fp32 rows across TP.
 
 Every TP rank must emit the same tokens: all ranks hold identical gathered logits and the same
 seeded generator, and the tokens of TP rank 0 are broadcast anyway so that no floating-point
@@ -24,6 +24,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
+
+from megatron_grpo.megatron.forward import hidden_states_only, output_weight
+from megatron_grpo.ops.comm import TPInfo, all_gather_rows
+from megatron_grpo.ops.lm_head import mm_f32
 
 
 @dataclass(frozen=True)
@@ -95,8 +99,11 @@ def _packed_inputs(seqs: list[list[int]], pad_to: int) -> tuple[Tensor, Tensor, 
 
 
 def last_token_logits(model: torch.nn.Module, seqs: list[list[int]]) -> Tensor:
-    """Full-vocabulary logits ``[A, V_padded]`` at the last position of each sequence, gathered
-    across TP (only these rows are communicated)."""
+    """Full-vocabulary fp32 logits ``[A, V_padded]`` at the last position of each sequence.
+
+    The decoder stops at its final-normed hidden states; only the A last-position rows go through
+    the LM head (``[T, V]`` logits are never formed) and only those ``[A, V_local]`` rows are
+    all-gathered across TP."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     sp = bool(getattr(getattr(model, "config", None), "sequence_parallel", False))
     ids, pos, packed = _packed_inputs(seqs, tp if sp else 1)
@@ -104,11 +111,18 @@ def last_token_logits(model: torch.nn.Module, seqs: list[list[int]]) -> Tensor:
     ids, pos = ids.to(device), pos.to(device)
     for name in ("cu_seqlens_q", "cu_seqlens_kv"):
         setattr(packed, name, getattr(packed, name).to(device))
-    local = model(ids, pos, None, packed_seq_params=packed)  # [1, T, V_local]
-    last = local[0, packed.cu_seqlens_q[1:].long() - 1].contiguous()  # [A, V_local]
+    with hidden_states_only(model):
+        hidden = model(ids, pos, None, packed_seq_params=packed).squeeze(1)  # [T_local, H]
+    if sp and tp > 1:
+        hidden = all_gather_rows(
+            hidden, TPInfo.of(parallel_state.get_tensor_model_parallel_group())
+        )
+    weight = output_weight(model)
+    last = hidden[packed.cu_seqlens_q[1:].long() - 1].to(weight.dtype)  # [A, H]
+    local = mm_f32(last, weight.t())  # [A, V_local]
     if tp == 1:
-        return last
-    return tensor_parallel.gather_from_tensor_model_parallel_region(last)
+        return local
+    return tensor_parallel.gather_from_tensor_model_parallel_region(local)
 
 
 def _broadcast_from_tp_src(*tensors: Tensor) -> None:
