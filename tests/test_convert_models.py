@@ -21,8 +21,16 @@ TOL = 1e-4
 _BASE = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+# Llama 3.1 rope scaling (megatron-core hard-codes low 1 / high 4 / original 8192). head_dim 16 and
+# theta 5e5 put 3 of 8 frequencies above the 8192 wavelength (divided by 8) and 1 in the smoothed
+# band; LONG_SEQ positions turn them by up to ~0.4 rad, so the scaling moves the logits visibly.
+_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 8192}  # fmt: skip
+_LLAMA3_KW = dict(head_dim=16, rope_theta=500000.0, max_position_embeddings=16384)
+LONG_SEQ = 256
 CASES = {
     "llama": ("llama", {}),
+    "llama3_rope": ("llama", {"rope_scaling": _LLAMA3, **_LLAMA3_KW}),
     "llama_tied": ("llama", {"tie_word_embeddings": True}),
     "mistral": ("mistral", {"head_dim": 16}),  # head_dim != hidden / heads
     "qwen2": ("qwen2", {}),
@@ -90,6 +98,46 @@ def test_mcore_to_hf_round_trip_is_identical(converted, tmp_path: Path, case: st
     cfg_out = json.loads((out / "config.json").read_text())
     for key in ("architectures", "hidden_size", "num_key_value_heads", "tie_word_embeddings"):
         assert cfg_out[key] == cfg_src[key], key
+    for key in ("rope_parameters", "rope_scaling", "rope_theta"):  # 5.x / 4.x spellings
+        assert cfg_out.get(key) == cfg_src.get(key), key
+
+
+def _seq_len(case: str) -> int:
+    return LONG_SEQ if "rope_scaling" in CASES[case][1] else 16
+
+
+def test_llama3_rope_scaling_long_sequences(converted, tmp_path: Path):
+    """Sequences of LONG_SEQ tokens: the converted model matches transformers' llama3 RoPE, and
+    the same weights without the scaling do not (so this comparison can fail)."""
+    from megatron_grpo.convert.mcore_io import single_process_megatron
+    from megatron_grpo.convert.verify import megatron_logits
+
+    hf, ckpt = converted["llama3_rope"]
+    ids = prompt_ids(hf, 300, seq_len=LONG_SEQ)
+    ref = hf_logits(hf, ids)
+    with single_process_megatron():
+        got = megatron_logits(ckpt, ids)
+    assert _max_diff(ref, got) <= TOL
+    unscaled = dict(rope_scaling=None, rope_parameters=None, rope_theta=500000.0)
+    plain = _edit_config(hf, tmp_path / "plain", **unscaled)
+    assert _max_diff(ref, hf_logits(plain, ids)) > 100 * TOL
+
+
+def test_llama3_rope_scaling_generated_config(converted, tmp_path: Path):
+    """mcore-to-hf without hf/ assets writes the llama3 rope_scaling back into config.json."""
+    hf, ckpt = converted["llama3_rope"]
+    bare = tmp_path / "bare"
+    shutil.copytree(ckpt, bare, ignore=shutil.ignore_patterns("hf"))
+    out = mcore_to_hf(bare, tmp_path / "hf", family="llama")
+    ids = prompt_ids(hf, 300, seq_len=LONG_SEQ)
+    assert _max_diff(hf_logits(hf, ids), hf_logits(out, ids)) == 0.0
+    cfg = json.loads((out / "config.json").read_text())
+    params = cfg.get("rope_parameters") or {**cfg["rope_scaling"], "rope_theta": cfg["rope_theta"]}
+    assert params == {**_LLAMA3, "rope_theta": 500000.0}
+
+
+def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
 
 
 def _tp2_body(rank: int, world: int, cases: dict, refs: dict, resave: dict) -> None:
@@ -119,7 +167,7 @@ def test_logits_tp2_match_transformers(converted, tmp_path: Path):
 
     cases, refs = {}, {}
     for case, (hf, ckpt) in converted.items():
-        ids = prompt_ids(hf, 300)
+        ids = prompt_ids(hf, 300, seq_len=_seq_len(case))
         cases[case] = (str(ckpt), ids)
         refs[case] = hf_logits(hf, ids)
     resave = {c: tmp_path / c for c in ("llama_tied", "qwen3_moe")}
@@ -224,9 +272,16 @@ def test_mcore_to_hf_checks_config_agreement(converted, tmp_path: Path):
     bad = _edit_config(ckpt / "hf", tmp_path / "hfcfg", rope_theta=5.0, rope_parameters=None)
     with pytest.raises(ConversionError, match="rotary_base is 5"):
         mcore_to_hf(ckpt, tmp_path / "out", hf_config_dir=bad)
+    _, llama3 = converted["llama3_rope"]
+    scaled = dict(rope_parameters={**_LLAMA3, "factor": 4.0, "rope_theta": 500000.0})
+    bad = _edit_config(llama3 / "hf", tmp_path / "hfcfg3", rope_scaling=None, **scaled)
+    with pytest.raises(
+        ConversionError, match="rope_scaling_factor is 4.0, but the checkpoint has 8"
+    ):
+        mcore_to_hf(llama3, tmp_path / "out", hf_config_dir=bad)
     with pytest.raises(ConversionError, match="model_config.yaml: missing"):
         mcore_to_hf(ckpt / "hf", tmp_path / "out")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["hfcfg"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hfcfg", "hfcfg3"]
 
 
 def test_generated_config_without_hf_assets(converted, tmp_path: Path):

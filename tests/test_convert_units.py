@@ -16,6 +16,7 @@ from megatron_grpo.convert.families import FAMILIES, family_for_architecture
 from megatron_grpo.convert.hf_config import (
     check_same_architecture,
     hf_config_from_model,
+    megatron_llama3_constants,
     model_config_from_hf,
 )
 from megatron_grpo.convert.outdir import atomic_output_dir
@@ -26,6 +27,7 @@ from megatron_grpo.convert.safetensors_io import (
     SafetensorsWriter,
 )
 from megatron_grpo.convert.transforms import GATE_UP, QKV, VOCAB, LayoutInfo
+from megatron_grpo.megatron.config import ModelConfig
 
 INFO = LayoutInfo(num_attention_heads=4, num_query_groups=2, head_dim=3, vocab_size=10,
                   padded_vocab_size=16)  # fmt: skip
@@ -164,12 +166,107 @@ def test_hf_config_round_trip(family: str):
     assert again.head_dim == cfg.head_dim and again.max_sequence_length == cfg.max_sequence_length
 
 
+def _llama3(**kw) -> dict:
+    """HF rope_scaling of Llama 3.1 (megatron-core's hard-coded values), overridden by ``kw``."""
+    return {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192, **kw}  # fmt: skip
+
+
+def test_megatron_llama3_constants_are_the_ones_megatron_applies():
+    """The values read from megatron-core's signature are what its RotaryEmbedding computes: its
+    inverse frequencies equal transformers' llama3 ones for an HF config holding those values."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    assert megatron_llama3_constants() == {
+        "low_freq_factor": 1, "high_freq_factor": 4, "original_max_position_embeddings": 8192
+    }  # fmt: skip
+    hf = _hf_config(
+        "llama", hidden_size=256, rope_theta=500000.0, rope_scaling=_llama3(factor=32.0)
+    )
+    want, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    rope = RotaryEmbedding(64, 1.0, rotary_base=500000, rope_scaling=True,
+                           rope_scaling_factor=32.0, use_cpu_initialization=True)  # fmt: skip
+    plain = RotaryEmbedding(64, 1.0, rotary_base=500000, use_cpu_initialization=True)
+    assert attention_factor == 1.0 and torch.allclose(rope.inv_freq, want, rtol=1e-6, atol=0)
+    assert not torch.allclose(plain.inv_freq, want)  # the scaling changes these frequencies
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_llama3_rope_scaling_maps_both_ways(family: str):
+    from transformers import CONFIG_MAPPING
+
+    fam = FAMILIES[family]
+    cfg = model_config_from_hf(_hf_config(family, rope_scaling=_llama3(factor=32.0)), fam)
+    assert cfg.rope_scaling and cfg.rope_scaling_factor == 32.0 and cfg.rotary_base == 10000
+    raw = hf_config_from_model(cfg, fam)
+    params = raw.get("rope_parameters") or {**raw["rope_scaling"], "rope_theta": raw["rope_theta"]}
+    assert params == {**_llama3(factor=32.0), "rope_theta": 10000.0}
+    again = model_config_from_hf(CONFIG_MAPPING[family](**raw), fam)
+    check_same_architecture(cfg, again, "round trip")
+    plain = model_config_from_hf(_hf_config(family), fam)
+    assert not plain.rope_scaling
+    with pytest.raises(ConversionError, match="rope_scaling is False, but the checkpoint has True"):
+        check_same_architecture(cfg, plain, "x")
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"rope_scaling": True, "position_embedding_type": "learned_absolute"},
+         "rope_scaling needs position_embedding_type='rope', got 'learned_absolute'"),
+        ({"rope_scaling_factor": 32.0}, "rope_scaling_factor=32.0 has no effect unless rope_sc"),
+        ({"rope_scaling": True, "rope_scaling_factor": 0.0}, "rope_scaling_factor must be posit"),
+    ],
+)  # fmt: skip
+def test_model_config_rope_scaling_validation(changes: dict, match: str):
+    from megatron_grpo.config import from_dict
+
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(vocab_size=300, **changes)
+    cfg = from_dict(
+        ModelConfig, {"vocab_size": 300, "rope_scaling": True, "rope_scaling_factor": 32}
+    )
+    assert cfg.rope_scaling_factor == 32.0
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"normalization": "LayerNorm"}, "normalization"),
+        ({"rotary_interleaved": True}, "rotary_interleaved"),
+        ({"activation_func": "gelu"}, "activation_func"),
+        ({"position_embedding_type": "learned_absolute"}, "position_embedding_type"),
+    ],
+)
+def test_generated_hf_config_refuses_what_hf_cannot_express(changes: dict, field: str):
+    cfg = ModelConfig(vocab_size=300, hidden_size=32, **changes)
+    with pytest.raises(
+        ConversionError, match=f"llama config.json cannot express this model .*: {field} is"
+    ):
+        hf_config_from_model(cfg, FAMILIES["llama"])
+
+
+def test_generated_hf_config_keeps_partial_rotary():
+    cfg = ModelConfig(vocab_size=300, hidden_size=32, rotary_percent=0.5)
+    raw = hf_config_from_model(cfg, FAMILIES["llama"])  # checks its own round trip
+    assert (raw.get("rope_parameters") or raw)["partial_rotary_factor"] == 0.5
+
+
 @pytest.mark.parametrize(
     "model_type, kw, match",
     [
-        ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                    "high_freq_factor": 4.0,
-                                    "original_max_position_embeddings": 1024}}, "llama3"),
+        ("llama", {"rope_scaling": _llama3(original_max_position_embeddings=16)},
+         r"rope_scaling.original_max_position_embeddings=16 is unsupported: megatron-core's "
+         r"llama3 RoPE scaling hard-codes original_max_position_embeddings=8192"),
+        ("llama", {"rope_scaling": _llama3(low_freq_factor=2.0)},
+         r"rope_scaling.low_freq_factor=2.0 .* hard-codes low_freq_factor=1\b"),
+        ("llama", {"rope_scaling": _llama3(high_freq_factor=3.0)},
+         r"rope_scaling.high_freq_factor=3.0 .* hard-codes high_freq_factor=4\b"),
+        ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                    "original_max_position_embeddings": 32}},
+         "rope scaling 'yarn' .* is unsupported: .* only Llama 3 scaling"),
+        ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "'linear'"),
         ("llama", {"hidden_act": "gelu"}, "hidden_act"),
         ("llama", {"attention_bias": True}, "attention_bias"),
         ("llama", {"mlp_bias": True}, "mlp_bias"),

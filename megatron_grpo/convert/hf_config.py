@@ -2,12 +2,14 @@
 
 HF configs are read through ``transformers.AutoConfig`` (it normalizes renamed keys across
 versions, e.g. ``rope_theta`` -> ``rope_parameters``, ``num_experts`` <-> ``num_local_experts``).
-Anything the Megatron model cannot express (rope scaling, biases on the output projection, MoE
-layer patterns other than "every layer", non-SiLU activations) is an error, never dropped.
+Anything the Megatron model cannot express (rope scaling other than Llama 3's, biases on the output
+projection, MoE layer patterns other than "every layer", non-SiLU activations) is an error, never
+dropped.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 from pathlib import Path
@@ -29,16 +31,28 @@ ARCHITECTURE_FIELDS = (
     "num_query_groups",
     "ffn_hidden_size",
     "kv_channels",
+    "normalization",
     "layernorm_epsilon",
     "qk_layernorm",
     "add_qkv_bias",
+    "add_bias_linear",
+    "gated_linear_unit",
+    "activation_func",
+    "position_embedding_type",
     "rotary_base",
+    "rotary_percent",
+    "rotary_interleaved",
+    "rope_scaling",
+    "rope_scaling_factor",
     "share_embeddings_and_output_weights",
     "num_moe_experts",
     "moe_router_topk",
     "moe_ffn_hidden_size",
     "moe_router_pre_softmax",
+    "moe_router_score_function",
 )
+# HF llama3 rope_scaling keys that megatron-core does not take (GPTModel passes only the factor).
+LLAMA3_FIXED_KEYS = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def read_hf_config(hf_dir: str | Path) -> tuple[Any, Family]:
@@ -70,6 +84,50 @@ def _rope(cfg: Any) -> tuple[float, str, dict]:
     return float(theta), kind, params
 
 
+def megatron_llama3_constants() -> dict[str, float]:
+    """The llama3 parameters megatron-core hard-codes: GPTModel hands RotaryEmbedding only the
+    factor, so the others are the defaults of ``RotaryEmbedding._apply_scaling`` (read from the
+    installed version rather than copied: 1, 4, 8192 in megatron-core 0.14-0.16)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    params = inspect.signature(RotaryEmbedding._apply_scaling).parameters
+    missing = [k for k in LLAMA3_FIXED_KEYS if k not in params]
+    if missing:
+        raise ConversionError(f"this megatron-core's llama3 RoPE scaling has no {missing}")
+    return {k: params[k].default for k in LLAMA3_FIXED_KEYS}
+
+
+def _rope_scaling_fields(kind: str, params: dict) -> dict[str, Any]:
+    """ModelConfig rope-scaling fields of an HF rope type; unsupported types are an error."""
+    if kind == "default":
+        return {}
+    if kind != "llama3":
+        raise ConversionError(
+            f"config.json: rope scaling {kind!r} ({params}) is unsupported: megatron-core's "
+            "GPTModel takes only Llama 3 scaling (rope_type 'llama3')"
+        )
+    for key, fixed in megatron_llama3_constants().items():
+        value = params.get(key)
+        _require(
+            value is not None and float(value) == float(fixed),
+            f"rope_scaling.{key}={value!r} is unsupported: megatron-core's llama3 RoPE scaling "
+            f"hard-codes {key}={fixed}",
+        )
+    _require(params.get("factor") is not None, "rope_scaling.factor is missing (rope_type llama3)")
+    return dict(rope_scaling=True, rope_scaling_factor=float(params["factor"]))
+
+
+def hf_rope_scaling(model_cfg: ModelConfig) -> dict[str, Any] | None:
+    """The HF ``rope_scaling`` dict of ``model_cfg`` (None without rope scaling)."""
+    if not model_cfg.rope_scaling:
+        return None
+    return {
+        "rope_type": "llama3",
+        "factor": model_cfg.rope_scaling_factor,
+        **{k: float(v) for k, v in megatron_llama3_constants().items()},
+    }
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConversionError(f"config.json: {message}")
@@ -87,11 +145,6 @@ def _check_supported(cfg: Any, family: Family) -> None:
     _require(
         not getattr(cfg, "attention_bias", False),
         "attention_bias=true is unsupported (it also biases o_proj; Megatron biases only QKV)",
-    )
-    _, kind, params = _rope(cfg)
-    _require(
-        kind == "default",
-        f"rope scaling {kind!r} ({params}) is unsupported: ModelConfig has no rope-scaling fields",
     )
     if family.moe:
         _require(
@@ -121,7 +174,7 @@ def _max_sequence_length(cfg: Any, family: Family) -> int:
 def model_config_from_hf(cfg: Any, family: Family) -> ModelConfig:
     """The :class:`ModelConfig` of an HF config (training knobs keep ModelConfig defaults)."""
     _check_supported(cfg, family)
-    theta, _, _ = _rope(cfg)
+    theta, kind, params = _rope(cfg)
     _require(theta.is_integer(), f"rope_theta={theta} must be an integer for ModelConfig")
     heads = cfg.num_attention_heads
     kwargs: dict[str, Any] = dict(
@@ -141,8 +194,12 @@ def model_config_from_hf(cfg: Any, family: Family) -> ModelConfig:
         activation_func="silu",
         position_embedding_type="rope",
         rotary_base=int(theta),
-        rotary_percent=float(getattr(cfg, "partial_rotary_factor", 1.0)),
+        # transformers 5 keeps partial_rotary_factor in rope_parameters, 4.x on the config.
+        rotary_percent=float(
+            params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
+        ),
         share_embeddings_and_output_weights=bool(cfg.tie_word_embeddings),
+        **_rope_scaling_fields(kind, params),
     )
     if family.moe:
         experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
@@ -189,15 +246,37 @@ def hf_config_from_model(model_cfg: ModelConfig, family: Family) -> dict[str, An
             moe_intermediate_size=model_cfg.moe_ffn_hidden_size,
             norm_topk_prob=not model_cfg.moe_router_pre_softmax,
         )
-    # rope_theta= is accepted by transformers 4.x and 5.x (5.x stores it in rope_parameters).
-    return cls(rope_theta=float(model_cfg.rotary_base), **kwargs).to_dict()
+    if model_cfg.rotary_percent != 1.0:
+        kwargs["partial_rotary_factor"] = model_cfg.rotary_percent
+    # rope_theta= and rope_scaling= are accepted by transformers 4.x and 5.x (5.x stores both in
+    # rope_parameters).
+    hf_cfg = cls(
+        rope_theta=float(model_cfg.rotary_base), rope_scaling=hf_rope_scaling(model_cfg), **kwargs
+    )
+    # Whatever the HF config cannot express (LayerNorm, interleaved rotary, ...) fails here.
+    try:
+        check_same_architecture(model_cfg, model_config_from_hf(hf_cfg, family), "config.json")
+    except ConversionError as e:
+        raise ConversionError(
+            f"an HF {family.name} config.json cannot express this model ({e})"
+        ) from e
+    return hf_cfg.to_dict()
+
+
+def _effective(cfg: ModelConfig, name: str) -> Any:
+    """A field's value with Megatron's defaults for None resolved (None = derived)."""
+    if name == "kv_channels":
+        return cfg.head_dim
+    if name == "num_query_groups":
+        return cfg.num_query_groups or cfg.num_attention_heads
+    if name == "ffn_hidden_size":
+        return cfg.ffn_hidden_size or 4 * cfg.hidden_size
+    return getattr(cfg, name)
 
 
 def check_same_architecture(a: ModelConfig, b: ModelConfig, what: str) -> None:
     """Raise if two model configs disagree on an architecture field."""
     for name in ARCHITECTURE_FIELDS:
-        va, vb = getattr(a, name), getattr(b, name)
-        if name == "kv_channels":
-            va, vb = a.head_dim, b.head_dim
+        va, vb = _effective(a, name), _effective(b, name)
         if va != vb:
             raise ConversionError(f"{what}: {name} is {vb!r}, but the checkpoint has {va!r}")

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 ParamsDtype = Literal["auto", "float32", "bfloat16", "float16"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
+_DEFAULT_ROPE_SCALING_FACTOR = 8.0  # megatron-core GPTModel's default
 
 
 def _positive(obj: Any, *names: str) -> None:
@@ -45,6 +46,10 @@ class ModelConfig:
     ``transformer_engine`` imports, else our portable spec (``layer_spec.py``).
     ``moe_token_dispatcher_type=None`` picks "alltoall" on GPU and "allgather" on CPU (megatron's
     all-to-all dispatcher needs CUDA streams).
+    ``rope_scaling`` is Llama 3.x RoPE scaling (GPTModel's ``rope_scaling``): inverse frequencies
+    with wavelengths above 8192 are divided by ``rope_scaling_factor``, those between 2048 and
+    8192 interpolated (megatron-core fixes low_freq_factor=1, high_freq_factor=4 and
+    original_max_position_embeddings=8192).
     """
 
     vocab_size: int = 0
@@ -66,6 +71,8 @@ class ModelConfig:
     rotary_base: int = 10000
     rotary_percent: float = 1.0
     rotary_interleaved: bool = False
+    rope_scaling: bool = False
+    rope_scaling_factor: float = _DEFAULT_ROPE_SCALING_FACTOR
     share_embeddings_and_output_weights: bool = False
     make_vocab_size_divisible_by: int = 128
     init_method_std: float = 0.02
@@ -98,7 +105,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _positive(self, "vocab_size", "num_layers", "hidden_size", "num_attention_heads")
         _positive(self, "num_query_groups", "ffn_hidden_size", "kv_channels")
-        _positive(self, "max_sequence_length", "make_vocab_size_divisible_by", "rotary_base")
+        _positive(self, "max_sequence_length", "make_vocab_size_divisible_by")
         _positive(self, "layernorm_epsilon", "init_method_std")
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
@@ -111,8 +118,7 @@ class ModelConfig:
                 f"num_query_groups={groups} must divide num_attention_heads="
                 f"{self.num_attention_heads}"
             )
-        if not 0.0 < self.rotary_percent <= 1.0:
-            raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
+        self._check_rope()
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
@@ -121,6 +127,22 @@ class ModelConfig:
             raise ValueError("recompute_method and recompute_num_layers must be set together")
         if self.recompute_method is not None and self.recompute_granularity != "full":
             raise ValueError("recompute_method needs recompute_granularity='full'")
+
+    def _check_rope(self) -> None:
+        _positive(self, "rotary_base", "rope_scaling_factor")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
+        if self.rope_scaling and self.position_embedding_type != "rope":
+            raise ValueError(
+                f"rope_scaling needs position_embedding_type='rope', got "
+                f"{self.position_embedding_type!r}"
+            )
+        # Megatron ignores the factor without rope_scaling: a set factor would be a silent no-op.
+        if not self.rope_scaling and self.rope_scaling_factor != _DEFAULT_ROPE_SCALING_FACTOR:
+            raise ValueError(
+                f"rope_scaling_factor={self.rope_scaling_factor} has no effect unless "
+                "rope_scaling is true"
+            )
 
     def _check_moe(self) -> None:
         _positive(self, "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size")

@@ -88,6 +88,8 @@ def build_gpt_chunk(
         position_embedding_type=model_cfg.position_embedding_type,
         rotary_percent=model_cfg.rotary_percent,
         rotary_base=model_cfg.rotary_base,
+        rope_scaling=model_cfg.rope_scaling,
+        rope_scaling_factor=model_cfg.rope_scaling_factor,
         vp_stage=vp_stage,
     )
     model.model_type = ModelType.encoder_or_decoder
