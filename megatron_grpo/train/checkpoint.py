@@ -2,7 +2,9 @@
 
 Layout under ``checkpoint.dir``::
 
-    step_00000010/      one dist_checkpointing (torch_dist) directory per save
+    step_00000010/      one dist_checkpointing (torch_dist) directory per save, plus
+      model_config.yaml   the run's resolved ModelConfig (as tools/convert_checkpoint.py writes)
+      hf/                 copied from checkpoint.load/hf when the run started from one
     step_00000020/
     latest              text file: the name of the newest complete step directory
 
@@ -16,6 +18,8 @@ Model tensors are the unwrapped GPTModel's ``sharded_state_dict`` (the keys the 
 writes too, so ``load_model_weights`` starts training from a converted checkpoint); optimizer
 state is the Megatron optimizer's ``sharded_state_dict``; each rank's RNG states are a
 ``ShardedObject``; step, data position and the LR schedule are common (rank-0) state.
+``model_config.yaml`` (and ``hf/``) make a step directory usable like a converted checkpoint:
+``mcore-to-hf --ckpt dir/step_N`` and ``checkpoint.load: dir/step_N`` without a model section.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer import DistributedOptimizer
 from megatron.core.tensor_parallel import random as mcore_random
 
+from megatron_grpo.config import from_dict
+from megatron_grpo.convert.layout import HF_ASSETS_DIR, copy_hf_assets, write_model_config
+from megatron_grpo.megatron.config import ModelConfig
 from megatron_grpo.megatron.model import unwrap
 from megatron_grpo.megatron.parallel import cuda_compat
 
@@ -100,12 +107,41 @@ def _model_state(chunks: list[torch.nn.Module]) -> dict[str, Any]:
 def _materialize_optimizer_state(optimizer) -> None:
     """A fresh DistributedOptimizer over torch's Adam has no per-parameter ``step`` yet, and
     megatron-core's ``state_dict`` (no Apex/TE) asserts on it while building the state to load
-    into; Megatron's own dummy initialization (a zero-gradient step) creates the states, which
-    the load then overwrites."""
+    into; Megatron's own dummy initialization (a zero-gradient step) creates the states. What
+    that step changes (states, and the weights through weight decay) the load overwrites; the
+    ``step`` it leaves behind is replaced by :func:`_restore_adam_steps`."""
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
             with cuda_compat():
                 opt._init_optimizer_states_with_dummy_values()
+
+
+def _restore_adam_steps(optimizer) -> None:
+    """Give every parameter of a DistributedOptimizer over torch's Adam its own ``step`` tensor,
+    holding the checkpoint's step (which megatron-core restores into the param groups).
+
+    megatron-core 0.16's load of this fallback (no Apex/TE) leaves the per-parameter ``step``
+    wrong in two ways: ``load_state_dict`` puts ONE tensor into every parameter's state, which
+    torch's Adam then increments once per parameter per step (``step_t += 1``), so the bias
+    correction of the first update after resume uses steps ``s+1 .. s+n_params``; and the
+    ``dp_reshardable`` param state carries ``step`` as a ``LocalNonpersistentObject``, whose load
+    copies the pre-load placeholder (1 after the dummy initialization) over the restored value.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, DistributedOptimizer):
+            continue
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for param in group["params"]:
+                state = inner.state.get(param)
+                if not state or "step" not in state:
+                    continue  # fused Adam (Apex/TE) keeps the step in the group only
+                if "step" not in group:
+                    raise RuntimeError("DistributedOptimizer load left no 'step' in a param group")
+                old = state["step"]
+                state["step"] = torch.tensor(
+                    float(group["step"]), dtype=old.dtype, device=old.device
+                )
 
 
 def _sharded_state(chunks, optimizer, is_loading: bool) -> dict[str, Any]:
@@ -124,7 +160,17 @@ def _sharded_state(chunks, optimizer, is_loading: bool) -> dict[str, Any]:
 def write_checkpoint(
     root: str | Path, step: int, chunks, optimizer, scheduler, trainer_state: dict[str, Any]
 ) -> Path:
-    """Write step ``step`` into ``root/.tmp_step_N`` (all ranks); not yet visible to resume."""
+    """Write step ``step`` into ``root/.tmp_step_N`` (all ranks); not yet visible to resume.
+
+    ``trainer_state["config"]`` is the run's resolved config (``to_dict(TrainConfig)``); its
+    ``model`` section becomes ``model_config.yaml``.
+    """
+    config = trainer_state.get("config")
+    if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
+        raise ValueError(
+            "trainer_state['config'] must be the resolved config (to_dict(TrainConfig)) with a "
+            "model section; it is written as model_config.yaml"
+        )
     tmp = Path(root) / f".tmp_{step_dir_name(step)}"
     if _rank() == 0:
         if tmp.exists():
@@ -137,8 +183,19 @@ def write_checkpoint(
     state["trainer_state"] = dict(trainer_state, step=step)
     with cuda_compat():
         dist_checkpointing.save(state, str(tmp))
+    if _rank() == 0:
+        _write_model_files(tmp, config)
     _barrier()
     return tmp
+
+
+def _write_model_files(ckpt_dir: Path, config: dict[str, Any]) -> None:
+    """``model_config.yaml`` with the converter's writer and, when ``checkpoint.load`` has them,
+    its ``hf/`` assets (config.json, tokenizer), so ``mcore-to-hf`` needs no extra flags."""
+    write_model_config(ckpt_dir, from_dict(ModelConfig, config["model"], "model"))
+    load = (config.get("checkpoint") or {}).get("load")
+    if load is not None and (Path(load) / HF_ASSETS_DIR).is_dir():
+        copy_hf_assets(Path(load) / HF_ASSETS_DIR, ckpt_dir / HF_ASSETS_DIR)
 
 
 def commit_checkpoint(root: str | Path, tmp: Path, step: int, keep_last: int) -> Path:
@@ -205,6 +262,7 @@ def load_checkpoint(path: str | Path, chunks, optimizer, scheduler) -> dict[str,
         # megatron-core copies into parameter views outside no_grad on this path.
         with torch.no_grad(), cuda_compat():
             optimizer.load_state_dict(loaded["optimizer"])
+        _restore_adam_steps(optimizer)
     if scheduler is not None and loaded.get("scheduler") is not None:
         scheduler.load_state_dict(loaded["scheduler"])
     if same_world:
