@@ -1,6 +1,7 @@
 """memory_plan: exact parameter counts (vs. models built with build_model on CPU), how the plan
-responds to TP / SP / PP / distributed optimizer / recompute / EP, the rank layout arithmetic
-and the layout checks of dry_run."""
+responds to TP / SP / PP / distributed optimizer / recompute / EP, the log-prob working sets
+(against the ops' tiling and path rule, and H200 measurements), the rank layout arithmetic and
+the layout checks of dry_run."""
 
 from __future__ import annotations
 
@@ -10,17 +11,24 @@ import pytest
 import torch
 from megatron.core import parallel_state
 
+from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.megatron import ModelConfig, ParallelConfig, unwrap
 from megatron_grpo.megatron.memory_plan import (
+    GIB,
+    ROW_BYTES,
     check_layout,
     format_layout,
     format_plan,
+    loss_working_set,
     memory_plan,
     orthogonal_groups,
     rank_layout,
     stage_params,
 )
-from megatron_grpo.ops.tiling import TILE_BYTES
+from megatron_grpo.ops import fused_grpo_loss
+from megatron_grpo.ops import tiling as tiling_mod
+from megatron_grpo.ops.single_pass import single_pass_rows
+from megatron_grpo.ops.tiling import TILE_BYTES, Tiling
 from tests.dist_utils import run_distributed
 from tests.megatron_utils import build_layout, tiny_model
 
@@ -153,6 +161,100 @@ def test_megatron_logits_working_set_is_larger():
     assert theirs.logits == 32768 * v_local * 6  # bf16 logits + fp32 softmax
     text = format_plan(plan)
     assert "megatron" in text and "pp0" in text
+
+
+# Measured on one H200 (tools/bench_logprobs.py, H=4096, V=151936, bf16, default tiles): peak
+# memory beyond the bf16 gradients of vocab_parallel_logprobs forward + backward, in GiB, keyed
+# by (T, main_grad bytes: 4 = an fp32 main_grad allocated up front, None = bf16 weight.grad).
+H200_OVER_GRADS_GIB = {(8192, 4): 0.38, (8192, None): 0.38, (32768, None): 0.88}
+# Same measurement for fused_grpo_loss (its tiled path at this shape, ops/fused_grpo.py).
+H200_FUSED_OVER_GRADS_GIB = {(8192, None): 0.38}
+
+
+def _ws(path, tokens, v_local=151936, hidden=4096, tp=1, sp=False, main_grad_bytes=4):
+    return loss_working_set(
+        path, tokens=tokens, hidden=hidden, v_local=v_local, param_bytes=2, sp=sp, tp=tp,
+        main_grad_bytes=main_grad_bytes,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "path,measured", [("op", H200_OVER_GRADS_GIB), ("fused", H200_FUSED_OVER_GRADS_GIB)]
+)
+def test_working_set_predicts_h200_measurements(path, measured):
+    for (tokens, main_grad), gib in measured.items():
+        predicted = _ws(path, tokens, main_grad_bytes=main_grad).total / GIB
+        assert predicted == pytest.approx(gib, rel=0.15), (tokens, main_grad, predicted)
+
+
+@pytest.mark.parametrize("tokens", [100, 8192, 20000])
+@pytest.mark.parametrize("v_local", [151936, 37984])
+def test_op_working_set_follows_the_tiling(tokens, v_local):
+    """One fp32 tile of Tiling.plan; rows outer with an fp32 main_grad (an fp32 [R, H] d_hidden
+    block), vocab outer without (fp32 [T, H] d_hidden + a [Vc, H] d_weight tile if several row
+    blocks); fp32 [T, H] d_hidden under TP; the gathered [T, H] hidden under SP."""
+    h, tiling = 64, Tiling.plan(tokens, v_local, None)
+    rows, blocks = min(tiling.rows, tokens), len(tiling.row_blocks())
+    direct = _ws("op", tokens, v_local, h)
+    outer = _ws("op", tokens, v_local, h, main_grad_bytes=None)
+    assert direct.logits == outer.logits == rows * tiling.cols * 4 <= TILE_BYTES
+    d_weight_tile = tiling.cols * h * 4 if blocks > 1 else 0
+    assert outer.other - direct.other == tokens * h * 4 + d_weight_tile - rows * h * 4
+    assert _ws("op", tokens, v_local, h, main_grad_bytes=2) == outer  # bf16 main_grad: same
+    tp = _ws("op", tokens, v_local, h, tp=4)
+    sp = _ws("op", tokens, v_local, h, tp=4, sp=True)
+    assert tp.other - direct.other == tokens * h * 4
+    assert sp.other - tp.other == tokens * h * 2
+
+
+def test_fused_working_set_follows_the_single_pass_rule():
+    """The fused path's buffers are the single pass's exactly where single_pass_rows picks it
+    (full-width fp32 chunk, fp32 [T, H] and [C, H] d_hidden, an fp32 [V_local, H] d_weight when
+    there is no fp32 main_grad), else the op's tiled passes."""
+    h, seen = 4096, set()
+    for v_local in (4096, 16384, 37984):
+        for tokens in (1000, 4096, 32768):
+            for main_grad in (4, None):
+                fused = _ws("fused", tokens, v_local, h, main_grad_bytes=main_grad)
+                op = _ws("op", tokens, v_local, h, main_grad_bytes=main_grad)
+                rows = single_pass_rows(tokens, v_local, h, None, main_grad != 4)
+                seen.add(rows is None)
+                if rows is None:
+                    assert fused == replace(op, path="fused")
+                    continue
+                chunk = min(rows, tokens)
+                assert fused.logits == chunk * v_local * 4 <= TILE_BYTES
+                acc = 0 if main_grad == 4 else v_local * h * 4
+                assert fused.other == (tokens + chunk) * h * 4 + acc + ROW_BYTES * tokens
+    assert seen == {True, False}  # both paths occur on this grid
+
+
+def test_plan_predicts_the_path_fused_grpo_loss_takes(monkeypatch):
+    """At a tiny CPU shape, with the tile budget set so that each rule branch occurs, the path
+    the plan models is the one fused_grpo_loss runs (its autograd Function)."""
+    t, h, v = 16, 64, 32
+    cases = {  # (main_grad bytes, tile budget) -> path
+        (4, 4 * v * t): "Single",
+        (None, 4 * v * t): "Tiled",  # the fp32 [V, H] d_weight would exceed one tile
+        (None, 4 * v * h): "Single",
+        (4, 4 * v * t // 2): "Tiled",  # a full-width chunk of all rows does not fit
+    }
+    for (main_grad, budget), want in cases.items():
+        monkeypatch.setattr(tiling_mod, "TILE_BYTES", budget)
+        weight = (0.1 * torch.randn(v, h)).bfloat16().requires_grad_()
+        if main_grad:
+            weight.main_grad = torch.zeros(v, h)
+        hidden = torch.randn(t, h).bfloat16().requires_grad_()
+        loss, _, _ = fused_grpo_loss(
+            hidden, weight, torch.randint(0, v, (t,)), GRPOLossConfig(),
+            old_logprobs=torch.full((t,), -3.0), advantages=torch.ones(t),
+            loss_mask=torch.ones(t, dtype=torch.bool), cu_seqlens=torch.tensor([0, t]),
+            impl="torch",
+        )  # fmt: skip
+        assert type(loss.grad_fn).__name__.startswith(f"_{want}")
+        fused = _ws("fused", t, v, h, main_grad_bytes=main_grad)
+        tiled = replace(_ws("op", t, v, h, main_grad_bytes=main_grad), path="fused")
+        assert (fused != tiled) == (want == "Single"), (main_grad, budget, fused)
 
 
 def test_rank_layout_arithmetic():

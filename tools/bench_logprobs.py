@@ -27,6 +27,9 @@ fused_grpo picks its token-ratio path by the rule in ``megatron_grpo/ops/fused_g
 d_weight has an fp32 buffer: at V = 151936 from TP = 4 with ``--main-grad``); the path it took
 is printed ("single C=<rows>" / "tiled"). ``--single-pass-min-rows`` overrides the threshold to
 measure both paths at one size (e.g. 0 forces the single pass wherever the chunk fits).
+
+This file is the harness (CLI, problems, the fp32 reference, measurement, reports); the methods,
+the GEMM floor and the GEMM options are in ``tools/bench_methods.py``.
 """
 
 from __future__ import annotations
@@ -35,10 +38,6 @@ import argparse
 import json
 import os
 import sys
-import time
-from collections.abc import Callable
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -100,65 +99,23 @@ if ARGS is not None and ARGS.device == "cpu":
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from bench_methods import (  # noqa: E402
+    METHODS,
+    SOLO_GROUP,
+    Problem,
+    clear_grads,
+    floor_ms,
+    fp32_highest,
+    fused_path,
+    gemm_options,
+    median_ms,
+    rel_err,
+    sync,
+    weight_grad,
+)
 
 from megatron_grpo.loss import GRPOLossConfig, grpo_loss  # noqa: E402
-from megatron_grpo.ops import fused_grpo_loss, single_pass, vocab_parallel_logprobs  # noqa: E402
-from megatron_grpo.ops.fused_grpo import token_pass_rows  # noqa: E402
-
-
-@dataclass
-class Problem:
-    """One workload: leaves h [T_local, H] and w [V_local, H] with grads, objective weights."""
-
-    h: torch.Tensor
-    w: torch.Tensor
-    targets: torch.Tensor  # [T] global ids
-    coef: torch.Tensor  # [T] fp32 weight of logp in the objective
-    ent_coef: torch.Tensor  # [T] fp32 weight of the entropy
-    vocab_size: int
-    grpo: dict = field(default_factory=dict)  # grpo_loss inputs (old_logprobs, ...)
-    group: object = None  # TP group (None = no TP)
-    sp: bool = False
-    chunk_size: int | None = None
-
-
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def median_ms(fn: Callable[[], object], dev: torch.device, warmup: int, reps: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        sync(dev)
-        if dev.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
-@contextmanager
-def fp32_highest():
-    """True fp32 GEMMs (no TF32) for the reference only; the user's setting is restored."""
-    prec, tf32 = torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32
-    torch.set_float32_matmul_precision("highest")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(prec)
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-
+from megatron_grpo.ops import single_pass, vocab_parallel_logprobs  # noqa: E402
 
 # ----------------------------------------------------------------------------- objectives
 
@@ -210,111 +167,6 @@ def _ref_chunk(h, w, targets, vocab_size):
     return lsm.gather(1, targets[:, None])[:, 0], -(lsm.exp() * lsm).sum(-1)
 
 
-# ----------------------------------------------------------------------------- methods
-# A step runs forward + backward and returns (logp, entropy | None, objective value).
-
-
-def _ours(impl: str, entropy: bool):
-    def step(p: Problem):
-        out = vocab_parallel_logprobs(
-            p.h, p.w, p.targets, tp_group=p.group, sequence_parallel=p.sp,
-            vocab_size=p.vocab_size, return_entropy=entropy, chunk_size=p.chunk_size, impl=impl,
-        )  # fmt: skip
-        logp, ent = out if entropy else (out, None)
-        obj = (p.coef * logp).sum() + ((p.ent_coef * ent).sum() if entropy else 0.0)
-        obj.backward()
-        return logp.detach(), None if ent is None else ent.detach(), obj.detach()
-
-    return step
-
-
-def _fused_grpo(p: Problem):
-    loss, _, logp = fused_grpo_loss(
-        p.h, p.w, p.targets, GRPOLossConfig(), **p.grpo, tp_group=p.group,
-        sequence_parallel=p.sp, vocab_size=p.vocab_size, chunk_size=p.chunk_size, impl="auto",
-    )  # fmt: skip
-    loss.backward()
-    return logp.detach(), None, loss.detach()
-
-
-def _fused_path(p: Problem) -> str:
-    """The token-ratio path fused_grpo_loss takes on this problem (its rule)."""
-    rows = token_pass_rows(p.w, int(p.grpo["loss_mask"].sum()), p.chunk_size)
-    return "tiled" if rows is None else f"single C={rows}"
-
-
-def _unfused_grpo(p: Problem):
-    logp = vocab_parallel_logprobs(
-        p.h, p.w, p.targets, tp_group=p.group, sequence_parallel=p.sp, rows=p.grpo["loss_mask"],
-        vocab_size=p.vocab_size, chunk_size=p.chunk_size, impl="auto",
-    )  # fmt: skip
-    loss, _ = grpo_loss(GRPOLossConfig(), logprobs=logp, **p.grpo)
-    loss.backward()
-    return logp.detach(), None, loss.detach()
-
-
-def _megatron(p: Problem):
-    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
-    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
-
-    group = _megatron_group(p)
-    h = p.h
-    if group.size() > 1:  # as Megatron's ColumnParallelLinear: all-reduce d_hidden over TP
-        h = copy_to_tensor_model_parallel_region(h, group=group)
-    logits = (h @ p.w.t())[:, None, :]  # materialized [T, 1, V_local] in the input dtype
-    logp = -fused_vocab_parallel_cross_entropy(logits, p.targets[:, None], group).squeeze(1)
-    obj = (p.coef * logp.float()).sum()
-    obj.backward()
-    return logp.detach().float(), None, obj.detach()
-
-
-def _cce(filter_eps):
-    def step(p: Problem):
-        from cut_cross_entropy import linear_cross_entropy
-
-        ce = linear_cross_entropy(p.h, p.w, p.targets, reduction="none", filter_eps=filter_eps)
-        logp = -ce.float()
-        obj = (p.coef * logp).sum()
-        obj.backward()
-        return logp.detach(), None, obj.detach()
-
-    return step
-
-
-# name -> (step, objective of its gradients)
-METHODS: dict[str, tuple[Callable, str]] = {
-    "torch": (_ours("torch", False), "logp"),
-    "triton": (_ours("triton", False), "logp"),
-    "triton_sp": (_ours("triton", False), "logp"),
-    "torch_entropy": (_ours("torch", True), "logp_entropy"),
-    "triton_entropy": (_ours("triton", True), "logp_entropy"),
-    "fused_grpo": (_fused_grpo, "grpo"),
-    "fused_grpo_sp": (_fused_grpo, "grpo"),
-    "unfused_grpo": (_unfused_grpo, "grpo"),
-    "megatron_fused_ce": (_megatron, "logp"),
-    "cce_exact": (_cce(None), "logp"),
-    "cce": (_cce("auto"), "logp"),
-}
-
-
-def _clear(p: Problem) -> None:
-    p.h.grad = None
-    p.w.grad = None
-    if hasattr(p.w, "main_grad"):
-        p.w.main_grad.zero_()
-
-
-def _dw(p: Problem) -> torch.Tensor | None:
-    """The weight gradient where it landed: main_grad (if any) else w.grad."""
-    return getattr(p.w, "main_grad", p.w.grad)
-
-
-def _rel(a: torch.Tensor | None, b: torch.Tensor) -> float:
-    if a is None:
-        return float("nan")
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-
-
 def run_method(name: str, p: Problem, ref: dict | None, args, dev, keep: bool = False) -> dict:
     """Time, peak memory and (vs `ref`) errors of one method; errors are recorded, not raised.
 
@@ -324,8 +176,8 @@ def run_method(name: str, p: Problem, ref: dict | None, args, dev, keep: bool = 
     res: dict = {}
     try:
         if name.startswith("fused_grpo"):
-            res["path"] = _fused_path(p)
-        _clear(p)
+            res["path"] = fused_path(p)
+        clear_grads(p)
         logp, ent, value = step(p)  # also the warm-up / compile run
         sync(dev)
         grads = [t.grad for t in (p.h, p.w) if t.grad is not None]
@@ -335,10 +187,11 @@ def run_method(name: str, p: Problem, ref: dict | None, args, dev, keep: bool = 
             if ent is not None:
                 res["ent_max_abs"] = (ent - ref["ent"]).abs().max().item()
             res["value_rel"] = abs(value.item() - ref["value"]) / max(abs(ref["value"]), 1e-30)
-            res["dh_rel"], res["dw_rel"] = _rel(p.h.grad, ref["dh"]), _rel(_dw(p), ref["dw"])
+            res["dh_rel"] = rel_err(p.h.grad, ref["dh"])
+            res["dw_rel"] = rel_err(weight_grad(p), ref["dw"])
         if keep:
-            res["_out"] = (logp, p.h.grad, _dw(p).clone())
-        _clear(p)
+            res["_out"] = (logp, p.h.grad, weight_grad(p).clone())
+        clear_grads(p)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
             base = torch.cuda.memory_allocated()
@@ -347,102 +200,12 @@ def run_method(name: str, p: Problem, ref: dict | None, args, dev, keep: bool = 
             sync(dev)
             res["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
             res["over_grads_gib"] = res["peak_extra_gib"] - res["grad_gib"]
-        res["ms"] = median_ms(lambda: (_clear(p), step(p)), dev, args.warmup, args.reps)
+        res["ms"] = median_ms(lambda: (clear_grads(p), step(p)), dev, args.warmup, args.reps)
     except Exception as e:  # noqa: BLE001 - a failing peer must not stop the benchmark
         res = {"error": f"{type(e).__name__}: {e}"[:400]}
-    _clear(p)
+    clear_grads(p)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    return res
-
-
-def floor_ms(h: torch.Tensor, w: torch.Tensor, args, dev) -> dict:
-    """The three bf16 GEMMs any exact method does: h W^T, G W, G^T h (G random [T, V_local])."""
-    hd, wd = h.detach(), w.detach()
-    g = torch.randn(hd.size(0), wd.size(0), device=dev, dtype=hd.dtype)
-    ms = median_ms(lambda: (hd @ wd.t(), g @ wd, g.t() @ hd), dev, args.warmup, args.reps)
-    return {"ms": ms, "tflops": 6 * hd.size(0) * hd.size(1) * wd.size(0) / ms / 1e9}
-
-
-@contextmanager
-def tf32(on: bool):
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = on
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
-
-
-def _gemm_variants(hc, wd, g32):
-    """name -> (fn, which reference): options for the op's three GEMMs on one chunk.
-
-    "fp16 scaled": G times a power of two (so its small entries stay normal in fp16) and the
-    bf16 operand converted to fp16 (exact within fp16's range), fp32 output, scale undone.
-    """
-    lo, f16, f32 = hc.dtype, torch.float16, torch.float32
-    scale = 2.0 ** (14 - torch.frexp(g32.abs().max())[1].item())
-
-    def tf32_on(fn):
-        return lambda: _call_tf32(fn)
-
-    return {
-        "logits bf16 mm -> .float()": (lambda: (hc @ wd.t()).float(), "z"),
-        "logits mm(out_dtype=fp32)": (lambda: torch.mm(hc, wd.t(), out_dtype=f32), "z"),
-        "logits fp32 upcast": (lambda: hc.float() @ wd.float().t(), "z"),
-        "logits fp32 upcast tf32": (tf32_on(lambda: hc.float() @ wd.float().t()), "z"),
-        "dh G.bf16 @ W -> bf16": (lambda: g32.to(lo) @ wd, "dh"),
-        "dh mm(G.bf16, W, out_dtype=fp32)": (lambda: torch.mm(g32.to(lo), wd, out_dtype=f32), "dh"),
-        "dh fp16 scaled, out_dtype=fp32": (
-            lambda: torch.mm((g32 * scale).to(f16), wd.to(f16), out_dtype=f32).div_(scale),
-            "dh",
-        ),
-        "dh G fp32 @ W.float()": (lambda: g32 @ wd.float(), "dh"),
-        "dh G fp32 @ W.float() tf32": (tf32_on(lambda: g32 @ wd.float()), "dh"),
-        "dw G.bf16^T @ h -> bf16": (lambda: g32.to(lo).t() @ hc, "dw"),
-        "dw mm(G.bf16^T, h, out_dtype=fp32)": (
-            lambda: torch.mm(g32.to(lo).t(), hc, out_dtype=f32),
-            "dw",
-        ),
-        "dw fp16 scaled, out_dtype=fp32": (
-            lambda: torch.mm((g32 * scale).to(f16).t(), hc.to(f16), out_dtype=f32).div_(scale),
-            "dw",
-        ),
-        "dw G^T fp32 @ h.float()": (lambda: g32.t() @ hc.float(), "dw"),
-        "dw G^T fp32 @ h.float() tf32": (tf32_on(lambda: g32.t() @ hc.float()), "dw"),
-    }
-
-
-def _call_tf32(fn):
-    with tf32(True):
-        return fn()
-
-
-def gemm_options(p: Problem, args, dev) -> dict:
-    """Time and error (vs true fp32) of each GEMM option at the op's chunk sizes, with the
-    d logits G = c * (onehot - softmax) of the chunk's real logits."""
-    res = {}
-    hd, wd = p.h.detach(), p.w.detach()
-    for rows in args.gemm_rows:
-        hc = hd[:rows].contiguous()
-        with fp32_highest():
-            w32, h32 = wd.float(), hc.float()
-            z = h32 @ w32.t()
-            g32 = torch.softmax(z[:, : p.vocab_size], dim=-1).mul_(-p.coef[:rows, None])
-            g32 = torch.nn.functional.pad(g32, (0, wd.size(0) - p.vocab_size))
-            g32.scatter_add_(1, p.targets[:rows, None], p.coef[:rows, None])
-            refs = {"z": z, "dh": g32 @ w32, "dw": g32.t() @ h32}
-            del w32, h32, z
-        for name, (fn, which) in _gemm_variants(hc, wd, g32).items():
-            key = f"{name} [rows={rows}]"
-            try:
-                err = _rel(fn(), refs[which])
-                ms = median_ms(fn, dev, args.warmup, args.reps)
-                flops = 2 * rows * hd.size(1) * wd.size(0)
-                res[key] = {"ms": ms, "tflops": flops / ms / 1e9, "rel_err": err}
-            except Exception as e:  # noqa: BLE001 - e.g. out_dtype missing in this torch
-                res[key] = {"error": f"{type(e).__name__}: {e}"[:200]}
-        del refs, g32
     return res
 
 
@@ -476,13 +239,6 @@ def make_grpo(logp: torch.Tensor, seq_len: int, seed: int = 1) -> dict:
     old = logp.detach().float() + 0.05 * torch.randn(T, generator=g, device=dev)
     mask = torch.ones(T, dtype=torch.bool, device=dev)
     return dict(old_logprobs=old, advantages=adv, loss_mask=mask, cu_seqlens=cu)
-
-
-_SOLO: list = []  # a one-rank process group for Megatron's CE when there is no TP
-
-
-def _megatron_group(p: Problem):
-    return p.group if p.group is not None else _SOLO[0]
 
 
 # ----------------------------------------------------------------------------- single GPU
@@ -595,7 +351,7 @@ def _tp_pair(name: str, full: Problem, shard, group, args, dev) -> tuple[dict, d
         (lp1, dh1, dw1), (lpn, dhn, dwn) = r1["_out"], rn["_out"]
         dh1 = dh1.chunk(world)[rank] if sp else dh1
         rn["logp_vs_tp1"] = (lpn - lp1).abs().max().item()
-        rn["dh_vs_tp1"], rn["dw_vs_tp1"] = _rel(dhn, dh1), _rel(dwn, dw1.chunk(world)[rank])
+        rn["dh_vs_tp1"], rn["dw_vs_tp1"] = rel_err(dhn, dh1), rel_err(dwn, dw1.chunk(world)[rank])
     r1.pop("_out", None)  # tensors stay out of the gathered rows
     rn.pop("_out", None)
     return r1, rn
@@ -711,7 +467,7 @@ def main() -> int:
         os.environ.setdefault("MASTER_PORT", "29533")
         dist.init_process_group(backend, rank=0, world_size=1)
     world, rank = dist.get_world_size(), dist.get_rank()
-    _SOLO.append([dist.new_group([r]) for r in range(world)][rank])
+    SOLO_GROUP.append([dist.new_group([r]) for r in range(world)][rank])
     info = _info(args, dev)
     tag = "-".join(map(str, args.T)) + ("_main_grad" if args.main_grad else "")
     if args.tp:

@@ -13,8 +13,10 @@ On the last pipeline stage the decoder runs to its final-normed hidden states (t
 output layer is skipped: no [T, V] logits), then one of three log-prob paths
 (``GRPOStep.logprob_path``) feeds the GRPO loss:
 
-* ``"fused"``: ``fused_grpo_loss`` (the loss evaluated inside the tiled LM-head passes; GSPO
-  runs the "op" path, see ``ops/fused_grpo.py``);
+* ``"fused"``: ``fused_grpo_loss``: by default the op's tiled stats pass, the loss on all rows
+  and the tiled recompute in backward; a single 3-GEMM pass with the loss per full-width chunk
+  only where ``ops.single_pass.single_pass_rows`` allows (narrow vocab shards, small batches).
+  GSPO runs the "op" path (see ``ops/fused_grpo.py``);
 * ``"op"``: ``vocab_parallel_logprobs`` (tiled, recomputed in backward) then ``grpo_loss``;
 * ``"megatron"``: Megatron's standard path, the baseline of our comparisons: the GPTModel's
   ``output_layer`` materializes vocab-parallel logits ``[s, b, V/TP]``, then

@@ -23,7 +23,9 @@ import torch
 
 from megatron_grpo.megatron.config import ModelConfig, ParallelConfig, check_parallel
 from megatron_grpo.megatron.model import padded_vocab_size
+from megatron_grpo.ops.fused_grpo import token_pass_rows
 from megatron_grpo.ops.tiling import Tiling
+from megatron_grpo.ops.weight_grad import WeightGradSink
 
 GIB = 2**30
 ASSUMPTIONS = (
@@ -34,14 +36,17 @@ ASSUMPTIONS = (
     "Megatron's warm-up count of model chunks)",
     "full recompute keeps each layer (uniform: each group of N layers) input plus one unit "
     "recomputed at a time; selective recompute (core attention) saves nothing extra here",
+    "log-prob working set: every micro-batch token scored, d_weight into Megatron DDP's "
+    "main_grad (fp32 with grad_reduce_in_fp32); fused/op: the returned d_hidden is not counted",
     "excluded: CUDA context, NCCL buffers, allocator fragmentation, rollout generation",
 )
 
 
 @dataclass(frozen=True)
 class LossWorkingSet:
-    """Bytes of one log-prob path on the last stage for one micro-batch: ``logits`` (the
-    vocabulary-sized buffers) and ``other`` ([T, H] hidden / d_hidden buffers, [T] stats)."""
+    """Bytes of one log-prob path on the last stage for one micro-batch beyond the parameter
+    gradients: ``logits`` (the vocabulary-sized buffers: a logits tile / chunk for our paths) and
+    ``other`` (gathered hidden, fp32 d_hidden / d_weight buffers, [T] vectors)."""
 
     path: str
     logits: float
@@ -225,11 +230,72 @@ def stage_activation_bytes(
     return flight * groups * layer_input + working, flight
 
 
+# [T]-sized vectors of the ops per scored token (upper bound): int64 local targets, the fp32
+# stats pass ([4, T]), lse / pz / logp / entropy, the upstream [T] gradients.
+ROW_BYTES = 48
+_META = torch.device("meta")
+_DTYPE_OF_BYTES = {4: torch.float32, 2: torch.bfloat16}
+
+
+def _meta_weight(v_local: int, hidden: int, param_bytes: int, main_grad_bytes: int | None):
+    """A [V_local, H] LM-head shard on the meta device (no memory), with a ``main_grad`` of
+    ``main_grad_bytes`` (None: none), so that the ops' own rules decide as on the GPU."""
+    if param_bytes not in _DTYPE_OF_BYTES or main_grad_bytes not in (None, *_DTYPE_OF_BYTES):
+        raise ValueError(
+            f"param_bytes must be 2 or 4 and main_grad_bytes 2, 4 or None, got {param_bytes} "
+            f"and {main_grad_bytes}"
+        )
+    weight = torch.empty(v_local, hidden, dtype=_DTYPE_OF_BYTES[param_bytes], device=_META)
+    if main_grad_bytes is not None:
+        dtype = _DTYPE_OF_BYTES[main_grad_bytes]
+        weight.main_grad = torch.empty(v_local, hidden, dtype=dtype, device=_META)
+    return weight
+
+
+def _tiled_bytes(n: int, hidden: int, v_local: int, direct: bool, tp: int) -> tuple[float, float]:
+    """(fp32 logits tile, d_hidden / d_weight buffers) of the op's tiled passes
+    (``ops.passes``): rows outer when d_weight accumulates in place in fp32 (``direct``), else
+    vocab outer."""
+    tiling = Tiling.plan(n, v_local, None)
+    tile = tiling.buffer(_META)
+    if direct:  # an fp32 [R, H] d_hidden block
+        other = min(tiling.rows, n) * hidden * 4
+    else:  # an fp32 [T, H] d_hidden, an fp32 [Vc, H] d_weight tile over several row blocks
+        other = n * hidden * 4 + (tiling.cols * hidden * 4 if len(tiling.row_blocks()) > 1 else 0)
+    other += n * hidden * 4 if tp > 1 else 0  # d_hidden kept in fp32 for the TP reduction
+    return tile.numel() * tile.element_size(), other
+
+
+def _single_pass_bytes(
+    n: int, rows: int, hidden: int, v_local: int, direct: bool
+) -> tuple[float, float]:
+    """(fp32 [C, V_local] chunk, buffers) of the fused single pass (``ops.single_pass``): an fp32
+    [T, H] d_hidden kept for backward, the chunk's fp32 [C, H] d_hidden and, with no fp32
+    gradient to accumulate into, an fp32 [V_local, H] d_weight."""
+    chunk = min(rows, n)
+    other = n * hidden * 4 + chunk * hidden * 4 + (0 if direct else v_local * hidden * 4)
+    return chunk * v_local * 4, other
+
+
 def loss_working_set(
-    path: str, *, tokens: float, hidden: int, v_local: int, param_bytes: int, sp: bool, tp: int
+    path: str,
+    *,
+    tokens: float,
+    hidden: int,
+    v_local: int,
+    param_bytes: int,
+    sp: bool,
+    tp: int,
+    main_grad_bytes: int | None = 4,
 ) -> LossWorkingSet:
     """Log-prob + loss buffers of one micro-batch on the last stage (``tokens`` on this CP rank,
-    all of them scored: an upper bound for our paths, which score response tokens only)."""
+    all of them scored: an upper bound for our paths, which score response tokens only).
+
+    ``main_grad_bytes``: the weight's ``main_grad`` (Megatron DDP: 4 with grad_reduce_in_fp32,
+    else the param size), None = autograd's ``weight.grad``. "fused" (token ratio) takes the
+    single pass where ``ops.fused_grpo.token_pass_rows`` does, else the op's tiled passes.
+    Transients of the final TP reduction (after the tile is freed) are not counted.
+    """
     if path == "megatron":
         # output_layer logits [T, V_local] in the param dtype + the fp32 copy the cross entropy
         # turns into the saved softmax (in backward: fp32 grad in place + its cast for the GEMM).
@@ -238,13 +304,16 @@ def loss_working_set(
         return LossWorkingSet(path, logits, other)
     if path not in ("fused", "op"):
         raise ValueError(f"logprob_path must be 'fused', 'op' or 'megatron', got {path!r}")
-    # Both run the ops' tiled passes: one fp32 logits tile (its gradient written in place), an
-    # fp32 [R, H] d_hidden block, a [T, H] d_hidden (fp32 under TP), [T] stats.
-    tile = Tiling.plan(max(int(tokens), 1), v_local, None)
-    logits = tile.rows * tile.cols * 4
-    other = tile.rows * hidden * 4 + tokens * hidden * (4 if tp > 1 else param_bytes)
-    other += tokens * hidden * param_bytes if sp else 0  # all-gathered hidden
-    return LossWorkingSet(path, logits, other + 24 * tokens)
+    n = max(math.ceil(tokens), 1)
+    weight = _meta_weight(v_local, hidden, param_bytes, main_grad_bytes)
+    direct = WeightGradSink(weight, v_local).direct  # d_weight accumulates in place in fp32
+    rows = token_pass_rows(weight, n, None) if path == "fused" else None
+    if rows is None:
+        logits, other = _tiled_bytes(n, hidden, v_local, direct, tp)
+    else:
+        logits, other = _single_pass_bytes(n, rows, hidden, v_local, direct)
+    other += n * hidden * param_bytes if sp and tp > 1 else 0  # all-gathered hidden
+    return LossWorkingSet(path, logits, other + ROW_BYTES * n)
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -276,11 +345,10 @@ def _static_bytes(
 def _loss_paths(cfg: ModelConfig, par: ParallelConfig, tokens: float, pbytes: int) -> dict:
     tp = par.tensor_model_parallel_size
     v_local = padded_vocab_size(cfg, tp) // tp
+    main_grad = 4 if par.grad_reduce_in_fp32 else pbytes  # Megatron DDP's grad buffer dtype
     kw = dict(hidden=cfg.hidden_size, v_local=v_local, param_bytes=pbytes, tp=tp)
-    return {
-        p: loss_working_set(p, tokens=tokens, sp=par.sequence_parallel, **kw)
-        for p in ("fused", "op", "megatron")
-    }
+    kw.update(main_grad_bytes=main_grad, sp=par.sequence_parallel)
+    return {p: loss_working_set(p, tokens=tokens, **kw) for p in ("fused", "op", "megatron")}
 
 
 def memory_plan(
