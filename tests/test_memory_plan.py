@@ -13,16 +13,18 @@ from megatron.core import parallel_state
 
 from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.megatron import ModelConfig, ParallelConfig, unwrap
+from megatron_grpo.megatron.dry_run import (
+    check_layout,
+    format_layout,
+    orthogonal_groups,
+    rank_layout,
+)
 from megatron_grpo.megatron.memory_plan import (
     GIB,
     ROW_BYTES,
-    check_layout,
-    format_layout,
     format_plan,
     loss_working_set,
     memory_plan,
-    orthogonal_groups,
-    rank_layout,
     stage_params,
 )
 from megatron_grpo.ops import fused_grpo_loss

@@ -56,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     if args.dry_run:
-        from megatron_grpo.megatron.memory_plan import dry_run
+        from megatron_grpo.megatron.dry_run import dry_run
 
         try:
             dry_run(cfg, args.world_size)

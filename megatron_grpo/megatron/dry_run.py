@@ -1,0 +1,182 @@
+"""The ``--dry-run`` of the trainer: validate a config's parallel layout against a world size,
+print which global ranks form each group (Megatron's default order ``tp-cp-ep-dp-pp``, checked
+against megatron-core's own ``RankGenerator``) and the per-rank memory plan
+(:mod:`megatron_grpo.megatron.memory_plan`), without GPUs, torch.distributed or a model.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from functools import reduce
+from itertools import pairwise
+from operator import mul
+from typing import Any, TextIO
+
+from megatron_grpo.megatron.config import ModelConfig, ParallelConfig, check_parallel
+from megatron_grpo.megatron.memory_plan import MemoryPlan, expert_tp_size, format_plan, memory_plan
+
+
+def orthogonal_groups(sizes: list[int], members: list[bool]) -> list[list[int]]:
+    """Rank groups of a mixed-radix layout (first dimension fastest): each group varies the
+    ``members`` dimensions and fixes the others; groups and ranks in ascending order."""
+    strides = [reduce(mul, sizes[:i], 1) for i in range(len(sizes))]
+
+    def offsets(dims: list[tuple[int, int]]) -> list[int]:
+        out = [0]
+        for size, stride in dims:
+            out = [o + i * stride for i in range(size) for o in out]
+        return out
+
+    inner = [(n, st) for n, st, m in zip(sizes, strides, members, strict=True) if m]
+    outer = [(n, st) for n, st, m in zip(sizes, strides, members, strict=True) if not m]
+    return [[base + o for o in offsets(inner)] for base in offsets(outer)]
+
+
+ORDER = ("tp", "cp", "ep", "dp", "pp")  # Megatron's default order "tp-cp-ep-dp-pp"
+_DENSE_GROUPS = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",), "dp-cp": ("cp", "dp")}
+_EXPERT_GROUPS = {"ep": ("ep",), "etp": ("tp",), "edp": ("dp",)}
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    sizes: dict[str, int]  # tp, cp, pp, dp, ep, etp, edp
+    groups: dict[str, list[list[int]]]
+    verified: str
+
+
+def rank_layout(par: ParallelConfig, world_size: int) -> RankLayout:
+    """The global ranks of every TP / CP / DP / PP / DP-CP and EP / expert-TP / expert-DP group
+    (computed arithmetically; compared with megatron-core's ``RankGenerator`` when it exists)."""
+    tp, cp = par.tensor_model_parallel_size, par.context_parallel_size
+    pp, ep, etp = (
+        par.pipeline_model_parallel_size,
+        par.expert_model_parallel_size,
+        expert_tp_size(par),
+    )
+    dp, edp = world_size // (tp * cp * pp), world_size // (etp * ep * pp)
+    dense = dict(tp=tp, cp=cp, ep=1, dp=dp, pp=pp)
+    expert = dict(tp=etp, cp=1, ep=ep, dp=edp, pp=pp)
+    groups = {}
+    for table, dims in ((_DENSE_GROUPS, dense), (_EXPERT_GROUPS, expert)):
+        for name, varying in table.items():
+            sizes = [dims[d] for d in ORDER]
+            groups[name] = orthogonal_groups(sizes, [d in varying for d in ORDER])
+    sizes = dict(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp, edp=edp)
+    return RankLayout(sizes, groups, _verify(groups, dense, expert))
+
+
+def _verify(groups: dict, dense: dict, expert: dict) -> str:
+    try:
+        from megatron.core.parallel_state import RankGenerator
+
+        order = "-".join(ORDER)
+        for table, dims in ((_DENSE_GROUPS, dense), (_EXPERT_GROUPS, expert)):
+            gen = RankGenerator(dims["tp"], dims["ep"], dims["dp"], dims["pp"], dims["cp"], order)
+            for name, varying in table.items():
+                token = "-".join(d for d in ORDER if d in varying)
+                if gen.get_ranks(token) != groups[name]:
+                    raise RuntimeError(f"{name} groups differ from megatron's RankGenerator")
+    except (ImportError, TypeError) as e:  # older/newer megatron-core without this API
+        return f"not verified against megatron-core ({type(e).__name__}: {e})"
+    return "matches megatron.core.parallel_state.RankGenerator"
+
+
+def _fmt_group(ranks: list[int]) -> str:
+    if len(ranks) > 3 and all(b - a == ranks[1] - ranks[0] for a, b in pairwise(ranks)):
+        step = ranks[1] - ranks[0]
+        return f"{ranks[0]}-{ranks[-1]}" if step == 1 else f"{ranks[0]}..{ranks[-1]}/{step}"
+    return ",".join(map(str, ranks))
+
+
+def format_layout(layout: RankLayout, max_groups: int = 8) -> str:
+    """One line per group kind: its size, count and the first ``max_groups`` groups
+    (``a-b`` = consecutive ranks, ``a..b/k`` = every k-th rank)."""
+    sz = layout.sizes
+    lines = [
+        "rank layout (order tp-cp-ep-dp-pp): " + " ".join(f"{k}={v}" for k, v in sz.items()),
+        f"rank groups: {layout.verified}",
+    ]
+    trivial = [name for name, groups in layout.groups.items() if len(groups[0]) == 1]
+    same = sz["ep"] == 1 and sz["etp"] == sz["tp"]  # expert groups = the dense tp / dp ones
+    for name, groups in layout.groups.items():
+        if name in trivial or (same and name in _EXPERT_GROUPS):
+            continue
+        shown = " ".join(f"[{_fmt_group(g)}]" for g in groups[:max_groups])
+        more = f" ... (+{len(groups) - max_groups} more)" if len(groups) > max_groups else ""
+        lines.append(f"  {name:<6} {len(groups)} x {len(groups[0])}: {shown}{more}")
+    if trivial:
+        lines.append(f"  (groups of one rank: {', '.join(trivial)})")
+    if same:
+        lines.append("  (expert groups: etp = tp, edp = dp)")
+    return "\n".join(lines)
+
+
+def check_layout(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, world_size: int) -> int:
+    """Validate the layout against ``world_size`` (ValueError naming the field); returns DP."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    check_parallel(model_cfg, parallel_cfg, world_size)
+    tp = parallel_cfg.tensor_model_parallel_size
+    moe = model_cfg.num_moe_experts is not None
+    if moe and tp > 1 and not parallel_cfg.sequence_parallel:
+        raise ValueError(
+            "parallel.sequence_parallel must be true for MoE with tensor_model_parallel_size > 1 "
+            "(megatron-core's MoE layer refuses to train without it)"
+        )
+    if parallel_cfg.context_parallel_size > 1 and model_cfg.transformer_impl == "local":
+        raise ValueError(
+            "parallel.context_parallel_size > 1 needs model.transformer_impl "
+            "'transformer_engine' or 'auto' (Transformer Engine attention)"
+        )
+    return world_size // parallel_cfg.model_parallel_size
+
+
+@dataclass(frozen=True)
+class DryRun:
+    layout: RankLayout
+    plan: MemoryPlan
+    text: str
+
+
+def micro_batch_tokens(train_cfg: Any) -> int:
+    """Longest packed micro-batch of a trainer config: ``max_tokens_per_micro_batch`` (a longer
+    sample forms its own micro-batch), else ``micro_batch_size`` longest samples."""
+    t, r = train_cfg.training, train_cfg.rollout
+    longest = r.max_prompt_length + r.max_response_length
+    if t.max_tokens_per_micro_batch is not None:
+        return max(t.max_tokens_per_micro_batch, longest)
+    return t.micro_batch_size * longest
+
+
+def dry_run(train_cfg: Any, world_size: int, *, file: TextIO | None = None) -> DryRun:
+    """Validate ``train_cfg`` (the trainer's ``TrainConfig``) for ``world_size`` ranks, print the
+    rank layout and the per-rank memory plan; no GPU, no torch.distributed, no model.
+
+    Reads ``model``, ``parallel``, ``loss.ratio_level``, ``rollout`` lengths and
+    ``num_prompts``, ``training`` (micro-batching, ``use_reference_model``, and
+    ``logprob_path`` when the trainer has it: "fused", GRPOStep's default, otherwise) and
+    ``optimizer`` (``optimizer``, ``use_distributed_optimizer``).
+    """
+    model, par = train_cfg.model, train_cfg.parallel
+    dp = check_layout(model, par, world_size)
+    if train_cfg.rollout.num_prompts % dp:
+        raise ValueError(
+            f"rollout.num_prompts={train_cfg.rollout.num_prompts} must be divisible "
+            f"by the data-parallel size {dp}"
+        )
+    path = getattr(train_cfg.training, "logprob_path", "fused")
+    note = ""
+    if path == "fused" and train_cfg.loss.ratio_level == "sequence":
+        path = "op"  # GSPO couples a sequence's tokens: the fused path runs the op path
+        note = "\n(loss.ratio_level 'sequence': the fused log-prob path runs the 'op' path)"
+    opt = train_cfg.optimizer
+    plan = memory_plan(
+        model, par, micro_batch_tokens=micro_batch_tokens(train_cfg), dp_size=dp,
+        use_distributed_optimizer=opt.use_distributed_optimizer, optimizer=opt.optimizer,
+        logprob_path=path, reference_model=train_cfg.training.use_reference_model,
+    )  # fmt: skip
+    layout = rank_layout(par, world_size)
+    text = f"dry run: world size {world_size}\n{format_layout(layout)}\n{format_plan(plan)}{note}"
+    print(text, file=file or sys.stdout, flush=True)
+    return DryRun(layout, plan, text)
