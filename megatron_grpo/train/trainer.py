@@ -93,12 +93,12 @@ class Trainer:
         self.model = build_model(cfg.model, cfg.parallel, use_distributed_optimizer=use_dist_opt)
         self.ref_model = None
         if cfg.training.use_reference_model:
-            # Same seed, same initialization: the reference is the initial policy.
-            seed_everything(cfg.training.seed)
+            # The reference is a frozen copy of the initial policy (weights copied, not re-drawn).
             self.ref_model = build_model(cfg.model, cfg.parallel, wrap_ddp=False)
-            for chunk in self.ref_model:
-                chunk.requires_grad_(False)
-                chunk.eval()
+            for ref, policy in zip(self.ref_model, self.model, strict=True):
+                unwrap(ref).load_state_dict(unwrap(policy).state_dict())
+                ref.requires_grad_(False)
+                ref.eval()
         seed_everything(cfg.training.seed)
         self.optimizer, self.scheduler = build_optimizer(
             cfg.optimizer, self.model, cfg.optimizer_steps
