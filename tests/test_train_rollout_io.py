@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 import json
 import math
 
@@ -44,8 +45,10 @@ def test_round_trip_is_exact(tmp_path, fmt, full):
     assert not list(tmp_path.glob("*.tmp"))
 
 
-@pytest.mark.skipif(HAVE_PYARROW, reason="checks the message shown without pyarrow")
-def test_parquet_without_pyarrow_names_the_package(tmp_path):
+def test_parquet_without_pyarrow_names_the_package(tmp_path, monkeypatch):
+    # None in sys.modules makes `import pyarrow` raise ImportError, installed or not.
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     with pytest.raises(ImportError, match="pyarrow"):
         write_rollouts(_batch(), tmp_path / "r.parquet")
 
