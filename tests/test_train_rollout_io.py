@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
-import sys
 import json
 import math
+import sys
 
 import pytest
 
