@@ -1,0 +1,39 @@
+"""The per-step monitor: JSONL lines, TensorBoard scalars, and truncation on resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_grpo.train.config import LoggingConfig
+from megatron_grpo.train.monitor import Monitor, truncate_jsonl
+
+
+def test_jsonl_lines_and_resume_truncation(tmp_path):
+    cfg = LoggingConfig(dir=str(tmp_path), progress_bar=False)
+    mon = Monitor(cfg, total_steps=3, enabled=True)
+    for step in (1, 2, 3):
+        mon.log(step, {"reward/mean": 0.1 * step, "loss/kl_mean": float("nan")})
+    mon.close()
+    rows = [json.loads(line) for line in cfg.metrics_path.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[1]["reward/mean"] == pytest.approx(0.2) and rows[1]["loss/kl_mean"] is None
+    truncate_jsonl(cfg.metrics_path, 2)
+    assert [json.loads(x)["step"] for x in cfg.metrics_path.read_text().splitlines()] == [1, 2]
+
+
+def test_tensorboard_scalars_are_written(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb_dir = tmp_path / "tb"
+    cfg = LoggingConfig(dir=str(tmp_path), tensorboard_dir=str(tb_dir), progress_bar=False)
+    mon = Monitor(cfg, total_steps=2, enabled=True)
+    mon.log(1, {"reward/mean": 0.25})
+    mon.log(2, {"reward/mean": 0.75})
+    mon.close()
+    acc = EventAccumulator(str(tb_dir))
+    acc.Reload()
+    values = [(e.step, e.value) for e in acc.Scalars("reward/mean")]
+    assert values == [(1, 0.25), (2, 0.75)]
