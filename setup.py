@@ -29,7 +29,14 @@ setup(
         "psutil",  # megatron-core's torch_dist checkpoint writer needs it (else save hangs)
     ],
     extras_require={
-        "test": ["pytest>=8", "ruff==0.17.6", "triton>=3.2", "transformers>=4.51", "pyarrow", "tensorboard"],
+        "test": [
+            "pytest>=8",
+            "ruff==0.17.6",
+            "triton>=3.2",
+            "transformers>=4.51",
+            "pyarrow",
+            "tensorboard",
+        ],
         "te": ["transformer-engine[pytorch]>=2.0"],
         "tools": ["transformers>=4.51"],
     },
