@@ -96,3 +96,20 @@ def test_cli_parses_repeated_set_and_resume():
 def test_cli_reports_config_errors_without_starting(capsys):
     assert main(["--config", str(RECIPE), "--set", "training.stepz=1"]) == 2
     assert "did you mean 'steps'" in capsys.readouterr().err
+
+
+def test_checkpoint_architecture_check_names_the_field(tmp_path):
+    """--resume (and checkpoint.load) refuse a checkpoint of another architecture."""
+    from megatron_grpo.config import ConfigError
+    from megatron_grpo.convert.layout import write_model_config
+    from megatron_grpo.megatron.config import ModelConfig
+    from megatron_grpo.train.config import check_checkpoint_architecture
+
+    stored = ModelConfig(vocab_size=13, num_layers=2, hidden_size=64, num_attention_heads=4)
+    write_model_config(tmp_path, stored)
+    check_checkpoint_architecture(stored, str(tmp_path))  # same architecture: fine
+    check_checkpoint_architecture(stored, str(tmp_path / "elsewhere"))  # no file: nothing to check
+    other = ModelConfig(vocab_size=13, num_layers=2, hidden_size=64, num_attention_heads=4,
+                        rotary_base=500000)  # fmt: skip
+    with pytest.raises(ConfigError, match="rotary_base"):
+        check_checkpoint_architecture(other, str(tmp_path))

@@ -294,11 +294,22 @@ def load_train_config(path: str | Path | None, overrides: Sequence[str] = ()) ->
         data["model"] = {**to_dict(stored), **(data.get("model") or {})}
     cfg = from_dict(TrainConfig, data)
     if stored is not None:
-        try:
-            check_same_architecture(stored, cfg.model, "model")
-        except ConversionError as e:
-            raise ConfigError(f"{e} (in {Path(load) / MODEL_CONFIG_NAME})") from e
+        check_checkpoint_architecture(cfg.model, str(load), stored)
     return cfg
+
+
+def check_checkpoint_architecture(
+    model: ModelConfig, ckpt_dir: str, stored: ModelConfig | None = None
+) -> None:
+    """Raise a ConfigError naming the field when ``ckpt_dir``'s ``model_config.yaml`` (if any)
+    describes another architecture than ``model``."""
+    stored = stored if stored is not None else _stored_model(ckpt_dir)
+    if stored is None:
+        return
+    try:
+        check_same_architecture(stored, model, "model")
+    except ConversionError as e:
+        raise ConfigError(f"{e} (in {Path(ckpt_dir) / MODEL_CONFIG_NAME})") from e
 
 
 def _stored_model(load: str) -> ModelConfig | None:

@@ -27,7 +27,7 @@ from megatron_grpo.megatron.parallel import initialize_parallel, seed_everything
 from megatron_grpo.train import checkpoint as ckpt
 from megatron_grpo.train import comm
 from megatron_grpo.train.batching import PER_TOKEN_INPUTS, make_mini_batches, nonfinite_inputs
-from megatron_grpo.train.config import TrainConfig
+from megatron_grpo.train.config import TrainConfig, check_checkpoint_architecture
 from megatron_grpo.train.monitor import Monitor, truncate_jsonl, write_resolved_config
 from megatron_grpo.train.optim import build_optimizer, optimizer_step, zero_grads
 from megatron_grpo.train.rollout_batch import RolloutBatch
@@ -119,6 +119,7 @@ class Trainer:
             if torch.distributed.get_rank() == 0:
                 print(f"--resume: no checkpoint in {cfg.dir}; starting at step 0", flush=True)
             return
+        check_checkpoint_architecture(self.cfg.model, str(latest))
         state = ckpt.load_checkpoint(latest, self.model, self.optimizer, self.scheduler)
         self.start_step = int(state["step"])
         self.skipped = int(state.get("skipped_steps", 0))
