@@ -1,11 +1,18 @@
-"""From a rank's ``RolloutBatch`` to mini-batches of packed micro-batches (``PackedBatch``)."""
+"""From a rank's ``RolloutBatch`` to mini-batches of packed micro-batches (``PackedBatch``).
+
+MoE with expert parallelism makes every forward a collective over the ranks that exchange
+tokens, so those ranks must run the same number of micro-batches (``count_group``) and, under
+the "allgather" token dispatcher, micro-batch ``i`` must hold the same number of tokens on each
+of them (``token_group``): shorter ones get trailing all-masked padding documents.
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from megatron_grpo.megatron.batch import PackedBatch, pack_sequences
+from megatron_grpo.megatron.batch import PackedBatch, pack_sequences, padded_layout
 from megatron_grpo.train.rollout_batch import RolloutBatch
 
 PER_TOKEN_INPUTS = ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
@@ -59,9 +66,19 @@ def make_mini_batches(
     micro_batch_size: int | None,
     max_tokens: int | None,
     pad_to_multiple_of: int = 1,
+    *,
+    count_group: dist.ProcessGroup | None = None,
+    token_group: dist.ProcessGroup | None = None,
+    cp_size: int = 1,
 ) -> list[list[PackedBatch]]:
     """Split the samples in order into ``num_mini_batches`` equal parts (one optimizer step
-    each), then into packed micro-batches."""
+    each), then into packed micro-batches.
+
+    ``count_group``: give each mini-batch the group's largest micro-batch count (by splitting
+    the micro-batches with the most samples). ``token_group``: pad micro-batch ``i`` to the
+    group's largest token count (after context-parallel per-document padding when
+    ``cp_size > 1``), so that every rank's ``i``-th forward has the same local length.
+    """
     n = len(batch)
     if n % num_mini_batches:
         raise ValueError(
@@ -70,17 +87,88 @@ def make_mini_batches(
         )
     size = n // num_mini_batches
     lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids, strict=True)]
-    out = []
+    plan = []
     for start in range(0, n, size):
         rows = list(range(start, start + size))
         groups = micro_batch_indices([lengths[i] for i in rows], micro_batch_size, max_tokens)
-        out.append(
-            [
-                pack_samples(batch, [rows[j] for j in g], advantages, pad_to_multiple_of)
-                for g in groups
-            ]
-        )
+        plan.append([[rows[j] for j in g] for g in groups])
+    if count_group is not None:
+        targets = _group_max([len(groups) for groups in plan], count_group)
+        plan = [split_to_count(groups, k) for groups, k in zip(plan, targets, strict=True)]
+    out = [
+        [pack_samples(batch, g, advantages, pad_to_multiple_of) for g in groups] for groups in plan
+    ]
+    if token_group is not None:
+        flat = [mb for mini in out for mb in mini]
+        sizes = [_layout_tokens(mb, cp_size, pad_to_multiple_of) for mb in flat]
+        targets = iter(_group_max(sizes, token_group))
+        step = 2 * cp_size * pad_to_multiple_of if cp_size > 1 else pad_to_multiple_of
+        out = [
+            [pad_micro_batch(mb, next(targets) - _layout_tokens(mb, cp_size, pad_to_multiple_of), step)
+             for mb in mini]
+            for mini in out
+        ]  # fmt: skip
     return out
+
+
+def split_to_count(groups: list[list[int]], count: int) -> list[list[int]]:
+    """Halve the micro-batch with the most samples (first one on ties) until there are
+    ``count``; sample order is kept."""
+    groups = [list(g) for g in groups]
+    while len(groups) < count:
+        i = max(range(len(groups)), key=lambda j: (len(groups[j]), -j))
+        if len(groups[i]) < 2:
+            raise ValueError(
+                f"cannot split {sum(map(len, groups))} samples into {count} micro-batches to "
+                "match the other ranks of the expert-parallel group"
+            )
+        half = len(groups[i]) // 2
+        groups[i : i + 1] = [groups[i][:half], groups[i][half:]]
+    return groups
+
+
+def pad_micro_batch(mb: PackedBatch, extra: int, step: int = 1) -> PackedBatch:
+    """Append ``extra`` tokens (a multiple of ``step``) as all-masked documents (token 0, zero
+    per-token values). Each padding document is at most as long as the longest real document
+    rounded down to ``step`` (at least ``step``) so that positions stay within the model's
+    range."""
+    if extra < 0 or extra % step:
+        raise ValueError(f"padding of {extra} tokens is negative or not a multiple of {step}")
+    if extra == 0:
+        return mb
+    chunk = max(step, mb.max_seqlen // step * step)
+    docs = [chunk] * (extra // chunk) + ([extra % chunk] if extra % chunk else [])
+    ends = mb.cu_seqlens[-1] + torch.tensor(docs).cumsum(0)
+    cu = torch.cat([mb.cu_seqlens, ends.to(mb.cu_seqlens.dtype)])
+    zeros = torch.zeros(extra, dtype=torch.long)
+    fields = {
+        "tokens": torch.cat([mb.tokens, zeros]),
+        "position_ids": torch.cat([mb.position_ids, torch.cat([torch.arange(d) for d in docs])]),
+        "targets": torch.cat([mb.targets, zeros]),
+        "loss_mask": torch.cat([mb.loss_mask, torch.zeros(extra, dtype=torch.bool)]),
+    }
+    for name in PER_TOKEN_INPUTS:
+        x = getattr(mb, name)
+        if x is not None:
+            fields[name] = torch.cat([x, x.new_zeros(extra)])
+    return PackedBatch(cu_seqlens=cu, **fields)
+
+
+def _layout_tokens(mb: PackedBatch, cp_size: int, multiple: int) -> int:
+    """Tokens of ``mb``'s forward across all CP ranks (after per-document CP padding)."""
+    if cp_size == 1:
+        return mb.num_tokens
+    return int(padded_layout(mb, cp_size, multiple)[0][-1])
+
+
+def _group_max(values: list[int], group: dist.ProcessGroup) -> list[int]:
+    """Element-wise max of ``values`` over ``group`` (one all-reduce)."""
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    )
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
 
 
 def nonfinite_inputs(micro_batches: list[PackedBatch]) -> list[bool]:

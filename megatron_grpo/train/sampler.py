@@ -13,6 +13,15 @@ nondeterminism can split the ranks. Padded vocabulary ids (``>= vocab_size``) ge
 Recorded rollout log-probs: ``log softmax(logits / temperature)[token]`` over the real vocabulary,
 before top-p truncation: the same distribution the training passes score with the same
 temperature, so importance-sampling correction compares like with like.
+
+MoE with expert parallelism: every forward is a collective over the expert tensor-and-model
+parallel group (the ranks whose experts exchange tokens; both megatron dispatchers and the
+router's no-grad path communicate only inside it). Each decode step therefore starts with one
+all-reduce MAX over that group of (any sequence unfinished, packed length): ranks whose
+sequences are all done keep running a one-token dummy sequence until the whole group is done,
+and under the "allgather" dispatcher (CPU) every rank pads its packed input to the group's
+longest (padding after ``cu_seqlens[-1]``, outside every document). The alltoall dispatcher
+handles unequal lengths, so it is not padded. Dense models and EP = 1 skip the all-reduce.
 """
 
 from __future__ import annotations
@@ -77,11 +86,25 @@ def sample_tokens(
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def _packed_inputs(seqs: list[list[int]], pad_to: int) -> tuple[Tensor, Tensor, PackedSeqParams]:
-    """``input_ids, position_ids`` ``[1, T]`` (T padded to a multiple of ``pad_to``) + THD params."""
+def _packed_length(seqs: list[list[int]], pad_to: int) -> int:
+    """Packed length of ``seqs``: their total, rounded up to a multiple of ``pad_to``."""
+    return -(-sum(len(s) for s in seqs) // pad_to) * pad_to
+
+
+def _packed_inputs(
+    seqs: list[list[int]], pad_to: int, num_tokens: int | None = None
+) -> tuple[Tensor, Tensor, PackedSeqParams]:
+    """``input_ids, position_ids`` ``[1, T]`` + THD params; T is ``num_tokens`` when given, else
+    the total padded to a multiple of ``pad_to``. Padding lies after ``cu_seqlens[-1]``."""
     lens = [len(s) for s in seqs]
     total = sum(lens)
-    padded = -(-total // pad_to) * pad_to
+    padded = _packed_length(seqs, pad_to)
+    if num_tokens is not None:
+        if num_tokens < padded or num_tokens % pad_to:
+            raise ValueError(
+                f"num_tokens={num_tokens} must be >= {padded} and a multiple of {pad_to}"
+            )
+        padded = num_tokens
     ids = torch.zeros(1, padded, dtype=torch.long)
     ids[0, :total] = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
     pos = torch.zeros(1, padded, dtype=torch.long)
@@ -98,15 +121,24 @@ def _packed_inputs(seqs: list[list[int]], pad_to: int) -> tuple[Tensor, Tensor, 
     return ids, pos, params
 
 
-def last_token_logits(model: torch.nn.Module, seqs: list[list[int]]) -> Tensor:
+def _pad_multiple(model: torch.nn.Module) -> int:
+    """The packed length must be a multiple of TP under sequence parallelism."""
+    sp = bool(getattr(getattr(model, "config", None), "sequence_parallel", False))
+    return parallel_state.get_tensor_model_parallel_world_size() if sp else 1
+
+
+def last_token_logits(
+    model: torch.nn.Module, seqs: list[list[int]], num_tokens: int | None = None
+) -> Tensor:
     """Full-vocabulary fp32 logits ``[A, V_padded]`` at the last position of each sequence.
 
     The decoder stops at its final-normed hidden states; only the A last-position rows go through
     the LM head (``[T, V]`` logits are never formed) and only those ``[A, V_local]`` rows are
-    all-gathered across TP."""
+    all-gathered across TP. ``num_tokens`` pads the packed input to exactly that length
+    (equal lengths across the expert-parallel group under the allgather dispatcher)."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     sp = bool(getattr(getattr(model, "config", None), "sequence_parallel", False))
-    ids, pos, packed = _packed_inputs(seqs, tp if sp else 1)
+    ids, pos, packed = _packed_inputs(seqs, tp if sp else 1, num_tokens)
     device = next(model.parameters()).device
     ids, pos = ids.to(device), pos.to(device)
     for name in ("cu_seqlens_q", "cu_seqlens_kv"):
@@ -139,6 +171,24 @@ def _broadcast_from_tp_src(*tensors: Tensor) -> None:
         dist.broadcast(buf, src, group=group)
         if device is not None:
             t.copy_(buf)
+
+
+def _expert_group(model: torch.nn.Module) -> tuple[dist.ProcessGroup | None, bool]:
+    """(the group whose ranks must run the same forwards or None, pad to equal lengths?)."""
+    if parallel_state.get_expert_model_parallel_world_size() == 1:
+        return None, False
+    dispatcher = getattr(getattr(model, "config", None), "moe_token_dispatcher_type", None)
+    return parallel_state.get_expert_tensor_and_model_parallel_group(), dispatcher == "allgather"
+
+
+def _group_step(active: bool, length: int, group: dist.ProcessGroup) -> tuple[bool, int]:
+    """One all-reduce MAX over ``group``: (is any rank still decoding, longest packed input)."""
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    )
+    t = torch.tensor([int(active), length], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t[0]), int(t[1])
 
 
 def _check_layout() -> None:
@@ -174,11 +224,25 @@ def generate(
     responses: list[list[int]] = [[] for _ in prompts]
     logprobs: list[list[float]] = [[] for _ in prompts]
     active = list(range(len(prompts)))
+    group, pad = _expert_group(model)
     try:
         for _ in range(params.max_new_tokens):
+            # A finished rank of an expert-parallel group feeds a dummy token (logits unused).
+            seqs = [list(prompts[i]) + responses[i] for i in active] if active else [[0]]
+            num_tokens = None
+            if group is not None:
+                any_active, longest = _group_step(
+                    bool(active), _packed_length(seqs, _pad_multiple(model)), group
+                )
+                if not any_active:
+                    break
+                num_tokens = longest if pad else None
             if not active:
-                break
-            logits = last_token_logits(model, [list(prompts[i]) + responses[i] for i in active])
+                if group is None:
+                    break
+                last_token_logits(model, seqs, num_tokens)
+                continue
+            logits = last_token_logits(model, seqs, num_tokens)
             tokens, logp = sample_tokens(logits.cpu(), params, generator)
             _broadcast_from_tp_src(tokens, logp)
             for i, tok, lp in zip(active, tokens.tolist(), logp.tolist(), strict=True):

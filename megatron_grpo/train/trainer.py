@@ -21,6 +21,7 @@ from megatron.core import parallel_state
 from megatron_grpo.config import to_dict
 from megatron_grpo.loss import compute_advantages, reduce_metrics
 from megatron_grpo.megatron.batch import PackedBatch
+from megatron_grpo.megatron.config import dispatcher_type
 from megatron_grpo.megatron.forward import GRPOStep, get_forward_backward_func
 from megatron_grpo.megatron.model import build_model, unwrap
 from megatron_grpo.megatron.parallel import initialize_parallel, seed_everything
@@ -198,10 +199,28 @@ class Trainer:
         t = self.cfg.training
         sp = self.cfg.parallel.sequence_parallel
         multiple = self.cfg.parallel.tensor_model_parallel_size if sp else 1
+        count_group, token_group = self._moe_groups()
         return make_mini_batches(
             batch, advantages, t.mini_batches_per_step, t.micro_batch_size,
-            t.max_tokens_per_micro_batch, multiple,
+            t.max_tokens_per_micro_batch, multiple, count_group=count_group,
+            token_group=token_group, cp_size=self.cfg.parallel.context_parallel_size,
         )  # fmt: skip
+
+    def _moe_groups(self) -> tuple[Any, Any]:
+        """MoE forwards are collectives (token dispatch over the expert tensor-and-model group;
+        the global aux loss over all DP ranks), so every DP rank runs the same number of
+        micro-batches; the allgather dispatcher also needs equal token counts over the expert
+        group (padding carries loss_mask False). Dense models: (None, None), as before."""
+        if self.cfg.model.num_moe_experts is None:
+            return None, None
+        count = parallel_state.get_data_parallel_group() if self.dp_size > 1 else None
+        tokens = None
+        if (
+            parallel_state.get_expert_model_parallel_world_size() > 1
+            and dispatcher_type(self.cfg.model) == "allgather"
+        ):
+            tokens = parallel_state.get_expert_tensor_and_model_parallel_group()
+        return count, tokens
 
     def old_and_ref_logprobs(self, mini_batches: list[list[PackedBatch]]) -> None:
         """No-grad passes of the current policy (old) and the frozen reference."""
