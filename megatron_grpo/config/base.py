@@ -46,66 +46,70 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     if tp is Any:
         return value
     if origin in (Union, types.UnionType):
-        options = get_args(tp)
-        if value is None:
-            if type(None) in options:
-                return None
-            raise ConfigError(f"{path}: must not be null")
-        errors = []
-        for opt in options:
-            if opt is type(None):
-                continue
-            try:
-                return _coerce(value, opt, path)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} fits none of {tp}")
+        return _coerce_union(value, tp, path)
     if origin is Literal:
-        choices = get_args(tp)
-        if value not in choices:
-            raise ConfigError(f"{path}: {value!r} is not one of {list(choices)}")
+        if value not in get_args(tp):
+            raise ConfigError(f"{path}: {value!r} is not one of {list(get_args(tp))}")
         return value
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
             raise ConfigError(f"{path}: expected a mapping for {tp.__name__}, got {value!r}")
         return from_dict(tp, value, path)
     if origin in (tuple, list):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{path}: expected a list, got {value!r}")
-        args = get_args(tp)
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(args) != len(value):
-                raise ConfigError(f"{path}: expected {len(args)} items, got {len(value)}")
-            items = [
-                _coerce(v, a, f"{path}[{i}]")
-                for i, (v, a) in enumerate(zip(value, args, strict=True))
-            ]
-        else:
-            inner = args[0] if args else Any
-            items = [_coerce(v, inner, f"{path}[{i}]") for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
+        return _coerce_sequence(value, tp, path)
     if origin is dict or tp is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{path}: expected a mapping, got {value!r}")
         return dict(value)
-    if tp is float:
-        if isinstance(value, str):
-            value = _float_or_same(value)  # YAML 1.1 reads `3e-4` (no dot) as a string
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{path}: expected a number, got {value!r}")
-        return float(value)
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: expected an integer, got {value!r}")
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{path}: expected true/false, got {value!r}")
-        return value
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{path}: expected a string, got {value!r}")
-        return value
+    return _coerce_scalar(value, tp, path)
+
+
+def _coerce_union(value: Any, tp: Any, path: str) -> Any:
+    """``X | Y | None``: null where allowed, else the first option that accepts the value."""
+    options = get_args(tp)
+    if value is None:
+        if type(None) in options:
+            return None
+        raise ConfigError(f"{path}: must not be null")
+    errors = []
+    for opt in options:
+        if opt is type(None):
+            continue
+        try:
+            return _coerce(value, opt, path)
+        except ConfigError as e:
+            errors.append(str(e))
+    raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} fits none of {tp}")
+
+
+def _coerce_sequence(value: Any, tp: Any, path: str) -> list | tuple:
+    """``list[X]``, ``tuple[X, ...]`` or fixed-length ``tuple[X, Y]`` from a YAML list."""
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{path}: expected a list, got {value!r}")
+    origin, args = get_origin(tp), get_args(tp)
+    if origin is tuple and args and args[-1] is not Ellipsis:
+        if len(args) != len(value):
+            raise ConfigError(f"{path}: expected {len(args)} items, got {len(value)}")
+        pairs = zip(value, args, strict=True)
+        items = [_coerce(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(pairs)]
+    else:
+        inner = args[0] if args else Any
+        items = [_coerce(v, inner, f"{path}[{i}]") for i, v in enumerate(value)]
+    return tuple(items) if origin is tuple else items
+
+
+_SCALAR_NAMES = {float: "a number", int: "an integer", bool: "true/false", str: "a string"}
+
+
+def _coerce_scalar(value: Any, tp: Any, path: str) -> Any:
+    """float (ints and YAML-1.1 strings like ``3e-4`` accepted), int, bool, str, other types."""
+    if tp is float and isinstance(value, str):
+        value = _float_or_same(value)  # YAML 1.1 reads `3e-4` (no dot) as a string
+    if tp in _SCALAR_NAMES:
+        accepted = (int, float) if tp is float else tp
+        if (isinstance(value, bool) and tp is not bool) or not isinstance(value, accepted):
+            raise ConfigError(f"{path}: expected {_SCALAR_NAMES[tp]}, got {value!r}")
+        return float(value) if tp is float else value
     if isinstance(tp, type) and not isinstance(value, tp):
         raise ConfigError(f"{path}: expected {tp.__name__}, got {value!r}")
     return value
