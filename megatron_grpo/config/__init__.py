@@ -3,10 +3,19 @@
 from megatron_grpo.config.base import (
     ConfigError,
     apply_overrides,
+    check_positive,
     from_dict,
     load_config,
     load_yaml,
     to_dict,
 )
 
-__all__ = ["ConfigError", "apply_overrides", "from_dict", "load_config", "load_yaml", "to_dict"]
+__all__ = [
+    "ConfigError",
+    "apply_overrides",
+    "check_positive",
+    "from_dict",
+    "load_config",
+    "load_yaml",
+    "to_dict",
+]

@@ -143,6 +143,14 @@ def from_dict(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:
         raise ConfigError(f"{path or cls.__name__}: {e}") from e
 
 
+def check_positive(obj: Any, *names: str) -> None:
+    """``__post_init__`` helper: each named field must be > 0 when set (None is allowed)."""
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+
+
 def to_dict(cfg: Any) -> dict[str, Any]:
     """Plain nested dict of a config tree (tuples become lists), suitable for YAML."""
 
@@ -217,6 +225,7 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequenc
 
 __all__ = [
     "ConfigError",
+    "check_positive",
     "apply_overrides",
     "from_dict",
     "load_config",

@@ -22,17 +22,12 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from megatron_grpo.config import check_positive
+
 ParamsDtype = Literal["auto", "float32", "bfloat16", "float16"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 _DEFAULT_ROPE_SCALING_FACTOR = 8.0  # megatron-core GPTModel's default
-
-
-def _positive(obj: Any, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if value is not None and value <= 0:
-            raise ValueError(f"{name} must be positive, got {value}")
 
 
 @dataclass
@@ -103,10 +98,10 @@ class ModelConfig:
     recompute_num_layers: int | None = None
 
     def __post_init__(self) -> None:
-        _positive(self, "vocab_size", "num_layers", "hidden_size", "num_attention_heads")
-        _positive(self, "num_query_groups", "ffn_hidden_size", "kv_channels")
-        _positive(self, "max_sequence_length", "make_vocab_size_divisible_by")
-        _positive(self, "layernorm_epsilon", "init_method_std")
+        check_positive(self, "vocab_size", "num_layers", "hidden_size", "num_attention_heads")
+        check_positive(self, "num_query_groups", "ffn_hidden_size", "kv_channels")
+        check_positive(self, "max_sequence_length", "make_vocab_size_divisible_by")
+        check_positive(self, "layernorm_epsilon", "init_method_std")
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size={self.hidden_size} must be divisible by num_attention_heads="
@@ -129,7 +124,7 @@ class ModelConfig:
             raise ValueError("recompute_method needs recompute_granularity='full'")
 
     def _check_rope(self) -> None:
-        _positive(self, "rotary_base", "rope_scaling_factor")
+        check_positive(self, "rotary_base", "rope_scaling_factor")
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
         if self.rope_scaling and self.position_embedding_type != "rope":
@@ -145,8 +140,8 @@ class ModelConfig:
             )
 
     def _check_moe(self) -> None:
-        _positive(self, "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size")
-        _positive(self, "moe_layer_freq", "moe_shared_expert_intermediate_size")
+        check_positive(self, "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size")
+        check_positive(self, "moe_layer_freq", "moe_shared_expert_intermediate_size")
         if self.num_moe_experts is None:
             if self.moe_aux_loss_coeff or self.moe_ffn_hidden_size or self.moe_grouped_gemm:
                 raise ValueError(
@@ -194,7 +189,7 @@ class ParallelConfig:
     overlap_grad_reduce: bool = False
 
     def __post_init__(self) -> None:
-        _positive(
+        check_positive(
             self,
             "tensor_model_parallel_size",
             "pipeline_model_parallel_size",

@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from megatron_grpo.config import ConfigError, apply_overrides, from_dict, load_yaml, to_dict
+from megatron_grpo.config import (
+    ConfigError,
+    apply_overrides,
+    check_positive,
+    from_dict,
+    load_yaml,
+    to_dict,
+)
 from megatron_grpo.convert.errors import ConversionError
 from megatron_grpo.convert.hf_config import check_same_architecture
 from megatron_grpo.convert.layout import MODEL_CONFIG_NAME, read_model_config
@@ -22,13 +29,6 @@ from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.megatron.config import ModelConfig, ParallelConfig
 
 TaskName = Literal["reverse_digits", "math"]
-
-
-def _check_positive(obj: object, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if value is not None and value <= 0:
-            raise ValueError(f"{name} must be positive, got {value}")
 
 
 @dataclass
@@ -42,7 +42,7 @@ class ReverseDigitsConfig:
     num_digits: int = 3
 
     def __post_init__(self) -> None:
-        _check_positive(self, "num_digits")
+        check_positive(self, "num_digits")
 
 
 @dataclass
@@ -93,7 +93,7 @@ class RolloutConfig:
     output_format: Literal["jsonl", "parquet"] = "jsonl"
 
     def __post_init__(self) -> None:
-        _check_positive(self, "num_prompts", "max_prompt_length", "max_response_length")
+        check_positive(self, "num_prompts", "max_prompt_length", "max_response_length")
         if self.group_size < 2:
             raise ValueError(
                 f"group_size must be >= 2 (GRPO compares samples), got {self.group_size}"
@@ -135,7 +135,7 @@ class OptimizerConfig:
     lr_decay_steps: int | None = None
 
     def __post_init__(self) -> None:
-        _check_positive(self, "lr", "adam_eps", "lr_decay_steps")
+        check_positive(self, "lr", "adam_eps", "lr_decay_steps")
         if not 0.0 <= self.min_lr <= self.lr:
             raise ValueError(f"min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
         for name in ("weight_decay", "clip_grad", "lr_warmup_steps"):
@@ -177,8 +177,8 @@ class TrainingConfig:
     logprob_path: Literal["fused", "op", "megatron"] = "fused"
 
     def __post_init__(self) -> None:
-        _check_positive(self, "steps", "mini_batches_per_step", "max_consecutive_nonfinite_skips")
-        _check_positive(self, "micro_batch_size", "max_tokens_per_micro_batch")
+        check_positive(self, "steps", "mini_batches_per_step", "max_consecutive_nonfinite_skips")
+        check_positive(self, "micro_batch_size", "max_tokens_per_micro_batch")
         if (self.micro_batch_size is None) == (self.max_tokens_per_micro_batch is None):
             raise ValueError(
                 "set exactly one of micro_batch_size and max_tokens_per_micro_batch, got "
@@ -208,7 +208,7 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if self.save_interval < 0:
             raise ValueError(f"save_interval must be >= 0, got {self.save_interval}")
-        _check_positive(self, "keep_last")
+        check_positive(self, "keep_last")
 
 
 @dataclass
