@@ -16,6 +16,7 @@ nothing is changed.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import random
@@ -127,6 +128,14 @@ def _init_process_group(timeout_minutes: int) -> None:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
+    # A process group left alive at interpreter exit can abort the process ("terminate called
+    # without an active exception") when its worker threads are torn down in random order.
+    atexit.register(_destroy_process_group_at_exit)
+
+
+def _destroy_process_group_at_exit() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def seed_everything(seed: int) -> None:
