@@ -5,9 +5,9 @@ materializes [b, heads, s, s] scores in a CUDA buffer and rejects packed (THD) s
 its torch norms (``WrappedTorchNorm``) refuse sequence parallelism. The portable spec closes both:
 
 * :class:`SDPAttention`: ``torch.nn.functional.scaled_dot_product_attention``, causal, GQA;
-  packed sequences attend per document (one SDPA call per ``cu_seqlens`` segment), so documents
-  never see each other and no [T, T] mask or score matrix is built (on GPU SDPA picks a
-  flash/memory-efficient kernel: O(s) memory).
+  packed sequences attend per document (``packed_attention``: a few length-bucketed SDPA calls,
+  not one per document), so documents never see each other and no [T, T] mask or
+  score matrix is built (on GPU SDPA picks a flash/memory-efficient kernel: O(s) memory).
 * :class:`Norm`: LayerNorm / RMSNorm whose parameters carry ``sequence_parallel`` so that
   Megatron's ``finalize_model_grads`` all-reduces their gradients across TP under SP
   (q/k norms are summed across TP by name, as Megatron does).
@@ -47,6 +47,8 @@ from megatron.core.transformer.transformer_layer import (
     TransformerLayerSubmodules,
     get_transformer_layer_offset,
 )
+
+from megatron_grpo.megatron.packed_attention import packed_causal_attention
 
 try:
     import transformer_engine  # noqa: F401
@@ -157,23 +159,6 @@ class SDPAttention(MegatronModule):
             q, k, v, dropout_p=p, is_causal=True, scale=self.softmax_scale, **extra
         )
 
-    def _packed(self, q, k, v, params: PackedSeqParams) -> torch.Tensor:
-        """Per-document causal attention over ``cu_seqlens`` (padded bounds when given)."""
-        cu = params.cu_seqlens_q_padded
-        cu = params.cu_seqlens_q if cu is None else cu
-        out = torch.empty_like(q)
-        bounds = cu.tolist()
-        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-            if end == start:
-                continue
-            sl = slice(start, end)
-            # [L, n, d] -> [1, n, L, d]
-            qi, ki, vi = (x[sl].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-            out[sl] = self._sdpa(qi, ki, vi).squeeze(0).transpose(0, 1)
-        if bounds[-1] < q.size(0):  # tokens past the last document (TP/SP padding)
-            out[bounds[-1] :] = 0
-        return out
-
     def forward(
         self,
         query: torch.Tensor,
@@ -191,7 +176,9 @@ class SDPAttention(MegatronModule):
         ctx = rng() if dropout else contextlib.nullcontext()
         with ctx:
             if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-                return self._packed(query, key, value, packed_seq_params)
+                return packed_causal_attention(
+                    query, key, value, packed_seq_params, sdpa=self._sdpa
+                )
             if attention_mask is not None:
                 raise ValueError(
                     "SDPAttention applies the causal mask itself; pass attention_mask=None "

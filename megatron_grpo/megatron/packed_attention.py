@@ -1,0 +1,98 @@
+"""Causal attention over packed (THD) documents without a per-document Python loop.
+
+Documents are grouped by length (powers of two); each group is gathered into a right-padded
+``[B, n, S, d]`` batch and run through one causal SDPA call. Each document attends causally to
+itself only, and tokens after the last ``cu_seqlens`` bound (TP/SP padding) get zeros. Right
+padding is exact under a causal mask: a real query only sees keys at or before it, all of them
+real. Padding costs at most 2x a group's tokens; the number of SDPA calls is at most
+``log2(longest document) + 1`` instead of one per document (a micro-batch of hundreds of short
+rollouts would otherwise launch hundreds of attention kernels per layer).
+
+The document layout (bounds, buckets, gather indices) is computed once per ``PackedSeqParams``
+and cached on it: every layer, and the recomputation in backward, reuses it without a
+device-to-host sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+SDPA = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class _Bucket:
+    index: torch.Tensor  # [B, S] token positions, padding = T (a zero row appended)
+    valid: torch.Tensor  # [B, S] bool, real tokens
+
+
+@dataclass
+class DocumentLayout:
+    """Where the documents of a packed micro-batch lie; built once per ``PackedSeqParams``."""
+
+    cu_seqlens: torch.Tensor  # [N + 1] int32, on the attention's device
+    end: int  # cu_seqlens[-1]: tokens at or after it are padding
+    max_len: int
+    buckets: list[_Bucket]
+
+
+def document_layout(params: PackedSeqParams, device: torch.device) -> DocumentLayout:
+    """The (cached) layout of ``params``' documents, from the padded bounds when given."""
+    cu = params.cu_seqlens_q_padded
+    cu = params.cu_seqlens_q if cu is None else cu
+    key = (id(cu), cu._version, device)
+    cached = getattr(params, "_grpo_document_layout", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    bounds = cu.tolist()  # the one device-to-host sync per micro-batch
+    starts = torch.tensor(bounds[:-1], dtype=torch.long)
+    lens = torch.tensor(bounds[1:], dtype=torch.long) - starts
+    groups: dict[int, list[int]] = {}
+    for doc, n in enumerate(lens.tolist()):
+        if n > 0:
+            groups.setdefault((n - 1).bit_length(), []).append(doc)
+    buckets = []
+    for docs in groups.values():
+        d = torch.tensor(docs)
+        width = int(lens[d].max())
+        offsets = torch.arange(width)
+        valid = offsets[None, :] < lens[d, None]
+        index = torch.where(valid, starts[d, None] + offsets[None, :], -1)
+        buckets.append(_Bucket(index.to(device), valid.to(device)))
+    layout = DocumentLayout(
+        cu_seqlens=cu.to(device=device, dtype=torch.int32),
+        end=bounds[-1],
+        max_len=int(lens.max()) if len(lens) else 0,
+        buckets=buckets,
+    )
+    params._grpo_document_layout = (key, layout)
+    return layout
+
+
+def packed_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    params: PackedSeqParams,
+    *,
+    sdpa: SDPA,
+) -> torch.Tensor:
+    """Per-document causal attention: ``q [T, n_q, d]``, ``k, v [T, n_kv, d]`` -> ``[T, n_q, d]``.
+
+    ``sdpa(q, k, v)`` is the caller's causal SDPA on ``[B, n, S, d]`` batches, with its GQA,
+    dropout and softmax scale.
+    """
+    layout = document_layout(params, q.device)
+    # A zero row at position T stands for padding (gather index -1 reads it).
+    ext = [torch.cat([x, x.new_zeros(1, *x.shape[1:])]) for x in (q, k, v)]
+    out = q.new_zeros(q.shape)
+    for b in layout.buckets:
+        # [B, S, n, d] -> [B, n, S, d]
+        qb, kb, vb = (x[b.index].transpose(1, 2) for x in ext)
+        ob = sdpa(qb, kb, vb).transpose(1, 2)  # [B, S, n_q, d]
+        out = out.index_put((b.index[b.valid],), ob[b.valid])
+    return out

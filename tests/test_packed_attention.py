@@ -1,0 +1,119 @@
+"""Packed causal attention (length-bucketed SDPA) against a per-document float64 loop."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from megatron_grpo.megatron import packed_attention as pa
+
+
+def _params(lens: list[int], padded: list[int] | None = None) -> PackedSeqParams:
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu_pad = None
+    if padded is not None:
+        cu_pad = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32)
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu_pad,
+        cu_seqlens_kv_padded=cu_pad,
+        max_seqlen_q=max(lens),
+        max_seqlen_kv=max(lens),
+    )
+
+
+def _sdpa(q, k, v):
+    groups = q.size(1) // k.size(1)
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _reference(q, k, v, bounds: list[int]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """One SDPA call per document, in float64 (leaves of its own); zeros after the last one.
+
+    Returns the output and its float64 leaves (for ground-truth gradients)."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out = torch.zeros_like(q)
+    for s, e in zip(bounds[:-1], bounds[1:], strict=True):
+        if e > s:
+            x = [t[s:e].double().transpose(0, 1)[None] for t in (q, k, v)]
+            out[s:e] = _sdpa(*x)[0].transpose(0, 1)
+    return out, (q, k, v)
+
+
+def _inputs(total: int, n_q: int = 4, n_kv: int = 2, d: int = 16, dtype=torch.float32, dev="cpu"):
+    g = torch.Generator().manual_seed(total)
+    return [
+        torch.randn(total, n, d, generator=g).to(dev, dtype).requires_grad_()
+        for n in (n_q, n_kv, n_kv)
+    ]
+
+
+@pytest.mark.parametrize(
+    "lens, padded, total",
+    [
+        ([5, 1, 17, 3, 64, 9], None, 99),  # five length buckets
+        ([7], None, 7),  # one document
+        ([3, 0, 6], [4, 0, 8], 14),  # empty document, padded bounds (CP/TP style)
+        ([10, 3], None, 16),  # 3 tokens of TP/SP padding after the last document
+    ],
+)
+def test_bucketed_matches_per_document_reference(lens, padded, total):
+    q, k, v = _inputs(total)
+    params = _params(lens, padded)
+    out = pa.packed_causal_attention(q, k, v, params, sdpa=_sdpa)
+    bounds = (params.cu_seqlens_q_padded if padded else params.cu_seqlens_q).tolist()
+    ref, leaves = _reference(q, k, v, bounds)
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-5)
+    assert torch.all(out[bounds[-1] :] == 0)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(ref, leaves, grad.double())
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=2e-4)
+
+
+def test_documents_never_attend_to_each_other():
+    q, k, v = _inputs(12)
+    params = _params([6, 6])
+    out = pa.packed_causal_attention(q, k, v, params, sdpa=_sdpa)
+    (g,) = torch.autograd.grad(out[6:].sum(), (k,))
+    assert torch.all(g[:6] == 0) and g[6:].abs().sum() > 0
+
+
+def test_layout_is_cached_and_rebuilt_when_bounds_change():
+    params = _params([4, 4])
+    first = pa.document_layout(params, torch.device("cpu"))
+    assert pa.document_layout(params, torch.device("cpu")) is first
+    params.cu_seqlens_q[1] = 2  # in-place edit: a new layout
+    second = pa.document_layout(params, torch.device("cpu"))
+    assert (
+        second is not first
+        and [b.index.size(1) for b in second.buckets] == [2, 8]
+        or sorted(b.index.size(1) for b in second.buckets) == [2, 6]
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bf16_on_gpu_within_per_document_sdpa_error():
+    lens = [5, 1, 300, 3, 1024, 77]
+    q, k, v = _inputs(sum(lens) + 6, n_q=8, n_kv=2, d=128, dtype=torch.bfloat16, dev="cuda")
+    params = _params(lens)
+    bounds = params.cu_seqlens_q.tolist()
+    out = pa.packed_causal_attention(q, k, v, params, sdpa=_sdpa)
+    ref, leaves = _reference(q, k, v, bounds)
+    loop = torch.zeros_like(q)  # the same-dtype baseline: one bf16 SDPA call per document
+    for s, e in zip(bounds[:-1], bounds[1:], strict=True):
+        loop[s:e] = _sdpa(*(t[s:e].transpose(0, 1)[None] for t in (q, k, v)))[0].transpose(0, 1)
+    err, err_loop = ((x.double() - ref).abs().max().item() for x in (out, loop))
+    assert err <= 2 * err_loop + 1e-3, (err, err_loop)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    base = torch.autograd.grad(loop, (q, k, v), grad)
+    want = torch.autograd.grad(ref, leaves, grad.double())
+    for a, b, w in zip(got, base, want, strict=True):
+        err, err_loop = (a.double() - w).abs().max().item(), (b.double() - w).abs().max().item()
+        assert err <= 2 * err_loop + 1e-2, (err, err_loop)
