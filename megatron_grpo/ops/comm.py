@@ -29,12 +29,16 @@ class TPInfo:
         return TPInfo(group, dist.get_world_size(group), dist.get_rank(group))
 
 
+# torch 2.13 renamed all_gather_into_tensor (same signature) and deprecates the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def all_gather_rows(x: Tensor, tp: TPInfo) -> Tensor:
     """[T_local, ...] -> [T_local * tp.size, ...], rank-major (sequence-parallel gather)."""
     if tp.size == 1:
         return x
     out = x.new_empty((x.shape[0] * tp.size, *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.contiguous(), group=tp.group)
+    _all_gather_single(out, x.contiguous(), group=tp.group)
     return out
 
 
