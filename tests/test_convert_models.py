@@ -27,7 +27,12 @@ _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
 _LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
            "original_max_position_embeddings": 8192}  # fmt: skip
 _LLAMA3_KW = dict(head_dim=16, rope_theta=500000.0, max_position_embeddings=16384)
+# YaRN (Qwen3 past 32k): original context 64, factor 4. head_dim 16 and theta 1e4 put the ramp
+# over frequencies 0-3 of 8; the rest are divided by 4 and cos/sin scale by 0.1 ln 4 + 1.
+_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+_YARN_KW = dict(head_dim=16, rope_theta=10000.0, max_position_embeddings=256)
 LONG_SEQ = 256
+SCALED = ("llama3_rope", "qwen3_yarn")
 CASES = {
     "llama": ("llama", {}),
     "llama3_rope": ("llama", {"rope_scaling": _LLAMA3, **_LLAMA3_KW}),
@@ -36,6 +41,7 @@ CASES = {
     "qwen2": ("qwen2", {}),
     "qwen2_tied": ("qwen2", {"tie_word_embeddings": True}),
     "qwen3_tied": ("qwen3", {"head_dim": 8, "tie_word_embeddings": True}),
+    "qwen3_yarn": ("qwen3", {"rope_scaling": _YARN, **_YARN_KW}),
     "qwen3_moe": ("qwen3_moe", {"head_dim": 8, **_MOE}),
     "qwen3_moe_norm_topk": ("qwen3_moe", {"head_dim": 8, "norm_topk_prob": True, **_MOE}),
 }
@@ -106,34 +112,39 @@ def _seq_len(case: str) -> int:
     return LONG_SEQ if "rope_scaling" in CASES[case][1] else 16
 
 
-def test_llama3_rope_scaling_long_sequences(converted, tmp_path: Path):
-    """Sequences of LONG_SEQ tokens: the converted model matches transformers' llama3 RoPE, and
-    the same weights without the scaling do not (so this comparison can fail)."""
+@pytest.mark.parametrize("case", SCALED)
+def test_rope_scaling_long_sequences(converted, tmp_path: Path, case: str):
+    """Sequences of LONG_SEQ tokens: the converted model matches transformers' llama3 / YaRN
+    RoPE, and the same weights without the scaling do not (so this comparison can fail)."""
     from megatron_grpo.convert.mcore_io import single_process_megatron
     from megatron_grpo.convert.verify import megatron_logits
 
-    hf, ckpt = converted["llama3_rope"]
+    hf, ckpt = converted[case]
     ids = prompt_ids(hf, 300, seq_len=LONG_SEQ)
     ref = hf_logits(hf, ids)
     with single_process_megatron():
         got = megatron_logits(ckpt, ids)
     assert _max_diff(ref, got) <= TOL
-    unscaled = dict(rope_scaling=None, rope_parameters=None, rope_theta=500000.0)
-    plain = _edit_config(hf, tmp_path / "plain", **unscaled)
+    theta = CASES[case][1]["rope_theta"]
+    plain = _edit_config(hf, tmp_path / "plain", rope_scaling=None, rope_parameters=None,
+                         rope_theta=theta)  # fmt: skip
     assert _max_diff(ref, hf_logits(plain, ids)) > 100 * TOL
 
 
-def test_llama3_rope_scaling_generated_config(converted, tmp_path: Path):
-    """mcore-to-hf without hf/ assets writes the llama3 rope_scaling back into config.json."""
-    hf, ckpt = converted["llama3_rope"]
+@pytest.mark.parametrize("case", SCALED)
+def test_rope_scaling_generated_config(converted, tmp_path: Path, case: str):
+    """mcore-to-hf without hf/ assets writes the rope scaling back into config.json."""
+    hf, ckpt = converted[case]
     bare = tmp_path / "bare"
     shutil.copytree(ckpt, bare, ignore=shutil.ignore_patterns("hf"))
-    out = mcore_to_hf(bare, tmp_path / "hf", family="llama")
+    out = mcore_to_hf(bare, tmp_path / "hf", family=CASES[case][0])
     ids = prompt_ids(hf, 300, seq_len=LONG_SEQ)
     assert _max_diff(hf_logits(hf, ids), hf_logits(out, ids)) == 0.0
     cfg = json.loads((out / "config.json").read_text())
     params = cfg.get("rope_parameters") or {**cfg["rope_scaling"], "rope_theta": cfg["rope_theta"]}
-    assert params == {**_LLAMA3, "rope_theta": 500000.0}
+    want = _LLAMA3 if case == "llama3_rope" else {**_YARN, "beta_fast": 32.0, "beta_slow": 1.0,
+                                                  "truncate": True}  # fmt: skip
+    assert params == {**want, "rope_theta": CASES[case][1]["rope_theta"]}
 
 
 def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:

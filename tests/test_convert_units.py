@@ -4,6 +4,7 @@ maps, HF config mapping, streaming safetensors I/O, all-or-nothing output direct
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ from megatron_grpo.convert.safetensors_io import (
 )
 from megatron_grpo.convert.transforms import GATE_UP, QKV, VOCAB, LayoutInfo
 from megatron_grpo.megatron.config import ModelConfig
+from megatron_grpo.megatron.parallel import cuda_compat
 
 INFO = LayoutInfo(num_attention_heads=4, num_query_groups=2, head_dim=3, vocab_size=10,
                   padded_vocab_size=16)  # fmt: skip
@@ -210,6 +212,77 @@ def test_llama3_rope_scaling_maps_both_ways(family: str):
         check_same_architecture(cfg, plain, "x")
 
 
+def _yarn(**kw) -> dict:
+    return {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, **kw}
+
+
+@pytest.mark.parametrize(
+    "hf_yarn, megatron",
+    [
+        # transformers' default attention factor 0.1 ln(factor) + 1 = megatron's default
+        (_yarn(), dict(yarn_mscale=1.0, yarn_mscale_all_dim=0.0)),
+        # DeepSeek style: mscale(f, 0.707) / mscale(f, 0.707) = 1
+        (_yarn(mscale=0.707, mscale_all_dim=0.707, beta_fast=16.0, truncate=False),
+         dict(yarn_mscale=0.707, yarn_mscale_all_dim=0.707, yarn_beta_fast=16.0,
+              yarn_correction_range_round_to_int=False)),
+        # mscale alone is ignored by transformers (it needs both): megatron's default again
+        (_yarn(mscale=0.5), dict(yarn_mscale=1.0, yarn_mscale_all_dim=0.0)),
+        # an explicit attention factor equal to the derived one
+        (_yarn(attention_factor=0.1 * math.log(4.0) + 1), dict(yarn_mscale=1.0)),
+    ],
+)  # fmt: skip
+def test_yarn_maps_both_ways(hf_yarn: dict, megatron: dict):
+    from transformers import CONFIG_MAPPING
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    fam = FAMILIES["qwen3"]
+    hf = _hf_config("qwen3", head_dim=16, max_position_embeddings=128, rope_scaling=hf_yarn)
+    cfg = model_config_from_hf(hf, fam)
+    assert cfg.position_embedding_type == "yarn" and cfg.yarn_rotary_scaling_factor == 4.0
+    assert cfg.yarn_original_max_position_embeddings == 32
+    assert {k: getattr(cfg, k) for k in megatron} == megatron
+    again = model_config_from_hf(CONFIG_MAPPING["qwen3"](**hf_config_from_model(cfg, fam)), fam)
+    check_same_architecture(cfg, again, "round trip")
+    # megatron-core's frequencies and attention factor equal transformers'
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        YarnRotaryEmbedding,
+        _yarn_get_concentration_factor,
+    )
+
+    want_freq, want_factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    with cuda_compat():
+        rope = YarnRotaryEmbedding(
+            16, rotary_base=cfg.rotary_base, scaling_factor=cfg.yarn_rotary_scaling_factor,
+            original_max_position_embeddings=32, beta_fast=cfg.yarn_beta_fast,
+            beta_slow=cfg.yarn_beta_slow, mscale=cfg.yarn_mscale,
+            mscale_all_dim=cfg.yarn_mscale_all_dim, use_cpu_initialization=True,
+            correction_range_round_to_int=cfg.yarn_correction_range_round_to_int,
+        )  # fmt: skip
+        emb, factor = rope.get_emb(4)
+    assert factor == pytest.approx(want_factor, rel=1e-12)
+    assert factor == _yarn_get_concentration_factor(4.0, cfg.yarn_mscale, cfg.yarn_mscale_all_dim)
+    torch.testing.assert_close(emb[1, 0, 0, :8].float(), want_freq, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"yarn_beta_fast": 16.0}, "yarn_beta_fast: no effect with position_embedding_type='rope'"),
+        ({"position_embedding_type": "yarn"}, "needs yarn_rotary_scaling_factor and yarn_orig"),
+        ({"position_embedding_type": "yarn", "yarn_rotary_scaling_factor": 4.0,
+          "yarn_original_max_position_embeddings": 32, "rope_scaling": True}, "rope_scaling needs"),
+        ({"position_embedding_type": "yarn", "yarn_rotary_scaling_factor": 4.0,
+          "yarn_original_max_position_embeddings": 32, "rotary_interleaved": True},
+         "rotary_interleaved=false"),
+        ({"position_embedding_type": "yarn", "yarn_rotary_scaling_factor": -1.0,
+          "yarn_original_max_position_embeddings": 32}, "yarn_rotary_scaling_factor must be posi"),
+    ],
+)  # fmt: skip
+def test_model_config_yarn_validation(changes: dict, match: str):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(vocab_size=300, **changes)
+
+
 @pytest.mark.parametrize(
     "changes, match",
     [
@@ -264,9 +337,15 @@ def test_generated_hf_config_keeps_partial_rotary():
         ("llama", {"rope_scaling": _llama3(high_freq_factor=3.0)},
          r"rope_scaling.high_freq_factor=3.0 .* hard-codes high_freq_factor=4\b"),
         ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
-                                    "original_max_position_embeddings": 32}},
-         "rope scaling 'yarn' .* is unsupported: .* only Llama 3 scaling"),
-        ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "'linear'"),
+                                    "original_max_position_embeddings": 32,
+                                    "attention_factor": 1.5}},
+         r"attention_factor=1.5 is unsupported: megatron-core derives 1.138"),
+        ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                    "original_max_position_embeddings": 32},
+                   "partial_rotary_factor": 0.5},
+         "YaRN .* rotates the whole head dimension"),
+        ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+         "'linear' .* is unsupported: megatron-core's GPTModel takes Llama 3 scaling"),
         ("llama", {"hidden_act": "gelu"}, "hidden_act"),
         ("llama", {"attention_bias": True}, "attention_bias"),
         ("llama", {"mlp_bias": True}, "mlp_bias"),

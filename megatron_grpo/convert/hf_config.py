@@ -2,7 +2,7 @@
 
 HF configs are read through ``transformers.AutoConfig`` (it normalizes renamed keys across
 versions, e.g. ``rope_theta`` -> ``rope_parameters``, ``num_experts`` <-> ``num_local_experts``).
-Anything the Megatron model cannot express (rope scaling other than Llama 3's, biases on the output
+Anything the Megatron model cannot express (rope scaling other than Llama 3's or YaRN, biases on the output
 projection, MoE layer patterns other than "every layer", non-SiLU activations) is an error, never
 dropped.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,15 @@ from megatron_grpo.megatron.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
+YARN_FIELDS = (
+    "yarn_rotary_scaling_factor",
+    "yarn_original_max_position_embeddings",
+    "yarn_beta_fast",
+    "yarn_beta_slow",
+    "yarn_mscale",
+    "yarn_mscale_all_dim",
+    "yarn_correction_range_round_to_int",
+)
 # Fields that describe the architecture (compared when an exported config must agree with the
 # checkpoint's model_config.yaml); the rest are training knobs.
 ARCHITECTURE_FIELDS = (
@@ -44,6 +54,7 @@ ARCHITECTURE_FIELDS = (
     "rotary_interleaved",
     "rope_scaling",
     "rope_scaling_factor",
+    *YARN_FIELDS,
     "share_embeddings_and_output_weights",
     "num_moe_experts",
     "moe_router_topk",
@@ -97,14 +108,55 @@ def megatron_llama3_constants() -> dict[str, float]:
     return {k: params[k].default for k in LLAMA3_FIXED_KEYS}
 
 
-def _rope_scaling_fields(kind: str, params: dict) -> dict[str, Any]:
+def yarn_attention_factor(factor: float, mscale: float, mscale_all_dim: float) -> float:
+    """YaRN's cos/sin scale, as megatron-core computes it from the ``yarn_*`` fields."""
+
+    def get(scale: float, m: float) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    return get(factor, mscale) / get(factor, mscale_all_dim)
+
+
+def _yarn_fields(cfg: Any, params: dict) -> dict[str, Any]:
+    """ModelConfig YaRN fields of an HF ``rope_type: yarn`` (transformers' defaults applied)."""
+    original = params.get("original_max_position_embeddings")
+    _require(original is not None, "rope_scaling.original_max_position_embeddings is missing")
+    factor = params.get("factor") or cfg.max_position_embeddings / original
+    # transformers: the attention factor is mscale(factor, mscale) / mscale(factor,
+    # mscale_all_dim) when both are set (and non-zero), else 0.1 ln(factor) + 1; megatron-core's
+    # formula with mscale_all_dim=0 gives the latter.
+    mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    m, m_all = (float(mscale), float(all_dim)) if mscale and all_dim else (1.0, 0.0)
+    given = params.get("attention_factor")
+    if given is not None:
+        derived = yarn_attention_factor(float(factor), m, m_all)
+        _require(
+            math.isclose(float(given), derived, rel_tol=1e-9),
+            f"rope_scaling.attention_factor={given} is unsupported: megatron-core derives "
+            f"{derived} from factor / mscale / mscale_all_dim",
+        )
+    return dict(
+        position_embedding_type="yarn",
+        yarn_rotary_scaling_factor=float(factor),
+        yarn_original_max_position_embeddings=int(original),
+        yarn_beta_fast=float(params.get("beta_fast") or 32),
+        yarn_beta_slow=float(params.get("beta_slow") or 1),
+        yarn_mscale=m,
+        yarn_mscale_all_dim=m_all,
+        yarn_correction_range_round_to_int=bool(params.get("truncate", True)),
+    )
+
+
+def _rope_scaling_fields(cfg: Any, kind: str, params: dict) -> dict[str, Any]:
     """ModelConfig rope-scaling fields of an HF rope type; unsupported types are an error."""
     if kind == "default":
         return {}
+    if kind == "yarn":
+        return _yarn_fields(cfg, params)
     if kind != "llama3":
         raise ConversionError(
             f"config.json: rope scaling {kind!r} ({params}) is unsupported: megatron-core's "
-            "GPTModel takes only Llama 3 scaling (rope_type 'llama3')"
+            "GPTModel takes Llama 3 scaling (rope_type 'llama3') and YaRN ('yarn')"
         )
     for key, fixed in megatron_llama3_constants().items():
         value = params.get(key)
@@ -119,6 +171,22 @@ def _rope_scaling_fields(kind: str, params: dict) -> dict[str, Any]:
 
 def hf_rope_scaling(model_cfg: ModelConfig) -> dict[str, Any] | None:
     """The HF ``rope_scaling`` dict of ``model_cfg`` (None without rope scaling)."""
+    if model_cfg.position_embedding_type == "yarn":
+        yarn = {
+            "rope_type": "yarn",
+            "factor": model_cfg.yarn_rotary_scaling_factor,
+            "original_max_position_embeddings": model_cfg.yarn_original_max_position_embeddings,
+            "beta_fast": model_cfg.yarn_beta_fast,
+            "beta_slow": model_cfg.yarn_beta_slow,
+            "truncate": model_cfg.yarn_correction_range_round_to_int,
+        }
+        if model_cfg.yarn_mscale_all_dim:  # else transformers' default factor is megatron's
+            yarn.update(mscale=model_cfg.yarn_mscale, mscale_all_dim=model_cfg.yarn_mscale_all_dim)
+        elif model_cfg.yarn_mscale != 1.0:
+            yarn["attention_factor"] = yarn_attention_factor(
+                model_cfg.yarn_rotary_scaling_factor, model_cfg.yarn_mscale, 0.0
+            )
+        return yarn
     if not model_cfg.rope_scaling:
         return None
     return {
@@ -192,14 +260,13 @@ def model_config_from_hf(cfg: Any, family: Family) -> ModelConfig:
         add_qkv_bias=family.qkv_bias,
         gated_linear_unit=True,
         activation_func="silu",
-        position_embedding_type="rope",
         rotary_base=int(theta),
         # transformers 5 keeps partial_rotary_factor in rope_parameters, 4.x on the config.
         rotary_percent=float(
             params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
         ),
         share_embeddings_and_output_weights=bool(cfg.tie_word_embeddings),
-        **_rope_scaling_fields(kind, params),
+        **({"position_embedding_type": "rope"} | _rope_scaling_fields(cfg, kind, params)),
     )
     if family.moe:
         experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)

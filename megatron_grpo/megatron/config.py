@@ -28,6 +28,16 @@ ParamsDtype = Literal["auto", "float32", "bfloat16", "float16"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 _DEFAULT_ROPE_SCALING_FACTOR = 8.0  # megatron-core GPTModel's default
+# YarnRotaryEmbedding's defaults (and the YaRN paper's beta_fast / beta_slow).
+_YARN_DEFAULTS = {
+    "yarn_rotary_scaling_factor": None,
+    "yarn_original_max_position_embeddings": None,
+    "yarn_beta_fast": 32.0,
+    "yarn_beta_slow": 1.0,
+    "yarn_mscale": 1.0,
+    "yarn_mscale_all_dim": 0.0,
+    "yarn_correction_range_round_to_int": True,
+}
 
 
 @dataclass
@@ -45,6 +55,10 @@ class ModelConfig:
     with wavelengths above 8192 are divided by ``rope_scaling_factor``, those between 2048 and
     8192 interpolated (megatron-core fixes low_freq_factor=1, high_freq_factor=4 and
     original_max_position_embeddings=8192).
+    ``position_embedding_type="yarn"`` is YaRN (HF ``rope_type: yarn``, e.g. Qwen3 past 32k): the
+    ``yarn_*`` fields are Megatron's names; cos/sin are scaled by the attention factor
+    ``mscale(factor, yarn_mscale) / mscale(factor, yarn_mscale_all_dim)``, 0.1 ln(factor) + 1 by
+    default.
     """
 
     vocab_size: int = 0
@@ -62,12 +76,20 @@ class ModelConfig:
     add_bias_linear: bool = False
     gated_linear_unit: bool = True
     activation_func: Literal["silu", "gelu", "relu"] = "silu"
-    position_embedding_type: Literal["rope", "learned_absolute", "none"] = "rope"
+    position_embedding_type: Literal["rope", "yarn", "learned_absolute", "none"] = "rope"
     rotary_base: int = 10000
     rotary_percent: float = 1.0
     rotary_interleaved: bool = False
     rope_scaling: bool = False
     rope_scaling_factor: float = _DEFAULT_ROPE_SCALING_FACTOR
+    # YaRN (position_embedding_type="yarn" only).
+    yarn_rotary_scaling_factor: float | None = None
+    yarn_original_max_position_embeddings: int | None = None
+    yarn_beta_fast: float = _YARN_DEFAULTS["yarn_beta_fast"]
+    yarn_beta_slow: float = _YARN_DEFAULTS["yarn_beta_slow"]
+    yarn_mscale: float = _YARN_DEFAULTS["yarn_mscale"]
+    yarn_mscale_all_dim: float = _YARN_DEFAULTS["yarn_mscale_all_dim"]
+    yarn_correction_range_round_to_int: bool = True
     share_embeddings_and_output_weights: bool = False
     make_vocab_size_divisible_by: int = 128
     init_method_std: float = 0.02
@@ -137,6 +159,34 @@ class ModelConfig:
             raise ValueError(
                 f"rope_scaling_factor={self.rope_scaling_factor} has no effect unless "
                 "rope_scaling is true"
+            )
+        self._check_yarn()
+
+    def _check_yarn(self) -> None:
+        if self.position_embedding_type != "yarn":
+            # Megatron reads the yarn_* fields only for YaRN: a set one would be a silent no-op.
+            changed = [k for k, v in _YARN_DEFAULTS.items() if getattr(self, k) != v]
+            if changed:
+                raise ValueError(
+                    f"{', '.join(changed)}: no effect with position_embedding_type="
+                    f"{self.position_embedding_type!r} (YaRN needs 'yarn')"
+                )
+            return
+        check_positive(self, "yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings")
+        check_positive(self, "yarn_beta_fast", "yarn_beta_slow")
+        if (
+            self.yarn_rotary_scaling_factor is None
+            or not self.yarn_original_max_position_embeddings
+        ):
+            raise ValueError(
+                "position_embedding_type='yarn' needs yarn_rotary_scaling_factor and "
+                "yarn_original_max_position_embeddings"
+            )
+        if self.rotary_percent != 1.0 or self.rotary_interleaved or self.rope_scaling:
+            raise ValueError(
+                "YaRN (megatron-core's YarnRotaryEmbedding) rotates the whole head dimension, not "
+                "interleaved, without llama3 rope_scaling: set rotary_percent=1.0, "
+                "rotary_interleaved=false, rope_scaling=false"
             )
 
     def _check_moe(self) -> None:
@@ -362,4 +412,25 @@ def to_transformer_config(
             moe_grouped_gemm=model.moe_grouped_gemm,
         )
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    config = TransformerConfig(**kwargs)
+    if model.position_embedding_type == "yarn":
+        _attach_yarn(config, model)
+    return config
+
+
+def _attach_yarn(config: Any, model: ModelConfig) -> None:
+    """Set the ``yarn_*`` attributes GPTModel and attention read with ``getattr``.
+
+    megatron-core declares them on ``MLATransformerConfig`` only, but its GPT path reads them from
+    any config: ``YarnRotaryEmbedding`` in GPTModel, the attention factor in ``Attention``.
+    """
+    from megatron.core.transformer import attention
+
+    if not hasattr(attention, "_yarn_get_concentration_factor_from_config"):
+        raise ValueError(
+            "position_embedding_type='yarn': this megatron-core does not apply YaRN's attention "
+            "factor in GPT attention (its results would differ from Hugging Face); upgrade "
+            "megatron-core"
+        )
+    for name in _YARN_DEFAULTS:
+        setattr(config, name, getattr(model, name))
