@@ -111,3 +111,27 @@ def test_moe_expert_parallel_training_runs(tmp_path, extra):
         # and dummy forwards do not leak into the real tokens (routing included).
         assert abs(m["mismatch/k1"]) < 1e-5, m
     assert metrics[-1]["optim/grad_norm"] > 0.0
+    aux = [m.get("moe/load_balancing_loss") for m in metrics]
+    if "model.moe_aux_loss_coeff=0.01" in extra:
+        # Switch-style aux loss E * sum_e f_e P_e: 1 when balanced, E / topk = 2 at worst
+        assert all(a is not None and 0.9 < a <= 2.0 + 1e-6 for a in aux), aux
+    else:  # coefficient 0: the router computes no aux loss, so none is reported
+        assert aux == [None] * 3
+
+
+def test_tracked_losses_follow_the_router_config():
+    from megatron_grpo.megatron.config import ModelConfig, ParallelConfig, to_transformer_config
+    from megatron_grpo.megatron.moe_metrics import tracked_losses
+
+    def names(**kw):
+        model = ModelConfig(vocab_size=16, num_moe_experts=4, **kw)
+        return tracked_losses(to_transformer_config(model, ParallelConfig()))
+
+    assert names() == []  # coefficient 0: the router computes nothing
+    assert names(moe_aux_loss_coeff=0.01) == ["load_balancing_loss"]
+    assert names(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.01) == [
+        "seq_load_balancing_loss"
+    ]
+    assert names(moe_z_loss_coeff=0.001) == ["z_loss"]
+    dense = to_transformer_config(ModelConfig(vocab_size=16), ParallelConfig())
+    assert tracked_losses(dense) == []

@@ -24,6 +24,7 @@ from megatron_grpo.megatron.batch import PackedBatch
 from megatron_grpo.megatron.config import dispatcher_type
 from megatron_grpo.megatron.forward import GRPOStep, get_forward_backward_func
 from megatron_grpo.megatron.model import build_model, unwrap
+from megatron_grpo.megatron.moe_metrics import moe_loss_metrics
 from megatron_grpo.megatron.parallel import initialize_parallel, seed_everything
 from megatron_grpo.train import checkpoint as ckpt
 from megatron_grpo.train import comm
@@ -235,12 +236,13 @@ class Trainer:
 
     def update(self, mini_batches: list[list[PackedBatch]]) -> dict[str, float]:
         """One optimizer step per mini-batch; non-finite inputs/loss/grads skip the step."""
-        reports, norms, skipped_now = [], [], 0
+        reports, norms, skipped_now, forwards = [], [], 0, 0
         for micro_batches in mini_batches:
             zero_grads(self.model, self.optimizer)
             reason = self._nonfinite_inputs(micro_batches)
             if reason is None:
                 reports += self._forward_backward(micro_batches)
+                forwards += len(micro_batches)
                 reason = self._nonfinite_loss_or_grads(reports[-len(micro_batches) :])
             if reason is not None:
                 skipped_now += 1
@@ -252,6 +254,7 @@ class Trainer:
                 norms.append(norm)
         zero_grads(self.model, self.optimizer)
         metrics = self._loss_metrics(reports)
+        metrics.update(moe_loss_metrics(unwrap(self.model[0]).config, forwards))
         if norms:
             metrics["optim/grad_norm"] = sum(norms) / len(norms)
         metrics["optim/lr"] = self.optimizer.param_groups[0]["lr"]
