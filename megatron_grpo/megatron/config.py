@@ -282,40 +282,39 @@ def check_parallel(model: ModelConfig, parallel: ParallelConfig, world_size: int
         parallel.virtual_pipeline_model_parallel_size or 1
     )
     _div(model.num_layers, stages, "model.num_layers", "pipeline stages (PP * VPP)")
-    ep = parallel.expert_model_parallel_size
-    if ep > 1 and model.num_moe_experts is None:
-        raise ValueError("parallel.expert_model_parallel_size > 1 needs model.num_moe_experts")
-    if model.num_moe_experts is not None:
-        _div(
-            model.num_moe_experts,
-            ep,
-            "model.num_moe_experts",
-            "parallel.expert_model_parallel_size",
-        )
-    if (
-        model.num_moe_experts is not None
-        and parallel.pipeline_model_parallel_size > 1
-        and dispatcher_type(model) == "allgather"
-    ):
-        raise ValueError(
-            "model.moe_token_dispatcher_type 'allgather' (the CPU default) does not support the "
-            "variable sequence lengths of pipeline parallelism; use 'alltoall' (needs CUDA)"
-        )
+    _check_expert_layout(model, parallel)
     if model.max_sequence_length % (2 * parallel.context_parallel_size) and (
         parallel.context_parallel_size > 1
     ):
         raise ValueError(
             "model.max_sequence_length must be divisible by 2 * parallel.context_parallel_size"
         )
-    if world_size is None:
+    if world_size is not None:
+        _check_world_size(parallel, world_size)
+
+
+def _check_expert_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
+    ep = parallel.expert_model_parallel_size
+    if model.num_moe_experts is None:
+        if ep > 1:
+            raise ValueError("parallel.expert_model_parallel_size > 1 needs model.num_moe_experts")
         return
+    _div(model.num_moe_experts, ep, "model.num_moe_experts", "parallel.expert_model_parallel_size")
+    if parallel.pipeline_model_parallel_size > 1 and dispatcher_type(model) == "allgather":
+        raise ValueError(
+            "model.moe_token_dispatcher_type 'allgather' (the CPU default) does not support the "
+            "variable sequence lengths of pipeline parallelism; use 'alltoall' (needs CUDA)"
+        )
+
+
+def _check_world_size(parallel: ParallelConfig, world_size: int) -> None:
     if world_size % parallel.model_parallel_size:
         raise ValueError(
             f"world size {world_size} is not divisible by tensor * pipeline * context parallel "
             f"sizes = {parallel.model_parallel_size}"
         )
-    etp = parallel.expert_tensor_parallel_size or tp
-    expert_mp = etp * ep * parallel.pipeline_model_parallel_size
+    etp = parallel.expert_tensor_parallel_size or parallel.tensor_model_parallel_size
+    expert_mp = etp * parallel.expert_model_parallel_size * parallel.pipeline_model_parallel_size
     if world_size % expert_mp:
         raise ValueError(
             f"world size {world_size} is not divisible by expert_tensor * expert_model * "
@@ -341,12 +340,12 @@ def to_transformer_config(
 
     Sets ``calculate_per_token_loss=True`` (the convention of ``forward.py``'s loss function),
     ``variable_seq_lengths=True`` under pipeline parallelism (packed micro-batches differ in
-    length, so stages exchange shapes) and CPU initialization when no GPU is present. ``overrides`` are passed to
-    ``TransformerConfig`` as-is (for fields this config does not cover).
+    length, so stages exchange shapes) and CPU initialization when no GPU is present.
+    ``overrides`` are passed to ``TransformerConfig`` as-is (for fields this config does not
+    cover).
     """
     from megatron.core.transformer import TransformerConfig
 
-    on_gpu = torch.cuda.is_available()
     dtype = params_dtype or model.torch_dtype()
     moe = model.num_moe_experts is not None
     kwargs: dict[str, Any] = dict(
@@ -370,21 +369,14 @@ def to_transformer_config(
         recompute_granularity=model.recompute_granularity,
         recompute_method=model.recompute_method,
         recompute_num_layers=model.recompute_num_layers,
-        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
-        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
-        context_parallel_size=parallel.context_parallel_size,
-        expert_model_parallel_size=parallel.expert_model_parallel_size,
-        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
-        sequence_parallel=parallel.sequence_parallel,
+        **_parallel_kwargs(parallel),
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         calculate_per_token_loss=True,
-        variable_seq_lengths=parallel.pipeline_model_parallel_size > 1,
-        use_cpu_initialization=not on_gpu,
-        # Fusions need CUDA/apex/TE; enable them only where they exist.
+        use_cpu_initialization=not torch.cuda.is_available(),
+        # Off: these fusions need apex / TE / CUDA kernels that are optional here.
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
@@ -396,26 +388,45 @@ def to_transformer_config(
         moe_token_dispatcher_type=dispatcher_type(model) if moe else "alltoall",
     )
     if moe:
-        kwargs.update(
-            num_moe_experts=model.num_moe_experts,
-            moe_router_topk=model.moe_router_topk,
-            moe_ffn_hidden_size=model.moe_ffn_hidden_size or model.ffn_hidden_size,
-            moe_layer_freq=model.moe_layer_freq,
-            moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
-            moe_router_load_balancing_type=model.moe_router_load_balancing_type,
-            moe_aux_loss_coeff=model.moe_aux_loss_coeff,
-            moe_z_loss_coeff=model.moe_z_loss_coeff,
-            moe_router_score_function=model.moe_router_score_function,
-            moe_router_pre_softmax=model.moe_router_pre_softmax,
-            moe_router_topk_scaling_factor=model.moe_router_topk_scaling_factor,
-            moe_router_dtype=model.moe_router_dtype,
-            moe_grouped_gemm=model.moe_grouped_gemm,
-        )
+        kwargs.update(_moe_kwargs(model))
     kwargs.update(overrides)
     config = TransformerConfig(**kwargs)
     if model.position_embedding_type == "yarn":
         _attach_yarn(config, model)
     return config
+
+
+def _parallel_kwargs(parallel: ParallelConfig) -> dict[str, Any]:
+    """TransformerConfig's layout fields (Megatron's names)."""
+    return dict(
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
+        sequence_parallel=parallel.sequence_parallel,
+        variable_seq_lengths=parallel.pipeline_model_parallel_size > 1,
+    )
+
+
+def _moe_kwargs(model: ModelConfig) -> dict[str, Any]:
+    """TransformerConfig's MoE fields (same names as ModelConfig's)."""
+    return dict(
+        num_moe_experts=model.num_moe_experts,
+        moe_router_topk=model.moe_router_topk,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size or model.ffn_hidden_size,
+        moe_layer_freq=model.moe_layer_freq,
+        moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
+        moe_router_load_balancing_type=model.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        moe_z_loss_coeff=model.moe_z_loss_coeff,
+        moe_router_score_function=model.moe_router_score_function,
+        moe_router_pre_softmax=model.moe_router_pre_softmax,
+        moe_router_topk_scaling_factor=model.moe_router_topk_scaling_factor,
+        moe_router_dtype=model.moe_router_dtype,
+        moe_grouped_gemm=model.moe_grouped_gemm,
+    )
 
 
 def _attach_yarn(config: Any, model: ModelConfig) -> None:
