@@ -20,8 +20,8 @@ router's no-grad path communicate only inside it). Each decode step therefore st
 all-reduce MAX over that group of (any sequence unfinished, packed length): ranks whose
 sequences are all done keep running a one-token dummy sequence until the whole group is done,
 and under the "allgather" dispatcher (CPU) every rank pads its packed input to the group's
-longest (padding after ``cu_seqlens[-1]``, outside every document). The alltoall dispatcher
-handles unequal lengths, so it is not padded. Dense models and EP = 1 skip the all-reduce.
+longest (padding after the last real token, in the last document's padded bounds). The alltoall
+dispatcher handles unequal lengths, so it is not padded. Dense models and EP = 1 skip the all-reduce.
 """
 
 from __future__ import annotations
@@ -95,7 +95,8 @@ def _packed_inputs(
     seqs: list[list[int]], pad_to: int, num_tokens: int | None = None
 ) -> tuple[Tensor, Tensor, PackedSeqParams]:
     """``input_ids, position_ids`` ``[1, T]`` + THD params; T is ``num_tokens`` when given, else
-    the total padded to a multiple of ``pad_to``. Padding lies after ``cu_seqlens[-1]``."""
+    the total padded to a multiple of ``pad_to``. Padding lies after ``cu_seqlens_q[-1]``, inside
+    the last document's padded bounds (``cu_seqlens_q_padded[-1] == T``)."""
     lens = [len(s) for s in seqs]
     total = sum(lens)
     padded = _packed_length(seqs, pad_to)
@@ -111,12 +112,20 @@ def _packed_inputs(
     pos[0, :total] = torch.cat([torch.arange(n) for n in lens])
     cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(lens).cumsum(0)
+    # The padding joins the last document in the padded bounds: megatron-core's THD RoPE splits
+    # the input by them and needs them to cover every token. Causal attention keeps the real
+    # tokens unaffected, and the last real positions come from the unpadded bounds.
+    cu_padded = cu.clone()
+    cu_padded[-1] = padded
+    longest = max(max(lens), lens[-1] + padded - total)
     params = PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu,
         cu_seqlens_kv=cu,
-        max_seqlen_q=max(lens),
-        max_seqlen_kv=max(lens),
+        cu_seqlens_q_padded=cu_padded,
+        cu_seqlens_kv_padded=cu_padded,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
     )
     return ids, pos, params
 
@@ -141,7 +150,7 @@ def last_token_logits(
     ids, pos, packed = _packed_inputs(seqs, tp if sp else 1, num_tokens)
     device = next(model.parameters()).device
     ids, pos = ids.to(device), pos.to(device)
-    for name in ("cu_seqlens_q", "cu_seqlens_kv"):
+    for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
         setattr(packed, name, getattr(packed, name).to(device))
     with hidden_states_only(model):
         hidden = model(ids, pos, None, packed_seq_params=packed).squeeze(1)  # [T_local, H]
