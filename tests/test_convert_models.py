@@ -44,6 +44,13 @@ CASES = {
     "qwen3_yarn": ("qwen3", {"rope_scaling": _YARN, **_YARN_KW}),
     "qwen3_moe": ("qwen3_moe", {"head_dim": 8, **_MOE}),
     "qwen3_moe_norm_topk": ("qwen3_moe", {"head_dim": 8, "norm_topk_prob": True, **_MOE}),
+    # shared expert (gated by sigmoid(shared_expert_gate)) + QKV bias; no top-k renormalization
+    "qwen2_moe": ("qwen2_moe", {**_MOE, "shared_expert_intermediate_size": 24}),
+    # experts as block_sparse_moe.experts.<e>.w1/w3/w2; the top-k always renormalized
+    "mixtral": (
+        "mixtral",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 16},
+    ),  # fmt: skip
 }
 
 
@@ -173,7 +180,7 @@ def _tp2_body(rank: int, world: int, cases: dict, refs: dict, resave: dict) -> N
 @pytest.mark.slow
 def test_logits_tp2_match_transformers(converted, tmp_path: Path):
     """One spawned TP=2 world loads every converted checkpoint (resharding TP=1 -> TP=2) and
-    re-saves two at TP=2; exporting those gives the original HF tensors back."""
+    re-saves three at TP=2; exporting those gives the original HF tensors back."""
     from safetensors.torch import load_file
 
     cases, refs = {}, {}
@@ -181,7 +188,7 @@ def test_logits_tp2_match_transformers(converted, tmp_path: Path):
         ids = prompt_ids(hf, 300, seq_len=_seq_len(case))
         cases[case] = (str(ckpt), ids)
         refs[case] = hf_logits(hf, ids)
-    resave = {c: tmp_path / c for c in ("llama_tied", "qwen3_moe")}
+    resave = {c: tmp_path / c for c in ("llama_tied", "qwen3_moe", "qwen2_moe")}
     for path in resave.values():
         path.mkdir()
     run_distributed(_tp2_body, 2, cases, refs, {c: str(p) for c, p in resave.items()})

@@ -350,6 +350,8 @@ def test_generated_hf_config_keeps_partial_rotary():
         ("llama", {"attention_bias": True}, "attention_bias"),
         ("llama", {"mlp_bias": True}, "mlp_bias"),
         ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers"),
+        ("qwen2_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
+        ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1 is unsupported"),
         ("llama", {"num_key_value_heads": 3}, "num_query_groups=3"),
     ],
 )  # fmt: skip

@@ -46,7 +46,7 @@ def _variants() -> list[tuple[ModelConfig, ParallelConfig]]:
     )  # fmt: skip
     moe = tiny_model(
         num_layers=4, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
-        moe_layer_freq=2, moe_shared_expert_intermediate_size=48,
+        moe_layer_freq=2, moe_shared_expert_intermediate_size=48, moe_shared_expert_gate=True,
     )  # fmt: skip
     return [
         (dense, P()),

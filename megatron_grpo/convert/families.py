@@ -78,7 +78,6 @@ class Family:
 
 _L = "decoder.layers.{layer}."
 _H = "model.layers.{layer}."
-_E = "model.layers.{layer}.mlp.experts.{expert}."
 
 _COMMON = (
     Rule(("embedding.word_embeddings.weight",), ("model.embed_tokens.weight",), VOCAB),
@@ -118,25 +117,53 @@ _DENSE_MLP = (
     ),
     Rule((_L + "mlp.linear_fc2.weight",), (_H + "mlp.down_proj.weight",)),
 )
-# SequentialMLP names its experts local_experts.<e>.linear_fc*; TEGroupedMLP linear_fc*.weight<e>.
-_MOE_MLP = (
-    Rule((_L + "pre_mlp_layernorm.weight",), (_H + "post_attention_layernorm.weight",)),
-    Rule((_L + "mlp.router.weight",), (_H + "mlp.gate.weight",)),
-    Rule(
-        (
-            _L + "mlp.experts.local_experts.{expert}.linear_fc1.weight",
-            _L + "mlp.experts.linear_fc1.weight{expert}",
+
+
+def _moe_mlp(router: str, expert: str, gate: str, up: str, down: str) -> tuple[Rule, ...]:
+    """Router + routed experts; HF names relative to the layer (``router``) and to each expert
+    (``expert`` holds ``{expert}``). SequentialMLP names its experts
+    local_experts.<e>.linear_fc*; TEGroupedMLP linear_fc*.weight<e>."""
+    e = _H + expert
+    return (
+        Rule((_L + "pre_mlp_layernorm.weight",), (_H + "post_attention_layernorm.weight",)),
+        Rule((_L + "mlp.router.weight",), (_H + router,)),
+        Rule(
+            (
+                _L + "mlp.experts.local_experts.{expert}.linear_fc1.weight",
+                _L + "mlp.experts.linear_fc1.weight{expert}",
+            ),
+            (e + gate, e + up),
+            GATE_UP,
         ),
-        (_E + "gate_proj.weight", _E + "up_proj.weight"),
+        Rule(
+            (
+                _L + "mlp.experts.local_experts.{expert}.linear_fc2.weight",
+                _L + "mlp.experts.linear_fc2.weight{expert}",
+            ),
+            (e + down,),
+        ),
+    )
+
+
+_MOE_MLP = _moe_mlp(
+    "mlp.gate.weight", "mlp.experts.{expert}.", "gate_proj.weight", "up_proj.weight",
+    "down_proj.weight",
+)  # fmt: skip
+_MIXTRAL_MLP = _moe_mlp(
+    "block_sparse_moe.gate.weight", "block_sparse_moe.experts.{expert}.", "w1.weight",
+    "w3.weight", "w2.weight",
+)  # fmt: skip
+# Qwen2-MoE's always-on shared expert, scaled by sigmoid(shared_expert_gate(x)).
+_SHARED_EXPERT = (
+    Rule(
+        (_L + "mlp.shared_experts.linear_fc1.weight",),
+        (_H + "mlp.shared_expert.gate_proj.weight", _H + "mlp.shared_expert.up_proj.weight"),
         GATE_UP,
     ),
     Rule(
-        (
-            _L + "mlp.experts.local_experts.{expert}.linear_fc2.weight",
-            _L + "mlp.experts.linear_fc2.weight{expert}",
-        ),
-        (_E + "down_proj.weight",),
+        (_L + "mlp.shared_experts.linear_fc2.weight",), (_H + "mlp.shared_expert.down_proj.weight",)
     ),
+    Rule((_L + "mlp.shared_experts.gate_weight",), (_H + "mlp.shared_expert_gate.weight",)),
 )
 
 FAMILIES: dict[str, Family] = {
@@ -153,6 +180,14 @@ FAMILIES: dict[str, Family] = {
             moe=True,
             qk_norm=True,
         ),
+        Family(
+            "qwen2_moe",
+            ("Qwen2MoeForCausalLM",),
+            _COMMON + _QKV_BIAS + _MOE_MLP + _SHARED_EXPERT,
+            moe=True,
+            qkv_bias=True,
+        ),
+        Family("mixtral", ("MixtralForCausalLM",), _COMMON + _MIXTRAL_MLP, moe=True),
     )
 }
 

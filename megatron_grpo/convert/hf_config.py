@@ -31,6 +31,8 @@ YARN_FIELDS = (
     "yarn_mscale_all_dim",
     "yarn_correction_range_round_to_int",
 )
+# Families whose attention uses config.sliding_window whenever it is set.
+_SLIDING_WINDOW = ("mistral", "mixtral")
 # Fields that describe the architecture (compared when an exported config must agree with the
 # checkpoint's model_config.yaml); the rest are training knobs.
 ARCHITECTURE_FIELDS = (
@@ -61,6 +63,8 @@ ARCHITECTURE_FIELDS = (
     "moe_ffn_hidden_size",
     "moe_router_pre_softmax",
     "moe_router_score_function",
+    "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate",
 )
 # HF llama3 rope_scaling keys that megatron-core does not take (GPTModel passes only the factor).
 LLAMA3_FIXED_KEYS = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -226,7 +230,7 @@ def _max_sequence_length(cfg: Any, family: Family) -> int:
     """max_position_embeddings, capped at an active sliding window (see docs/conversion.md)."""
     length = cfg.max_position_embeddings
     window = getattr(cfg, "sliding_window", None)
-    active = family.name == "mistral" or getattr(cfg, "use_sliding_window", False)
+    active = family.name in _SLIDING_WINDOW or getattr(cfg, "use_sliding_window", False)
     if active and window is not None and window < length:
         log.warning(
             "sliding_window=%d < max_position_embeddings=%d: Megatron uses full attention, which "
@@ -237,6 +241,57 @@ def _max_sequence_length(cfg: Any, family: Family) -> int:
         )
         return window
     return length
+
+
+def _moe_fields(cfg: Any, family: Family) -> dict[str, Any]:
+    """ModelConfig MoE fields. HF routers: softmax over all experts, top-k, then renormalized iff
+    ``norm_topk_prob`` (Mixtral: always). Megatron's ``moe_router_pre_softmax=False`` is top-k
+    then softmax over the k, i.e. the renormalized probabilities."""
+    if family.name == "mixtral":
+        _require(
+            not getattr(cfg, "router_jitter_noise", 0.0),
+            f"router_jitter_noise={cfg.router_jitter_noise} is unsupported (set it to 0)",
+        )
+        return dict(
+            num_moe_experts=cfg.num_local_experts,
+            moe_router_topk=cfg.num_experts_per_tok,
+            moe_ffn_hidden_size=cfg.intermediate_size,
+            moe_router_pre_softmax=False,
+            moe_router_score_function="softmax",
+        )
+    fields = dict(
+        num_moe_experts=cfg.num_experts,
+        moe_router_topk=cfg.num_experts_per_tok,
+        moe_ffn_hidden_size=cfg.moe_intermediate_size,
+        moe_router_pre_softmax=not cfg.norm_topk_prob,
+        moe_router_score_function="softmax",
+    )
+    if family.name == "qwen2_moe":
+        fields.update(
+            moe_shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
+            moe_shared_expert_gate=True,
+        )
+    return fields
+
+
+def _hf_moe_kwargs(model_cfg: ModelConfig, family: Family) -> dict[str, Any]:
+    """The HF config's MoE keys for ``model_cfg`` (what they cannot express fails the round
+    trip check of :func:`hf_config_from_model`)."""
+    if family.name == "mixtral":
+        return dict(
+            num_local_experts=model_cfg.num_moe_experts,
+            num_experts_per_tok=model_cfg.moe_router_topk,
+            intermediate_size=model_cfg.moe_ffn_hidden_size,
+        )
+    kwargs = dict(
+        num_experts=model_cfg.num_moe_experts,
+        num_experts_per_tok=model_cfg.moe_router_topk,
+        moe_intermediate_size=model_cfg.moe_ffn_hidden_size,
+        norm_topk_prob=not model_cfg.moe_router_pre_softmax,
+    )
+    if family.name == "qwen2_moe":
+        kwargs["shared_expert_intermediate_size"] = model_cfg.moe_shared_expert_intermediate_size
+    return kwargs
 
 
 def model_config_from_hf(cfg: Any, family: Family) -> ModelConfig:
@@ -269,16 +324,7 @@ def model_config_from_hf(cfg: Any, family: Family) -> ModelConfig:
         **({"position_embedding_type": "rope"} | _rope_scaling_fields(cfg, kind, params)),
     )
     if family.moe:
-        experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
-        kwargs.update(
-            num_moe_experts=experts,
-            moe_router_topk=cfg.num_experts_per_tok,
-            moe_ffn_hidden_size=cfg.moe_intermediate_size,
-            # HF: softmax over all experts, top-k, renormalize iff norm_topk_prob. Megatron:
-            # pre_softmax=False is top-k then softmax over the k (= renormalized probabilities).
-            moe_router_pre_softmax=not cfg.norm_topk_prob,
-            moe_router_score_function="softmax",
-        )
+        kwargs.update(_moe_fields(cfg, family))
     try:
         return ModelConfig(**kwargs)
     except ValueError as e:
@@ -304,15 +350,10 @@ def hf_config_from_model(model_cfg: ModelConfig, family: Family) -> dict[str, An
         hidden_act="silu",
         architectures=[family.architectures[0]],
     )
-    if family.name == "mistral":
+    if family.name in _SLIDING_WINDOW:
         kwargs["sliding_window"] = None
     if family.moe:
-        kwargs.update(
-            num_experts=model_cfg.num_moe_experts,
-            num_experts_per_tok=model_cfg.moe_router_topk,
-            moe_intermediate_size=model_cfg.moe_ffn_hidden_size,
-            norm_topk_prob=not model_cfg.moe_router_pre_softmax,
-        )
+        kwargs.update(_hf_moe_kwargs(model_cfg, family))
     if model_cfg.rotary_percent != 1.0:
         kwargs["partial_rotary_factor"] = model_cfg.rotary_percent
     # rope_theta= and rope_scaling= are accepted by transformers 4.x and 5.x (5.x stores both in

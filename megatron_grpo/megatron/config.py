@@ -103,6 +103,7 @@ class ModelConfig:
     moe_ffn_hidden_size: int | None = None
     moe_layer_freq: int = 1
     moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_gate: bool = False  # sigmoid(x . w) scales the shared experts (Qwen2-MoE)
     moe_router_load_balancing_type: Literal[
         "aux_loss", "seq_aux_loss", "global_aux_loss", "none"
     ] = "aux_loss"
@@ -199,6 +200,8 @@ class ModelConfig:
                     "num_moe_experts"
                 )
             return
+        if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
+            raise ValueError("moe_shared_expert_gate needs moe_shared_expert_intermediate_size")
         if self.moe_router_topk > self.num_moe_experts:
             raise ValueError(
                 f"moe_router_topk={self.moe_router_topk} exceeds num_moe_experts="
@@ -418,6 +421,7 @@ def _moe_kwargs(model: ModelConfig) -> dict[str, Any]:
         moe_ffn_hidden_size=model.moe_ffn_hidden_size or model.ffn_hidden_size,
         moe_layer_freq=model.moe_layer_freq,
         moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=model.moe_shared_expert_gate,
         moe_router_load_balancing_type=model.moe_router_load_balancing_type,
         moe_aux_loss_coeff=model.moe_aux_loss_coeff,
         moe_z_loss_coeff=model.moe_z_loss_coeff,

@@ -123,6 +123,7 @@ def layer_params(cfg: ModelConfig, par: ParallelConfig, moe: bool) -> tuple[int,
     dense += experts * cfg.hidden_size + (experts if cfg.add_bias_linear else 0)  # router
     if cfg.moe_shared_expert_intermediate_size:
         dense += _mlp_params(cfg, cfg.moe_shared_expert_intermediate_size, tp)
+        dense += cfg.hidden_size if cfg.moe_shared_expert_gate else 0  # [1, H], replicated
     etp = expert_tp_size(par)
     local = experts // par.expert_model_parallel_size
     return dense, local * _mlp_params(cfg, cfg.moe_ffn_hidden_size or _ffn(cfg), etp)
