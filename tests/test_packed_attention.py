@@ -43,6 +43,12 @@ def _reference(q, k, v, bounds: list[int]) -> tuple[torch.Tensor, tuple[torch.Te
     return out, (q, k, v)
 
 
+def _strided(q, k, v):
+    """The same values as non-contiguous views of one [T, n, d] buffer (megatron's qkv split)."""
+    qkv = torch.cat([q, k, v], dim=1)
+    return torch.split(qkv, [q.size(1), k.size(1), v.size(1)], dim=1)
+
+
 def _inputs(total: int, n_q: int = 4, n_kv: int = 2, d: int = 16, dtype=torch.float32, dev="cpu"):
     g = torch.Generator().manual_seed(total)
     return [
@@ -55,7 +61,10 @@ def _inputs(total: int, n_q: int = 4, n_kv: int = 2, d: int = 16, dtype=torch.fl
     "lens, padded, total",
     [
         ([5, 1, 17, 3, 64, 9], None, 99),  # five length buckets
-        ([7], None, 7),  # one document
+        ([7], None, 7),  # one document (no gather)
+        ([8, 8, 8], None, 24),  # equal documents (no gather)
+        ([6, 6], None, 14),  # equal documents, 2 tokens of padding
+        ([0, 6, 6], None, 12),  # an empty document: the gathered path
         ([3, 0, 6], [4, 0, 8], 14),  # empty document, padded bounds (CP/TP style)
         ([10, 3], None, 16),  # 3 tokens of TP/SP padding after the last document
     ],
@@ -63,6 +72,8 @@ def _inputs(total: int, n_q: int = 4, n_kv: int = 2, d: int = 16, dtype=torch.fl
 def test_bucketed_matches_per_document_reference(lens, padded, total):
     q, k, v = _inputs(total)
     params = _params(lens, padded)
+    # q / k / v as megatron hands them over: strided views of one fused projection
+    q, k, v = _strided(q, k, v)
     out = pa.packed_causal_attention(q, k, v, params, sdpa=_sdpa)
     bounds = (params.cu_seqlens_q_padded if padded else params.cu_seqlens_q).tolist()
     ref, leaves = _reference(q, k, v, bounds)

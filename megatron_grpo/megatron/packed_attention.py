@@ -8,9 +8,10 @@ real. Padding costs at most 2x a group's tokens; the number of SDPA calls is at 
 ``log2(longest document) + 1`` instead of one per document (a micro-batch of hundreds of short
 rollouts would otherwise launch hundreds of attention kernels per layer).
 
-The document layout (bounds, buckets, gather indices) is computed once per ``PackedSeqParams``
-and cached on it: every layer, and the recomputation in backward, reuses it without a
-device-to-host sync.
+Documents of one length that tile the input (one long document, or equal ones) skip the gather:
+the input is reshaped to ``[B, S, ...]``. The document layout (bounds, buckets, gather indices)
+is computed once per ``PackedSeqParams`` and cached on it: every layer, and the recomputation in
+backward, reuses it without a device-to-host sync.
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ class _Bucket:
 class DocumentLayout:
     """Where the documents of a packed micro-batch lie; built once per ``PackedSeqParams``."""
 
-    cu_seqlens: torch.Tensor  # [N + 1] int32, on the attention's device
     end: int  # cu_seqlens[-1]: tokens at or after it are padding
-    max_len: int
     buckets: list[_Bucket]
+    # (B, S) when B documents of S tokens tile [0, end): q[:end] is then viewed as [B, S, ...]
+    equal: tuple[int, int] | None
 
 
 def document_layout(params: PackedSeqParams, device: torch.device) -> DocumentLayout:
@@ -63,12 +64,9 @@ def document_layout(params: PackedSeqParams, device: torch.device) -> DocumentLa
         valid = offsets[None, :] < lens[d, None]
         index = torch.where(valid, starts[d, None] + offsets[None, :], -1)
         buckets.append(_Bucket(index.to(device), valid.to(device)))
-    layout = DocumentLayout(
-        cu_seqlens=cu.to(device=device, dtype=torch.int32),
-        end=bounds[-1],
-        max_len=int(lens.max()) if len(lens) else 0,
-        buckets=buckets,
-    )
+    n = len(lens)
+    equal = (n, bounds[-1] // n) if n and bool((lens == lens[0]).all()) and lens[0] > 0 else None
+    layout = DocumentLayout(end=bounds[-1], buckets=buckets, equal=equal)
     params._grpo_document_layout = (key, layout)
     return layout
 
@@ -87,6 +85,14 @@ def packed_causal_attention(
     dropout and softmax scale.
     """
     layout = document_layout(params, q.device)
+    if layout.equal is not None:  # e.g. one long document: no gather
+        b, s = layout.equal
+        qb, kb, vb = (
+            x[: layout.end].reshape(b, s, *x.shape[1:]).transpose(1, 2) for x in (q, k, v)
+        )
+        out = sdpa(qb, kb, vb).transpose(1, 2).reshape(layout.end, *q.shape[1:])
+        pad = q.size(0) - layout.end
+        return out if pad == 0 else torch.cat([out, out.new_zeros(pad, *out.shape[1:])])
     # A zero row at position T stands for padding (gather index -1 reads it).
     ext = [torch.cat([x, x.new_zeros(1, *x.shape[1:])]) for x in (q, k, v)]
     out = q.new_zeros(q.shape)
