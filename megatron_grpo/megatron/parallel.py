@@ -128,9 +128,12 @@ def _init_process_group(timeout_minutes: int) -> None:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
-    # A process group left alive at interpreter exit can abort the process ("terminate called
-    # without an active exception") when its worker threads are torn down in random order.
-    atexit.register(_destroy_process_group_at_exit)
+    if backend == "gloo":
+        # A gloo group left alive at interpreter exit can abort the process ("terminate called
+        # without an active exception") as its threads are torn down. Not for NCCL: destroying
+        # a communicator with collectives in flight (a rank failing) can block, where exiting
+        # lets torchrun stop the job.
+        atexit.register(_destroy_process_group_at_exit)
 
 
 def _destroy_process_group_at_exit() -> None:
