@@ -45,10 +45,11 @@ def document_layout(params: PackedSeqParams, device: torch.device) -> DocumentLa
     """The (cached) layout of ``params``' documents, from the padded bounds when given."""
     cu = params.cu_seqlens_q_padded
     cu = params.cu_seqlens_q if cu is None else cu
-    key = (id(cu), cu._version, device)
+    # Valid while the bounds are the same tensor (held here, so its id cannot be reused), not
+    # modified in place since (its version counter), and the device is the same.
     cached = getattr(params, "_grpo_document_layout", None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
+    if cached is not None and cached[0] is cu and cached[1:3] == (cu._version, device):
+        return cached[3]
     bounds = cu.tolist()  # the one device-to-host sync per micro-batch
     starts = torch.tensor(bounds[:-1], dtype=torch.long)
     lens = torch.tensor(bounds[1:], dtype=torch.long) - starts
@@ -67,7 +68,7 @@ def document_layout(params: PackedSeqParams, device: torch.device) -> DocumentLa
     n = len(lens)
     equal = (n, bounds[-1] // n) if n and bool((lens == lens[0]).all()) and lens[0] > 0 else None
     layout = DocumentLayout(end=bounds[-1], buckets=buckets, equal=equal)
-    params._grpo_document_layout = (key, layout)
+    params._grpo_document_layout = (cu, cu._version, device, layout)
     return layout
 
 
