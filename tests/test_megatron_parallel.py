@@ -1,4 +1,4 @@
-"""TP / SP / PP / DP / micro-batch equivalences of the Megatron integration (2 gloo ranks).
+"""TP / SP / PP / CP / DP / micro-batch equivalences of the Megatron integration (2 gloo ranks).
 
 One spawned world runs every layout in turn (re-initializing parallel_state), each starting from
 the same TP=1 weights copied into the layout, and compares log-probs and gradients with the
@@ -96,6 +96,9 @@ def _body(rank: int, world: int) -> None:
     _check_layout(sp, model_cfg, step, seqs, ref, "TP2+SP")
     pp2 = ParallelConfig(pipeline_model_parallel_size=2)
     _check_layout(pp2, model_cfg, step, seqs, ref, "PP2")
+    # the portable spec's all-gather CP attention on Megatron's THD CP layout
+    cp2 = ParallelConfig(context_parallel_size=2)
+    _check_layout(cp2, model_cfg, step, seqs, ref, "CP2")
     # Untied output layer at TP=2: packing and padded-vocab checks.
     untied = tiny_model()
     chunks = build_layout(ParallelConfig(tensor_model_parallel_size=2), untied)

@@ -128,3 +128,38 @@ def test_bf16_on_gpu_within_per_document_sdpa_error():
     for a, b, w in zip(got, base, want, strict=True):
         err, err_loop = (a.double() - w).abs().max().item(), (b.double() - w).abs().max().item()
         assert err <= 2 * err_loop + 1e-2, (err, err_loop)
+
+
+def _cp_body(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    from megatron_grpo.megatron.batch import thd_partition_index
+    from megatron_grpo.megatron.cp_attention import cp_causal_attention
+
+    padded = [4 * world, 8 * world, 4 * world, 2 * world]  # two of one length: batched
+    total = sum(padded)
+    q, k, v = _inputs(total, n_q=4, n_kv=2, d=8)
+    params = _params(padded)  # Megatron's CP params carry the global (padded) bounds
+    ref, leaves = _reference(q, k, v, params.cu_seqlens_q.tolist())
+    grad = torch.randn(ref.shape, generator=torch.Generator().manual_seed(5))
+    want = torch.autograd.grad(ref, leaves, grad.double())
+    index = thd_partition_index(params.cu_seqlens_q, world, rank)
+    local = [x.detach()[index].requires_grad_() for x in (q, k, v)]
+    for gqa in (True, False):
+        qk = local if gqa else [local[0], *(x.repeat_interleave(2, dim=1) for x in local[1:])]
+        out = cp_causal_attention(
+            *qk, params, dist.group.WORLD, scale=8**-0.5, dropout_p=0.0, enable_gqa=gqa
+        )
+        torch.testing.assert_close(out.double(), ref[index], atol=2e-6, rtol=2e-5)
+        got = torch.autograd.grad(out, local, grad[index])
+        for a, w in zip(got, want, strict=True):
+            torch.testing.assert_close(a.double(), w[index].double(), atol=2e-5, rtol=2e-4)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_attention_matches_the_full_sequence(world):
+    """Each CP rank's output and q/k/v gradients (K/V all-gathered, their gradients
+    reduce-scattered) equal the unsplit per-document attention at its tokens."""
+    from tests.dist_utils import run_distributed
+
+    run_distributed(_cp_body, world)

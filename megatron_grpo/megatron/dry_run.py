@@ -124,11 +124,6 @@ def check_layout(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, world_siz
             "parallel.sequence_parallel must be true for MoE with tensor_model_parallel_size > 1 "
             "(megatron-core's MoE layer refuses to train without it)"
         )
-    if parallel_cfg.context_parallel_size > 1 and model_cfg.transformer_impl == "local":
-        raise ValueError(
-            "parallel.context_parallel_size > 1 needs model.transformer_impl "
-            "'transformer_engine' or 'auto' (Transformer Engine attention)"
-        )
     return world_size // parallel_cfg.model_parallel_size
 
 

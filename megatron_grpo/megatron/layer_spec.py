@@ -8,6 +8,7 @@ its torch norms (``WrappedTorchNorm``) refuse sequence parallelism. The portable
   packed sequences attend per document (``packed_attention``: a few length-bucketed SDPA calls,
   not one per document), so documents never see each other and no [T, T] mask or
   score matrix is built (on GPU SDPA picks a flash/memory-efficient kernel: O(s) memory).
+  Context parallelism (Megatron's THD CP layout) all-gathers K and V (``cp_attention``).
 * :class:`Norm`: LayerNorm / RMSNorm whose parameters carry ``sequence_parallel`` so that
   Megatron's ``finalize_model_grads`` all-reduces their gradients across TP under SP
   (q/k norms are summed across TP by name, as Megatron does).
@@ -24,7 +25,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
@@ -48,6 +49,7 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
+from megatron_grpo.megatron.cp_attention import cp_causal_attention
 from megatron_grpo.megatron.packed_attention import packed_causal_attention
 
 try:
@@ -131,11 +133,6 @@ class SDPAttention(MegatronModule):
         **kwargs,
     ) -> None:
         super().__init__(config=config)
-        if config.context_parallel_size > 1:
-            raise ValueError(
-                "context_parallel_size > 1 needs Transformer Engine attention "
-                "(model.transformer_impl: transformer_engine); the portable spec has no CP"
-            )
         if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
             raise ValueError(f"SDPAttention supports causal masks only, got {attn_mask_type}")
         if config.softmax_type != "vanilla" or config.window_size is not None:
@@ -159,6 +156,23 @@ class SDPAttention(MegatronModule):
             q, k, v, dropout_p=p, is_causal=True, scale=self.softmax_scale, **extra
         )
 
+    def _context_parallel(self, q, k, v, params: PackedSeqParams | None, thd: bool):
+        """``cp_attention``: all-gathered K / V, Megatron's THD CP layout."""
+        if not thd:
+            raise ValueError(
+                "SDPAttention supports context parallelism on packed (THD) sequences only "
+                "(batch.split_for_context_parallel's layout)"
+            )
+        groups = q.size(1) // k.size(1)
+        if groups > 1 and not _SDPA_HAS_GQA:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        return cp_causal_attention(
+            q, k, v, params, parallel_state.get_context_parallel_group(),
+            scale=self.softmax_scale,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            enable_gqa=groups > 1 and _SDPA_HAS_GQA,
+        )  # fmt: skip
+
     def forward(
         self,
         query: torch.Tensor,
@@ -175,7 +189,10 @@ class SDPAttention(MegatronModule):
         dropout = self.dropout_p > 0 and self.training and not self.config.sequence_parallel
         ctx = rng() if dropout else contextlib.nullcontext()
         with ctx:
-            if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+            if self.config.context_parallel_size > 1:
+                return self._context_parallel(query, key, value, packed_seq_params, thd)
+            if thd:
                 return packed_causal_attention(
                     query, key, value, packed_seq_params, sdpa=self._sdpa
                 )
