@@ -155,3 +155,18 @@ def _split_body(rank: int, world: int) -> None:
 def test_update_invariant_to_microbatch_and_dp_split():
     """token_mean and seq_mean_token_mean: one SGD update is the same however it is split."""
     run_distributed(_split_body, 2)
+
+
+def _cp_tp_body(rank: int, world: int) -> None:
+    seqs = make_sequences(6, seed=5)
+    model_cfg = tiny_model()
+    step = GRPOStep(GRPOLossConfig(), vocab_size=model_cfg.vocab_size)
+    ref = _reference(model_cfg, step, seqs)
+    layout = ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True,
+                            context_parallel_size=2)  # fmt: skip
+    _check_layout(layout, model_cfg, step, seqs, ref, "TP2+SP+CP2")
+
+
+def test_cp_with_tp_and_sp_matches_single_rank():
+    """CP = 2 inside TP = 2 + SP (4 ranks): documents padded to multiples of 2 * CP * TP."""
+    run_distributed(_cp_tp_body, 4)
