@@ -27,7 +27,7 @@ SDPA = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 @dataclass
 class _Bucket:
-    index: torch.Tensor  # [B, S] token positions, padding = T (a zero row appended)
+    index: torch.Tensor  # [B, S] token positions; padding -1 (reads an appended zero row)
     valid: torch.Tensor  # [B, S] bool, real tokens
 
 
@@ -53,6 +53,16 @@ def document_layout(params: PackedSeqParams, device: torch.device) -> DocumentLa
     bounds = cu.tolist()  # the one device-to-host sync per micro-batch
     starts = torch.tensor(bounds[:-1], dtype=torch.long)
     lens = torch.tensor(bounds[1:], dtype=torch.long) - starts
+    n = len(lens)
+    equal = (n, bounds[-1] // n) if n and bool((lens == lens[0]).all()) and lens[0] > 0 else None
+    buckets = [] if equal else _buckets(starts, lens, device)
+    layout = DocumentLayout(end=bounds[-1], buckets=buckets, equal=equal)
+    params._grpo_document_layout = (cu, cu._version, device, layout)
+    return layout
+
+
+def _buckets(starts: torch.Tensor, lens: torch.Tensor, device) -> list[_Bucket]:
+    """Documents grouped by ``ceil(log2(length))``, as right-padded gather indices."""
     groups: dict[int, list[int]] = {}
     for doc, n in enumerate(lens.tolist()):
         if n > 0:
@@ -60,16 +70,11 @@ def document_layout(params: PackedSeqParams, device: torch.device) -> DocumentLa
     buckets = []
     for docs in groups.values():
         d = torch.tensor(docs)
-        width = int(lens[d].max())
-        offsets = torch.arange(width)
+        offsets = torch.arange(int(lens[d].max()))
         valid = offsets[None, :] < lens[d, None]
         index = torch.where(valid, starts[d, None] + offsets[None, :], -1)
         buckets.append(_Bucket(index.to(device), valid.to(device)))
-    n = len(lens)
-    equal = (n, bounds[-1] // n) if n and bool((lens == lens[0]).all()) and lens[0] > 0 else None
-    layout = DocumentLayout(end=bounds[-1], buckets=buckets, equal=equal)
-    params._grpo_document_layout = (cu, cu._version, device, layout)
-    return layout
+    return buckets
 
 
 def packed_causal_attention(
