@@ -24,10 +24,10 @@ def _params(lens: list[int], padded: list[int] | None = None) -> PackedSeqParams
     )
 
 
-def _sdpa(q, k, v):
+def _sdpa(q, k, v, mask=None):
     groups = q.size(1) // k.size(1)
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
 
 
 def _reference(q, k, v, bounds: list[int]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
@@ -135,6 +135,9 @@ def _cp_body(rank: int, world: int) -> None:
 
     from megatron_grpo.megatron.batch import thd_partition_index
     from megatron_grpo.megatron.cp_attention import cp_causal_attention
+    from megatron_grpo.megatron.parallel import redirect_cuda_device_to_cpu
+
+    redirect_cuda_device_to_cpu()  # as initialize_parallel does: megatron's gather asks for it
 
     padded = [4 * world, 8 * world, 4 * world, 2 * world]  # two of one length: batched
     total = sum(padded)
@@ -145,11 +148,12 @@ def _cp_body(rank: int, world: int) -> None:
     want = torch.autograd.grad(ref, leaves, grad.double())
     index = thd_partition_index(params.cu_seqlens_q, world, rank)
     local = [x.detach()[index].requires_grad_() for x in (q, k, v)]
-    for gqa in (True, False):
-        qk = local if gqa else [local[0], *(x.repeat_interleave(2, dim=1) for x in local[1:])]
-        out = cp_causal_attention(
-            *qk, params, dist.group.WORLD, scale=8**-0.5, dropout_p=0.0, enable_gqa=gqa
-        )
+
+    def gqa_sdpa(q, k, v, mask):  # the native GQA path, as SDPAttention uses on torch >= 2.5
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    for sdpa in (gqa_sdpa, _sdpa):
+        out = cp_causal_attention(*local, params, dist.group.WORLD, sdpa=sdpa)
         torch.testing.assert_close(out.double(), ref[index], atol=2e-6, rtol=2e-5)
         got = torch.autograd.grad(out, local, grad[index])
         for a, w in zip(got, want, strict=True):

@@ -20,24 +20,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from torch.nn.attention.bias import causal_lower_right
 
-from megatron_grpo.ops.comm import TPInfo, all_gather_rows, reduce_scatter_rows
-
-
-class _GatherRows(torch.autograd.Function):
-    """[T_local, ...] -> [C * T_local, ...] rank-major; backward sums the gradients' shares."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, info: TPInfo) -> torch.Tensor:
-        ctx.info = info
-        return all_gather_rows(x, info)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return reduce_scatter_rows(grad, ctx.info), None
+from megatron_grpo.megatron.packed_attention import SDPA, cached_layout
 
 
 @dataclass
@@ -50,18 +37,12 @@ class _LengthGroup:
     prefix: tuple[int, int]  # key prefix lengths of those two chunks
 
 
-def _layout(params: PackedSeqParams, info: TPInfo, t_local: int, device) -> list[_LengthGroup]:
-    cu = params.cu_seqlens_q_padded
-    cu = params.cu_seqlens_q if cu is None else cu
-    cached = getattr(params, "_grpo_cp_layout", None)
-    if cached is not None and cached[0] is cu and cached[1:3] == (cu._version, device):
-        return cached[3]
-    c2, r = 2 * info.size, info.rank
-    bounds = cu.tolist()
-    if bounds[-1] != t_local * info.size:
+def _layout(bounds: list[int], size: int, rank: int, t_local: int, device) -> list[_LengthGroup]:
+    c2 = 2 * size
+    if bounds[-1] != t_local * size:
         raise ValueError(
             f"context parallelism: the padded documents hold {bounds[-1]} tokens, but the "
-            f"{info.size} ranks hold {t_local} each (split_for_context_parallel's layout?)"
+            f"{size} ranks hold {t_local} each (split_for_context_parallel's layout?)"
         )
     by_length: dict[int, list[int]] = {}
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
@@ -71,7 +52,7 @@ def _layout(params: PackedSeqParams, info: TPInfo, t_local: int, device) -> list
                 f"multiple of 2 * context_parallel_size = {c2}"
             )
         if end > start:
-            by_length.setdefault(end - start, []).append(start // info.size)
+            by_length.setdefault(end - start, []).append(start // size)
     groups = []
     for length, offsets in by_length.items():
         c = length // c2
@@ -79,7 +60,7 @@ def _layout(params: PackedSeqParams, info: TPInfo, t_local: int, device) -> list
         t = torch.arange(c)
         # global chunk i lives on rank i (first half) or 2C-1-i (second half of the local slice)
         keys = [
-            (i if i < info.size else c2 - 1 - i) * t_local + o + (0 if i < info.size else c) + t
+            (i if i < size else c2 - 1 - i) * t_local + o + (0 if i < size else c) + t
             for i in range(c2)
         ]
         groups.append(
@@ -87,10 +68,9 @@ def _layout(params: PackedSeqParams, info: TPInfo, t_local: int, device) -> list
                 chunk=c,
                 key_index=torch.cat(keys, dim=1).to(device),
                 query_index=((o + t).to(device), (o + c + t).to(device)),
-                prefix=((r + 1) * c, (c2 - r) * c),
+                prefix=((rank + 1) * c, (c2 - rank) * c),
             )
         )
-    params._grpo_cp_layout = (cu, cu._version, device, groups)
     return groups
 
 
@@ -101,29 +81,24 @@ def cp_causal_attention(
     params: PackedSeqParams,
     group: dist.ProcessGroup,
     *,
-    scale: float,
-    dropout_p: float,
-    enable_gqa: bool,
+    sdpa: SDPA,
 ) -> torch.Tensor:
     """This CP rank's attention output ``[T_local, n_q, d]`` for its ``q [T_local, n_q, d]``,
-    ``k, v [T_local, n_kv, d]`` (``enable_gqa=False``: the caller has repeated k / v heads)."""
-    info = TPInfo.of(group)
-    groups = _layout(params, info, q.size(0), q.device)
-    kg, vg = (_GatherRows.apply(x, info) for x in (k, v))  # [C * T_local, n_kv, d]
-    extra = {"enable_gqa": True} if enable_gqa else {}
+    ``k, v [T_local, n_kv, d]``. ``sdpa(q, k, v, mask)`` is the caller's SDPA on
+    ``[B, n, S, d]`` batches (GQA, dropout and softmax scale included)."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    groups = cached_layout(
+        params, "_grpo_cp_layout", q.device,
+        lambda b: _layout(b, size, rank, q.size(0), q.device),
+    )  # fmt: skip
+    # [C * T_local, n_kv, d], rank-major; backward reduce-scatters the gradients
+    kg, vg = (gather_from_sequence_parallel_region(x, True, group) for x in (k, v))
     out = q.new_zeros(q.shape)
     for g in groups:
         kb, vb = (x[g.key_index].transpose(1, 2) for x in (kg, vg))  # [B, n_kv, L, d]
         for rows, prefix in zip(g.query_index, g.prefix, strict=True):
             qb = q[rows].transpose(1, 2)  # [B, n_q, chunk, d]
-            ob = F.scaled_dot_product_attention(
-                qb,
-                kb[:, :, :prefix],
-                vb[:, :, :prefix],
-                attn_mask=causal_lower_right(g.chunk, prefix),
-                dropout_p=dropout_p,
-                scale=scale,
-                **extra,
-            )
+            mask = causal_lower_right(g.chunk, prefix)
+            ob = sdpa(qb, kb[:, :, :prefix], vb[:, :, :prefix], mask)
             out = out.index_put((rows.reshape(-1),), ob.transpose(1, 2).reshape(-1, *q.shape[1:]))
     return out

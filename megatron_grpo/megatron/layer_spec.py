@@ -143,8 +143,11 @@ class SDPAttention(MegatronModule):
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
 
-    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [b, n_q, s, d], k/v [b, n_kv, s, d] -> [b, n_q, s, d], causal."""
+    def _sdpa(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object = None
+    ) -> torch.Tensor:
+        """q [b, n_q, s_q, d], k/v [b, n_kv, s_k, d] -> [b, n_q, s_q, d]; causal, or ``mask``
+        (an SDPA ``attn_mask``, e.g. a lower-right causal bias) when given."""
         groups = q.size(1) // k.size(1)
         extra = {}
         if groups > 1 and _SDPA_HAS_GQA:
@@ -153,24 +156,8 @@ class SDPAttention(MegatronModule):
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         p = self.dropout_p if self.training else 0.0
         return F.scaled_dot_product_attention(
-            q, k, v, dropout_p=p, is_causal=True, scale=self.softmax_scale, **extra
-        )
-
-    def _context_parallel(self, q, k, v, params: PackedSeqParams | None, thd: bool):
-        """``cp_attention``: all-gathered K / V, Megatron's THD CP layout."""
-        if not thd:
-            raise ValueError(
-                "SDPAttention supports context parallelism on packed (THD) sequences only "
-                "(batch.split_for_context_parallel's layout)"
-            )
-        groups = q.size(1) // k.size(1)
-        if groups > 1 and not _SDPA_HAS_GQA:
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        return cp_causal_attention(
-            q, k, v, params, parallel_state.get_context_parallel_group(),
-            scale=self.softmax_scale,
-            dropout_p=self.dropout_p if self.training else 0.0,
-            enable_gqa=groups > 1 and _SDPA_HAS_GQA,
+            q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,
+            scale=self.softmax_scale, **extra,
         )  # fmt: skip
 
     def forward(
@@ -191,7 +178,15 @@ class SDPAttention(MegatronModule):
         with ctx:
             thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
             if self.config.context_parallel_size > 1:
-                return self._context_parallel(query, key, value, packed_seq_params, thd)
+                if not thd:
+                    raise ValueError(
+                        "SDPAttention supports context parallelism on packed (THD) sequences "
+                        "only (batch.split_for_context_parallel's layout)"
+                    )
+                group = parallel_state.get_context_parallel_group()
+                return cp_causal_attention(
+                    query, key, value, packed_seq_params, group, sdpa=self._sdpa
+                )
             if thd:
                 return packed_causal_attention(
                     query, key, value, packed_seq_params, sdpa=self._sdpa

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-SDPA = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# sdpa(q, k, v[, attn_mask]) on [B, n, S, d] batches: causal without a mask
+SDPA = Callable[..., torch.Tensor]
 
 
 @dataclass
@@ -41,24 +42,34 @@ class DocumentLayout:
     equal: tuple[int, int] | None
 
 
-def document_layout(params: PackedSeqParams, device: torch.device) -> DocumentLayout:
-    """The (cached) layout of ``params``' documents, from the padded bounds when given."""
+def cached_layout(params: PackedSeqParams, name: str, device: torch.device, build):
+    """``build(bounds)`` for ``params``' document bounds (the padded ones when given), cached on
+    ``params`` under ``name``: every layer and the recompute in backward reuse it.
+
+    Valid while the bounds are the same tensor (held by the cache, so its id cannot be reused),
+    not modified in place since (its version counter), and the device is the same."""
     cu = params.cu_seqlens_q_padded
     cu = params.cu_seqlens_q if cu is None else cu
-    # Valid while the bounds are the same tensor (held here, so its id cannot be reused), not
-    # modified in place since (its version counter), and the device is the same.
-    cached = getattr(params, "_grpo_document_layout", None)
+    cached = getattr(params, name, None)
     if cached is not None and cached[0] is cu and cached[1:3] == (cu._version, device):
         return cached[3]
-    bounds = cu.tolist()  # the one device-to-host sync per micro-batch
+    layout = build(cu.tolist())  # the one device-to-host sync per micro-batch
+    setattr(params, name, (cu, cu._version, device, layout))
+    return layout
+
+
+def document_layout(params: PackedSeqParams, device: torch.device) -> DocumentLayout:
+    """The (cached) layout of ``params``' documents."""
+    return cached_layout(params, "_grpo_document_layout", device, lambda b: _layout(b, device))
+
+
+def _layout(bounds: list[int], device: torch.device) -> DocumentLayout:
     starts = torch.tensor(bounds[:-1], dtype=torch.long)
     lens = torch.tensor(bounds[1:], dtype=torch.long) - starts
     n = len(lens)
     equal = (n, bounds[-1] // n) if n and bool((lens == lens[0]).all()) and lens[0] > 0 else None
     buckets = [] if equal else _buckets(starts, lens, device)
-    layout = DocumentLayout(end=bounds[-1], buckets=buckets, equal=equal)
-    params._grpo_document_layout = (cu, cu._version, device, layout)
-    return layout
+    return DocumentLayout(end=bounds[-1], buckets=buckets, equal=equal)
 
 
 def _buckets(starts: torch.Tensor, lens: torch.Tensor, device) -> list[_Bucket]:
