@@ -20,6 +20,8 @@
 # WHEELS (.whl).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=tools/gpu_env.sh
+. tools/gpu_env.sh
 
 MODE=${1:-all}
 WHEELS=${WHEELS:-.whl}
@@ -40,14 +42,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 
 setup() {
-    if compgen -G "$WHEELS/*.whl" >/dev/null; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-            --target /tmp/site "$WHEELS"/*.whl || return 1
-        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-    else
-        echo "no wheels in $WHEELS/: megatron-core must already be installed"
-    fi
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || return 1
+    install_carried || return 1
     python3 - <<'EOF' 2>&1 | tee "$OUT/env.txt"
 import torch
 import megatron.core

@@ -13,6 +13,8 @@
 # Extra arguments after the mode go to the benchmark (e.g. `bench --T 8192`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=tools/gpu_env.sh
+. tools/gpu_env.sh
 
 MODE=${1:-all}
 shift || true
@@ -36,16 +38,7 @@ download_wheels() {
 }
 
 setup() {
-    # megatron-core (and cut-cross-entropy) from the carried wheels; their dependencies (torch,
-    # numpy, packaging, triton) are in the GPU image. Then this package, without dependencies.
-    if compgen -G "$WHEELS/*.whl" >/dev/null; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-            --target /tmp/site "$WHEELS"/*.whl || return 1
-        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-    else
-        echo "no wheels in $WHEELS/: megatron-core and cut-cross-entropy must already be installed"
-    fi
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || return 1
+    install_carried || return 1
     python3 - <<'EOF' 2>&1 | tee "$OUT/env.txt"
 import torch, triton
 print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.version.cuda)
