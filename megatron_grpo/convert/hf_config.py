@@ -113,12 +113,13 @@ def megatron_llama3_constants() -> dict[str, float]:
 
 
 def yarn_attention_factor(factor: float, mscale: float, mscale_all_dim: float) -> float:
-    """YaRN's cos/sin scale, as megatron-core computes it from the ``yarn_*`` fields."""
+    """YaRN's cos/sin scale from the ``yarn_*`` fields: megatron-core's own function (the one its
+    attention applies), so the mapping follows the installed version."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        _yarn_get_concentration_factor,
+    )
 
-    def get(scale: float, m: float) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    return get(factor, mscale) / get(factor, mscale_all_dim)
+    return _yarn_get_concentration_factor(factor, mscale, mscale_all_dim)
 
 
 def _yarn_fields(cfg: Any, params: dict) -> dict[str, Any]:

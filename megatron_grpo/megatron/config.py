@@ -89,7 +89,7 @@ class ModelConfig:
     yarn_beta_slow: float = _YARN_DEFAULTS["yarn_beta_slow"]
     yarn_mscale: float = _YARN_DEFAULTS["yarn_mscale"]
     yarn_mscale_all_dim: float = _YARN_DEFAULTS["yarn_mscale_all_dim"]
-    yarn_correction_range_round_to_int: bool = True
+    yarn_correction_range_round_to_int: bool = _YARN_DEFAULTS["yarn_correction_range_round_to_int"]
     share_embeddings_and_output_weights: bool = False
     make_vocab_size_divisible_by: int = 128
     init_method_std: float = 0.02
