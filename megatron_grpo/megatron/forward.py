@@ -59,7 +59,7 @@ from megatron_grpo.megatron.batch import (
     thd_partition_index,
 )
 from megatron_grpo.megatron.model import unwrap
-from megatron_grpo.megatron.parallel import cuda_compat
+from megatron_grpo.megatron.parallel import comm_device, cuda_compat
 from megatron_grpo.ops import fused_grpo_loss, vocab_parallel_logprobs
 from megatron_grpo.ops.lm_head import check_targets
 
@@ -373,10 +373,7 @@ def _full_logprobs(local: Tensor | None, batch: PackedBatch, sp: bool) -> Tensor
             local, batch, cp_size, tp_size if sp else 1, parallel_state.get_context_parallel_group()
         )
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        device = (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        )
-        buf = local if local is not None else torch.empty(batch.num_tokens, device=device)
+        buf = local if local is not None else torch.empty(batch.num_tokens, device=comm_device())
         group = parallel_state.get_pipeline_model_parallel_group()
         src = dist.get_global_rank(group, dist.get_world_size(group) - 1)
         dist.broadcast(buf.float().contiguous() if local is not None else buf, src=src, group=group)

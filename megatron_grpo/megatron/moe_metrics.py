@@ -18,6 +18,7 @@ from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_grpo.megatron.layer_spec import moe_layer_pattern
+from megatron_grpo.megatron.parallel import comm_device
 
 # Tracker names of megatron-core's routers, by the config field that enables them.
 _AUX_LOSSES = {
@@ -54,12 +55,9 @@ def moe_loss_metrics(config: TransformerConfig, num_micro_batches: int) -> dict[
     if not names:
         return {}
     tracker = moe_utils.get_moe_layer_wise_logging_tracker()
-    device = (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    )
     for name in names:
         if name not in tracker:
-            tracker[name] = {"values": torch.zeros(config.num_layers, device=device)}
+            tracker[name] = {"values": torch.zeros(config.num_layers, device=comm_device())}
         # Per micro-batch before the DP average: ranks may run different micro-batch counts.
         tracker[name]["values"].div_(max(num_micro_batches, 1))
     moe_utils.reduce_aux_losses_tracker_across_ranks(names)

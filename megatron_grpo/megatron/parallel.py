@@ -58,6 +58,13 @@ class CpuRNGStatesTracker(mcore_random.CudaRNGStatesTracker):
             torch.set_rng_state(outer)
 
 
+def comm_device() -> torch.device:
+    """Where tensors for collectives live: NCCL communicates device tensors only."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def redirect_cuda_device_to_cpu() -> None:
     """On a CUDA-less host, make ``torch.cuda.current_device()`` return the CPU device.
 

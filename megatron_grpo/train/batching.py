@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_grpo.megatron.batch import PackedBatch, pack_sequences, padded_layout
+from megatron_grpo.megatron.parallel import comm_device
 from megatron_grpo.train.rollout_batch import RolloutBatch
 
 PER_TOKEN_INPUTS = ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
@@ -163,10 +164,7 @@ def _layout_tokens(mb: PackedBatch, cp_size: int, multiple: int) -> int:
 
 def _group_max(values: list[int], group: dist.ProcessGroup) -> list[int]:
     """Element-wise max of ``values`` over ``group`` (one all-reduce)."""
-    device = (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    )
-    t = torch.tensor(values, dtype=torch.int64, device=device)
+    t = torch.tensor(values, dtype=torch.int64, device=comm_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.tolist()
 

@@ -10,12 +10,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-
-def _device() -> torch.device:
-    # NCCL communicates device tensors only.
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+from megatron_grpo.megatron.parallel import comm_device
 
 
 def dp_rank_size() -> tuple[int, int]:
@@ -45,7 +40,7 @@ def is_logging_rank() -> bool:
 
 def all_reduce_sum(values: list[float], group: dist.ProcessGroup | None) -> list[float]:
     """Sum float64 scalars over ``group`` (None = world)."""
-    t = torch.tensor(values, dtype=torch.float64, device=_device())
+    t = torch.tensor(values, dtype=torch.float64, device=comm_device())
     if dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t.tolist()
@@ -53,7 +48,7 @@ def all_reduce_sum(values: list[float], group: dist.ProcessGroup | None) -> list
 
 def any_rank(flags: list[bool]) -> list[bool]:
     """Element-wise OR of ``flags`` over the whole world."""
-    t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=_device())
+    t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=comm_device())
     if dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return [bool(x) for x in t.tolist()]

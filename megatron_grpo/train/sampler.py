@@ -35,6 +35,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
 from megatron_grpo.megatron.forward import hidden_states_only, output_weight
+from megatron_grpo.megatron.parallel import comm_device
 from megatron_grpo.ops.comm import TPInfo, all_gather_rows
 from megatron_grpo.ops.lm_head import mm_f32
 
@@ -171,14 +172,11 @@ def _broadcast_from_tp_src(*tensors: Tensor) -> None:
         return
     src = parallel_state.get_tensor_model_parallel_src_rank()
     group = parallel_state.get_tensor_model_parallel_group()
-    # NCCL communicates device tensors only.
-    device = (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    )
+    device = comm_device()
     for t in tensors:
-        buf = t if device is None else t.to(device)
+        buf = t.to(device)  # t itself when it is already there
         dist.broadcast(buf, src, group=group)
-        if device is not None:
+        if buf is not t:
             t.copy_(buf)
 
 
@@ -192,10 +190,7 @@ def _expert_group(model: torch.nn.Module) -> tuple[dist.ProcessGroup | None, boo
 
 def _group_step(active: bool, length: int, group: dist.ProcessGroup) -> tuple[bool, int]:
     """One all-reduce MAX over ``group``: (is any rank still decoding, longest packed input)."""
-    device = (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    )
-    t = torch.tensor([int(active), length], dtype=torch.int64, device=device)
+    t = torch.tensor([int(active), length], dtype=torch.int64, device=comm_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t[0]), int(t[1])
 
