@@ -111,6 +111,64 @@ class Norm(torch.nn.Module):
         return y.to(x.dtype)
 
 
+_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.no_mask)
+
+
+def sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+    scale: float,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """The one SDPA call of the package: q ``[b, n_q, s_q, d]``, k/v ``[b, n_kv, s_k, d]`` ->
+    ``[b, n_q, s_q, d]``, GQA without copying K/V where torch allows it.
+
+    ``causal`` is torch's ``is_causal`` (top-left aligned: only for ``s_q == s_k``); ``mask`` is
+    a boolean ``attn_mask`` (True = attend) broadcastable to ``[b, n_q, s_q, s_k]``."""
+    groups = q.size(1) // k.size(1)
+    extra = {}
+    if groups > 1 and _SDPA_HAS_GQA:
+        extra["enable_gqa"] = True
+    elif groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale, **extra
+    )
+
+
+def dense_mask(
+    s_q: int,
+    s_k: int,
+    mask_type: AttnMaskType,
+    padding: torch.Tensor | None,
+    device: torch.device,
+) -> torch.Tensor | bool | None:
+    """The SDPA mask for unpacked ``[b, n, s, d]`` attention: ``True`` (plain causal, ``s_q ==
+    s_k``), ``None`` (no mask) or a boolean ``[.., s_q, s_k]`` tensor (True = attend).
+
+    Causal masks are aligned bottom-right: query ``i`` sees keys ``<= i + s_k - s_q``, so a
+    KV-cached query (``s_q < s_k``, e.g. one decode token) sees the whole cache (torch's
+    ``is_causal`` would align top-left and let it see key 0 only). ``padding`` is megatron's
+    attention mask (True = masked out), e.g. a ``[b, 1, 1, s_k]`` key-padding mask."""
+    causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+    if padding is None:
+        if not causal or s_q == s_k:
+            return True if causal else None
+    allowed = None
+    if causal:
+        offset = s_k - s_q
+        i = torch.arange(s_q, device=device)[:, None]
+        allowed = torch.arange(s_k, device=device)[None, :] <= i + offset
+    if padding is not None:
+        keep = ~padding.to(device=device, dtype=torch.bool)
+        allowed = keep if allowed is None else keep & allowed
+    return allowed
+
+
 class SDPAttention(MegatronModule):
     """Core attention through torch SDPA: causal, GQA, packed THD sequences per document.
 
@@ -133,8 +191,11 @@ class SDPAttention(MegatronModule):
         **kwargs,
     ) -> None:
         super().__init__(config=config)
-        if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
-            raise ValueError(f"SDPAttention supports causal masks only, got {attn_mask_type}")
+        if attn_mask_type not in _MASK_TYPES:
+            raise ValueError(
+                f"SDPAttention supports causal, padding_causal and no_mask, got {attn_mask_type}"
+            )
+        self.attn_mask_type = attn_mask_type
         if config.softmax_type != "vanilla" or config.window_size is not None:
             raise ValueError("SDPAttention supports vanilla softmax without window attention")
         head_dim = config.kv_channels
@@ -148,17 +209,12 @@ class SDPAttention(MegatronModule):
     ) -> torch.Tensor:
         """q [b, n_q, s_q, d], k/v [b, n_kv, s_k, d] -> [b, n_q, s_q, d]; causal, or ``mask``
         (an SDPA ``attn_mask``, e.g. a lower-right causal bias) when given."""
-        groups = q.size(1) // k.size(1)
-        extra = {}
-        if groups > 1 and _SDPA_HAS_GQA:
-            extra["enable_gqa"] = True
-        elif groups > 1:
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         p = self.dropout_p if self.training else 0.0
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,
-            scale=self.softmax_scale, **extra,
-        )  # fmt: skip
+        return sdpa(q, k, v, mask=mask, causal=mask is None, scale=self.softmax_scale, dropout_p=p)
+
+    def _masked(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
+        p = self.dropout_p if self.training else 0.0
+        return sdpa(q, k, v, mask=mask, scale=self.softmax_scale, dropout_p=p)
 
     def forward(
         self,
@@ -191,14 +247,12 @@ class SDPAttention(MegatronModule):
                 return packed_causal_attention(
                     query, key, value, packed_seq_params, sdpa=self._sdpa
                 )
-            if attention_mask is not None:
-                raise ValueError(
-                    "SDPAttention applies the causal mask itself; pass attention_mask=None "
-                    "(use packed sequences for multiple documents per row)"
-                )
             # [s, b, n, d] -> [b, n, s, d]
             q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-            out = self._sdpa(q, k, v)
+            mask = dense_mask(q.size(2), k.size(2), attn_mask_type or self.attn_mask_type,
+                              attention_mask, q.device)  # fmt: skip
+            causal = mask is True
+            out = self._sdpa(q, k, v) if causal else self._masked(q, k, v, mask)
         s, b = query.size(0), query.size(1)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 

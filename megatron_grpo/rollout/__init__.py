@@ -1,0 +1,53 @@
+"""Generation over the Megatron policy: a KV-cached engine and the recompute oracle.
+
+``generate(model, prompts, params, generator, *, engine="kv_cache")`` samples one response per
+prompt from an unwrapped GPTModel (PP = CP = 1) and returns ``(responses, logprobs)``: response
+ids (ending in a stop id unless cut at ``max_new_tokens``) and the recorded log-prob of each
+response token, ``log_softmax(logits / temperature)[token]`` in fp32 over the real vocabulary.
+``generator`` is a CPU generator seeded identically on every TP rank of the group.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_grpo.rollout import model_io
+from megatron_grpo.rollout.engine import EngineOptions, KVCacheEngine
+from megatron_grpo.rollout.params import SamplingParams
+from megatron_grpo.rollout.recompute import generate_recompute
+from megatron_grpo.rollout.sampling import sample
+
+__all__ = ["EngineOptions", "KVCacheEngine", "SamplingParams", "generate", "sample"]
+
+ENGINES = ("kv_cache", "recompute")
+
+
+def generate(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    generator: torch.Generator,
+    *,
+    engine: str | KVCacheEngine = "kv_cache",
+) -> tuple[list[list[int]], list[list[float]]]:
+    """Sample a response for each prompt (the model is in eval mode while sampling).
+
+    ``engine``: ``"kv_cache"`` (a one-off :class:`KVCacheEngine`; pass an engine instance to
+    reuse its CUDA graphs across calls) or ``"recompute"`` (no cache: the test oracle)."""
+    if isinstance(engine, KVCacheEngine):
+        if engine.model is not model:
+            raise ValueError("the KVCacheEngine passed as engine was built for another model")
+        return engine.generate(prompts, params, generator)
+    if engine == "kv_cache":
+        return KVCacheEngine(model).generate(prompts, params, generator)
+    if engine != "recompute":
+        raise ValueError(f"engine must be one of {ENGINES} or a KVCacheEngine, got {engine!r}")
+    model_io.check_layout()
+    model_io.check_prompts(prompts, params, model.max_sequence_length)
+    uniforms = torch.rand(len(prompts), params.max_new_tokens, generator=generator)
+    was_training = model.training
+    model.eval()
+    try:
+        return generate_recompute(model, prompts, params, uniforms)
+    finally:
+        model.train(was_training)

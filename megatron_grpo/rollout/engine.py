@@ -1,0 +1,320 @@
+"""The KV-cached generation engine over the training model's own weights.
+
+A call packs the ragged prompts into THD prefill forwards that fill the KV cache (one slot per
+sequence), then runs decode steps: one token per unfinished sequence, attending to its slot.
+
+* Slots: the cache holds ``min(samples, kv_cache_gib / bytes per sequence)`` sequences. Waiting
+  samples are admitted (prefilled) into free slots as soon as enough are free, so generation
+  that does not fit runs as a stream rather than in lock-step waves.
+* Finished sequences stop costing compute: their slot is refilled by moving the last active
+  slot into it (compaction), so a decode step runs over exactly the unfinished rows (rounded up
+  to a power of two when CUDA graphs are on) and a long tail of lengths does not keep the batch.
+* Decode reads keys ``[0, ctx)`` with ctx the longest row's length rounded up to
+  ``context_bucket`` (graph shapes), masking each row to its own length.
+* Parallelism: TP (sequence parallelism switched off while generating and restored; every TP
+  rank samples the same tokens from the same gathered logits and uniforms, and TP rank 0's are
+  broadcast), DP (each rank its own prompts), EP (every MoE forward is a collective over the
+  expert group: ranks agree by one all-reduce MAX per phase and pad to the group's sizes; ranks
+  with nothing left run dummy rows until the group is done). PP and CP > 1 are refused.
+* The cache is freed when the call returns, before any policy update; a CUDA graph pool and a
+  few static buffers stay with the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from megatron_grpo.rollout import kv_cache as kvc
+from megatron_grpo.rollout import model_io as io
+from megatron_grpo.rollout.graphs import DecodeGraphs
+from megatron_grpo.rollout.params import SamplingParams
+from megatron_grpo.rollout.sampling import sample
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Knobs of the KV-cached engine (``rollout.*`` in a recipe).
+
+    Attributes:
+        kv_cache_gib: the KV cache budget per GPU; sequences beyond it wait for a free slot.
+        cuda_graphs: replay decode steps as CUDA graphs; None = on for dense models on GPU
+            (MoE routing has data-dependent shapes, so MoE always runs eagerly).
+        max_prefill_tokens: tokens per prefill forward (bounds its activation memory).
+        context_bucket: decode attends to keys in multiples of this many positions.
+    """
+
+    kv_cache_gib: float = 16.0
+    cuda_graphs: bool | None = None
+    max_prefill_tokens: int = 32768
+    context_bucket: int = 256
+
+    def __post_init__(self) -> None:
+        if not self.kv_cache_gib > 0:
+            raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        for name in ("max_prefill_tokens", "context_bucket"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass
+class _Run:
+    """The state of one generate call: active rows are slots ``0 .. len(rows) - 1``."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    uniforms: torch.Tensor  # [N, max_new_tokens] on the device
+    waiting: deque[int]
+    rows: list[int]  # sample index of each active row
+    responses: list[list[int]]
+    logprobs: list[list[float]]
+
+    def feed(self, row: int) -> tuple[int, int]:
+        """(token, position) that row ``row`` feeds next."""
+        i = self.rows[row]
+        return self.responses[i][-1], len(self.prompts[i]) + len(self.responses[i]) - 1
+
+    def record(self, samples: list[int], tokens: list[int], logps: list[float]) -> None:
+        for i, tok, lp in zip(samples, tokens, logps, strict=True):
+            self.responses[i].append(int(tok))
+            self.logprobs[i].append(float(lp))
+
+    def done(self, i: int) -> bool:
+        resp = self.responses[i]
+        return len(resp) >= self.params.max_new_tokens or resp[-1] in self.params.stops
+
+
+class KVCacheEngine:
+    """``KVCacheEngine(model, options).generate(prompts, params, generator)``; keep one per
+    model so its CUDA graphs are captured once and reused across calls."""
+
+    def __init__(self, model: torch.nn.Module, options: EngineOptions | None = None) -> None:
+        self.model = model
+        self.options = options or EngineOptions()
+        cuda = io.model_device(model).type == "cuda"
+        moe = model.config.num_moe_experts is not None
+        graphs = self.options.cuda_graphs
+        if graphs and (not cuda or moe):
+            raise ValueError(
+                "rollout.cuda_graphs needs a dense model on GPU (MoE routing has data-dependent "
+                "shapes); set it to null (auto) or false"
+            )
+        self.use_graphs = (cuda and not moe) if graphs is None else graphs
+        self.graphs = DecodeGraphs() if self.use_graphs else None
+        self.cache: kvc.KVCache | None = None
+        self._static_key: tuple[int, int, int] | None = None
+        self.stats: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ public
+    @torch.no_grad()
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        io.check_layout()
+        io.check_prompts(prompts, params, self.model.max_sequence_length)
+        device = io.model_device(self.model)
+        uniforms = torch.rand(len(prompts), params.max_new_tokens, generator=generator)
+        run = _Run(
+            [list(map(int, p)) for p in prompts], params, uniforms.to(device),
+            deque(range(len(prompts))), [], [[] for _ in prompts], [[] for _ in prompts],
+        )  # fmt: skip
+        self.stats = {"prefill_forwards": 0, "decode_steps": 0, "decode_rows": 0}
+        with self._generation_mode(run):
+            self._loop(run)
+        return run.responses, run.logprobs
+
+    # ------------------------------------------------------------------ setup
+    @contextlib.contextmanager
+    def _generation_mode(self, run: _Run) -> Iterator[None]:
+        """Eval mode, SP and fused RoPE off, the cache allocated and attached; all undone."""
+        model, cfg = self.model, self.model.config
+        was_training, sp, fusion = model.training, cfg.sequence_parallel, cfg.apply_rope_fusion
+        model.eval()
+        cfg.apply_rope_fusion = False  # decode applies per-row positions ([1, b, 1, d])
+        if sp:
+            _set_sequence_parallel(model, False)
+        try:
+            self.cache = self._allocate(run)
+            self._prepare_static(run)
+            with kvc.attached(model, self.cache):
+                yield
+        finally:
+            self.cache = None  # freed before any policy update
+            if sp:
+                _set_sequence_parallel(model, True)
+            cfg.apply_rope_fusion = fusion
+            model.train(was_training)
+
+    def _allocate(self, run: _Run) -> kvc.KVCache:
+        shape = kvc.CacheShape.of(self.model)
+        longest = max(len(p) for p in run.prompts) + run.params.max_new_tokens
+        bucket = self.options.context_bucket
+        seq_len = min(-(-longest // bucket) * bucket, self.model.max_sequence_length)
+        slots = min(
+            len(run.prompts), kvc.slots_for_budget(shape, self.options.kv_cache_gib, seq_len)
+        )
+        group = io.expert_group(self.model)
+        if group is not None:  # equal slot counts: the group pads decode batches to its largest
+            slots = io.group_max([slots], group)[0]
+        self.stats["slots"] = slots
+        return kvc.KVCache(shape, slots, seq_len, io.model_device(self.model))
+
+    def _prepare_static(self, run: _Run) -> None:
+        """Static decode inputs/outputs and the RoPE table: what a captured graph reads and
+        writes. Graphs are dropped when any of them, or the cache, moved."""
+        device, cache = io.model_device(self.model), self.cache
+        key = (cache.slots, cache.seq_len, cache.kv.data_ptr())
+        if key == self._static_key:
+            return
+        self._meta = torch.zeros(4, cache.slots, dtype=torch.long, device=device)
+        self._u = torch.zeros(cache.slots, dtype=torch.float32, device=device)
+        self._out = torch.zeros(2, cache.slots, dtype=torch.float64, device=device)
+        self._rope = _rope_table(self.model, cache.seq_len)
+        self._static_key = key
+        if self.graphs is not None:
+            self.graphs.clear()
+
+    # ------------------------------------------------------------------ the loop
+    def _loop(self, run: _Run) -> None:
+        group = io.expert_group(self.model)
+        while True:
+            new = self._admit(run)
+            tokens = sum(len(run.prompts[i]) for i in new)
+            if group is not None:
+                work = int(bool(new or run.rows or run.waiting))
+                work, tokens = io.group_max([work, tokens], group)
+                if not work:
+                    return
+            elif not (new or run.rows or run.waiting):
+                return
+            if tokens:
+                self._prefill(run, new, tokens if group is not None else None)
+            rows = len(run.rows)
+            if group is not None:
+                rows = io.group_max([rows], group)[0]
+            if rows:
+                self._decode(run, rows)
+
+    def _admit(self, run: _Run) -> list[int]:
+        """Waiting samples to prefill now: when a quarter of the slots (or every waiting sample,
+        or the whole cache) is free, up to ``max_prefill_tokens`` of prompts."""
+        free = self.cache.slots - len(run.rows)
+        if not run.waiting or free < min(len(run.waiting), max(1, self.cache.slots // 4)):
+            return []
+        new, tokens = [], 0
+        while run.waiting and len(new) < free:
+            n = len(run.prompts[run.waiting[0]])
+            if new and tokens + n > self.options.max_prefill_tokens:
+                break
+            new.append(run.waiting.popleft())
+            tokens += n
+        return new
+
+    def _prefill(self, run: _Run, new: list[int], num_tokens: int | None) -> None:
+        """Prefill ``new`` into slots after the active rows; sample their first tokens."""
+        seqs = [run.prompts[i] for i in new] or [[0]]  # a dummy document keeps EP in step
+        ids, pos, packed = io.packed_inputs(seqs, 1, num_tokens)
+        slot = torch.full_like(pos[0], self.cache.scratch)
+        first = len(run.rows)
+        for j, s in enumerate(seqs if new else []):
+            start = int(packed.cu_seqlens_q[j])
+            slot[start : start + len(s)] = first + j
+        device = io.model_device(self.model)
+        self.cache.plan_prefill(slot.to(device), pos[0].to(device))
+        hidden = io.packed_last_hidden(self.model, ids, pos, packed)
+        self.stats["prefill_forwards"] += 1
+        if not new:
+            return
+        logits = io.head_logits(self.model, hidden)
+        tokens, logp = sample(logits, run.uniforms[new, 0], run.params)
+        io.broadcast_from_tp_src(tokens, logp)
+        run.record(new, tokens.tolist(), logp.tolist())
+        run.rows.extend(new)
+        self._retire(run)
+
+    def _decode(self, run: _Run, rows: int) -> None:
+        """One token for every active row (``rows`` >= them: the group's padded batch)."""
+        n = len(run.rows)
+        b = _bucket(rows, self.cache.slots) if self.use_graphs else rows
+        feeds = [run.feed(r) for r in range(n)]
+        longest = max((p for _, p in feeds), default=0) + 1
+        ctx = min(-(-longest // self.options.context_bucket) * self.options.context_bucket,
+                  self.cache.seq_len)  # fmt: skip
+        meta = torch.zeros(4, b, dtype=torch.long)
+        if n:
+            meta[:, :n] = torch.tensor(
+                [[t for t, _ in feeds], [p for _, p in feeds], run.rows,
+                 [len(run.responses[i]) for i in run.rows]]
+            )  # fmt: skip
+        self._meta[:, :b].copy_(meta)
+        self._u[:b] = run.uniforms[self._meta[2, :b], self._meta[3, :b]]
+        if self.graphs is not None:
+            self.graphs.run((b, ctx, run.params), lambda: self._step(b, ctx, run.params))
+        else:
+            self._step(b, ctx, run.params)
+        self.stats["decode_steps"] += 1
+        self.stats["decode_rows"] += b
+        out = self._out[:, :n].cpu()
+        if n:
+            run.record(run.rows, out[0].long().tolist(), out[1].tolist())
+            self._retire(run, ctx)
+
+    def _step(self, b: int, ctx: int, params: SamplingParams) -> None:
+        """The device-only decode step over rows ``0 .. b-1`` (static inputs -> static out)."""
+        ids, pos = self._meta[0, :b], self._meta[1, :b]
+        self.cache.plan_decode(pos, ctx)
+        emb = self.model.embedding(input_ids=ids[:, None], position_ids=pos[:, None])
+        freqs = None if self._rope is None else self._rope[pos].transpose(0, 1)
+        hidden = self.model.decoder(hidden_states=emb, attention_mask=None, rotary_pos_emb=freqs)
+        logits = io.head_logits(self.model, hidden[0])
+        tokens, logp = sample(logits, self._u[:b], params)
+        io.broadcast_from_tp_src(tokens, logp)
+        self._out[0, :b].copy_(tokens)
+        self._out[1, :b].copy_(logp)
+
+    def _retire(self, run: _Run, ctx: int | None = None) -> None:
+        """Drop finished rows, moving the last active rows into their slots."""
+        finished = [r for r, i in enumerate(run.rows) if run.done(i)]
+        if not finished:
+            return
+        src, dst = [], []
+        for r in reversed(finished):  # highest first: a moved row is never finished
+            last = len(run.rows) - 1
+            if r != last:
+                src.append(last)
+                dst.append(r)
+                run.rows[r] = run.rows[last]
+            run.rows.pop()
+        self.cache.move_rows(src, dst, ctx or self.cache.seq_len)
+
+
+def _bucket(rows: int, slots: int) -> int:
+    """Decode batch of a CUDA graph: the next power of two, at most ``slots``."""
+    return min(1 << (rows - 1).bit_length(), slots)
+
+
+def _rope_table(model: torch.nn.Module, seq_len: int) -> torch.Tensor | None:
+    """RoPE frequencies ``[seq_len, 1, 1, d]`` from the model's own rotary module (YaRN
+    included), indexed per row at decode; None without rotary embeddings."""
+    kind = model.position_embedding_type
+    if kind not in ("rope", "yarn"):
+        if kind not in ("learned_absolute", "none"):
+            raise ValueError(f"generation does not support position_embedding_type={kind!r}")
+        return None
+    emb = model.rotary_pos_emb(seq_len)
+    return emb[0] if isinstance(emb, tuple) else emb
+
+
+def _set_sequence_parallel(model: torch.nn.Module, value: bool) -> None:
+    try:
+        from megatron.core.transformer.utils import set_model_to_sequence_parallel
+    except ImportError as e:  # megatron-core < 0.15
+        raise ValueError(
+            "generation with sequence_parallel needs megatron-core's "
+            "set_model_to_sequence_parallel (0.15+)"
+        ) from e
+    set_model_to_sequence_parallel(model, value)

@@ -1,0 +1,50 @@
+"""CUDA graphs of the decode step, one per (batch bucket, context bucket, sampling params).
+
+Eager decoding through Megatron's modules is bound by Python and kernel launches (a batch-256
+one-token forward of a 28-layer model: 36 ms eager, 5.5 ms replayed). A graph replays the whole
+step: embedding, every layer with its KV-cache write and attention, the LM head, sampling and
+the TP broadcast. Inputs and outputs are static buffers owned by the engine; the KV cache is
+read at the address it had at capture, so graphs are keyed by that address too and captured
+again only when the cache lands elsewhere (the caching allocator usually hands the same block
+back on the next call). Weights updated in place by the optimizer stay valid.
+
+All graphs share one memory pool: only one runs at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+import torch
+
+
+class DecodeGraphs:
+    def __init__(self) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
+        self.captures = 0
+
+    def run(self, key: Hashable, step: Callable[[], None]) -> None:
+        """Replay the graph of ``key``, capturing ``step`` (which writes static outputs) first."""
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self._capture(step)
+            self.graphs[key] = graph
+        graph.replay()
+
+    def _capture(self, step: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        # Warm up on a side stream (cuBLAS workspaces, NCCL communicators), then capture. The
+        # warm-up writes the same K/V the replay writes: the step is idempotent.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            step()
+        self.captures += 1
+        return graph
+
+    def clear(self) -> None:
+        self.graphs.clear()

@@ -1,0 +1,146 @@
+"""The KV cache of the generation engine and the attention that reads and writes it.
+
+One buffer ``kv [L, 2, slots + 1, n_kv, S, d]`` holds the keys (RoPE applied) and values of this
+rank's L layers for ``slots`` sequences of up to S tokens; the extra last slot is scratch that
+padding tokens write into. Rows are independent sequences at their own positions (no shared
+offset, no left padding): a decode query attends to its own row's keys ``[0, pos]`` through a
+key-padding mask, so ragged prompts decode exactly as if each ran alone.
+
+:class:`CachedAttention` wraps a layer's core attention for the duration of a generation call
+(any core attention: the portable ``SDPAttention`` or Transformer Engine's):
+
+* prefill (packed THD, the ragged prompts as documents): write each token's K/V at its (slot,
+  position), then the wrapped attention attends within each document as in training;
+* decode (``[1, b, n, d]``, one new token per row): write K/V at each row's position, then
+  attend to the row's cached keys. GQA folds the query heads of one KV head into the query
+  length (``[b, n_kv, groups, d]`` against ``[b, n_kv, ctx, d]``), so no backend needs GQA
+  support and K/V are never repeated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from megatron_grpo.megatron.layer_spec import sdpa
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """Per-token KV size of this rank's model: ``layers * 2 * kv_heads * head_dim`` elements."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> CacheShape:
+        cfg = model.config
+        tp = cfg.tensor_model_parallel_size
+        groups = cfg.num_query_groups or cfg.num_attention_heads
+        if groups % tp:
+            raise ValueError(f"num_query_groups={groups} is not divisible by TP={tp}")
+        dtype = next(model.parameters()).dtype
+        return cls(len(model.decoder.layers), groups // tp, cfg.kv_channels, dtype)
+
+    @property
+    def bytes_per_token(self) -> int:
+        itemsize = torch.finfo(self.dtype).bits // 8
+        return self.layers * 2 * self.kv_heads * self.head_dim * itemsize
+
+
+def slots_for_budget(shape: CacheShape, budget_gib: float, seq_len: int) -> int:
+    """How many sequences of ``seq_len`` tokens fit in ``budget_gib``; an error if none does."""
+    per_seq = shape.bytes_per_token * seq_len
+    slots = int(budget_gib * 2**30) // per_seq
+    if slots < 1:
+        raise ValueError(
+            f"rollout.kv_cache_gib={budget_gib} is too small for one sequence: {seq_len} tokens "
+            f"x {shape.bytes_per_token} bytes per token = {per_seq / 2**30:.4f} GiB"
+        )
+    return slots
+
+
+class KVCache:
+    """The buffer plus the per-forward write/read plan that every layer's attention shares."""
+
+    def __init__(self, shape: CacheShape, slots: int, seq_len: int, device) -> None:
+        self.shape, self.slots, self.seq_len = shape, slots, seq_len
+        self.kv = torch.empty(
+            shape.layers, 2, slots + 1, shape.kv_heads, seq_len, shape.head_dim,
+            dtype=shape.dtype, device=device,
+        )  # fmt: skip
+        self.scratch = slots
+        self.decoding = False
+        self.write_slot: Tensor | None = None  # prefill: [T] slot of each packed token
+        self.write_pos: Tensor | None = None  # prefill: [T]; decode: [b] position per row
+        self.ctx = 0  # decode: keys [0, ctx) are read (a bucket >= every row's pos + 1)
+
+    def plan_prefill(self, write_slot: Tensor, write_pos: Tensor) -> None:
+        self.decoding, self.write_slot, self.write_pos = False, write_slot, write_pos
+
+    def plan_decode(self, pos: Tensor, ctx: int) -> None:
+        self.decoding, self.write_pos, self.ctx = True, pos, ctx
+
+    def move_rows(self, src: list[int], dst: list[int], ctx: int) -> None:
+        """Copy slots ``src`` to ``dst`` (the first ``ctx`` positions): compaction."""
+        if not src:
+            return
+        s = torch.tensor(src, device=self.kv.device)
+        d = torch.tensor(dst, device=self.kv.device)
+        self.kv[:, :, d, :, :ctx] = self.kv[:, :, s, :, :ctx]
+
+
+class CachedAttention(torch.nn.Module):
+    """Layer ``index``'s core attention during generation (see the module docstring)."""
+
+    def __init__(self, inner: torch.nn.Module, cache: KVCache, index: int, scale: float) -> None:
+        super().__init__()
+        self.inner, self.cache, self.index, self.scale = inner, cache, index, scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, **kwargs) -> Tensor:
+        kc, vc = self.cache.kv[self.index, 0], self.cache.kv[self.index, 1]
+        if not self.cache.decoding:  # packed prefill: q/k/v [T, n, d]
+            kc[self.cache.write_slot, :, self.cache.write_pos] = key
+            vc[self.cache.write_slot, :, self.cache.write_pos] = value
+            return self.inner(query, key, value, attention_mask, attn_mask_type, **kwargs)
+        return self._decode(query, key, value, kc, vc)
+
+    def _decode(self, query: Tensor, key: Tensor, value: Tensor, kc: Tensor, vc: Tensor):
+        """``query [1, b, n_q, d]``, ``key/value [1, b, n_kv, d]`` -> ``[1, b, n_q * d]``."""
+        b, n_q, d = query.size(1), query.size(2), query.size(3)
+        n_kv, pos, ctx = key.size(2), self.cache.write_pos, self.cache.ctx
+        rows = torch.arange(b, device=query.device)
+        kc[rows, :, pos] = key[0]
+        vc[rows, :, pos] = value[0]
+        keys, values = kc[:b, :, :ctx], vc[:b, :, :ctx]  # [b, n_kv, ctx, d]
+        mask = torch.arange(ctx, device=query.device)[None, :] <= pos[:, None]  # [b, ctx]
+        q = query[0].reshape(b, n_kv, n_q // n_kv, d)  # query heads grouped by KV head
+        out = sdpa(q, keys, values, mask=mask[:, None, None, :], scale=self.scale)
+        return out.reshape(1, b, n_q * d)
+
+
+def softmax_scale(model: torch.nn.Module) -> float:
+    cfg = model.config
+    return cfg.softmax_scale or 1.0 / math.sqrt(cfg.kv_channels)
+
+
+@contextlib.contextmanager
+def attached(model: torch.nn.Module, cache: KVCache) -> Iterator[None]:
+    """Every layer's core attention reads and writes ``cache`` inside the block."""
+    layers = [layer.self_attention for layer in model.decoder.layers]
+    saved = [attn.core_attention for attn in layers]
+    scale = softmax_scale(model)
+    try:
+        for i, attn in enumerate(layers):
+            attn.core_attention = CachedAttention(saved[i], cache, i, scale)
+        yield
+    finally:
+        for attn, core in zip(layers, saved, strict=True):
+            attn.core_attention = core

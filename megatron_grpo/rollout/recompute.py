@@ -1,0 +1,68 @@
+"""The reference engine: recompute the whole sequence for every new token (no KV cache).
+
+Each step packs the unfinished sequences into one THD stream and runs the model over all of
+them; only the last positions go through the LM head. Slow (quadratic), simple, and the test
+oracle of the KV-cached engine: both sample through :func:`sampling.sample` with the same uniform
+number per (sample, response position), so they emit the same tokens up to float rounding.
+
+MoE with expert parallelism: every forward is a collective over the expert group, so each step
+starts with one all-reduce MAX of (any sequence unfinished, packed length); ranks that are done
+run a one-token dummy sequence until the whole group is, and under the allgather dispatcher
+every rank pads its packed input to the group's longest.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state
+
+from megatron_grpo.rollout import model_io as io
+from megatron_grpo.rollout.params import SamplingParams
+from megatron_grpo.rollout.sampling import sample
+
+
+def _pad_multiple(model: torch.nn.Module) -> int:
+    """The packed length must be a multiple of TP under sequence parallelism."""
+    sp = bool(model.config.sequence_parallel)
+    return parallel_state.get_tensor_model_parallel_world_size() if sp else 1
+
+
+@torch.no_grad()
+def generate_recompute(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    uniforms: torch.Tensor,
+) -> tuple[list[list[int]], list[list[float]]]:
+    """``uniforms [N, max_new_tokens]``: the uniform number of each (sample, position)."""
+    responses: list[list[int]] = [[] for _ in prompts]
+    logprobs: list[list[float]] = [[] for _ in prompts]
+    active = list(range(len(prompts)))
+    group, pad = io.expert_group(model), io.pads_expert_inputs(model)
+    device, stops = io.model_device(model), params.stops
+    for step in range(params.max_new_tokens):
+        # A finished rank of an expert-parallel group feeds a dummy token (logits unused).
+        seqs = [list(prompts[i]) + responses[i] for i in active] if active else [[0]]
+        num_tokens = None
+        if group is not None:
+            any_active, longest = io.group_max(
+                [int(bool(active)), io.packed_length(seqs, _pad_multiple(model))], group
+            )
+            if not any_active:
+                break
+            num_tokens = longest if pad else None
+        if not active and group is None:
+            break
+        inputs = io.packed_inputs(seqs, _pad_multiple(model), num_tokens)
+        hidden = io.packed_last_hidden(model, *inputs)
+        if not active:
+            continue
+        logits = io.head_logits(model, hidden)
+        u = uniforms[active, step].to(device)
+        tokens, logp = sample(logits, u, params)
+        io.broadcast_from_tp_src(tokens, logp)
+        for i, tok, lp in zip(active, tokens.tolist(), logp.tolist(), strict=True):
+            responses[i].append(tok)
+            logprobs[i].append(lp)
+        active = [i for i in active if responses[i][-1] not in stops]
+    return responses, logprobs
