@@ -375,11 +375,13 @@ def _gpu_run(path, cfg, hidden, weight, targets, batch):
 
 
 @pytest.mark.gpu
-def test_gpu_single_pass_accuracy_and_memory():
-    """The TP = 8 shard of a 151936 vocabulary (V_local = 18992), bf16, an fp32 main_grad: the
-    rule picks 3520-row single-pass chunks; its gradient error against an fp64 reference is
-    within the tiled path's, and its memory beyond the gradients is one full-width tile plus
-    the fp32 d_hidden."""
+def test_gpu_single_pass_accuracy_and_memory(monkeypatch):
+    """The TP = 8 shard of a 151936 vocabulary (V_local = 18992), bf16, an fp32 main_grad: with
+    the threshold at 1024 rows (the default 4096 sends this shard to the tiled path) the rule
+    picks 3520-row single-pass chunks; their gradient error against an fp64 reference is within
+    the tiled path's, and the memory beyond the gradients is one full-width tile plus the fp32
+    d_hidden."""
+    monkeypatch.setattr(single_mod, "SINGLE_PASS_MIN_ROWS", 1024)
     t, h, v, seq, prompt = 4096, 1024, 18992, 512, 64
     cfg = GRPOLossConfig(**CONFIGS["token_full"])
     hidden, weight, targets, batch = _gpu_problem(t, h, v, seq, prompt)

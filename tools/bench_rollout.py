@@ -1,0 +1,165 @@
+"""Generation throughput: our KV-cached engine (eager and CUDA graphs) against HF transformers'
+``generate`` and the HBM roofline, in one run, with per-token log-probs and peak memory.
+
+One GPU, Qwen3-0.6B shape (random weights, bf16), 256 prompts of 256 tokens, 1024 new tokens
+each, eos disabled::
+
+    python tools/bench_rollout.py --out $OUT
+    torchrun --nproc-per-node 2 tools/bench_rollout.py --preset 8b --no-hf --out $OUT  # TP=2
+
+Roofline: every decode step reads the weights of this rank once plus every row's cached K/V;
+the sum over steps at the GPU's HBM bandwidth bounds the new tokens per second. Prefill and the
+LM-head GEMM are left out of the bound (small at this shape), so it is optimistic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+PRESETS = {  # Qwen3 shapes
+    "0.6b": dict(num_layers=28, hidden_size=1024, num_attention_heads=16, num_query_groups=8,
+                 kv_channels=128, ffn_hidden_size=3072, share_embeddings_and_output_weights=True),
+    "8b": dict(num_layers=36, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+               kv_channels=128, ffn_hidden_size=12288),
+}  # fmt: skip
+HBM_TBPS = {"H200": 4.8, "H100": 3.35}
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="0.6b")
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--prompts", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=1024)
+    p.add_argument("--kv-cache-gib", type=float, default=60.0)
+    p.add_argument("--modes", default="graphs,eager", help="comma list of graphs, eager")
+    p.add_argument("--eager-new-tokens", type=int, default=None, help="shorter eager run")
+    p.add_argument("--no-hf", action="store_true", help="skip HF transformers generate")
+    p.add_argument("--hf-new-tokens", type=int, default=None, help="default: --new-tokens")
+    p.add_argument("--out", default=None)
+    return p.parse_args()
+
+
+def build(args: argparse.Namespace):
+    from megatron_grpo.megatron import ModelConfig, ParallelConfig, build_model, unwrap
+    from megatron_grpo.megatron.parallel import initialize_parallel
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = ModelConfig(
+        vocab_size=args.vocab, max_sequence_length=args.prompt_len + args.new_tokens + 256,
+        layernorm_epsilon=1e-6, qk_layernorm=True, rotary_base=1000000,
+        params_dtype="bfloat16", transformer_impl="local", **PRESETS[args.preset],
+    )  # fmt: skip
+    parallel = ParallelConfig(tensor_model_parallel_size=world)
+    initialize_parallel(parallel, seed=0)
+    return cfg, unwrap(build_model(cfg, parallel, wrap_ddp=False)[0])
+
+
+def roofline(model, cfg, args, tbps: float) -> float:
+    """New tokens/s if each decode step only streamed weights + K/V at HBM bandwidth."""
+    from megatron_grpo.rollout.kv_cache import CacheShape
+
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    per_token = CacheShape.of(model).bytes_per_token
+    total = 0.0
+    for t in range(args.new_tokens):
+        context = args.prompt_len + t + 1
+        total += weights + args.prompts * context * per_token
+    return args.prompts * args.new_tokens / (total / (tbps * 1e12))
+
+
+def run_ours(model, cfg, args, graphs: bool, new_tokens: int) -> dict:
+    from megatron_grpo.rollout import EngineOptions, KVCacheEngine, SamplingParams
+
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, cfg.vocab_size, (args.prompts, args.prompt_len), generator=g)
+    params = SamplingParams(
+        temperature=1.0, top_p=1.0, max_new_tokens=new_tokens, eos_id=0,
+        vocab_size=cfg.vocab_size, ignore_eos=True,
+    )  # fmt: skip
+    engine = KVCacheEngine(model, EngineOptions(kv_cache_gib=args.kv_cache_gib, cuda_graphs=graphs))
+    result = {}
+    for label in ("cold", "warm"):  # cold: includes graph captures; warm: graphs reused
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        responses, logprobs = engine.generate(prompts.tolist(), params, g)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        new = sum(len(r) for r in responses)
+        assert all(len(lp) == len(r) for lp, r in zip(logprobs, responses, strict=True))
+        result[label] = dict(
+            seconds=seconds, tokens_per_s=new / seconds,
+            peak_gib_over_weights=(torch.cuda.max_memory_allocated() - base) / 2**30,
+            graph_captures=engine.graphs.captures if engine.graphs else 0, **engine.stats,
+        )  # fmt: skip
+    return result
+
+
+def run_hf(cfg, args) -> dict:
+    """HF transformers generate (dynamic cache, SDPA, eager), same shape, no log-probs."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    new = args.hf_new_tokens or args.new_tokens
+    hf_cfg = Qwen3Config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.ffn_hidden_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_query_groups,
+        head_dim=cfg.kv_channels, max_position_embeddings=cfg.max_sequence_length,
+        tie_word_embeddings=cfg.share_embeddings_and_output_weights, rope_theta=1e6,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    model = Qwen3ForCausalLM(hf_cfg).to(device="cuda", dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, cfg.vocab_size, (args.prompts, args.prompt_len), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=new,
+            min_new_tokens=new, pad_token_id=0, eos_token_id=None,
+        )  # fmt: skip
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    made = (out.size(1) - args.prompt_len) * args.prompts
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    del model
+    torch.cuda.empty_cache()
+    return dict(new_tokens=new, seconds=seconds, tokens_per_s=made / seconds, peak_gib=peak)
+
+
+def main() -> None:
+    args = parse()
+    cfg, model = build(args)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    name = torch.cuda.get_device_name()
+    tbps = next((v for k, v in HBM_TBPS.items() if k in name), 3.35)
+    report = dict(device=name, world=int(os.environ.get("WORLD_SIZE", "1")), args=vars(args),
+                  roofline_tokens_per_s=roofline(model, cfg, args, tbps), hbm_tbps=tbps)  # fmt: skip
+    for mode in args.modes.split(","):
+        new = args.new_tokens if mode == "graphs" else (args.eager_new_tokens or args.new_tokens)
+        report[mode] = dict(new_tokens=new, **run_ours(model, cfg, args, mode == "graphs", new))
+        if rank == 0:
+            print(mode, json.dumps(report[mode]), flush=True)
+    if not args.no_hf and report["world"] == 1:
+        del model
+        torch.cuda.empty_cache()
+        report["hf_generate"] = run_hf(cfg, args)
+    if rank == 0:
+        print(json.dumps(report, indent=1), flush=True)
+        if args.out:
+            path = os.path.join(args.out, f"bench_rollout_{args.preset}_w{report['world']}.json")
+            with open(path, "w") as f:
+                json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
