@@ -36,15 +36,15 @@ THE KL TERM: value and gradient (``cfg.kl_gradient``)
 -----------------------------------------------------
 With ``x = clamp(ref - logp, +-kl_input_clamp)`` and ``kl = clamp(k(x), +-kl_output_clamp)``,
 the loss adds ``coef * kl_coef * kl`` per row (the same value under both conventions); its
-derivative w.r.t. ``logp`` per row, before ``coef * kl_coef``, is::
+derivative w.r.t. ``logp`` per row, before ``coef * kl_coef``, is (no clamp active)::
 
-               pathwise (d kl / d logp)     unbiased (pathwise + kl)
-    k1 = -x    1                            1 + kl           = 1 + logp - ref
-    k2 = x^2/2 -x = logp - ref              -x + kl          = (logp - ref) + (logp - ref)^2/2
-    k3 = e^x-1-x  1 - e^x                   1 - e^x + kl     = -x = logp - ref
+    estimator        pathwise: d kl / d logp    unbiased: pathwise + kl
+    k1 = -x          1                          1 + (logp - ref)
+    k2 = x^2 / 2     -x = logp - ref            (logp - ref) + (logp - ref)^2 / 2
+    k3 = e^x - 1 - x 1 - e^x                    -x = logp - ref
 
-(middle column: where no clamp is active). A clamp that is active (``x`` or the estimate outside
-its bound) zeroes the pathwise part; the unbiased score part is then the clamped ``kl`` alone.
+An active clamp (``x`` or the estimate outside its bound) zeroes the pathwise part; the unbiased
+gradient is then the clamped ``kl`` alone.
 "unbiased" is ``kl * exp(logp - sg(logp))`` (value ``kl * 1``, bit-identical): its extra
 ``kl * d logp`` makes the expected gradient over tokens sampled from the current policy that of
 ``E_pi[kl]`` (for k1 / k3, of KL(pi || pi_ref)); it is unbiased on-policy only (the tokens come
