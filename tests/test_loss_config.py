@@ -21,6 +21,9 @@ from megatron_grpo.loss import GRPOLossConfig, grpo_loss
         (dict(kl_estimator="k4"), "kl_estimator"),
         (dict(kl_input_clamp=-1.0), "kl_input_clamp"),
         (dict(kl_output_clamp=float("inf")), "kl_output_clamp"),
+        (dict(kl_gradient="score"), "kl_gradient"),
+        (dict(is_mask_scope="kl"), "is_mask_scope"),
+        (dict(is_correction_level="token", is_mask_scope="pg"), "is_mask_scope"),
         (dict(is_correction_level="geometric"), "is_correction_level"),
         (dict(is_truncate=2.0), "is_truncate"),
         (dict(is_mask=(0.5, 2.0)), "is_mask"),
@@ -43,9 +46,11 @@ def test_invalid_options_name_the_field(kwargs, field):
 def test_from_dict_loads_and_rejects_unknown_keys():
     cfg = from_dict(
         GRPOLossConfig,
-        {"is_correction_level": "sequence_mean", "is_mask": [0.5, 2], "kl_coef": 0},
-    )
+        {"is_correction_level": "sequence_mean", "is_mask": [0.5, 2], "kl_coef": 0,
+         "kl_gradient": "unbiased", "is_mask_scope": "pg"},
+    )  # fmt: skip
     assert cfg.is_mask == (0.5, 2.0) and cfg.kl_coef == 0.0
+    assert (cfg.kl_gradient, cfg.is_mask_scope) == ("unbiased", "pg")
     with pytest.raises(ConfigError, match="clip_eps_high"):
         from_dict(GRPOLossConfig, {"clip_eps_hi": 0.3})
     with pytest.raises(ConfigError, match="dual_clip_c"):

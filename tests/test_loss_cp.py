@@ -20,6 +20,15 @@ CONFIGS = [
     dict(kl_coef=0.1, is_correction_level="token", is_mask=(0.9, 1.1), entropy_coef=0.01),
     dict(ratio_level="sequence", is_correction_level="sequence", loss_agg="seq_mean_token_mean"),
     dict(
+        ratio_level="sequence",
+        is_correction_level="sequence",
+        is_mask=(0.9, 1.1),
+        is_mask_scope="pg",
+        kl_coef=0.1,
+        kl_gradient="unbiased",
+        entropy_coef=0.01,
+    ),
+    dict(
         is_correction_level="sequence_mean",
         is_truncate=1.01,
         loss_agg="seq_mean_token_sum_norm",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -40,21 +42,23 @@ CFG = GRPOLossConfig(
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 100])
-def test_chunked_objective_equals_grpo_loss(chunk):
+@pytest.mark.parametrize("kl_gradient", ["pathwise", "unbiased"])
+def test_chunked_objective_equals_grpo_loss(chunk, kl_gradient):
+    cfg = replace(CFG, kl_gradient=kl_gradient)
     x = inputs()
     g = torch.Generator().manual_seed(8)
     lp = (x["old_logprobs"].float() + 0.3 * torch.randn(23, generator=g)).requires_grad_(True)
     ent = torch.rand(23, generator=g).requires_grad_(True)
-    loss, metrics = grpo_loss(CFG, logprobs=lp, entropy=ent, denominator=3.0, **x)
+    loss, metrics = grpo_loss(cfg, logprobs=lp, entropy=ent, denominator=3.0, **x)
     loss.backward()
     full_grads = lp.grad.clone(), ent.grad.clone()
     lp.grad = ent.grad = None
 
-    ctx = build_context(CFG, denominator=3.0, **x)
+    ctx = build_context(cfg, denominator=3.0, **x)
     total, pieces = torch.zeros(()), [ctx.metrics]
     for start in range(0, ctx.num_rows, chunk):
         part = ctx.rows(slice(start, start + chunk))
-        value, m = objective(CFG, part, lp[part.index], ent[part.index])
+        value, m = objective(cfg, part, lp[part.index], ent[part.index])
         total, pieces = total + value, pieces + [m]
     total.backward()
     assert total.item() == pytest.approx(loss.item(), abs=1e-6)

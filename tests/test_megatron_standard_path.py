@@ -2,10 +2,13 @@
 and gradients: Megatron's output_layer + vocab_parallel_cross_entropy is our semantic baseline.
 
 One spawn of 2 gloo ranks: TP=2 with sequence parallelism, a vocabulary with padded rows on the
-second shard, temperature != 1, token-level PPO (KL + token IS) and GSPO (sequence_mean IS).
+second shard, temperature != 1, token-level PPO (KL with the unbiased gradient + token IS) and
+GSPO (sequence_mean IS). ``loss.kl_gradient`` reaches the step: same loss, other gradients.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -27,7 +30,11 @@ from tests.megatron_utils import (
 PATHS = ("fused", "op", "megatron")
 CONFIGS = {
     "ppo": GRPOLossConfig(
-        clip_eps_high=0.28, kl_coef=0.05, is_correction_level="token", is_truncate=2.0
+        clip_eps_high=0.28,
+        kl_coef=0.05,
+        kl_gradient="unbiased",
+        is_correction_level="token",
+        is_truncate=2.0,
     ),
     "gspo": GRPOLossConfig(
         ratio_level="sequence",
@@ -68,8 +75,9 @@ def _body(rank: int, world: int) -> None:
     batches = [pack(s, multiple=2) for s in (make_sequences(3, 1), make_sequences(2, 2))]
     start = GRPOStep(CONFIGS["ppo"], vocab_size=VOCAB, temperature=0.7, logprob_path="op")
     _with_rollout_data(batches, start.compute_logprobs(chunks, batches), seed=3)
+    runs = {}
     for name, loss_cfg in CONFIGS.items():
-        results = {p: _run_path(chunks, batches, loss_cfg, p) for p in PATHS}
+        runs[name] = results = {p: _run_path(chunks, batches, loss_cfg, p) for p in PATHS}
         ref_logp, ref_loss, ref_grads = results["op"]
         norm = sum(float(g.norm()) for g in ref_grads.values())
         assert norm > 1e-4, f"{name}: the reference gradients vanish ({norm})"
@@ -80,6 +88,11 @@ def _body(rank: int, world: int) -> None:
             assert_close(f"{name}/{path} loss", torch.tensor(loss), torch.tensor(ref_loss))
             for param, g in grads.items():
                 assert_close(f"{name}/{path} grad {param}", g, ref_grads[param], tol=5e-5)
+    pathwise = replace(CONFIGS["ppo"], kl_gradient="pathwise")
+    _, loss, grads = _run_path(chunks, batches, pathwise, "fused")
+    _, unbiased_loss, unbiased_grads = runs["ppo"]["fused"]
+    assert loss == unbiased_loss
+    assert any(not torch.allclose(g, unbiased_grads[n], atol=1e-6) for n, g in grads.items())
 
 
 @pytest.mark.slow

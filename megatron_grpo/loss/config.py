@@ -12,7 +12,9 @@ from typing import Literal, get_args
 
 RatioLevel = Literal["token", "sequence"]
 KLEstimator = Literal["k1", "k2", "k3"]
+KLGradient = Literal["pathwise", "unbiased"]
 ISLevel = Literal["token", "sequence", "sequence_mean"]
+ISMaskScope = Literal["all", "pg"]
 LossAgg = Literal[
     "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
 ]
@@ -41,11 +43,21 @@ class GRPOLossConfig:
         kl_coef / kl_estimator: KL penalty to ``ref_logprobs`` with x = ref - logp:
             k1 = -x, k2 = x^2 / 2, k3 = exp(x) - 1 - x.
         kl_input_clamp / kl_output_clamp: clamp x before exp, and the estimate; None disables.
+        kl_gradient: the gradient of the KL term (its value is the same under both):
+            "pathwise" differentiates the estimate, ``d kl_t / d logp_t`` (verl / TRL "k3 as
+            loss"; k3: ``1 - exp(x)``); "unbiased" multiplies it by ``exp(logp - sg(logp))``
+            (NeMo-RL), adding the score term ``kl_t``, so the gradient per token is
+            ``d kl_t / d logp_t + kl_t`` (k3: ``logp - ref``), an unbiased on-policy estimate
+            of the gradient of ``E_pi[kl_t]`` (for k1 and k3, of KL(pi || pi_ref)). Closed forms
+            with clamps: :mod:`megatron_grpo.loss.math`.
         is_correction_level: detached rollout-correction weights ``exp(old - rollout)`` per token,
             per sequence (exp of the sum) or per sequence mean (exp of the mean); None disables.
         is_truncate: upper cap of the weight (TIS).
         is_mask: ``(low, high)``: tokens (or whole sequences, for sequence levels) whose weight is
-            outside ``[low, high]`` are dropped from the loss (MIS). Checked before truncation.
+            outside ``[low, high]`` are dropped (MIS). Checked before truncation.
+        is_mask_scope: what an ``is_mask`` drop removes: "all" (the token's policy-gradient,
+            KL and entropy terms) or "pg" (only the policy-gradient term: the KL and entropy
+            terms stay, as in NeMo-RL's ICE-POP). Either way the token stays in the count.
         loss_agg: "token_mean", "seq_mean_token_mean", "seq_mean_token_sum" or
             "seq_mean_token_sum_norm" (Dr.GRPO: token sum / ``max_response_length``).
         max_response_length: the constant of "seq_mean_token_sum_norm" (required there only).
@@ -64,9 +76,11 @@ class GRPOLossConfig:
     kl_estimator: KLEstimator = "k3"
     kl_input_clamp: float | None = 20.0
     kl_output_clamp: float | None = 10.0
+    kl_gradient: KLGradient = "pathwise"
     is_correction_level: ISLevel | None = None
     is_truncate: float | None = None
     is_mask: tuple[float, float] | None = None
+    is_mask_scope: ISMaskScope = "all"
     loss_agg: LossAgg = "token_mean"
     max_response_length: int | None = None
     entropy_coef: float = 0.0
@@ -75,6 +89,8 @@ class GRPOLossConfig:
     def __post_init__(self) -> None:
         _choice("ratio_level", self.ratio_level, RatioLevel)
         _choice("kl_estimator", self.kl_estimator, KLEstimator)
+        _choice("kl_gradient", self.kl_gradient, KLGradient)
+        _choice("is_mask_scope", self.is_mask_scope, ISMaskScope)
         _choice("loss_agg", self.loss_agg, LossAgg)
         _choice("nonfinite", self.nonfinite, NonFinitePolicy)
         if self.is_correction_level is not None:
@@ -96,6 +112,8 @@ class GRPOLossConfig:
         self._check_agg()
 
     def _check_is(self) -> None:
+        if self.is_mask_scope != "all" and self.is_mask is None:
+            raise ValueError(f"is_mask_scope={self.is_mask_scope!r} needs is_mask to be set")
         if self.is_correction_level is None:
             for name in ("is_truncate", "is_mask"):
                 if getattr(self, name) is not None:

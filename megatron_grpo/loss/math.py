@@ -32,6 +32,30 @@ The loss is split into two calls:
 
 ``grpo_loss`` = ``build_context`` + ``objective`` over all rows; nothing is scattered back.
 
+THE KL TERM: value and gradient (``cfg.kl_gradient``)
+-----------------------------------------------------
+With ``x = clamp(ref - logp, +-kl_input_clamp)`` and ``kl = clamp(k(x), +-kl_output_clamp)``,
+the loss adds ``coef * kl_coef * kl`` per row (the same value under both conventions); its
+derivative w.r.t. ``logp`` per row, before ``coef * kl_coef``, is (no clamp active)::
+
+    estimator        pathwise: d kl / d logp    unbiased: pathwise + kl
+    k1 = -x          1                          1 + (logp - ref)
+    k2 = x^2 / 2     -x = logp - ref            (logp - ref) + (logp - ref)^2 / 2
+    k3 = e^x - 1 - x 1 - e^x                    -x = logp - ref
+
+An active clamp (``x`` or the estimate outside its bound) zeroes the pathwise part; the unbiased
+gradient is then the clamped ``kl`` alone.
+"unbiased" is ``kl * exp(logp - sg(logp))`` (value ``kl * 1``, bit-identical): its extra
+``kl * d logp`` makes the expected gradient over tokens sampled from the current policy that of
+``E_pi[kl]`` (for k1 / k3, of KL(pi || pi_ref)); it is unbiased on-policy only (the tokens come
+from the old / rollout policy). In expectation the pathwise k1 gradient is 0, pathwise k2 is
+already the gradient of KL(pi || pi_ref), and pathwise k3 is that of KL(pi_ref || pi).
+The IS weight multiplies the policy-gradient term only, never the KL term.
+
+``cfg.is_mask_scope``: an MIS drop zeroes the row's coefficient ("all": its PG, KL and entropy
+terms leave the loss) or only its IS weight ("pg": KL and entropy stay). Either way the row stays
+in the ``denominator=None`` count.
+
 NaN safety: rows are selected by index before any arithmetic, so masked positions never enter
 the math and get exactly zero gradient. Every log-ratio is clamped before ``exp`` (None in the
 config disables a clamp only when asked). Non-finite inputs at valid rows raise (naming the
@@ -116,6 +140,14 @@ def kl_estimate(
     return clamp_opt(k, output_clamp)
 
 
+def kl_with_gradient(kl: Tensor, logprobs: Tensor, convention: str) -> Tensor:
+    """The KL term ``kl`` (a function of ``logprobs``) with the gradient of ``convention``:
+    "pathwise" as is, "unbiased" times ``exp(logp - sg(logp))`` (same value; module doc)."""
+    if convention == "pathwise":
+        return kl
+    return kl * torch.exp(logprobs - logprobs.detach())
+
+
 def pg_term(cfg: GRPOLossConfig, ratio: Tensor, adv: Tensor) -> tuple[Tensor, MetricDict]:
     """Clipped (and optionally dual-clipped) policy-gradient term per row, with clip metrics."""
     unclipped = -adv * ratio
@@ -148,13 +180,17 @@ def apply_is_correction(cfg: GRPOLossConfig, ctx: LossContext, rollout: Tensor) 
     ctx.metrics["is/weight_mean"] = MeanMetric.of(w)
     ctx.metrics["is/weight_min"] = MinMetric.of(w)
     ctx.metrics["is/weight_max"] = MaxMetric.of(w)
+    keep = None
     if cfg.is_mask is not None:
         keep = (w >= cfg.is_mask[0]) & (w <= cfg.is_mask[1])
-        ctx.coef = torch.where(keep, ctx.coef, torch.zeros_like(ctx.coef))
         ctx.metrics["is/frac_masked"] = MeanMetric.of(~keep)
+        if cfg.is_mask_scope == "all":
+            ctx.coef = torch.where(keep, ctx.coef, torch.zeros_like(ctx.coef))
     if cfg.is_truncate is not None:
         ctx.metrics["is/frac_truncated"] = MeanMetric.of(w > cfg.is_truncate)
         w = w.clamp(max=cfg.is_truncate)
+    if keep is not None and cfg.is_mask_scope == "pg":  # only the PG term is dropped
+        w = torch.where(keep, w, torch.zeros_like(w))
     ctx.is_weight = w
 
 
@@ -294,7 +330,7 @@ def _penalties(
         kl = kl_estimate(kl_in, cfg.kl_estimator, cfg.kl_input_clamp, cfg.kl_output_clamp)
         metrics["loss/kl_mean"] = MeanMetric.of(kl)
         if cfg.kl_coef > 0:
-            out = cfg.kl_coef * kl
+            out = cfg.kl_coef * kl_with_gradient(kl, lp, cfg.kl_gradient)
     if ent is not None:
         metrics["entropy/mean"] = MeanMetric.of(ent)
         if cfg.entropy_coef != 0:
