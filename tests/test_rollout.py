@@ -51,7 +51,7 @@ def _teacher_forced(chunks, prompts, responses, temperature, multiple) -> list[l
     return out
 
 
-def _compare(chunks, prompts, params, *, budget_gib=1.0, multiple=1) -> None:
+def _compare(chunks, prompts, params, *, budget_gib=1.0, multiple=1, forced=True) -> None:
     """kv_cache == recompute (tokens), and both record the training pass's log-probs."""
     from megatron_grpo.megatron import unwrap
     from megatron_grpo.rollout import EngineOptions, KVCacheEngine, generate
@@ -63,9 +63,10 @@ def _compare(chunks, prompts, params, *, budget_gib=1.0, multiple=1) -> None:
     assert got[0] == want[0], (got[0], want[0])
     for a, b in zip(got[1], want[1], strict=True):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
-    forced = _teacher_forced(chunks, prompts, got[0], params.temperature, multiple)
-    for a, b in zip(got[1], forced, strict=True):
-        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
+    if forced:
+        lps = _teacher_forced(chunks, prompts, got[0], params.temperature, multiple)
+        for a, b in zip(got[1], lps, strict=True):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
     stops = {params.eos_id}
     assert all(r[-1] in stops or len(r) == params.max_new_tokens for r in got[0])
     assert all(len(lp) == len(r) for lp, r in zip(got[1], got[0], strict=True))
@@ -82,7 +83,8 @@ def _single_body(rank: int, world: int) -> None:
     # A cache of 3 sequences for 9 samples: admitted as slots free up, same tokens.
     model = unwrap(chunks[0])
     per_seq = 2 * 2 * 2 * 16 * 32 * 4  # layers * (k, v) * kv heads * head dim * 32 tokens * fp32
-    engine = KVCacheEngine(model, EngineOptions(kv_cache_gib=3 * per_seq / 2**30))
+    options = EngineOptions(kv_cache_gib=3 * per_seq / 2**30, context_bucket=32)
+    engine = KVCacheEngine(model, options)
     params = _params(top_k=1, max_new_tokens=12)
     got = generate(model, prompts, params, torch.Generator().manual_seed(5), engine=engine)
     assert engine.stats["slots"] == 3
@@ -134,11 +136,13 @@ def _ep_body(rank: int, world: int, dispatcher: str) -> None:
     )  # fmt: skip
     # Ranks hold different numbers of prompts and lengths: the group runs in lock step.
     prompts = _prompts(3 + 4 * rank, seed=10 + rank)
-    _compare(chunks, prompts, _params(top_k=1))
+    # (The teacher-forced pass would need equal token counts per rank under allgather.)
+    _compare(chunks, prompts, _params(top_k=1), forced=False)
+    _compare(chunks, prompts, _params(temperature=0.9), forced=False)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+@pytest.mark.parametrize("dispatcher", ["allgather"])  # megatron's alltoall needs CUDA
 def test_kv_cache_equals_recompute_moe_ep2(dispatcher):
     run_distributed(_ep_body, 2, dispatcher)
 
