@@ -43,6 +43,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--eager-new-tokens", type=int, default=None, help="shorter eager run")
     p.add_argument("--no-hf", action="store_true", help="skip HF transformers generate")
     p.add_argument("--hf-new-tokens", type=int, default=None, help="default: --new-tokens")
+    p.add_argument("--profile", action="store_true", help="kernel table of eager decode steps")
     p.add_argument("--out", default=None)
     return p.parse_args()
 
@@ -104,6 +105,30 @@ def run_ours(model, cfg, args, graphs: bool, new_tokens: int) -> dict:
     return result
 
 
+def profile(model, cfg, args) -> str:
+    """Kernel time of 8 eager decode steps at a context of 768 (the run's mean), full batch."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron_grpo.rollout import EngineOptions, KVCacheEngine, SamplingParams
+
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, cfg.vocab_size, (args.prompts, 760), generator=g).tolist()
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=8, eos_id=0,
+                            vocab_size=cfg.vocab_size, ignore_eos=True)  # fmt: skip
+    engine = KVCacheEngine(model, EngineOptions(kv_cache_gib=args.kv_cache_gib, cuda_graphs=False))
+    engine.generate(prompts, params, g)  # warm-up
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.generate(prompts, params, g)
+        torch.cuda.synchronize()
+    averages = prof.key_averages()
+    for key in ("self_device_time_total", "self_cuda_time_total"):
+        try:
+            return averages.table(sort_by=key, row_limit=25)
+        except (AttributeError, KeyError, RuntimeError):
+            continue
+    return averages.table(row_limit=25)
+
+
 def run_hf(cfg, args) -> dict:
     """HF transformers generate (dynamic cache, SDPA, eager), same shape, no log-probs."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -149,6 +174,10 @@ def main() -> None:
         report[mode] = dict(new_tokens=new, **run_ours(model, cfg, args, mode == "graphs", new))
         if rank == 0:
             print(mode, json.dumps(report[mode]), flush=True)
+    if args.profile:
+        table = profile(model, cfg, args)
+        if rank == 0:
+            print(table, flush=True)
     if not args.no_hf and report["world"] == 1:
         del model
         torch.cuda.empty_cache()

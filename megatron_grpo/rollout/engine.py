@@ -51,7 +51,7 @@ class EngineOptions:
     kv_cache_gib: float = 16.0
     cuda_graphs: bool | None = None
     max_prefill_tokens: int = 32768
-    context_bucket: int = 256
+    context_bucket: int = 128
 
     def __post_init__(self) -> None:
         if not self.kv_cache_gib > 0:
@@ -227,6 +227,8 @@ class KVCacheEngine:
         self.cache.plan_prefill(slot.to(device), pos[0].to(device))
         hidden = io.packed_last_hidden(self.model, ids, pos, packed)
         self.stats["prefill_forwards"] += 1
+        if device.type == "cuda":
+            self.stats["prefill_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         if not new:
             return
         logits = io.head_logits(self.model, hidden)

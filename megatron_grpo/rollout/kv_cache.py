@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron_grpo.megatron.layer_spec import sdpa
 
@@ -122,8 +123,23 @@ class CachedAttention(torch.nn.Module):
         keys, values = kc[:b, :, :ctx], vc[:b, :, :ctx]  # [b, n_kv, ctx, d]
         mask = torch.arange(ctx, device=query.device)[None, :] <= pos[:, None]  # [b, ctx]
         q = query[0].reshape(b, n_kv, n_q // n_kv, d)  # query heads grouped by KV head
-        out = sdpa(q, keys, values, mask=mask[:, None, None, :], scale=self.scale)
+        with _decode_backends(query.device):
+            out = sdpa(q, keys, values, mask=mask[:, None, None, :], scale=self.scale)
         return out.reshape(1, b, n_q * d)
+
+
+# Masked decode attention: cuDNN streams the cache near HBM bandwidth on Hopper (research file:
+# 3.9-4.3 TB/s against 2.6 for flash and 0.15 for math); the others stay as fallbacks.
+_DECODE_BACKENDS = [
+    SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION,
+    SDPBackend.MATH,
+]  # fmt: skip
+
+
+def _decode_backends(device: torch.device):
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return sdpa_kernel(_DECODE_BACKENDS, set_priority=True)
 
 
 def softmax_scale(model: torch.nn.Module) -> float:

@@ -25,15 +25,16 @@ def sample(logits: Tensor, uniforms: Tensor, params: SamplingParams) -> tuple[Te
             f"logits have {logits.size(-1)} columns, fewer than vocab_size={params.vocab_size}"
         )
     scaled = logits[:, : params.vocab_size].float() / params.temperature
-    logp = torch.log_softmax(scaled, dim=-1)
+    logp = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)
     kept = _truncate(scaled, params)
-    probs = torch.softmax(kept, dim=-1)
+    probs = logp.exp() if kept is scaled else torch.softmax(kept, dim=-1)
     cdf = probs.cumsum(-1)
-    target = uniforms.to(cdf.dtype)[:, None] * cdf[:, -1:]
+    total = cdf[:, -1:]
+    # Strictly below the total, so the search never steps past the last token with mass.
+    target = torch.minimum(
+        uniforms.to(cdf.dtype)[:, None] * total, torch.nextafter(total, 0 * total)
+    )
     tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    # u * total can round up to total: never step past the last token with mass.
-    last = (probs > 0).cumsum(-1).argmax(-1)
-    tokens = torch.minimum(tokens, last)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
