@@ -16,8 +16,7 @@ from megatron_grpo.megatron.routing_replay import record_routes, replay_mismatch
 from megatron_grpo.train.rollout_batch import check_routed_experts
 from megatron_grpo.train.rollout_io import read_rollouts
 from tests.dist_utils import run_distributed
-from tests.megatron_utils import build_layout, make_sequences, pack
-from tests.megatron_utils import tiny_model, train_grads
+from tests.megatron_utils import build_layout, make_sequences, pack, tiny_model, train_grads
 
 LAYERS, TOPK, EXPERTS = 2, 2, 4
 
