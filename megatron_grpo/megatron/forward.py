@@ -32,6 +32,10 @@ ranks and divides the gradients by the total (``finalize_model_grads(num_tokens=
 token_mean and the seq_mean modes are exact whatever the split. MoE aux losses are added by
 megatron-core itself (``MoEAuxLossAutoScaler``, scale 1 per micro-batch in this convention, then
 divided by the same global count).
+
+MoE routing replay: a micro-batch with ``routes`` replays them (``routing_replay.py``);
+``compute_logprobs`` opens the ``replay_routes`` block itself, training schedules must run
+inside ``with replay_routes(chunks):`` (so recomputes in backward find their routes).
 """
 
 from __future__ import annotations
