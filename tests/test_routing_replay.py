@@ -14,7 +14,7 @@ from megatron_grpo.loss import GRPOLossConfig, reduce_metrics
 from megatron_grpo.megatron import GRPOStep, ParallelConfig, unwrap
 from megatron_grpo.megatron.routing_replay import record_routes, replay_mismatch, replay_routes
 from megatron_grpo.train.rollout_batch import check_routed_experts
-from megatron_grpo.train.rollout_io import read_rollouts
+from megatron_grpo.train.rollout_io import read_rollouts, write_rollouts
 from tests.dist_utils import run_distributed
 from tests.megatron_utils import build_layout, make_sequences, pack, tiny_model, train_grads
 
@@ -173,6 +173,9 @@ def test_file_routes_lengths(tmp_path):
     assert full[:, 0, 0].tolist() == [0, 1, 2, 3, 4]
     assert no_last[:, 0, 0].tolist() == [0, 1, 2, 3, -1]
     assert response[:, 0, 0].tolist() == [-1, -1, 0, 1, 2]
+    write_rollouts(batch, tmp_path / "again.jsonl")
+    again = read_rollouts(tmp_path / "again.jsonl").routed_experts
+    assert all(torch.equal(a, b) for a, b in zip(again, batch.routed_experts, strict=True))
     path.write_text(json.dumps({**base, "routed_experts": [[[0, 1]] * LAYERS] * 2}) + "\n")
     with pytest.raises(ValueError, match=f"{path}:1: routed_experts has 2 tokens"):
         read_rollouts(path)

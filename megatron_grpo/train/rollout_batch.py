@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import Tensor
 
@@ -30,8 +30,9 @@ class RolloutBatch:
     group_ids: list[int]
     rollout_logprobs: list[list[float]] | None = None
     rewards: list[float] | None = None
-    routed_experts: list[Tensor] | None = None
-    origins: list[str] | None = None
+    # Not in ==: tensors have no single truth value; origins are provenance, not data.
+    routed_experts: list[Tensor] | None = field(default=None, compare=False)
+    origins: list[str] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.prompt_ids)
