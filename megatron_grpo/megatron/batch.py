@@ -5,6 +5,8 @@ Alignment convention: position ``t`` holds input token ``tokens[t]`` and predict
 is a response (generated) token; the last position of every sequence has no target
 (``loss_mask`` False). Per-token values (``old_logprobs``, ``ref_logprobs``,
 ``rollout_logprobs``, ``advantages``) are aligned with positions, i.e. with ``targets``.
+``routes`` (MoE routing replay) belong to the *input* tokens: ``routes[t]`` is the top-k expert
+selection the router made for ``tokens[t]``, not shifted.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ class PackedBatch:
     old_logprobs: Tensor | None = None  # [T] float
     ref_logprobs: Tensor | None = None  # [T] float
     rollout_logprobs: Tensor | None = None  # [T] float
+    # [T, L, k] int64 expert ids per input token and MoE layer to replay; -1 rows: live routing
+    routes: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -51,6 +55,10 @@ class PackedBatch:
                 raise ValueError(
                     f"PackedBatch.{name} must have shape [T]=[{t}], got {list(x.shape)}"
                 )
+        if self.routes is not None and (self.routes.dim() != 3 or self.routes.shape[0] != t):
+            raise ValueError(
+                f"PackedBatch.routes must have shape [T={t}, L, k], got {list(self.routes.shape)}"
+            )
         if self.loss_mask.dtype != torch.bool:
             raise ValueError(f"PackedBatch.loss_mask must be bool, got {self.loss_mask.dtype}")
         cu = self.cu_seqlens
@@ -82,6 +90,7 @@ def pack_sequences(
     old_logprobs: Sequence[Tensor] | None = None,
     ref_logprobs: Sequence[Tensor] | None = None,
     rollout_logprobs: Sequence[Tensor] | None = None,
+    routes: Sequence[Tensor] | None = None,
     pad_to_multiple_of: int = 1,
 ) -> PackedBatch:
     """Pack token sequences into a :class:`PackedBatch`.
@@ -93,6 +102,7 @@ def pack_sequences(
         old_logprobs / ref_logprobs / rollout_logprobs: S tensors ``[L_i]`` aligned with the
             *tokens* (entry j = log-prob of token j; entry 0 is ignored); shifted here to the
             position convention of the module docstring.
+        routes: S int tensors ``[L_i, L, k]``: expert ids per token (not shifted; -1 = live).
         pad_to_multiple_of: pad T with one extra all-masked sequence (e.g. the TP size under
             sequence parallelism).
     """
@@ -131,9 +141,26 @@ def pack_sequences(
     for name, values in named.items():
         if values is not None:
             extra[name] = _shift_per_token(name, values, lens, pad)
+    if routes is not None:
+        extra["routes"] = _cat_routes(routes, lens, pad)
     return PackedBatch(
         torch.cat(toks), torch.cat(pos), torch.cat(targets), torch.cat(masks), cu, **extra
     )
+
+
+def _cat_routes(routes: Sequence[Tensor], lens: list[int], pad: int) -> Tensor:
+    if len(routes) != len(lens) - int(pad > 0):
+        raise ValueError("routes must have one tensor per sequence")
+    out = []
+    for i, r in enumerate(routes):
+        if r.dim() != 3 or r.shape[0] != lens[i] or r.shape[1:] != routes[0].shape[1:]:
+            raise ValueError(
+                f"routes[{i}] must have shape [{lens[i]}, L, k] like routes[0], got {list(r.shape)}"
+            )
+        out.append(r.long())
+    if pad:
+        out.append(torch.full((pad, *routes[0].shape[1:]), -1, dtype=torch.long))
+    return torch.cat(out)
 
 
 def _shift_per_token(name: str, values: Sequence[Tensor], lens: list[int], pad: int) -> Tensor:
@@ -220,7 +247,8 @@ def split_for_context_parallel(
         x = getattr(batch, f.name)
         if f.name == "cu_seqlens" or x is None:
             continue
-        full = x.new_zeros(total)
+        # routes of padding tokens: -1 (live routing); other fields: 0
+        full = x.new_full((total, *x.shape[1:]), -1 if f.name == "routes" else 0)
         full[dest] = x
         if f.name == "position_ids":  # positions continue through the padding
             seg = torch.repeat_interleave(torch.arange(lens.numel()), padded)

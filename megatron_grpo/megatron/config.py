@@ -115,6 +115,9 @@ class ModelConfig:
     moe_router_dtype: Literal["fp32", "fp64"] | None = "fp32"
     moe_token_dispatcher_type: Literal["alltoall", "allgather"] | None = None
     moe_grouped_gemm: bool = False
+    # Rollout Routing Replay (R3): replay the generator's top-k expert ids in the log-prob and
+    # training forwards (megatron_grpo.megatron.routing_replay; needs megatron-core >= 0.16).
+    moe_enable_routing_replay: bool = False
     # Activation recomputation (TransformerConfig names).
     recompute_granularity: Literal["full", "selective"] | None = None
     recompute_method: Literal["uniform", "block"] | None = None
@@ -194,10 +197,15 @@ class ModelConfig:
         check_positive(self, "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size")
         check_positive(self, "moe_layer_freq", "moe_shared_expert_intermediate_size")
         if self.num_moe_experts is None:
-            if self.moe_aux_loss_coeff or self.moe_ffn_hidden_size or self.moe_grouped_gemm:
+            if (
+                self.moe_aux_loss_coeff
+                or self.moe_ffn_hidden_size
+                or self.moe_grouped_gemm
+                or self.moe_enable_routing_replay
+            ):
                 raise ValueError(
-                    "moe_aux_loss_coeff / moe_ffn_hidden_size / moe_grouped_gemm need "
-                    "num_moe_experts"
+                    "moe_aux_loss_coeff / moe_ffn_hidden_size / moe_grouped_gemm / "
+                    "moe_enable_routing_replay need num_moe_experts"
                 )
             return
         if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:

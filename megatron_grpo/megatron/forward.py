@@ -32,6 +32,10 @@ ranks and divides the gradients by the total (``finalize_model_grads(num_tokens=
 token_mean and the seq_mean modes are exact whatever the split. MoE aux losses are added by
 megatron-core itself (``MoEAuxLossAutoScaler``, scale 1 per micro-batch in this convention, then
 divided by the same global count).
+
+MoE routing replay: a micro-batch with ``routes`` replays them (``routing_replay.py``);
+``compute_logprobs`` opens the ``replay_routes`` block itself, training schedules must run
+inside ``with replay_routes(chunks):`` (so recomputes in backward find their routes).
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ from megatron_grpo.megatron.batch import (
 )
 from megatron_grpo.megatron.model import unwrap
 from megatron_grpo.megatron.parallel import comm_device, cuda_compat
+from megatron_grpo.megatron.routing_replay import replay_routes, set_replay_routes
 from megatron_grpo.ops import fused_grpo_loss, vocab_parallel_logprobs
 from megatron_grpo.ops.lm_head import check_targets
 
@@ -241,6 +246,8 @@ class GRPOStep:
         gpt = unwrap(model)
         sp = gpt.config.sequence_parallel
         local, params = prepare_batch(batch, sp)
+        if local.routes is not None:  # MoE routing replay: needs an active replay_routes block
+            set_replay_routes(model, local.routes)
         out = run_model(model, local, params)
         if not gpt.post_process:
             return out, partial(loss_func, local, None, sp)
@@ -340,19 +347,22 @@ class GRPOStep:
         For old and reference log-probs: runs Megatron's forward-only schedule (so PP and
         micro-batching work); results are gathered over CP and broadcast from the last pipeline
         stage, so every rank gets the full ``[T]`` of its batches. 0 outside ``loss_mask``.
+        Batches carrying ``routes`` replay them (MoE routing replay).
         """
         for chunk in model:
             chunk.eval()
+        replay = any(b.routes is not None for b in batches)
         try:
-            out = get_forward_backward_func()(
-                forward_step_func=self.logprob_step,
-                data_iterator=iter(batches),
-                model=model if len(model) > 1 else model[0],
-                num_microbatches=len(batches),
-                seq_length=max(b.num_tokens for b in batches),
-                micro_batch_size=1,
-                forward_only=True,
-            )
+            with replay_routes(model) if replay else contextlib.nullcontext():
+                out = get_forward_backward_func()(
+                    forward_step_func=self.logprob_step,
+                    data_iterator=iter(batches),
+                    model=model if len(model) > 1 else model[0],
+                    num_microbatches=len(batches),
+                    seq_length=max(b.num_tokens for b in batches),
+                    micro_batch_size=1,
+                    forward_only=True,
+                )
         finally:
             for chunk in model:
                 chunk.train()

@@ -33,6 +33,7 @@ from megatron_grpo.megatron.config import (
 )
 from megatron_grpo.megatron.layer_spec import HAVE_TE, decoder_block_spec
 from megatron_grpo.megatron.parallel import cuda_compat
+from megatron_grpo.megatron.routing_replay import route_hooks
 
 
 def padded_vocab_size(model_cfg: ModelConfig, tp: int) -> int:
@@ -134,6 +135,8 @@ def build_model(
         chunks = [c.cuda(torch.cuda.current_device()) for c in chunks]
     if config.bf16 or config.fp16:
         chunks = [Float16Module(config, c) for c in chunks]
+    if model_cfg.moe_enable_routing_replay:
+        route_hooks(chunks)  # install the routers' replay hooks now: unsupported setups fail here
     if not wrap_ddp:
         return chunks
     _wire_grad_finalization(config, parallel_cfg)

@@ -41,9 +41,14 @@ def micro_batch_indices(
 
 
 def pack_samples(
-    batch: RolloutBatch, idx: list[int], advantages: Tensor, pad_to_multiple_of: int
+    batch: RolloutBatch,
+    idx: list[int],
+    advantages: Tensor,
+    pad_to_multiple_of: int,
+    with_routes: bool = False,
 ) -> PackedBatch:
-    """Pack samples ``idx`` with their advantages ``[B]`` and rollout log-probs (if any)."""
+    """Pack samples ``idx`` with their advantages ``[B]`` and rollout log-probs (if any);
+    ``with_routes``: also their ``routed_experts`` (MoE routing replay)."""
     seqs, masks, rollout = [], [], []
     for i in idx:
         p, r = batch.prompt_ids[i], batch.response_ids[i]
@@ -56,6 +61,7 @@ def pack_samples(
         masks,
         advantages=advantages[idx],
         rollout_logprobs=rollout if batch.rollout_logprobs is not None else None,
+        routes=[batch.routed_experts[i] for i in idx] if with_routes else None,
         pad_to_multiple_of=pad_to_multiple_of,
     )
 
@@ -71,6 +77,7 @@ def make_mini_batches(
     count_group: dist.ProcessGroup | None = None,
     token_group: dist.ProcessGroup | None = None,
     cp_size: int = 1,
+    with_routes: bool = False,
 ) -> list[list[PackedBatch]]:
     """Split the samples in order into ``num_mini_batches`` equal parts (one optimizer step
     each), then into packed micro-batches.
@@ -97,7 +104,8 @@ def make_mini_batches(
         targets = _group_max([len(groups) for groups in plan], count_group)
         plan = [split_to_count(groups, k) for groups, k in zip(plan, targets, strict=True)]
     out = [
-        [pack_samples(batch, g, advantages, pad_to_multiple_of) for g in groups] for groups in plan
+        [pack_samples(batch, g, advantages, pad_to_multiple_of, with_routes) for g in groups]
+        for groups in plan
     ]
     if token_group is not None:
         flat = [mb for mini in out for mb in mini]
@@ -152,6 +160,10 @@ def pad_micro_batch(mb: PackedBatch, extra: int, step: int = 1) -> PackedBatch:
         x = getattr(mb, name)
         if x is not None:
             fields[name] = torch.cat([x, x.new_zeros(extra)])
+    if mb.routes is not None:  # padding tokens route live
+        fields["routes"] = torch.cat(
+            [mb.routes, mb.routes.new_full((extra, *mb.routes.shape[1:]), -1)]
+        )
     return PackedBatch(cu_seqlens=cu, **fields)
 
 

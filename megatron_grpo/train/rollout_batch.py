@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from torch import Tensor
 
 
 @dataclass
@@ -16,6 +18,11 @@ class RolloutBatch:
             source did not record them; IS correction then cannot be used).
         rewards: one float per sample (``None`` before scoring).
         group_ids: samples of the same prompt share an id (one advantage group).
+        routed_experts: MoE routing replay: per sample an int tensor ``[P + R, L, k]``, the top-k
+            expert ids the generator's router chose for each prompt and response token (as
+            input) in each of the L MoE layers; rows of -1 have no recorded route (replayed
+            with live routing). ``None`` when not recorded.
+        origins: where each sample came from (``"file:line"``), for error messages.
     """
 
     prompt_ids: list[list[int]]
@@ -23,10 +30,13 @@ class RolloutBatch:
     group_ids: list[int]
     rollout_logprobs: list[list[float]] | None = None
     rewards: list[float] | None = None
+    # Not in ==: tensors have no single truth value; origins are provenance, not data.
+    routed_experts: list[Tensor] | None = field(default=None, compare=False)
+    origins: list[str] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.prompt_ids)
-        for name in ("response_ids", "group_ids", "rollout_logprobs", "rewards"):
+        for name in ("response_ids", "group_ids", "rollout_logprobs", "rewards", *_EXTRA):
             value = getattr(self, name)
             if value is not None and len(value) != n:
                 raise ValueError(f"{name} has {len(value)} entries, prompt_ids has {n}")
@@ -44,6 +54,16 @@ class RolloutBatch:
             bad = [i for i, r in enumerate(self.rewards) if not math.isfinite(r)]
             if bad:
                 raise ValueError(f"rewards are non-finite at samples {bad[:8]}")
+        for i, r in enumerate(self.routed_experts or []):
+            n_tok = len(self.prompt_ids[i]) + len(self.response_ids[i])
+            if r.dim() != 3 or r.shape[0] != n_tok:
+                raise ValueError(
+                    f"{self.origin(i)}: routed_experts must be [{n_tok} tokens, L, k], got "
+                    f"{list(r.shape)}"
+                )
+
+    def origin(self, i: int) -> str:
+        return self.origins[i] if self.origins is not None else f"sample {i}"
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -64,6 +84,8 @@ class RolloutBatch:
             group_ids=pick(self.group_ids),
             rollout_logprobs=pick(self.rollout_logprobs),
             rewards=pick(self.rewards),
+            routed_experts=pick(self.routed_experts),
+            origins=pick(self.origins),
         )
 
     @staticmethod
@@ -80,4 +102,36 @@ class RolloutBatch:
             group_ids=cat("group_ids"),
             rollout_logprobs=cat("rollout_logprobs"),
             rewards=cat("rewards"),
+            routed_experts=cat("routed_experts"),
+            origins=cat("origins"),
         )
+
+
+_EXTRA = ("routed_experts", "origins")
+
+
+def check_routed_experts(
+    batch: RolloutBatch, *, num_moe_layers: int, topk: int, num_experts: int
+) -> None:
+    """ValueError naming the sample's origin (file:line) when its routes do not fit the model
+    (MoE layer count, top-k, expert ids in ``[0, num_experts)`` or -1 for a whole row)."""
+    if batch.routed_experts is None:
+        raise ValueError("the rollouts carry no routed_experts (needed by routing replay)")
+    for i, r in enumerate(batch.routed_experts):
+        where = batch.origin(i)
+        if r.shape[1] != num_moe_layers:
+            raise ValueError(
+                f"{where}: routed_experts has {r.shape[1]} layers, the model has "
+                f"{num_moe_layers} MoE layers"
+            )
+        if r.shape[2] != topk:
+            raise ValueError(f"{where}: routed_experts has top-{r.shape[2]}, the model top-{topk}")
+        known = r[:, 0, 0] >= 0
+        ids = r[known]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_experts):
+            raise ValueError(
+                f"{where}: routed_experts has expert ids outside [0, {num_experts}) "
+                f"(range {int(ids.min())}..{int(ids.max())})"
+            )
+        if bool((r[~known] != -1).any()):
+            raise ValueError(f"{where}: routed_experts rows must be all ids or all -1")

@@ -10,7 +10,19 @@ column              type                    meaning
 ``rollout_logprobs`` list[float], optional  generator log-prob of each response token
 ``reward``          float, optional         the sample's scalar reward
 ``group_id``        int                     samples of one prompt share it
+``routed_experts``  list[list[list[int]]],  MoE routing replay: ``[N][L][k]`` top-k expert
+                    optional                ids per token and MoE layer
 =================== ======================= ==========================================
+
+``routed_experts`` follows vLLM's ``enable_return_routed_experts`` layout ``(tokens, layers,
+top_k)``: row ``j`` is the selection made for token ``j`` of ``prompt_ids + response_ids`` as
+the router's input. ``N`` may be ``P + R`` (every token), ``P + R - 1`` (vLLM: the final
+sampled token is never fed back) or ``R`` (response tokens only). Tokens without a row, and rows
+of -1, are routed live when replayed (so a response-only file replays the response tokens and
+routes the prompt with the trainer's router). Written files hold ``P + R`` rows. Whether the
+routes fit the model (layers, top-k, expert count) is checked when training with
+``model.moe_enable_routing_replay`` (errors name ``file:line``); with the switch off they are
+ignored, so the same files can be trained with and without replay.
 
 ``.jsonl`` (one JSON object per line) needs nothing extra; ``.parquet`` needs ``pyarrow``.
 """
@@ -20,6 +32,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+import torch
+from torch import Tensor
 
 from megatron_grpo.train.rollout_batch import RolloutBatch
 
@@ -50,15 +65,36 @@ def _rows(batch: RolloutBatch) -> list[dict[str, Any]]:
             row["rollout_logprobs"] = [float(x) for x in batch.rollout_logprobs[i]]
         if batch.rewards is not None:
             row["reward"] = float(batch.rewards[i])
+        if batch.routed_experts is not None:
+            row["routed_experts"] = batch.routed_experts[i].tolist()
         rows.append(row)
     return rows
 
 
-def _batch(rows: list[dict[str, Any]], source: str) -> RolloutBatch:
+def _routes(value: Any, prompt: int, response: int, where: str) -> Tensor:
+    """One row's ``routed_experts`` as int64 ``[P + R, L, k]`` (-1 where the file has none)."""
+    try:
+        r = torch.tensor(value, dtype=torch.long)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: routed_experts is not a [tokens][layers][top_k] list") from e
+    full = prompt + response
+    if r.dim() != 3 or r.shape[0] not in (full, full - 1, response):
+        raise ValueError(
+            f"{where}: routed_experts has {r.shape[0] if r.dim() else 0} tokens (shape "
+            f"{list(r.shape)}); expected [{full}, L, k] (prompt + response), {full - 1} "
+            f"(without the final token) or {response} (response only)"
+        )
+    out = torch.full((full, *r.shape[1:]), -1, dtype=torch.long)
+    start = prompt if r.shape[0] == response and response != full - 1 else 0
+    out[start : start + r.shape[0]] = r
+    return out
+
+
+def _batch(rows: list[dict[str, Any]], source: str, origins: list[str]) -> RolloutBatch:
     for key in ("prompt_ids", "response_ids", "group_id"):
-        missing = [i for i, r in enumerate(rows) if r.get(key) is None]
+        missing = [origins[i] for i, r in enumerate(rows) if r.get(key) is None]
         if missing:
-            raise ValueError(f"{source}: rows {missing[:8]} have no {key!r}")
+            raise ValueError(f"{', '.join(missing[:8])}: no {key!r}")
 
     def optional(key: str):
         have = [r.get(key) is not None for r in rows]
@@ -68,12 +104,20 @@ def _batch(rows: list[dict[str, Any]], source: str) -> RolloutBatch:
 
     logprobs = optional("rollout_logprobs")
     rewards = optional("reward")
+    routes = optional("routed_experts")
+    if routes is not None:
+        routes = [
+            _routes(x, len(r["prompt_ids"]), len(r["response_ids"]), where)
+            for x, r, where in zip(routes, rows, origins, strict=True)
+        ]
     return RolloutBatch(
         prompt_ids=[[int(t) for t in r["prompt_ids"]] for r in rows],
         response_ids=[[int(t) for t in r["response_ids"]] for r in rows],
         group_ids=[int(r["group_id"]) for r in rows],
         rollout_logprobs=None if logprobs is None else [[float(x) for x in lp] for lp in logprobs],
         rewards=None if rewards is None else [float(x) for x in rewards],
+        routed_experts=routes,
+        origins=origins,
     )
 
 
@@ -104,7 +148,7 @@ def read_rollouts(path: str | Path) -> RolloutBatch:
     path = Path(path)
     _check_suffix(path)
     if path.suffix == ".jsonl":
-        rows = []
+        rows, origins = [], []
         with open(path, encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
                 if line.strip():
@@ -112,9 +156,11 @@ def read_rollouts(path: str | Path) -> RolloutBatch:
                         rows.append(json.loads(line))
                     except json.JSONDecodeError as e:
                         raise ValueError(f"{path}:{lineno}: invalid JSON: {e}") from e
+                    origins.append(f"{path}:{lineno}")
     else:
         rows = _pyarrow().parquet.read_table(path).to_pylist()
-    return _batch(rows, str(path))
+        origins = [f"{path}:row {i + 1}" for i in range(len(rows))]
+    return _batch(rows, str(path), origins)
 
 
 class RolloutFileSource:

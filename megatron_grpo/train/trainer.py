@@ -11,6 +11,7 @@ run replays exactly what an uninterrupted one would have done.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from typing import Any
@@ -26,13 +27,14 @@ from megatron_grpo.megatron.forward import GRPOStep, get_forward_backward_func
 from megatron_grpo.megatron.model import build_model, unwrap
 from megatron_grpo.megatron.moe_metrics import moe_loss_metrics
 from megatron_grpo.megatron.parallel import initialize_parallel, seed_everything
+from megatron_grpo.megatron.routing_replay import num_moe_layers, replay_mismatch, replay_routes
 from megatron_grpo.train import checkpoint as ckpt
 from megatron_grpo.train import comm
 from megatron_grpo.train.batching import PER_TOKEN_INPUTS, make_mini_batches, nonfinite_inputs
 from megatron_grpo.train.config import TrainConfig, check_checkpoint_architecture
 from megatron_grpo.train.monitor import Monitor, truncate_jsonl, write_resolved_config
 from megatron_grpo.train.optim import build_optimizer, optimizer_step, zero_grads
-from megatron_grpo.train.rollout_batch import RolloutBatch
+from megatron_grpo.train.rollout_batch import RolloutBatch, check_routed_experts
 from megatron_grpo.train.rollout_io import RolloutFileSource, write_rollouts
 from megatron_grpo.train.sampler import SamplingParams, generate
 from megatron_grpo.train.tasks import Prompt, build_task
@@ -197,14 +199,24 @@ class Trainer:
         )
 
     def pack(self, batch: RolloutBatch, advantages: torch.Tensor) -> list[list[PackedBatch]]:
+        """Micro-batches; with ``model.moe_enable_routing_replay`` they carry the rollouts'
+        routes (checked against the model: errors name the rollout file and line)."""
         t = self.cfg.training
         sp = self.cfg.parallel.sequence_parallel
         multiple = self.cfg.parallel.tensor_model_parallel_size if sp else 1
         count_group, token_group = self._moe_groups()
+        replay = self.cfg.model.moe_enable_routing_replay
+        if replay:
+            m = self.cfg.model
+            layers = num_moe_layers(unwrap(self.model[0]).config)
+            check_routed_experts(
+                batch, num_moe_layers=layers, topk=m.moe_router_topk, num_experts=m.num_moe_experts
+            )
         return make_mini_batches(
             batch, advantages, t.mini_batches_per_step, t.micro_batch_size,
             t.max_tokens_per_micro_batch, multiple, count_group=count_group,
             token_group=token_group, cp_size=self.cfg.parallel.context_parallel_size,
+            with_routes=replay,
         )  # fmt: skip
 
     def _moe_groups(self) -> tuple[Any, Any]:
@@ -228,6 +240,8 @@ class Trainer:
         flat = [mb for mini in mini_batches for mb in mini]
         for mb, lp in zip(flat, self.step_fn.compute_logprobs(self.model, flat), strict=True):
             mb.old_logprobs = lp
+        if self.cfg.model.moe_enable_routing_replay:  # the policy's pass: same weights as rollout
+            self._replay_counts = replay_mismatch(self.model)
         if self.ref_model is not None:
             for mb, lp in zip(
                 flat, self.step_fn.compute_logprobs(self.ref_model, flat), strict=True
@@ -255,6 +269,7 @@ class Trainer:
         zero_grads(self.model, self.optimizer)
         metrics = self._loss_metrics(reports)
         metrics.update(moe_loss_metrics(unwrap(self.model[0]).config, forwards))
+        metrics.update(self._replay_metrics())
         if norms:
             metrics["optim/grad_norm"] = sum(norms) / len(norms)
         metrics["optim/lr"] = self.optimizer.param_groups[0]["lr"]
@@ -328,16 +343,36 @@ class Trainer:
 
     def _forward_backward(self, micro_batches: list[PackedBatch]) -> list[dict[str, Any]]:
         model = self.model if len(self.model) > 1 else self.model[0]
-        out = get_forward_backward_func()(
-            forward_step_func=self.step_fn.forward_step,
-            data_iterator=iter(micro_batches),
-            model=model,
-            num_microbatches=len(micro_batches),
-            seq_length=max(mb.num_tokens for mb in micro_batches),
-            micro_batch_size=1,
-            forward_only=False,
-        )
+        replay = self.cfg.model.moe_enable_routing_replay
+        # Routing replay spans the whole schedule: recomputes in backward replay each
+        # micro-batch's routes (GRPOStep sets them per forward).
+        with replay_routes(self.model) if replay else contextlib.nullcontext():
+            out = get_forward_backward_func()(
+                forward_step_func=self.step_fn.forward_step,
+                data_iterator=iter(micro_batches),
+                model=model,
+                num_microbatches=len(micro_batches),
+                seq_length=max(mb.num_tokens for mb in micro_batches),
+                micro_batch_size=1,
+                forward_only=False,
+            )
         return list(out) if comm.is_last_stage() else [{} for _ in micro_batches]
+
+    def _replay_metrics(self) -> dict[str, float]:
+        """``moe/replay_mismatch_frac``: fraction of replayed (token, MoE layer) pairs whose live
+        top-k differs from the replayed one in the old-log-prob pass (the policy the rollouts
+        came from); ``moe/replay_mismatch_frac_update``: the same over this step's training
+        forwards. All ranks (a sum over the world)."""
+        if not self.cfg.model.moe_enable_routing_replay:
+            return {}
+        old = self.__dict__.pop("_replay_counts", None)
+        update = replay_mismatch(self.model)
+        counts = torch.cat([update, update if old is None else old]).tolist()
+        sums = comm.all_reduce_sum(counts, None)
+        out = {"moe/replay_mismatch_frac_update": sums[0] / max(sums[1], 1.0)}
+        if old is not None:  # update() without the old-log-prob pass has no such count
+            out["moe/replay_mismatch_frac"] = sums[2] / max(sums[3], 1.0)
+        return out
 
     def _nonfinite_inputs(self, micro_batches: list[PackedBatch]) -> str | None:
         flags = comm.any_rank(nonfinite_inputs(micro_batches))
