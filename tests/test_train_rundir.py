@@ -1,0 +1,129 @@
+"""A run directory belongs to one run: a second live writer is refused, a stale lock is taken
+over, a fresh run refuses a previous run's outputs unless --overwrite, --resume needs a
+checkpoint, pruning touches only this run's checkpoints, and a torn metrics line is dropped."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from megatron_grpo.train import rundir
+from megatron_grpo.train.rundir import RunDirError, acquire_lock, claim_run_dirs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _no_held_locks():
+    yield
+    rundir.release_locks()
+
+
+def _holder(directory: Path) -> subprocess.Popen:
+    """Another process that takes the lock of ``directory`` and keeps it until killed."""
+    code = textwrap.dedent(
+        f"""
+        import sys, time
+        from megatron_grpo.train.rundir import acquire_lock
+        acquire_lock({str(directory)!r})
+        print("locked", flush=True)
+        time.sleep(600)
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_second_concurrent_writer_is_refused_and_a_dead_ones_lock_is_taken_over(tmp_path):
+    proc = _holder(tmp_path)
+    try:
+        with pytest.raises(RunDirError, match=f"in use by another run \\(pid {proc.pid} "):
+            acquire_lock(tmp_path)
+    finally:
+        proc.kill()  # like kill -9: the lock file stays behind
+        proc.wait()
+    notice = acquire_lock(tmp_path)
+    assert notice is not None and f"pid {proc.pid}" in notice and "no longer running" in notice
+    owner = json.loads((tmp_path / rundir.LOCK_NAME).read_text())
+    assert owner["pid"] != proc.pid
+    assert acquire_lock(tmp_path) is None  # re-entrant in one process
+
+
+def _previous_run(tmp: Path) -> tuple[Path, Path]:
+    metrics = tmp / "metrics.jsonl"
+    metrics.write_text('{"step": 1}\n{"step": 2}\n')
+    ckpt = tmp / "checkpoints"
+    (ckpt / "step_00000002").mkdir(parents=True)
+    (ckpt / "latest").write_text("step_00000002\n")
+    return metrics, ckpt
+
+
+def _claim(tmp: Path, ckpt: Path | str | None, **kw) -> None:
+    claim_run_dirs(tmp / "metrics.jsonl", str(tmp), None if ckpt is None else str(ckpt), None, **kw)
+
+
+def test_fresh_run_over_a_previous_run_refuses_unless_overwrite(tmp_path):
+    metrics, ckpt = _previous_run(tmp_path)
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(RunDirError, match="already holds a run .*--resume.*--overwrite"):
+        _claim(tmp_path, ckpt, resume=False, overwrite=False)
+    assert metrics.read_text().count("\n") == 2 and (ckpt / "step_00000002").is_dir()
+    _claim(tmp_path, ckpt, resume=False, overwrite=True)
+    assert not metrics.exists() and not (ckpt / "latest").exists()
+    assert not (ckpt / "step_00000002").exists()
+    assert (tmp_path / "notes.txt").read_text() == "mine"  # not ours: never deleted
+    _claim(tmp_path, ckpt, resume=False, overwrite=False)  # now empty: a fresh run may start
+
+
+def test_resume_without_a_checkpoint_is_an_error_and_keeps_the_metrics(tmp_path):
+    metrics, ckpt = _previous_run(tmp_path)
+    typo = tmp_path / "checkpoint"
+    with pytest.raises(RunDirError, match="does not exist, so there is nothing to resume"):
+        _claim(tmp_path, typo, resume=True, overwrite=False)
+    assert not typo.exists()  # the misspelled directory is not created
+    (typo).mkdir()
+    with pytest.raises(RunDirError, match="has no 'latest' file"):
+        _claim(tmp_path, typo, resume=True, overwrite=False)
+    with pytest.raises(RunDirError, match="needs checkpoint.dir"):
+        _claim(tmp_path, None, resume=True, overwrite=False)
+    (ckpt / "latest").write_text("step_00000009\n")
+    with pytest.raises(RunDirError, match="which does not exist"):
+        _claim(tmp_path, ckpt, resume=True, overwrite=False)
+    assert metrics.read_text().count("\n") == 2
+    (ckpt / "latest").write_text("step_00000002\n")
+    _claim(tmp_path, ckpt, resume=True, overwrite=False)
+    with pytest.raises(RunDirError, match="contradict"):
+        _claim(tmp_path, ckpt, resume=True, overwrite=True)
+
+
+def test_pruning_keeps_latest_and_never_touches_higher_steps(tmp_path):
+    from megatron_grpo.train.checkpoint import _prune
+
+    for step in (10, 20, 40, 60):
+        (tmp_path / f"step_{step:08d}").mkdir()
+    (tmp_path / ".tmp_step_00000020").mkdir()
+    (tmp_path / ".tmp_step_00000080").mkdir()
+    _prune(tmp_path, tmp_path / "step_00000020", keep_last=1)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == [".tmp_step_00000080", "step_00000020", "step_00000040", "step_00000060"]
+
+
+def test_torn_last_metrics_line_is_dropped_with_a_warning(tmp_path, capsys):
+    from megatron_grpo.train.monitor import truncate_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "rew')
+    truncate_jsonl(path, 2)
+    assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert f"{path}:3: dropped a torn last line" in capsys.readouterr().err
+    path.write_text('{"step": 1}\ngarbage\n{"step": 2}\n')
+    with pytest.raises(ValueError, match=f"{path}:2: not a metrics line"):
+        truncate_jsonl(path, 2)
