@@ -127,3 +127,70 @@ def test_torn_last_metrics_line_is_dropped_with_a_warning(tmp_path, capsys):
     path.write_text('{"step": 1}\ngarbage\n{"step": 2}\n')
     with pytest.raises(ValueError, match=f"{path}:2: not a metrics line"):
         truncate_jsonl(path, 2)
+
+
+RECIPE = ROOT / "recipes" / "tiny.yaml"
+
+
+def _twice_body(rank: int, world: int, tmp: Path) -> None:
+    """The quick start twice in one directory (world of one, shrunk): the second fresh run
+    refuses and leaves the first intact; --resume with a misspelled dir refuses; --overwrite
+    starts over with complete metrics and a valid ``latest``; a truncated shard is named."""
+    from megatron_grpo.train import checkpoint as ckpt
+    from megatron_grpo.train.__main__ import main
+    from megatron_grpo.train.config import load_train_config
+    from megatron_grpo.train.trainer import Trainer
+
+    run, ck = tmp / "tiny", tmp / "tiny" / "checkpoints"
+    common = [
+        "parallel.tensor_model_parallel_size=1", "rollout.num_prompts=2",
+        "rollout.group_size=2", "training.micro_batch_size=4", "logging.progress_bar=false",
+        f"logging.dir={run}", "checkpoint.save_interval=1", "checkpoint.keep_last=1",
+    ]  # fmt: skip
+
+    def cfg(steps: int, ckpt_dir: Path = ck):
+        extra = [f"training.steps={steps}", f"checkpoint.dir={ckpt_dir}"]
+        return load_train_config(RECIPE, common + extra)
+
+    def steps_logged() -> list[int]:
+        return [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+    Trainer(cfg(2)).train()
+    assert steps_logged() == [1, 2] and ckpt.latest_checkpoint(ck).name == "step_00000002"
+    with pytest.raises(RunDirError, match="already holds a run"):
+        Trainer(cfg(3))
+    with pytest.raises(RunDirError, match="nothing to resume"):
+        Trainer(cfg(3, tmp / "tiny" / "checkpoint"), resume=True)
+    assert steps_logged() == [1, 2] and ckpt.latest_checkpoint(ck).name == "step_00000002"
+    Trainer(cfg(3), overwrite=True).train()
+    assert steps_logged() == [1, 2, 3]
+    assert sorted(p.name for p in ck.glob("step_*")) == ["step_00000003"]
+    assert ckpt.latest_checkpoint(ck).name == "step_00000003"
+    shard = sorted((ck / "step_00000003").glob("*.distcp"))[0]
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    with pytest.raises(ckpt.CheckpointError, match=f"step_00000003 is damaged: {shard.name}: "):
+        Trainer(cfg(4), resume=True)
+    assert steps_logged() == [1, 2, 3]
+    argv = ["--config", str(RECIPE), "--resume"] + [f"--set={o}" for o in common]
+    assert main(argv + [f"--set=checkpoint.dir={tmp / 'nope'}"]) == 1  # exits, no traceback
+    assert steps_logged() == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_quick_start_twice_in_one_directory(tmp_path):
+    from tests.dist_utils import run_distributed
+
+    run_distributed(_twice_body, 1, tmp_path)
+
+
+def test_empty_checkpoint_dir_and_yaml_syntax_errors_are_config_errors(tmp_path, capsys):
+    from megatron_grpo.train.__main__ import main
+
+    assert main(["--config", str(RECIPE), "--set", "checkpoint.dir="]) == 2
+    assert "dir is an empty path (null disables checkpoints)" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("training:\n  steps: 3\n  seed: [1, 2\nlogging: {}\n")
+    assert main(["--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:4:" in err and "YAML syntax error" in err and "Traceback" not in err
