@@ -3,7 +3,7 @@
 A run writes into ``logging.dir`` (``config.yaml``, ``metrics.jsonl``), ``checkpoint.dir``
 (``step_N/``, ``latest``) and optionally ``rollout.output_dir``. Before anything is written:
 
-* every such directory gets a lock file, ``.megatron_grpo.lock`` holding the writer's pid and
+* ``logging.dir`` and ``checkpoint.dir`` get a lock file, ``.megatron_grpo.lock`` holding the writer's pid and
   host, locked with ``flock`` for the writer's lifetime. The kernel drops the lock when the
   process dies (even under ``kill -9``), so a lock file left behind is stale by construction: it
   is taken over, and the dead writer's pid is reported. A live writer makes a second run refuse.
@@ -157,7 +157,7 @@ def _claim(
         raise RunDirError("--resume and --overwrite contradict each other; pass one of them")
     if resume:
         check_resumable(ckpt_dir)  # before locking: the lock would create a misspelled dir
-    wanted = (log_dir, metrics_path.parent, ckpt_dir, rollout_dir)
+    wanted = (log_dir, metrics_path.parent, ckpt_dir)  # rollout dirs stay plain file lists
     dirs = {str(Path(d).resolve()): d for d in wanted if d is not None}
     notes = [n for d in dirs.values() if (n := acquire_lock(d)) is not None]
     if resume:
