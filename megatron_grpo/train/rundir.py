@@ -3,8 +3,8 @@
 A run writes into ``logging.dir`` (``config.yaml``, ``metrics.jsonl``), ``checkpoint.dir``
 (``step_N/``, ``latest``) and optionally ``rollout.output_dir``. Before anything is written:
 
-* ``logging.dir`` and ``checkpoint.dir`` get a lock file, ``.megatron_grpo.lock`` holding the writer's pid and
-  host, locked with ``flock`` for the writer's lifetime. The kernel drops the lock when the
+* ``logging.dir`` and ``checkpoint.dir`` get a lock file, ``.megatron_grpo.lock`` holding the
+  writer's pid and host, locked with ``flock`` for the writer's lifetime. The kernel drops the lock when the
   process dies (even under ``kill -9``), so a lock file left behind is stale by construction: it
   is taken over, and the dead writer's pid is reported. A live writer makes a second run refuse.
 * a fresh run (no ``--resume``) refuses to start over a previous run's outputs (non-empty
