@@ -112,3 +112,39 @@ def test_optimizer_zero_grad_alone_keeps_the_previous_gradient():
     """Why the README zeroes the buffers: ``optimizer.zero_grad()`` leaves ``main_grad``."""
     with pytest.raises(AssertionError, match="step 1: "):
         run_distributed(_loop_body, 1, False)
+
+
+def _own_model_body(rank: int, world: int) -> None:
+    """A GPTModel built by the user with the exported portable spec, set up as documented in
+    "Use in your own Megatron script", trains on packed batches through GRPOStep."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_grpo.megatron import cuda_compat, decoder_block_spec
+
+    _, _, batches, step = _setup()  # parallel state (initialize_parallel) and data as above
+    config = TransformerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
+        calculate_per_token_loss=True,  # required: GRPOStep's loss is a token sum
+    )  # fmt: skip
+    config.finalize_model_grads_func = finalize_model_grads  # required: divides by the count
+    with cuda_compat():
+        gpt = GPTModel(
+            config, decoder_block_spec(config, use_te=False), vocab_size=104,  # >= the data's 100 ids
+            max_sequence_length=64, position_embedding_type="rope",
+        )  # fmt: skip
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(), module=gpt)
+    model.zero_grad_buffer()
+    reports = _schedule([model], step, batches)
+    assert len(reports) == 2
+    norm = sum(p.main_grad.square().sum() for p in gpt.parameters()) ** 0.5
+    assert torch.isfinite(norm) and norm > 0
+
+
+def test_own_gpt_model_with_the_exported_portable_spec_trains():
+    run_distributed(_own_model_body, 1)
