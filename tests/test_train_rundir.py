@@ -194,3 +194,26 @@ def test_empty_checkpoint_dir_and_yaml_syntax_errors_are_config_errors(tmp_path,
     assert main(["--config", str(bad)]) == 2
     err = capsys.readouterr().err
     assert f"{bad}:4:" in err and "YAML syntax error" in err and "Traceback" not in err
+
+
+def test_plain_python_runs_bind_no_port(tmp_path):
+    """Two plain-python runs used to collide on a hard-coded port; now none is bound."""
+    import os
+    import socket
+
+    code = (
+        "import torch.distributed as d\n"
+        "from megatron_grpo.megatron.parallel import _init_process_group\n"
+        "_init_process_group(1)\n"
+        "print(d.get_world_size(), d.get_rank())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "MASTER_PORT", "WORLD_SIZE")}
+    with socket.socket() as busy:  # the port the old code always used
+        busy.bind(("127.0.0.1", 29511))
+        busy.listen()
+        out = subprocess.run(
+            [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["1", "0"]
