@@ -58,6 +58,8 @@ class Trainer:
             )
         self.prompts_per_rank = cfg.rollout.num_prompts // self.dp_size
         self._setup_data()
+        if self.source is not None:  # before the model: a bad id would fail in the embedding
+            self.source.check_against_model(cfg.model.vocab_size, cfg.model.max_sequence_length)
         self._setup_models()
         self.step_fn = GRPOStep(
             cfg.loss,
