@@ -172,9 +172,20 @@ def _twice_body(rank: int, world: int, tmp: Path) -> None:
     with pytest.raises(ckpt.CheckpointError, match=f"step_00000003 is damaged: {shard.name}: "):
         Trainer(cfg(4), resume=True)
     assert steps_logged() == [1, 2, 3]
+    bad = tmp / "bad.jsonl"  # 2 groups of 2; line 4 holds an id beyond the vocabulary
+    rows = [[3, 4], [3, 4], [3, 4], [3, 999]]
+    bad.write_text("".join(_rollout_line(r, i // 2) for i, r in enumerate(rows)))
+    file_run = [f"rollout.input_path={bad}", "checkpoint.dir=null", f"logging.dir={tmp / 'f'}"]
+    with pytest.raises(ValueError, match=f"{bad}:4: response_ids\\[1\\] = 999 is not below"):
+        Trainer(load_train_config(RECIPE, common + ["training.steps=1", *file_run]))
     argv = ["--config", str(RECIPE), "--resume"] + [f"--set={o}" for o in common]
     assert main(argv + [f"--set=checkpoint.dir={tmp / 'nope'}"]) == 1  # exits, no traceback
     assert steps_logged() == [1, 2, 3]
+
+
+def _rollout_line(response: list[int], group: int) -> str:
+    row = {"prompt_ids": [11, 1, 2, 10], "response_ids": response, "group_id": group}
+    return json.dumps({**row, "reward": 1.0}) + "\n"
 
 
 @pytest.mark.slow
