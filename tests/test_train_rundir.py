@@ -228,3 +228,36 @@ def test_plain_python_runs_bind_no_port(tmp_path):
         )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-2:] == ["1", "0"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status  # a zombie has exited
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux")
+def test_checkpoint_writer_queue_process_dies_with_a_killed_worker():
+    import signal
+    import time
+
+    code = (
+        "import time\n"
+        "from megatron_grpo.train import writer_queue as wq\n"
+        "wq.install_writer_queue()\n"
+        "print(wq._MANAGERS[0]._process.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    manager = int(proc.stdout.readline())
+    assert _alive(manager)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while _alive(manager) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(manager), f"the writer queue's manager (pid {manager}) outlived its worker"

@@ -47,6 +47,7 @@ from megatron_grpo.convert.layout import HF_ASSETS_DIR, copy_hf_assets, write_mo
 from megatron_grpo.megatron.config import ModelConfig
 from megatron_grpo.megatron.model import unwrap
 from megatron_grpo.megatron.parallel import cuda_compat
+from megatron_grpo.train.writer_queue import install_writer_queue
 
 LATEST = "latest"
 _STEP_RE = re.compile(r"step_(\d+)")
@@ -177,6 +178,7 @@ def write_checkpoint(
             "model section; it is written as model_config.yaml"
         )
     tmp = Path(root) / f".tmp_{step_dir_name(step)}"
+    install_writer_queue()
     if _rank() == 0:
         if tmp.exists():
             shutil.rmtree(tmp)
