@@ -89,12 +89,12 @@ def test_nonfinite_logprobs_survive_jsonl(tmp_path):
         ),
         (
             [{"prompt_ids": [1], "response_ids": [2, 3], "group_id": 0, "rollout_logprobs": [0]}],
-            "rollout_logprobs has 1 values for 2 response tokens",
+            "bad.jsonl:1: rollout_logprobs must be a list of one number per response token",
         ),
-        ([{"prompt_ids": [1], "response_ids": [], "group_id": 0}], "must be non-empty"),
+        ([{"prompt_ids": [1], "response_ids": [], "group_id": 0}], "must be a non-empty list"),
         (
             [{"prompt_ids": [1], "response_ids": [2], "group_id": 0, "reward": float("inf")}],
-            "rewards are non-finite",
+            "bad.jsonl:1: reward = inf is not a finite number",
         ),
     ],
 )
@@ -115,3 +115,43 @@ def test_paths_are_checked(tmp_path):
     (tmp_path / "broken.jsonl").write_text("{not json}\n")
     with pytest.raises(ValueError, match="broken.jsonl:1: invalid JSON"):
         read_rollouts(tmp_path / "broken.jsonl")
+
+
+def _line(**kw) -> str:
+    row = {"prompt_ids": [1, 2], "response_ids": [3, 4], "group_id": 0, "reward": 1.0}
+    return json.dumps({**row, **kw}) + "\n"
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ({"response_ids": [3, -1]}, "r.jsonl:3: response_ids\\[1\\] = -1 is not a token id"),
+        ({"prompt_ids": [1, "7"]}, "r.jsonl:3: prompt_ids\\[1\\] = '7' is not a token id"),
+        ({"reward": "high"}, "r.jsonl:3: reward = 'high' is not a finite number"),
+        ({"reward": True}, "r.jsonl:3: reward = True is not a finite number"),
+        ({"rollout_logprobs": [-1.0, "x"]}, "r.jsonl:3: rollout_logprobs\\[1\\] = 'x'"),
+    ],
+)
+def test_bad_values_name_file_line_and_field(tmp_path, bad, message):
+    path = tmp_path / "r.jsonl"
+    path.write_text(_line() + "\n" + _line(**bad))  # a blank line 2: line numbers are kept
+    with pytest.raises(ValueError, match=message):
+        RolloutFileSource(path)
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ({"response_ids": [3, 999]}, "r.jsonl:2: response_ids\\[1\\] = 999 is not below "
+         "model.vocab_size = 13"),
+        ({"prompt_ids": list(range(10))}, "r.jsonl:2: prompt_ids \\+ response_ids = 10 \\+ 2 "
+         "tokens exceed model.max_sequence_length = 11"),
+    ],
+)  # fmt: skip
+def test_rollouts_are_checked_against_the_model(tmp_path, bad, message):
+    path = tmp_path / "r.jsonl"
+    path.write_text(_line() + _line(**bad))
+    with pytest.raises(ValueError, match=message):
+        RolloutFileSource(path).check_against_model(vocab_size=13, max_sequence_length=11)
+    path.write_text(_line() + _line())
+    RolloutFileSource(path).check_against_model(vocab_size=5, max_sequence_length=4)

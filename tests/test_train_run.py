@@ -104,10 +104,10 @@ def _file_body(rank: int, world: int, tmp: Path) -> None:
         RECIPE, base + ["training.steps=2", f"rollout.input_path={tmp / 'bad'}"]
     )
     with pytest.raises(NonFiniteError, match="non-finite input\\(s\\): rollout_logprobs"):
-        Trainer(bad).train()
+        Trainer(bad, overwrite=True).train()
     too_short = base + ["training.steps=3", f"rollout.input_path={tmp / 'good'}"]
     with pytest.raises(ValueError, match="has 4 groups, training.steps"):
-        Trainer(load_train_config(RECIPE, too_short))
+        Trainer(load_train_config(RECIPE, too_short), overwrite=True)
 
 
 @pytest.mark.slow

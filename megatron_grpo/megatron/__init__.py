@@ -7,6 +7,9 @@ Typical use (see docs/megatron_usage.md)::
     chunks = build_model(model_cfg, parallel_cfg)
     step = GRPOStep(loss_cfg, vocab_size=model_cfg.vocab_size)
     get_forward_backward_func()(forward_step_func=step.forward_step, ...)
+
+Your own GPTModel: ``decoder_block_spec(config, use_te=False)`` (or ``portable_layer_spec`` per
+layer) is the portable spec, which takes packed batches without Transformer Engine.
 """
 
 from megatron_grpo.megatron.batch import (
@@ -24,10 +27,12 @@ from megatron_grpo.megatron.config import (
 )
 from megatron_grpo.megatron.forward import (
     GRPOStep,
+    check_training_config,
     get_forward_backward_func,
     hidden_states_only,
     output_weight,
 )
+from megatron_grpo.megatron.layer_spec import decoder_block_spec, portable_layer_spec
 from megatron_grpo.megatron.model import build_model, padded_vocab_size, unwrap
 from megatron_grpo.megatron.parallel import (
     cuda_compat,
@@ -43,7 +48,9 @@ __all__ = [
     "ParallelConfig",
     "build_model",
     "check_parallel",
+    "check_training_config",
     "cuda_compat",
+    "decoder_block_spec",
     "destroy_parallel",
     "get_forward_backward_func",
     "hidden_states_only",
@@ -52,6 +59,7 @@ __all__ = [
     "pack_sequences",
     "packed_seq_params",
     "padded_vocab_size",
+    "portable_layer_spec",
     "seed_everything",
     "split_for_context_parallel",
     "thd_partition_index",

@@ -49,6 +49,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import DistributedDataParallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func as _mcore_fb_func
 from torch import Tensor
@@ -74,14 +75,56 @@ LOGPROB_PATHS: tuple[str, ...] = ("fused", "op", "megatron")
 
 def get_forward_backward_func() -> Callable:
     """megatron-core's schedule for the current layout; on CUDA-less hosts it runs under
-    :func:`cuda_compat` (its buffers are created with ``device="cuda"``)."""
+    :func:`cuda_compat` (its buffers are created with ``device="cuda"``).
+
+    ``forward_only=True`` runs under ``torch.no_grad()``: megatron-core leaves gradients enabled
+    there, and the fused path writes the output layer's d_weight into ``main_grad`` during the
+    forward, so an evaluation pass would otherwise leave a gradient behind."""
     func = _mcore_fb_func()
 
     def run(**kwargs):
-        with cuda_compat():
+        grad = contextlib.nullcontext() if not kwargs.get("forward_only") else torch.no_grad()
+        with cuda_compat(), grad:
             return func(**kwargs)
 
     return run
+
+
+def check_training_config(model: torch.nn.Module) -> None:
+    """Raise naming the field when ``model`` (a chunk as the schedule passes it) is not set up
+    the way :meth:`GRPOStep.forward_step`'s gradients rely on. ``build_model`` does all of it."""
+    config = unwrap(model).config
+    if not getattr(config, "calculate_per_token_loss", False):
+        raise ValueError(
+            "GRPOStep: the model's TransformerConfig.calculate_per_token_loss must be True: the "
+            "loss is a token sum that Megatron divides by the global token count; without it "
+            "gradients and the reported loss are wrong. Set config.calculate_per_token_loss = "
+            "True before wrapping the model in DistributedDataParallel (build_model does)"
+        )
+    if torch.is_grad_enabled() and getattr(config, "finalize_model_grads_func", None) is None:
+        raise ValueError(
+            "GRPOStep: the model's TransformerConfig.finalize_model_grads_func is None, so "
+            "nothing divides the gradients by the global token count (they come out that many "
+            "times too large) or reduces them over data-parallel ranks. Set "
+            "config.finalize_model_grads_func = megatron.core.distributed.finalize_model_grads "
+            "(build_model does)"
+        )
+    for buffer in _grad_buffers(model):
+        if buffer.gradient_scaling_factor != 1.0:
+            raise ValueError(
+                "GRPOStep: DistributedDataParallel was built while calculate_per_token_loss was "
+                f"False, so it also scales gradients by {buffer.gradient_scaling_factor}; set "
+                "calculate_per_token_loss = True before wrapping the model"
+            )
+
+
+def _grad_buffers(model: torch.nn.Module) -> list:
+    """The DDP wrapper's gradient buffers (dense and expert), empty for an unwrapped model."""
+    while not isinstance(model, DistributedDataParallel) and hasattr(model, "module"):
+        model = model.module
+    if not isinstance(model, DistributedDataParallel):
+        return []
+    return list(model.buffers) + list(model.expert_parallel_buffers)
 
 
 @contextlib.contextmanager
@@ -233,7 +276,10 @@ class GRPOStep:
             )
 
     def forward_step(self, data_iterator: Iterator[PackedBatch], model: torch.nn.Module):
-        """Training ``forward_step_func``: returns ``(output, loss_func)`` for the schedule."""
+        """Training ``forward_step_func``: returns ``(output, loss_func)`` for the schedule.
+
+        Checks the model's config first (:func:`check_training_config`)."""
+        check_training_config(model)
         return self._forward(data_iterator, model, self.loss_func)
 
     def logprob_step(self, data_iterator: Iterator[PackedBatch], model: torch.nn.Module):

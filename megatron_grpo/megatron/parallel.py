@@ -127,14 +127,20 @@ def cuda_compat() -> Iterator[None]:
 def _init_process_group(timeout_minutes: int) -> None:
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:  # a plain `python` run: a world of one
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29511")
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
+    timeout = timedelta(minutes=timeout_minutes)
+    if "RANK" not in os.environ:
+        # A plain `python` run: a world of one over an in-process store, so no TCP port is
+        # bound and any number of such runs can share a host.
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        if backend == "nccl":
+            torch.cuda.set_device(0)
+        store = dist.HashStore()
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    else:
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        dist.init_process_group(backend, timeout=timeout)
     if backend == "gloo":
         # A gloo group left alive at interpreter exit can abort the process ("terminate called
         # without an active exception") as its threads are torn down. Not for NCCL: destroying

@@ -77,6 +77,8 @@ def narrow_alias(logits: Tensor, dtype: torch.dtype) -> Tensor:
     """
     if dtype == logits.dtype:
         return logits
+    if torch.empty((), dtype=dtype).element_size() > logits.element_size():
+        return torch.empty_like(logits, dtype=dtype)  # float64: no room inside fp32 rows
     return logits.view(dtype)[:, : logits.shape[1]]
 
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -30,8 +32,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="A.B=VALUE",
         help="override a config value (YAML-parsed); repeatable",
     )
-    parser.add_argument(
-        "--resume", action="store_true", help="continue from checkpoint.dir's latest checkpoint"
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from checkpoint.dir's latest checkpoint (an error when there is none)",
+    )
+    mode.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start fresh even if logging.dir / checkpoint.dir hold a previous run: its "
+        "metrics.jsonl, checkpoints and rollout files are deleted (without this flag a fresh "
+        "run refuses to start there)",
     )
     parser.add_argument(
         "--dry-run",
@@ -64,15 +76,45 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"config error: {e}", file=sys.stderr)
             return 2
         return 0
+    return _train(cfg, args.resume, args.overwrite)
+
+
+def _train(cfg, resume: bool, overwrite: bool) -> int:
     # Imported after the config is valid: Megatron's import is slow and noisy.
+    from megatron_grpo.train.checkpoint import CheckpointError
+    from megatron_grpo.train.rundir import RunDirError
     from megatron_grpo.train.trainer import Trainer
 
+    t0 = time.perf_counter()
     try:
-        Trainer(cfg, resume=args.resume).train()
+        trainer = Trainer(cfg, resume=resume, overwrite=overwrite)
+        start = trainer.start_step
+        trainer.train()
+        trainer.monitor.message(_summary(cfg, start, time.perf_counter() - t0))
+    except (RunDirError, CheckpointError) as e:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def _summary(cfg, start: int, seconds: float) -> str:
+    """The end-of-run line: what ran, how long, where its outputs are."""
+    lines = [
+        f"done: steps {start + 1}..{cfg.training.steps} in {seconds:.0f} s",
+        f"  metrics:     {cfg.logging.metrics_path}",
+        f"  config:      {cfg.logging.dir}/config.yaml",
+    ]
+    if cfg.checkpoint.dir is not None:
+        latest = Path(cfg.checkpoint.dir) / "latest"
+        name = latest.read_text().strip() if latest.is_file() else "none"
+        lines.append(f"  checkpoints: {cfg.checkpoint.dir} (latest: {name})")
+    if cfg.rollout.output_dir is not None:
+        lines.append(f"  rollouts:    {cfg.rollout.output_dir}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ A save writes into ``.tmp_step_N`` first, renames it to ``step_N`` only after ev
 writing, and then atomically replaces ``latest`` (write ``latest.tmp``, ``os.replace``). A save
 interrupted at any point therefore leaves ``latest`` pointing at the previous, intact checkpoint;
 leftover temporary directories are removed by the next save. Only the last ``keep_last`` step
-directories are kept. ``dir`` must be on a file system all ranks share.
+directories of this run are kept (never the one ``latest`` names, never a higher step: see
+``_prune``). ``dir`` must be on a file system all ranks share.
 
 Model tensors are the unwrapped GPTModel's ``sharded_state_dict`` (the keys the conversion tool
 writes too, so ``load_model_weights`` starts training from a converted checkpoint); optimizer
@@ -24,8 +25,11 @@ state is the Megatron optimizer's ``sharded_state_dict``; each rank's RNG states
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -43,8 +47,10 @@ from megatron_grpo.convert.layout import HF_ASSETS_DIR, copy_hf_assets, write_mo
 from megatron_grpo.megatron.config import ModelConfig
 from megatron_grpo.megatron.model import unwrap
 from megatron_grpo.megatron.parallel import cuda_compat
+from megatron_grpo.train.writer_queue import install_writer_queue
 
 LATEST = "latest"
+_STEP_RE = re.compile(r"step_(\d+)")
 # DistributedOptimizer state: each DP rank writes its own shard (reshardable along DP only).
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
@@ -172,6 +178,7 @@ def write_checkpoint(
             "model section; it is written as model_config.yaml"
         )
     tmp = Path(root) / f".tmp_{step_dir_name(step)}"
+    install_writer_queue()
     if _rank() == 0:
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -212,17 +219,34 @@ def commit_checkpoint(root: str | Path, tmp: Path, step: int, keep_last: int) ->
         pointer_tmp = root / (LATEST + ".tmp")
         pointer_tmp.write_text(final.name + "\n")
         os.replace(pointer_tmp, root / LATEST)
-        _prune(root, keep_last)
+        _prune(root, final, keep_last)
     _barrier()
     return final
 
 
-def _prune(root: Path, keep_last: int) -> None:
-    steps = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_"))
-    for old in steps[:-keep_last]:
-        shutil.rmtree(old)
+def _step_of(name: str) -> int | None:
+    match = _STEP_RE.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def _prune(root: Path, final: Path, keep_last: int) -> None:
+    """Keep the newest ``keep_last`` checkpoints of this run, ``final`` (what ``latest`` now
+    names) always among them. Only steps up to ``final``'s count as this run's: a higher one
+    is not its lineage (a resumed run re-saves later steps under the same names anyway), so it
+    is never deleted, nor is its temporary directory."""
+    current = _step_of(final.name)
+    ours = sorted(
+        (step, p)
+        for p in root.iterdir()
+        if p.is_dir() and (step := _step_of(p.name)) is not None and step <= current
+    )
+    for _, old in ours[:-keep_last]:
+        if old != final:
+            shutil.rmtree(old)
     for leftover in root.glob(".tmp_step_*"):
-        shutil.rmtree(leftover)
+        step = _step_of(leftover.name.removeprefix(".tmp_"))
+        if step is not None and step <= current:
+            shutil.rmtree(leftover)
 
 
 def save_checkpoint(
@@ -239,11 +263,53 @@ def save_checkpoint(
     return commit_checkpoint(root, tmp, step, keep_last)
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint directory is damaged or unreadable (the message names the failing file)."""
+
+
+def check_checkpoint_files(path: str | Path) -> None:
+    """Cheap integrity check of a torch_dist directory before loading: ``metadata.json``,
+    ``common.pt`` and ``.metadata`` read, and every shard file is as long as ``.metadata`` says
+    (a truncated shard otherwise surfaces as a bare ``EOFError`` deep inside torch)."""
+    path = Path(path)
+    current = path / "metadata.json"
+    try:
+        json.loads(current.read_text())
+        current = path / "common.pt"
+        if not current.is_file():
+            raise FileNotFoundError("missing")
+        current = path / ".metadata"
+        with open(current, "rb") as f:
+            storage = pickle.load(f).storage_data
+        for info in storage.values():
+            current = path / info.relative_path
+            size = current.stat().st_size
+            if size < info.offset + info.length:
+                raise EOFError(
+                    f"truncated: {size} bytes, the metadata needs at least "
+                    f"{info.offset + info.length}"
+                )
+    except Exception as e:  # noqa: BLE001 - any failure here means a damaged directory
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: {current.name}: {type(e).__name__}: {e}. Point "
+            f"{Path(path).parent / LATEST} at an earlier step_* directory to resume from it"
+        ) from e
+
+
 def load_checkpoint(path: str | Path, chunks, optimizer, scheduler) -> dict[str, Any]:
     """Restore model, optimizer, LR schedule and (same world size) RNG states from ``path``.
 
-    Returns the saved trainer state (``step``, ``data_position``, ...).
+    Returns the saved trainer state (``step``, ``data_position``, ...). A damaged directory
+    raises :class:`CheckpointError` naming the file.
     """
+    check_checkpoint_files(path)
+    try:
+        return _load_checkpoint(path, chunks, optimizer, scheduler)
+    except (EOFError, pickle.UnpicklingError, RuntimeError, OSError) as e:
+        raise CheckpointError(f"loading checkpoint {path} failed: {type(e).__name__}: {e}") from e
+
+
+def _load_checkpoint(path: str | Path, chunks, optimizer, scheduler) -> dict[str, Any]:
     common = dist_checkpointing.load_common_state_dict(str(path))
     if "trainer_state" not in common:
         raise ValueError(

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import yaml
+
 from megatron_grpo.config import (
     ConfigError,
     apply_overrides,
@@ -209,6 +211,9 @@ class CheckpointConfig:
         if self.save_interval < 0:
             raise ValueError(f"save_interval must be >= 0, got {self.save_interval}")
         check_positive(self, "keep_last")
+        # "" would mean the current directory, where pruning would then run.
+        check_not_empty(self, "dir", "null disables checkpoints")
+        check_not_empty(self, "load", "null starts from a fresh initialization")
 
 
 @dataclass
@@ -225,9 +230,21 @@ class LoggingConfig:
     tensorboard_dir: str | None = None
     progress_bar: bool = True
 
+    def __post_init__(self) -> None:
+        check_not_empty(self, "dir", "e.g. runs/my_run")
+        check_not_empty(self, "jsonl_path", "null writes dir/metrics.jsonl")
+        check_not_empty(self, "tensorboard_dir", "null disables TensorBoard")
+
     @property
     def metrics_path(self) -> Path:
         return Path(self.jsonl_path) if self.jsonl_path else Path(self.dir) / "metrics.jsonl"
+
+
+def check_not_empty(obj: object, name: str, hint: str) -> None:
+    """An empty path string (``--set checkpoint.dir=``) is an error, not the current directory."""
+    value = getattr(obj, name)
+    if isinstance(value, str) and not value.strip():
+        raise ValueError(f"{name} is an empty path ({hint})")
 
 
 def _default_model() -> ModelConfig:
@@ -279,7 +296,7 @@ def load_train_config(path: str | Path | None, overrides: Sequence[str] = ()) ->
     have its architecture (a ConfigError names the field): matching shapes alone would load a
     checkpoint into, e.g., a model with another rotary base without any error.
     """
-    data = load_yaml(path) if path is not None else {}
+    data = _load_yaml(path) if path is not None else {}
     model_from_checkpoint = "model" not in data
     apply_overrides(data, overrides, root=TrainConfig)
     load = (data.get("checkpoint") or {}).get("load")
@@ -296,6 +313,17 @@ def load_train_config(path: str | Path | None, overrides: Sequence[str] = ()) ->
     if stored is not None:
         check_checkpoint_architecture(cfg.model, str(load), stored)
     return cfg
+
+
+def _load_yaml(path: str | Path) -> dict:
+    """``load_yaml`` with syntax errors as a ConfigError naming the file, line and column."""
+    try:
+        return load_yaml(path)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(f"{where}: YAML syntax error: {problem}") from None
 
 
 def check_checkpoint_architecture(

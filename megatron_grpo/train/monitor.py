@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -45,11 +46,27 @@ def _tensorboard_writer(log_dir: str):
 
 def truncate_jsonl(path: Path, last_step: int) -> None:
     """Drop lines of steps > ``last_step`` (a resumed run re-logs the steps after its
-    checkpoint)."""
+    checkpoint). A torn last line (the writer was killed mid-line) is dropped with a warning;
+    any other unreadable line is an error naming the file and line. Written aside, then renamed,
+    so a crash here cannot lose the lines kept."""
     if not path.is_file():
         return
-    keep = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= last_step]
-    path.write_text("".join(line + "\n" for line in keep))
+    lines = path.read_text(encoding="utf-8").splitlines()
+    keep = []
+    for lineno, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+            step = int(row["step"])
+        except (ValueError, KeyError, TypeError) as e:
+            if lineno == len(lines):
+                print(f"warning: {path}:{lineno}: dropped a torn last line", file=sys.stderr)
+                break
+            raise ValueError(f"{path}:{lineno}: not a metrics line ({e})") from e
+        if step <= last_step:
+            keep.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 class Monitor:

@@ -25,11 +25,16 @@ routes fit the model (layers, top-k, expert count) is checked when training with
 ignored, so the same files can be trained with and without replay.
 
 ``.jsonl`` (one JSON object per line) needs nothing extra; ``.parquet`` needs ``pyarrow``.
+Rows are checked when read (int ids >= 0, a finite numeric reward, numeric log-probs, one per
+response token) and, by the trainer, against the model (:meth:`RolloutFileSource.
+check_against_model`); every error names the file and line (or parquet row) and the field.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import numbers
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +95,10 @@ def _routes(value: Any, prompt: int, response: int, where: str) -> Tensor:
     return out
 
 
-def _batch(rows: list[dict[str, Any]], source: str, origins: list[str]) -> RolloutBatch:
+def _batch(rows: list[dict[str, Any]], source: str, where: list[str] | None = None) -> RolloutBatch:
+    """Rows -> batch; ``where[i]`` names row i in errors (``file:line`` / ``file row N``)."""
+    where = where or [f"{source} row {i + 1}" for i in range(len(rows))]
+    origins = where
     for key in ("prompt_ids", "response_ids", "group_id"):
         missing = [origins[i] for i, r in enumerate(rows) if r.get(key) is None]
         if missing:
@@ -102,13 +110,15 @@ def _batch(rows: list[dict[str, Any]], source: str, origins: list[str]) -> Rollo
             raise ValueError(f"{source}: {key!r} is present in some rows but not all")
         return [r[key] for r in rows] if rows and all(have) else None
 
+    for row, loc in zip(rows, where, strict=True):
+        _check_row(row, loc)
     logprobs = optional("rollout_logprobs")
     rewards = optional("reward")
     routes = optional("routed_experts")
     if routes is not None:
         routes = [
-            _routes(x, len(r["prompt_ids"]), len(r["response_ids"]), where)
-            for x, r, where in zip(routes, rows, origins, strict=True)
+            _routes(x, len(r["prompt_ids"]), len(r["response_ids"]), loc)
+            for x, r, loc in zip(routes, rows, origins, strict=True)
         ]
     return RolloutBatch(
         prompt_ids=[[int(t) for t in r["prompt_ids"]] for r in rows],
@@ -119,6 +129,61 @@ def _batch(rows: list[dict[str, Any]], source: str, origins: list[str]) -> Rollo
         routed_experts=routes,
         origins=origins,
     )
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _check_row(row: dict[str, Any], where: str) -> None:
+    """Types and the model-independent ranges of one row; errors name ``where`` and the field."""
+    for key in ("prompt_ids", "response_ids"):
+        ids = row[key]
+        if not isinstance(ids, (list, tuple)) or not ids:
+            raise ValueError(f"{where}: {key} must be a non-empty list of token ids")
+        for j, t in enumerate(ids):
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"{where}: {key}[{j}] = {t!r} is not a token id (an int >= 0)")
+    if not _is_int(row["group_id"]):
+        raise ValueError(f"{where}: group_id = {row['group_id']!r} is not an int")
+    reward = row.get("reward")
+    if reward is not None and not (_is_number(reward) and math.isfinite(reward)):
+        raise ValueError(f"{where}: reward = {reward!r} is not a finite number")
+    logprobs = row.get("rollout_logprobs")
+    if logprobs is not None:  # non-finite values are kept: the trainer skips and reports them
+        if not isinstance(logprobs, (list, tuple)) or len(logprobs) != len(row["response_ids"]):
+            raise ValueError(
+                f"{where}: rollout_logprobs must be a list of one number per response token"
+            )
+        bad = [j for j, x in enumerate(logprobs) if not _is_number(x)]
+        if bad:
+            raise ValueError(
+                f"{where}: rollout_logprobs[{bad[0]}] = {logprobs[bad[0]]!r} is not a number"
+            )
+
+
+def check_against_model(
+    batch: RolloutBatch, where: list[str], vocab_size: int, max_sequence_length: int
+) -> None:
+    """Token ids below ``vocab_size`` and prompt + response within ``max_sequence_length``
+    (beyond either, the embedding fails with a bare IndexError naming no file)."""
+    for i, (p, r) in enumerate(zip(batch.prompt_ids, batch.response_ids, strict=True)):
+        for key, ids in (("prompt_ids", p), ("response_ids", r)):
+            top = max(ids)
+            if top >= vocab_size:
+                raise ValueError(
+                    f"{where[i]}: {key}[{ids.index(top)}] = {top} is not below "
+                    f"model.vocab_size = {vocab_size}"
+                )
+        if len(p) + len(r) > max_sequence_length:
+            raise ValueError(
+                f"{where[i]}: prompt_ids + response_ids = {len(p)} + {len(r)} tokens exceed "
+                f"model.max_sequence_length = {max_sequence_length}"
+            )
 
 
 def _check_suffix(path: Path) -> None:
@@ -144,11 +209,16 @@ def write_rollouts(batch: RolloutBatch, path: str | Path) -> None:
 
 
 def read_rollouts(path: str | Path) -> RolloutBatch:
-    """Read one ``.jsonl`` / ``.parquet`` rollout file."""
+    """Read one ``.jsonl`` / ``.parquet`` rollout file (rows checked, errors name the line)."""
+    return read_rollouts_located(path)[0]
+
+
+def read_rollouts_located(path: str | Path) -> tuple[RolloutBatch, list[str]]:
+    """:func:`read_rollouts` plus where each sample came from (``file:line`` / ``file row N``)."""
     path = Path(path)
     _check_suffix(path)
     if path.suffix == ".jsonl":
-        rows, origins = [], []
+        rows, where = [], []
         with open(path, encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
                 if line.strip():
@@ -156,11 +226,13 @@ def read_rollouts(path: str | Path) -> RolloutBatch:
                         rows.append(json.loads(line))
                     except json.JSONDecodeError as e:
                         raise ValueError(f"{path}:{lineno}: invalid JSON: {e}") from e
-                    origins.append(f"{path}:{lineno}")
+                    if not isinstance(rows[-1], dict):
+                        raise ValueError(f"{path}:{lineno}: a row must be a JSON object")
+                    where.append(f"{path}:{lineno}")
     else:
         rows = _pyarrow().parquet.read_table(path).to_pylist()
-        origins = [f"{path}:row {i + 1}" for i in range(len(rows))]
-    return _batch(rows, str(path), origins)
+        where = [f"{path} row {i + 1}" for i in range(len(rows))]
+    return _batch(rows, str(path), where), where
 
 
 class RolloutFileSource:
@@ -181,8 +253,10 @@ class RolloutFileSource:
         else:
             raise ValueError(f"rollout.input_path {str(path)!r} does not exist")
         self.groups: list[tuple[RolloutBatch, list[int]]] = []
+        self.files: list[tuple[RolloutBatch, list[str]]] = []
         for f in files:
-            batch = read_rollouts(f)
+            batch, where = read_rollouts_located(f)
+            self.files.append((batch, where))
             members: dict[int, list[int]] = {}
             for i, gid in enumerate(batch.group_ids):
                 members.setdefault(gid, []).append(i)
@@ -190,6 +264,11 @@ class RolloutFileSource:
 
     def __len__(self) -> int:
         return len(self.groups)
+
+    def check_against_model(self, vocab_size: int, max_sequence_length: int) -> None:
+        """Every sample's ids and length against the model (errors name file and line)."""
+        for batch, where in self.files:
+            check_against_model(batch, where, vocab_size, max_sequence_length)
 
     def take(self, start: int, n: int) -> RolloutBatch:
         if start + n > len(self.groups):

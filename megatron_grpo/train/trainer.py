@@ -36,6 +36,7 @@ from megatron_grpo.train.monitor import Monitor, truncate_jsonl, write_resolved_
 from megatron_grpo.train.optim import build_optimizer, optimizer_step, zero_grads
 from megatron_grpo.train.rollout_batch import RolloutBatch, check_routed_experts
 from megatron_grpo.train.rollout_io import RolloutFileSource, write_rollouts
+from megatron_grpo.train.rundir import RunDirError, claim_run_dirs
 from megatron_grpo.train.sampler import SamplingParams, generate
 from megatron_grpo.train.tasks import Prompt, build_task
 
@@ -45,9 +46,12 @@ class NonFiniteError(RuntimeError):
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, resume: bool = False) -> None:
+    def __init__(self, cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> None:
+        """``resume``: continue from ``checkpoint.dir`` (an error when it holds none);
+        ``overwrite``: a fresh run may delete a previous run's outputs (see ``rundir``)."""
         self.cfg = cfg
         initialize_parallel(cfg.parallel, cfg.training.seed)
+        self._claim_run_dirs(resume, overwrite)
         self.dp_rank, self.dp_size = comm.dp_rank_size()
         if cfg.rollout.num_prompts % self.dp_size:
             raise ValueError(
@@ -56,6 +60,8 @@ class Trainer:
             )
         self.prompts_per_rank = cfg.rollout.num_prompts // self.dp_size
         self._setup_data()
+        if self.source is not None:  # before the model: a bad id would fail in the embedding
+            self.source.check_against_model(cfg.model.vocab_size, cfg.model.max_sequence_length)
         self._setup_models()
         self.step_fn = GRPOStep(
             cfg.loss,
@@ -119,16 +125,21 @@ class Trainer:
         if cfg.dir is None:
             raise ValueError("--resume needs checkpoint.dir")
         latest = ckpt.latest_checkpoint(cfg.dir)
-        if latest is None:
-            if torch.distributed.get_rank() == 0:
-                print(f"--resume: no checkpoint in {cfg.dir}; starting at step 0", flush=True)
-            return
+        if latest is None:  # claim_run_dirs checked already; the directory changed since
+            raise RunDirError(f"--resume: no checkpoint in {cfg.dir}")
         check_checkpoint_architecture(self.cfg.model, str(latest))
         state = ckpt.load_checkpoint(latest, self.model, self.optimizer, self.scheduler)
         self.start_step = int(state["step"])
         self.skipped = int(state.get("skipped_steps", 0))
         if torch.distributed.get_rank() == 0:
             print(f"resumed from {latest} at step {self.start_step}", flush=True)
+
+    def _claim_run_dirs(self, resume: bool, overwrite: bool) -> None:
+        c = self.cfg
+        claim_run_dirs(
+            c.logging.metrics_path, c.logging.dir, c.checkpoint.dir, c.rollout.output_dir,
+            resume=resume, overwrite=overwrite,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> list[dict[str, float]]:
@@ -314,9 +325,10 @@ class Trainer:
             "world_size": torch.distributed.get_world_size(),
             "config": to_dict(self.cfg),
         }
-        ckpt.save_checkpoint(
+        path = ckpt.save_checkpoint(
             cfg.dir, step, self.model, self.optimizer, self.scheduler, state, cfg.keep_last
         )
+        self.monitor.message(f"saved checkpoint {path} (step {step})")
 
     # ------------------------------------------------------------------ helpers
     def _sampling_params(self) -> SamplingParams:
