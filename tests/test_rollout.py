@@ -193,13 +193,20 @@ def _gpu_body(rank: int, world: int) -> None:
     for dtype in ("float32", "bfloat16"):
         _, chunks = _model(ParallelConfig(), params_dtype=dtype)
         model = unwrap(chunks[0])
-        engine = KVCacheEngine(model, EngineOptions(kv_cache_gib=1.0, context_bucket=16))
-        assert engine.use_graphs
         params = _params(top_k=1) if dtype == "float32" else _params(temperature=0.9)
-        got = generate(model, prompts, params, torch.Generator().manual_seed(5), engine=engine)
-        captures = engine.graphs.captures
-        again = generate(model, prompts, params, torch.Generator().manual_seed(5), engine=engine)
-        assert again == got and engine.graphs.captures == captures  # graphs reused
+        for keep in (True, False):
+            options = EngineOptions(kv_cache_gib=1.0, context_bucket=16, keep_cache=keep)
+            engine = KVCacheEngine(model, options)
+            assert engine.use_graphs
+            got = generate(model, prompts, params, torch.Generator().manual_seed(5), engine=engine)
+            captures = engine.graphs.captures
+            assert captures > 1
+            again = generate(
+                model, prompts, params, torch.Generator().manual_seed(5), engine=engine
+            )
+            assert again == got
+            if keep:  # the cache stayed where the graphs read it: none captured again
+                assert engine.graphs.captures == captures
         if dtype == "float32":
             want = generate(
                 model, prompts, params, torch.Generator().manual_seed(5), engine="recompute"

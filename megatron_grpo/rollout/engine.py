@@ -23,6 +23,7 @@ sequence), then runs decode steps: one token per unfinished sequence, attending 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -46,12 +47,17 @@ class EngineOptions:
             (MoE routing has data-dependent shapes, so MoE always runs eagerly).
         max_prefill_tokens: tokens per prefill forward (bounds its activation memory).
         context_bucket: decode attends to keys in multiples of this many positions.
+        keep_cache: keep the KV cache allocated between calls (CUDA graphs are then always
+            reused; for generation-only use). Off: the cache is freed when a call returns, so
+            the policy update never holds it, and graphs are re-captured only when the next
+            call's cache lands at another address.
     """
 
     kv_cache_gib: float = 16.0
     cuda_graphs: bool | None = None
     max_prefill_tokens: int = 32768
     context_bucket: int = 128
+    keep_cache: bool = False
 
     def __post_init__(self) -> None:
         if not self.kv_cache_gib > 0:
@@ -122,7 +128,16 @@ class KVCacheEngine:
             [list(map(int, p)) for p in prompts], params, uniforms.to(device),
             deque(range(len(prompts))), [], [[] for _ in prompts], [[] for _ in prompts],
         )  # fmt: skip
-        self.stats = {"prefill_forwards": 0, "decode_steps": 0, "decode_rows": 0}
+        self.stats = dict.fromkeys(
+            (
+                "prefill_forwards",
+                "decode_steps",
+                "decode_rows",
+                "prefill_seconds",
+                "decode_seconds",
+            ),
+            0,
+        )
         with self._generation_mode(run):
             self._loop(run)
         return run.responses, run.logprobs
@@ -143,7 +158,8 @@ class KVCacheEngine:
             with kvc.attached(model, self.cache):
                 yield
         finally:
-            self.cache = None  # freed before any policy update
+            if not self.options.keep_cache:
+                self.cache = None  # freed before any policy update
             if sp:
                 _set_sequence_parallel(model, True)
             cfg.apply_rope_fusion = fusion
@@ -151,6 +167,7 @@ class KVCacheEngine:
 
     def _allocate(self, run: _Run) -> kvc.KVCache:
         shape = kvc.CacheShape.of(self.model)
+        kept = self.cache
         longest = max(len(p) for p in run.prompts) + run.params.max_new_tokens
         bucket = self.options.context_bucket
         seq_len = min(-(-longest // bucket) * bucket, self.model.max_sequence_length)
@@ -161,6 +178,14 @@ class KVCacheEngine:
         if group is not None:  # equal slot counts: the group pads decode batches to its largest
             slots = io.group_max([slots], group)[0]
         self.stats["slots"] = slots
+        if (
+            kept is not None
+            and (kept.shape, kept.seq_len) == (shape, seq_len)
+            and kept.slots >= slots
+        ):
+            self.stats["slots"] = kept.slots
+            return kept
+        self.cache = None  # the kept one, if any, is freed before the new one is allocated
         return kvc.KVCache(shape, slots, seq_len, io.model_device(self.model))
 
     def _prepare_static(self, run: _Run) -> None:
@@ -191,13 +216,17 @@ class KVCacheEngine:
                     return
             elif not (new or run.rows or run.waiting):
                 return
+            t0 = time.perf_counter()
             if tokens:
                 self._prefill(run, new, tokens if group is not None else None)
+            t1 = time.perf_counter()
             rows = len(run.rows)
             if group is not None:
                 rows = io.group_max([rows], group)[0]
             if rows:
-                self._decode(run, rows)
+                self._decode(run, rows)  # ends in a device-to-host copy: a sync
+            self.stats["prefill_seconds"] += t1 - t0
+            self.stats["decode_seconds"] += time.perf_counter() - t1
 
     def _admit(self, run: _Run) -> list[int]:
         """Waiting samples to prefill now: when a quarter of the slots (or every waiting sample,
@@ -224,8 +253,9 @@ class KVCacheEngine:
             start = int(packed.cu_seqlens_q[j])
             slot[start : start + len(s)] = first + j
         device = io.model_device(self.model)
-        self.cache.plan_prefill(slot.to(device), pos[0].to(device))
-        hidden = io.packed_last_hidden(self.model, ids, pos, packed)
+        ids, pos, packed = ids.to(device), pos.to(device), io.packed_to(packed, device)
+        self.cache.plan_prefill(packed, slot.to(device), pos[0])
+        hidden = self._forward(ids, pos)[packed.cu_seqlens_q[1:].long() - 1, 0]
         self.stats["prefill_forwards"] += 1
         if device.type == "cuda":
             self.stats["prefill_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -269,14 +299,21 @@ class KVCacheEngine:
         """The device-only decode step over rows ``0 .. b-1`` (static inputs -> static out)."""
         ids, pos = self._meta[0, :b], self._meta[1, :b]
         self.cache.plan_decode(pos, ctx)
-        emb = self.model.embedding(input_ids=ids[:, None], position_ids=pos[:, None])
-        freqs = None if self._rope is None else self._rope[pos].transpose(0, 1)
-        hidden = self.model.decoder(hidden_states=emb, attention_mask=None, rotary_pos_emb=freqs)
+        hidden = self._forward(ids[:, None], pos[:, None])  # [1, b, H]
         logits = io.head_logits(self.model, hidden[0])
         tokens, logp = sample(logits, self._u[:b], params)
         io.broadcast_from_tp_src(tokens, logp)
         self._out[0, :b].copy_(tokens)
         self._out[1, :b].copy_(logp)
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states ``[s, b, H]`` of tokens ``ids [b, s]`` at positions
+        ``pos [b, s]``: the model's embedding and decoder, RoPE from the table at each token's
+        own position (prefill: b = 1 and the documents restart at 0; decode: s = 1). Megatron's
+        packed-sequence RoPE would loop over the documents in Python at every layer."""
+        emb = self.model.embedding(input_ids=ids, position_ids=pos)  # [s, b, H]
+        freqs = None if self._rope is None else self._rope[pos.t()][:, :, 0]  # [s, b, 1, d]
+        return self.model.decoder(hidden_states=emb, attention_mask=None, rotary_pos_emb=freqs)
 
     def _retire(self, run: _Run, ctx: int | None = None) -> None:
         """Drop finished rows, moving the last active rows into their slots."""

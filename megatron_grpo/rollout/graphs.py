@@ -47,4 +47,6 @@ class DecodeGraphs:
         return graph
 
     def clear(self) -> None:
+        """Drop every graph and start a new pool (a pool dies with its last graph)."""
         self.graphs.clear()
+        self.pool = torch.cuda.graph_pool_handle()

@@ -7,10 +7,12 @@ offset, no left padding): a decode query attends to its own row's keys ``[0, pos
 key-padding mask, so ragged prompts decode exactly as if each ran alone.
 
 :class:`CachedAttention` wraps a layer's core attention for the duration of a generation call
-(any core attention: the portable ``SDPAttention`` or Transformer Engine's):
+(whatever the spec's core attention is, the portable ``SDPAttention`` or Transformer Engine's:
+the cached path replaces it):
 
-* prefill (packed THD, the ragged prompts as documents): write each token's K/V at its (slot,
-  position), then the wrapped attention attends within each document as in training;
+* prefill (the ragged prompts packed into one ``[T, 1, n, d]`` stream): write each token's K/V
+  at its (slot, position), then attend causally within each document (``packed_attention``:
+  a few length-bucketed SDPA calls);
 * decode (``[1, b, n, d]``, one new token per row): write K/V at each row's position, then
   attend to the row's cached keys. GQA folds the query heads of one KV head into the query
   length (``[b, n_kv, groups, d]`` against ``[b, n_kv, ctx, d]``), so no backend needs GQA
@@ -25,10 +27,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron_grpo.megatron.layer_spec import sdpa
+from megatron_grpo.megatron.packed_attention import packed_causal_attention
 
 
 @dataclass(frozen=True)
@@ -73,18 +77,22 @@ class KVCache:
 
     def __init__(self, shape: CacheShape, slots: int, seq_len: int, device) -> None:
         self.shape, self.slots, self.seq_len = shape, slots, seq_len
-        self.kv = torch.empty(
+        # Zeroed: masked-out keys still enter the score GEMM, and a NaN bit pattern left in
+        # unwritten memory would turn masked scores (NaN + -inf) and the output into NaN.
+        self.kv = torch.zeros(
             shape.layers, 2, slots + 1, shape.kv_heads, seq_len, shape.head_dim,
             dtype=shape.dtype, device=device,
         )  # fmt: skip
         self.scratch = slots
         self.decoding = False
+        self.packed: PackedSeqParams | None = None  # prefill: the documents of the stream
         self.write_slot: Tensor | None = None  # prefill: [T] slot of each packed token
         self.write_pos: Tensor | None = None  # prefill: [T]; decode: [b] position per row
         self.ctx = 0  # decode: keys [0, ctx) are read (a bucket >= every row's pos + 1)
 
-    def plan_prefill(self, write_slot: Tensor, write_pos: Tensor) -> None:
-        self.decoding, self.write_slot, self.write_pos = False, write_slot, write_pos
+    def plan_prefill(self, packed: PackedSeqParams, write_slot: Tensor, write_pos: Tensor) -> None:
+        self.decoding, self.packed = False, packed
+        self.write_slot, self.write_pos = write_slot, write_pos
 
     def plan_decode(self, pos: Tensor, ctx: int) -> None:
         self.decoding, self.write_pos, self.ctx = True, pos, ctx
@@ -107,11 +115,21 @@ class CachedAttention(torch.nn.Module):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, **kwargs) -> Tensor:
         kc, vc = self.cache.kv[self.index, 0], self.cache.kv[self.index, 1]
-        if not self.cache.decoding:  # packed prefill: q/k/v [T, n, d]
-            kc[self.cache.write_slot, :, self.cache.write_pos] = key
-            vc[self.cache.write_slot, :, self.cache.write_pos] = value
-            return self.inner(query, key, value, attention_mask, attn_mask_type, **kwargs)
+        if not self.cache.decoding:
+            return self._prefill(query, key, value, kc, vc)
         return self._decode(query, key, value, kc, vc)
+
+    def _prefill(self, query: Tensor, key: Tensor, value: Tensor, kc: Tensor, vc: Tensor):
+        """``query [T, 1, n_q, d]``, ``key/value [T, 1, n_kv, d]`` -> ``[T, 1, n_q * d]``."""
+        c = self.cache
+        kc[c.write_slot, :, c.write_pos] = key[:, 0]
+        vc[c.write_slot, :, c.write_pos] = value[:, 0]
+        out = packed_causal_attention(query[:, 0], key[:, 0], value[:, 0], c.packed,
+                                      sdpa=self._sdpa)  # fmt: skip
+        return out.reshape(out.size(0), 1, -1)
+
+    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+        return sdpa(q, k, v, mask=mask, causal=mask is None, scale=self.scale)
 
     def _decode(self, query: Tensor, key: Tensor, value: Tensor, kc: Tensor, vc: Tensor):
         """``query [1, b, n_q, d]``, ``key/value [1, b, n_kv, d]`` -> ``[1, b, n_q * d]``."""
