@@ -56,6 +56,9 @@ def test_overrides_reach_every_section():
         ("training.steps=abc", "training.steps: expected an integer"),
         ("rollout.task=chess", "rollout.task: 'chess' is not one of"),
         ("optimizer.optimizer=lion", "optimizer.optimizer: 'lion' is not one of"),
+        ("rollout.engine=vllm", "rollout.engine: 'vllm' is not one of"),
+        ("rollout.cuda_graphs=maybe", "rollout.cuda_graphs"),
+        ("rollout.stop_ids=5", "rollout.stop_ids: expected a list"),
     ],
 )
 def test_unknown_keys_and_bad_values_name_the_field(override, message):
@@ -68,6 +71,9 @@ def test_unknown_keys_and_bad_values_name_the_field(override, message):
     [
         (["rollout.group_size=1"], "group_size must be >= 2"),
         (["rollout.top_p=0"], "top_p must be in"),
+        (["rollout.top_k=-1"], "rollout: top_k must be >= 0"),
+        (["rollout.stop_ids=[3, -1]"], "rollout: stop_ids must be token ids >= 0, got -1"),
+        (["rollout.kv_cache_gib=0"], "rollout: kv_cache_gib must be > 0"),
         (["rollout.reward_fn=no_colon"], "reward_fn must look like"),
         (["rollout.task=math"], "math.data_path is required"),
         (["training.micro_batch_size=null"], "exactly one of micro_batch_size"),
@@ -113,3 +119,16 @@ def test_checkpoint_architecture_check_names_the_field(tmp_path):
                         rotary_base=500000)  # fmt: skip
     with pytest.raises(ConfigError, match="rotary_base"):
         check_checkpoint_architecture(other, str(tmp_path))
+
+
+def test_rollout_engine_fields_default_and_override():
+    cfg = load_train_config(RECIPE)
+    r = cfg.rollout
+    assert (r.engine, r.kv_cache_gib, r.cuda_graphs, r.top_k, r.stop_ids) == (
+        "kv_cache", 16.0, None, 0, []
+    )  # fmt: skip
+    sets = ["rollout.engine=recompute", "rollout.cuda_graphs=false", "rollout.stop_ids=[10]"]
+    r = load_train_config(RECIPE, [*sets, "rollout.top_k=4", "rollout.kv_cache_gib=0.5"]).rollout
+    assert (r.engine, r.kv_cache_gib, r.cuda_graphs, r.top_k, r.stop_ids) == (
+        "recompute", 0.5, False, 4, [10]
+    )  # fmt: skip

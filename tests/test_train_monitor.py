@@ -37,3 +37,14 @@ def test_tensorboard_scalars_are_written(tmp_path):
     acc.Reload()
     values = [(e.step, e.value) for e in acc.Scalars("reward/mean")]
     assert values == [(1, 0.25), (2, 0.75)]
+
+
+def test_progress_line_shows_throughput_and_the_stage_split(tmp_path, capsys):
+    mon = Monitor(LoggingConfig(dir=str(tmp_path)), total_steps=2, enabled=True)
+    perf = {"perf/rollout_seconds": 0.9, "perf/logprob_seconds": 0.2}
+    perf |= {"perf/update_seconds": 0.4, "perf/step_seconds": 1.52}
+    perf |= {"perf/generation_tokens_per_s": 1234.4, "perf/train_tokens_per_s": 5678.0}
+    mon.log(1, {"reward/mean": 0.5, **perf})
+    line = capsys.readouterr().out
+    assert "gen tok/s 1234 | train tok/s 5678" in line
+    assert "1.52s = rollout 0.90 + logprob 0.20 + update 0.40" in line

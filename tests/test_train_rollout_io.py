@@ -155,3 +155,23 @@ def test_rollouts_are_checked_against_the_model(tmp_path, bad, message):
         RolloutFileSource(path).check_against_model(vocab_size=13, max_sequence_length=11)
     path.write_text(_line() + _line())
     RolloutFileSource(path).check_against_model(vocab_size=5, max_sequence_length=4)
+
+
+def test_file_rollout_source_checks_rewards_and_takes_each_ranks_groups(tmp_path):
+    from megatron_grpo.train.config import TrainConfig
+    from megatron_grpo.train.rollout_source import FileRollouts, sampling_params
+
+    write_rollouts(_batch(), tmp_path / "a.jsonl")
+    write_rollouts(_batch(with_rewards=False), tmp_path / "b" / "r.jsonl")
+    cfg = TrainConfig()
+    cfg.rollout.num_prompts, cfg.training.steps = 2, 1
+    cfg.rollout.input_path = str(tmp_path / "a.jsonl")
+    rank1 = FileRollouts(cfg, dp_rank=1, dp_size=2).next(0)  # the second group
+    assert rank1.prompt_ids == [[4, 5], [4, 5]] and rank1.rewards == [0.25, -1.5]
+    assert not FileRollouts.generated and FileRollouts(cfg, 0, 2).metrics() == {}
+    cfg.rollout.input_path = str(tmp_path / "b")
+    with pytest.raises(ValueError, match="r.jsonl:1: .* must carry a 'reward' column"):
+        FileRollouts(cfg, 0, 1)
+    cfg.rollout.stop_ids = [20]
+    with pytest.raises(ValueError, match="rollout: stop_ids 20 is outside the vocabulary"):
+        sampling_params(cfg, eos_id=12)

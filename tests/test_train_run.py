@@ -100,6 +100,9 @@ def _file_body(rank: int, world: int, tmp: Path) -> None:
     history = Trainer(good).train()
     assert [h["optim/skipped_steps"] for h in history] == [0.0, 0.0]
     assert history[0]["reward/mean"] == 0.5 and "mismatch/k3" in history[0]
+    # Read, not generated: stage times but no generation rate or engine counters.
+    assert history[0]["perf/rollout_seconds"] > 0.0 and history[0]["perf/update_seconds"] > 0.0
+    assert not any(k in history[0] for k in ("perf/generation_tokens_per_s", "rollout/kv_slots"))
     bad = load_train_config(
         RECIPE, base + ["training.steps=2", f"rollout.input_path={tmp / 'bad'}"]
     )
@@ -153,3 +156,41 @@ def _cp_body(rank: int, world: int, tmp: Path) -> None:
 def test_context_parallel_trains_from_rollout_files(tmp_path):
     """CP = 2 without Transformer Engine (the portable spec's all-gather CP attention)."""
     run_distributed(_cp_body, 2, tmp_path)
+
+
+PERF_KEYS = (
+    "perf/rollout_seconds", "perf/logprob_seconds", "perf/update_seconds", "perf/step_seconds",
+    "perf/generation_tokens_per_s", "perf/train_tokens_per_s", "perf/tokens_per_s",
+)  # fmt: skip
+
+
+def _long_body(rank: int, world: int, tmp: Path) -> None:
+    from megatron_grpo.train.config import load_train_config
+    from megatron_grpo.train.trainer import Trainer
+
+    recipe = ROOT / "recipes" / "tiny_long.yaml"
+    base = [
+        "parallel.tensor_model_parallel_size=1",
+        "rollout.num_prompts=4",
+        "training.micro_batch_size=16",
+        "training.steps=2",
+    ]
+    cfg = load_train_config(recipe, base + [f"logging.dir={tmp / 'kv'}"])
+    assert cfg.rollout.reverse_digits.num_digits == 32 and cfg.rollout.engine == "kv_cache"
+    history = Trainer(cfg).train()
+    logged = [json.loads(line) for line in (tmp / "kv" / "metrics.jsonl").read_text().splitlines()]
+    for h, row in zip(history, logged, strict=True):
+        for key in PERF_KEYS:
+            assert h[key] > 0.0 and row[key] == pytest.approx(h[key]), key
+        assert h["rollout/kv_slots"] == 32.0  # 4 prompts x 8 samples fit the budget at once
+        assert h["rollout/decode_steps"] >= h["response/length_mean"] - 1
+        assert h["perf/step_seconds"] >= h["perf/rollout_seconds"] + h["perf/update_seconds"]
+    recompute = [f"logging.dir={tmp / 're'}", "rollout.engine=recompute", "training.steps=1"]
+    [h] = Trainer(load_train_config(recipe, base + recompute)).train()
+    assert h["perf/generation_tokens_per_s"] > 0.0 and "rollout/kv_slots" not in h
+
+
+@pytest.mark.slow
+def test_tiny_long_recipe_logs_the_stage_split_and_throughput(tmp_path):
+    """The long-response recipe, 2 steps in a world of one, with both engines."""
+    run_distributed(_long_body, 1, tmp_path)

@@ -46,6 +46,14 @@ def all_reduce_sum(values: list[float], group: dist.ProcessGroup | None) -> list
     return t.tolist()
 
 
+def all_reduce_max(values: list[float]) -> list[float]:
+    """Element-wise max of float64 scalars over the whole world."""
+    t = torch.tensor(values, dtype=torch.float64, device=comm_device())
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
 def any_rank(flags: list[bool]) -> list[bool]:
     """Element-wise OR of ``flags`` over the whole world."""
     t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=comm_device())

@@ -70,13 +70,24 @@ class RolloutConfig:
         group_size: G samples per prompt (one advantage group).
         max_prompt_length / max_response_length: in tokens; longer prompts are an error, responses
             stop at ``<eos>`` or at ``max_response_length``.
-        temperature / top_p: sampling; the recorded rollout log-probs are those of the sampled
-            token under ``softmax(logits / temperature)`` before top-p truncation.
+        temperature / top_p / top_k: sampling; the recorded rollout log-probs are those of the
+            sampled token under ``softmax(logits / temperature)`` before top-k / top-p truncation.
+            ``top_k``: keep the k most likely tokens (0 = off, 1 = greedy).
+        stop_ids: token ids that end a response besides the tokenizer's ``<eos>`` (kept as its
+            last token, like ``<eos>``).
+        engine: how the policy generates: ``kv_cache`` (the KV-cached engine of
+            ``megatron_grpo.rollout``) or ``recompute`` (no cache: every token re-runs the whole
+            sequence; the reference the engine is tested against).
+        kv_cache_gib: the per-GPU KV cache budget of the ``kv_cache`` engine; sequences beyond
+            it wait for a free slot (generation streams through the cache instead of failing).
+        cuda_graphs: replay the engine's decode steps as CUDA graphs; null = auto (on for dense
+            models on GPU, off for MoE and on CPU); true on CPU or with MoE is an error.
         task: ``reverse_digits`` (toy, built-in tokenizer) or ``math`` (local JSONL + HF tokenizer).
         reward_fn: optional ``"pkg.module:function"`` replacing the task's reward; called as
             ``fn(prompt: str, response: str, answer: str) -> float``.
         input_path: train on rollouts from a file (``.jsonl`` / ``.parquet``) or a directory of
-            them instead of generating; each step consumes the next ``num_prompts`` groups.
+            them instead of generating; each step consumes the next ``num_prompts`` groups (the
+            sampling and engine fields are then unused; the files must carry ``reward``).
         output_dir: write each step's rollouts to ``output_dir/rollouts_step{N}.{output_format}``.
     """
 
@@ -86,6 +97,11 @@ class RolloutConfig:
     max_response_length: int = 64
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0
+    stop_ids: list[int] = field(default_factory=list)
+    engine: Literal["kv_cache", "recompute"] = "kv_cache"
+    kv_cache_gib: float = 16.0
+    cuda_graphs: bool | None = None
     task: TaskName = "reverse_digits"
     reverse_digits: ReverseDigitsConfig = field(default_factory=ReverseDigitsConfig)
     math: MathTaskConfig = field(default_factory=MathTaskConfig)
@@ -104,6 +120,13 @@ class RolloutConfig:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off, 1 = greedy), got {self.top_k}")
+        bad = [i for i in self.stop_ids if i < 0]
+        if bad:
+            raise ValueError(f"stop_ids must be token ids >= 0, got {bad[0]}")
+        if not self.kv_cache_gib > 0:
+            raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if self.reward_fn is not None and ":" not in self.reward_fn:
             raise ValueError(
                 f"reward_fn must look like 'pkg.module:function', got {self.reward_fn!r}"

@@ -19,8 +19,23 @@ _PROGRESS = (
     ("loss", "loss/loss", ".4f"),
     ("kl", "loss/kl_mean", ".4f"),
     ("clip", "loss/clipfrac", ".3f"),
-    ("tok/s", "perf/tokens_per_s", ".0f"),
+    ("gen tok/s", "perf/generation_tokens_per_s", ".0f"),
+    ("train tok/s", "perf/train_tokens_per_s", ".0f"),
 )
+# Where a step's time goes: "1.52s = rollout 0.90 + logprob 0.20 + update 0.40".
+_STAGES = ("rollout", "logprob", "update")
+
+
+def _time_split(metrics: dict[str, float]) -> str | None:
+    if "perf/step_seconds" not in metrics:
+        return None
+    split = " + ".join(
+        f"{name} {metrics[f'perf/{name}_seconds']:.2f}"
+        for name in _STAGES
+        if f"perf/{name}_seconds" in metrics
+    )
+    total = f"{metrics['perf/step_seconds']:.2f}s"
+    return f"{total} = {split}" if split else total
 
 
 def write_resolved_config(cfg: LoggingConfig, resolved: dict[str, Any]) -> Path:
@@ -102,6 +117,9 @@ class Monitor:
         for label, key, fmt in _PROGRESS:
             if key in metrics:
                 parts.append(f"{label} {metrics[key]:{fmt}}")
+        split = _time_split(metrics)
+        if split is not None:
+            parts.append(split)
         line = " | ".join(parts)
         if sys.stdout.isatty():
             end = "\n" if step == self.total else ""

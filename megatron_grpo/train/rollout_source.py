@@ -1,0 +1,165 @@
+"""Where each step's scored rollouts come from: ``source.next(step) -> RolloutBatch``.
+
+The trainer loop only calls :meth:`RolloutSource.next`, which returns this DP rank's share of
+step ``step`` with rewards filled in. Two implementations:
+
+* :class:`GeneratedRollouts`: the policy samples ``group_size`` responses per task prompt with
+  ``megatron_grpo.rollout`` (one :class:`KVCacheEngine` for the whole run, so its CUDA graphs
+  are captured once), then the task scores them.
+* :class:`FileRollouts`: the next groups of ``rollout.input_path`` (rewards come with them).
+
+A third, e.g. a client of an OpenAI-compatible vLLM / SGLang server with weight sync, only has
+to implement ``next`` (and ``generated`` / ``metrics``), not touch the loop.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Protocol
+
+import torch
+
+from megatron_grpo.rollout import EngineOptions, KVCacheEngine, SamplingParams, generate
+from megatron_grpo.train.config import TrainConfig
+from megatron_grpo.train.rollout_batch import RolloutBatch
+from megatron_grpo.train.rollout_io import RolloutFileSource
+from megatron_grpo.train.tasks import Task, build_task
+
+
+class RolloutSource(Protocol):
+    """Scored rollouts of one DP rank, step by step.
+
+    ``generated``: the responses are sampled while ``next`` runs (their tokens count towards
+    ``perf/generation_tokens_per_s``). ``metrics()``: metrics of the last ``next`` call on this
+    rank, by name (the trainer logs the max over ranks); the same names on every rank."""
+
+    generated: bool
+
+    def next(self, step: int) -> RolloutBatch: ...
+
+    def metrics(self) -> dict[str, float]: ...
+
+
+def _first_group(cfg: TrainConfig, step: int, dp_rank: int, per_rank: int) -> int:
+    """Index of this DP rank's first prompt (or file group) of ``step``."""
+    return step * cfg.rollout.num_prompts + dp_rank * per_rank
+
+
+class FileRollouts:
+    """Groups read from ``rollout.input_path``, checked when opened: enough groups for the run,
+    a ``reward`` column, ids and lengths that fit the model (errors name the file and line)."""
+
+    generated = False
+
+    def __init__(self, cfg: TrainConfig, dp_rank: int, dp_size: int) -> None:
+        self.cfg, self.dp_rank = cfg, dp_rank
+        self.per_rank = cfg.rollout.num_prompts // dp_size
+        self.files = RolloutFileSource(cfg.rollout.input_path)
+        needed = cfg.training.steps * cfg.rollout.num_prompts
+        if len(self.files) < needed:
+            raise ValueError(
+                f"rollout.input_path has {len(self.files)} groups, training.steps * "
+                f"rollout.num_prompts needs {needed}"
+            )
+        for batch, where in self.files.files:
+            if len(batch) and batch.rewards is None:
+                raise ValueError(
+                    f"{where[0]}: rollouts from rollout.input_path must carry a 'reward' column"
+                )
+        self.files.check_against_model(cfg.model.vocab_size, cfg.model.max_sequence_length)
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def next(self, step: int) -> RolloutBatch:
+        start = _first_group(self.cfg, step, self.dp_rank, self.per_rank)
+        return self.files.take(start, self.per_rank)
+
+
+def build_checked_task(cfg: TrainConfig) -> Task:
+    """The task of ``rollout.task`` (checked against the model's vocabulary)."""
+    task = build_task(cfg.rollout, cfg.training.seed)
+    vocab = task.tokenizer.vocab_size
+    if vocab > cfg.model.vocab_size:
+        raise ValueError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the task tokenizer's "
+            f"vocabulary ({vocab})"
+        )
+    return task
+
+
+def sampling_params(cfg: TrainConfig, eos_id: int) -> SamplingParams:
+    r = cfg.rollout
+    try:
+        return SamplingParams(
+            temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_response_length,
+            eos_id=eos_id, vocab_size=cfg.model.vocab_size, top_k=r.top_k,
+            stop_ids=tuple(r.stop_ids),
+        )  # fmt: skip
+    except ValueError as e:  # name the recipe's section (e.g. a stop id beyond the vocabulary)
+        raise ValueError(f"rollout: {e}") from e
+
+
+class GeneratedRollouts:
+    """The policy generates ``group_size`` responses per prompt; the task scores them.
+
+    Step ``s`` on DP rank ``d`` samples with a generator seeded from ``(seed, s, d)``, so a
+    resumed run draws what an uninterrupted one would have. ``model`` is the unwrapped policy
+    (its first model chunk; generation needs PP = CP = 1)."""
+
+    generated = True
+
+    def __init__(
+        self, cfg: TrainConfig, task: Task, model: torch.nn.Module, dp_rank: int, dp_size: int
+    ) -> None:
+        self.cfg, self.task, self.model, self.dp_rank = cfg, task, model, dp_rank
+        self.per_rank = cfg.rollout.num_prompts // dp_size
+        self.params = sampling_params(cfg, task.tokenizer.eos_id)
+        r = cfg.rollout
+        self.engine: KVCacheEngine | None = None
+        if r.engine == "kv_cache":  # one per run: its CUDA graphs are reused across steps
+            options = EngineOptions(kv_cache_gib=r.kv_cache_gib, cuda_graphs=r.cuda_graphs)
+            self.engine = KVCacheEngine(model, options)
+
+    def metrics(self) -> dict[str, float]:
+        """The KV-cached engine's counters of the last call: ``rollout/kv_slots`` (sequences the
+        cache held at once), ``rollout/prefill_forwards``, ``rollout/decode_steps``,
+        ``rollout/decode_batch_mean`` (rows per decode step) and, when the engine times them,
+        ``perf/prefill_seconds`` / ``perf/decode_seconds``. None for ``engine: recompute``."""
+        if self.engine is None:
+            return {}
+        s = self.engine.stats
+        out = {
+            "rollout/kv_slots": float(s["slots"]),
+            "rollout/prefill_forwards": float(s["prefill_forwards"]),
+            "rollout/decode_steps": float(s["decode_steps"]),
+            "rollout/decode_batch_mean": s["decode_rows"] / max(s["decode_steps"], 1),
+        }
+        for phase in ("prefill", "decode"):
+            if f"{phase}_seconds" in s:  # added by newer engines; the same on every rank
+                out[f"perf/{phase}_seconds"] = float(s[f"{phase}_seconds"])
+        return out
+
+    def next(self, step: int) -> RolloutBatch:
+        r = self.cfg.rollout
+        start = _first_group(self.cfg, step, self.dp_rank, self.per_rank)
+        prompts = self.task.prompts(start, self.per_rank)
+        too_long = [p for p in prompts if len(p.ids) > r.max_prompt_length]
+        if too_long:
+            raise ValueError(
+                f"a prompt has {len(too_long[0].ids)} tokens > rollout.max_prompt_length="
+                f"{r.max_prompt_length}: {too_long[0].text[:80]!r}"
+            )
+        expanded = [p for p in prompts for _ in range(r.group_size)]
+        samples = [list(p.ids) for p in expanded]
+        engine = self.engine if self.engine is not None else "recompute"
+        responses, logprobs = generate(
+            self.model, samples, self.params, self._generator(step), engine=engine
+        )
+        rewards = [self.task.reward(p, ids) for p, ids in zip(expanded, responses, strict=True)]
+        group_ids = [start + i for i in range(len(prompts)) for _ in range(r.group_size)]
+        return RolloutBatch(samples, responses, group_ids, logprobs, rewards)
+
+    def _generator(self, step: int) -> torch.Generator:
+        seed = random.Random(f"{self.cfg.training.seed}/{step}/{self.dp_rank}").getrandbits(63)
+        return torch.Generator().manual_seed(seed)
