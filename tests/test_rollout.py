@@ -90,6 +90,12 @@ def _single_body(rank: int, world: int) -> None:
     assert engine.stats["slots"] == 3
     want = generate(model, prompts, params, torch.Generator().manual_seed(5), engine="recompute")
     assert got[0] == want[0]
+    # YaRN (its attention factor applied to cos / sin as megatron-core does).
+    _, chunks = _model(
+        ParallelConfig(), position_embedding_type="yarn", yarn_rotary_scaling_factor=4.0,
+        yarn_original_max_position_embeddings=16,
+    )  # fmt: skip
+    _compare(chunks, prompts, _params(top_k=1))
     # Learned absolute positions (the tiny recipe's model), MHA.
     _, chunks = _model(
         ParallelConfig(), position_embedding_type="learned_absolute", num_query_groups=None

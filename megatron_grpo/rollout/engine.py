@@ -112,6 +112,7 @@ class KVCacheEngine:
         self.use_graphs = (cuda and not moe) if graphs is None else graphs
         self.graphs = DecodeGraphs() if self.use_graphs else None
         self.cache: kvc.KVCache | None = None
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self._static_key: tuple[int, int, int] | None = None
         self.stats: dict[str, float] = {}
 
@@ -145,11 +146,10 @@ class KVCacheEngine:
     # ------------------------------------------------------------------ setup
     @contextlib.contextmanager
     def _generation_mode(self, run: _Run) -> Iterator[None]:
-        """Eval mode, SP and fused RoPE off, the cache allocated and attached; all undone."""
+        """Eval mode, SP off, the cache allocated and attached; all undone."""
         model, cfg = self.model, self.model.config
-        was_training, sp, fusion = model.training, cfg.sequence_parallel, cfg.apply_rope_fusion
+        was_training, sp = model.training, cfg.sequence_parallel
         model.eval()
-        cfg.apply_rope_fusion = False  # decode applies per-row positions ([1, b, 1, d])
         if sp:
             _set_sequence_parallel(model, False)
         try:
@@ -162,7 +162,6 @@ class KVCacheEngine:
                 self.cache = None  # freed before any policy update
             if sp:
                 _set_sequence_parallel(model, True)
-            cfg.apply_rope_fusion = fusion
             model.train(was_training)
 
     def _allocate(self, run: _Run) -> kvc.KVCache:
@@ -199,6 +198,7 @@ class KVCacheEngine:
         self._u = torch.zeros(cache.slots, dtype=torch.float32, device=device)
         self._out = torch.zeros(2, cache.slots, dtype=torch.float64, device=device)
         self._rope = _rope_table(self.model, cache.seq_len)
+        cache.rotary_interleaved = bool(self.model.config.rotary_interleaved)
         self._static_key = key
         if self.graphs is not None:
             self.graphs.clear()
@@ -308,12 +308,17 @@ class KVCacheEngine:
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states ``[s, b, H]`` of tokens ``ids [b, s]`` at positions
-        ``pos [b, s]``: the model's embedding and decoder, RoPE from the table at each token's
-        own position (prefill: b = 1 and the documents restart at 0; decode: s = 1). Megatron's
-        packed-sequence RoPE would loop over the documents in Python at every layer."""
+        ``pos [b, s]`` (prefill: b = 1 and the documents restart at 0; decode: s = 1).
+
+        RoPE is applied by the cached attention from cos / sin gathered once per forward at
+        each token's own position (megatron's formula): megatron's packed-sequence RoPE loops
+        over documents in Python at every layer, and its per-layer cos / sin are a dozen small
+        kernels per layer in every decode step."""
         emb = self.model.embedding(input_ids=ids, position_ids=pos)  # [s, b, H]
-        freqs = None if self._rope is None else self._rope[pos.t()][:, :, 0]  # [s, b, 1, d]
-        return self.model.decoder(hidden_states=emb, attention_mask=None, rotary_pos_emb=freqs)
+        if self._rope is not None:
+            at = pos.t()  # [s, b]
+            self.cache.rope = (self._rope[0][at][:, :, 0], self._rope[1][at][:, :, 0])
+        return self.model.decoder(hidden_states=emb, attention_mask=None, rotary_pos_emb=None)
 
     def _retire(self, run: _Run, ctx: int | None = None) -> None:
         """Drop finished rows, moving the last active rows into their slots."""
@@ -336,16 +341,28 @@ def _bucket(rows: int, slots: int) -> int:
     return min(1 << (rows - 1).bit_length(), slots)
 
 
-def _rope_table(model: torch.nn.Module, seq_len: int) -> torch.Tensor | None:
-    """RoPE frequencies ``[seq_len, 1, 1, d]`` from the model's own rotary module (YaRN
-    included), indexed per row at decode; None without rotary embeddings."""
-    kind = model.position_embedding_type
+def _rope_table(model: torch.nn.Module, seq_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """RoPE ``(cos, sin)`` ``[seq_len, 1, 1, rot_dim]`` in the model dtype, from the model's own
+    rotary module (YaRN included, its attention factor applied as megatron-core does); None
+    without rotary embeddings."""
+    kind, cfg = model.position_embedding_type, model.config
     if kind not in ("rope", "yarn"):
         if kind not in ("learned_absolute", "none"):
             raise ValueError(f"generation does not support position_embedding_type={kind!r}")
         return None
+    if getattr(cfg, "multi_latent_attention", False) or getattr(cfg, "no_rope_freq", None):
+        raise ValueError("generation does not support multi-latent attention or no_rope_freq")
     emb = model.rotary_pos_emb(seq_len)
-    return emb[0] if isinstance(emb, tuple) else emb
+    freqs = emb[0] if isinstance(emb, tuple) else emb
+    mscale = 1.0
+    if kind == "yarn":
+        from megatron.core.transformer.attention import (
+            _yarn_get_concentration_factor_from_config,
+        )
+
+        mscale = _yarn_get_concentration_factor_from_config(cfg)
+    dtype = next(model.parameters()).dtype
+    return (torch.cos(freqs) * mscale).to(dtype), (torch.sin(freqs) * mscale).to(dtype)
 
 
 def _set_sequence_parallel(model: torch.nn.Module, value: bool) -> None:

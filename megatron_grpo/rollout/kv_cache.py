@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from megatron.core.models.common.embeddings.rope_utils import _rotate_half
 from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -89,6 +90,11 @@ class KVCache:
         self.write_slot: Tensor | None = None  # prefill: [T] slot of each packed token
         self.write_pos: Tensor | None = None  # prefill: [T]; decode: [b] position per row
         self.ctx = 0  # decode: keys [0, ctx) are read (a bucket >= every row's pos + 1)
+        self.mask: Tensor | None = None  # decode: [b, 1, 1, ctx] keys each row may see
+        # RoPE of this forward's tokens, ``[s, b, 1, rot_dim]`` cos and sin in the model dtype
+        # (scaled by YaRN's factor), computed once per forward for every layer; None: no RoPE.
+        self.rope: tuple[Tensor, Tensor] | None = None
+        self.rotary_interleaved = False
 
     def plan_prefill(self, packed: PackedSeqParams, write_slot: Tensor, write_pos: Tensor) -> None:
         self.decoding, self.packed = False, packed
@@ -96,6 +102,19 @@ class KVCache:
 
     def plan_decode(self, pos: Tensor, ctx: int) -> None:
         self.decoding, self.write_pos, self.ctx = True, pos, ctx
+        # one mask for all layers: row r sees its keys [0, pos_r]
+        self.mask = (torch.arange(ctx, device=pos.device)[None, :] <= pos[:, None])[:, None, None]
+
+    def apply_rope(self, x: Tensor) -> Tensor:
+        """megatron-core's unfused RoPE formula (``t * cos + rotate_half(t) * sin``, the rotary
+        part first) with this forward's precomputed cos / sin: ``x [s, b, n, d]``."""
+        if self.rope is None:
+            return x
+        cos, sin = self.rope
+        rot = cos.size(-1)
+        t, rest = x[..., :rot], x[..., rot:]
+        t = t * cos + _rotate_half(t, self.rotary_interleaved) * sin
+        return t if rest.size(-1) == 0 else torch.cat((t, rest), dim=-1)
 
     def move_rows(self, src: list[int], dst: list[int], ctx: int) -> None:
         """Copy slots ``src`` to ``dst`` (the first ``ctx`` positions): compaction."""
@@ -122,6 +141,7 @@ class CachedAttention(torch.nn.Module):
     def _prefill(self, query: Tensor, key: Tensor, value: Tensor, kc: Tensor, vc: Tensor):
         """``query [T, 1, n_q, d]``, ``key/value [T, 1, n_kv, d]`` -> ``[T, 1, n_q * d]``."""
         c = self.cache
+        query, key = c.apply_rope(query), c.apply_rope(key)
         kc[c.write_slot, :, c.write_pos] = key[:, 0]
         vc[c.write_slot, :, c.write_pos] = value[:, 0]
         out = packed_causal_attention(query[:, 0], key[:, 0], value[:, 0], c.packed,
@@ -134,15 +154,16 @@ class CachedAttention(torch.nn.Module):
     def _decode(self, query: Tensor, key: Tensor, value: Tensor, kc: Tensor, vc: Tensor):
         """``query [1, b, n_q, d]``, ``key/value [1, b, n_kv, d]`` -> ``[1, b, n_q * d]``."""
         b, n_q, d = query.size(1), query.size(2), query.size(3)
-        n_kv, pos, ctx = key.size(2), self.cache.write_pos, self.cache.ctx
+        c = self.cache
+        n_kv, pos, ctx = key.size(2), c.write_pos, c.ctx
+        query, key = c.apply_rope(query), c.apply_rope(key)
         rows = torch.arange(b, device=query.device)
         kc[rows, :, pos] = key[0]
         vc[rows, :, pos] = value[0]
         keys, values = kc[:b, :, :ctx], vc[:b, :, :ctx]  # [b, n_kv, ctx, d]
-        mask = torch.arange(ctx, device=query.device)[None, :] <= pos[:, None]  # [b, ctx]
         q = query[0].reshape(b, n_kv, n_q // n_kv, d)  # query heads grouped by KV head
         with _decode_backends(query.device):
-            out = sdpa(q, keys, values, mask=mask[:, None, None, :], scale=self.scale)
+            out = sdpa(q, keys, values, mask=c.mask, scale=self.scale)
         return out.reshape(1, b, n_q * d)
 
 
