@@ -212,10 +212,6 @@ class SDPAttention(MegatronModule):
         p = self.dropout_p if self.training else 0.0
         return sdpa(q, k, v, mask=mask, causal=mask is None, scale=self.softmax_scale, dropout_p=p)
 
-    def _masked(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
-        p = self.dropout_p if self.training else 0.0
-        return sdpa(q, k, v, mask=mask, scale=self.softmax_scale, dropout_p=p)
-
     def forward(
         self,
         query: torch.Tensor,
@@ -251,8 +247,9 @@ class SDPAttention(MegatronModule):
             q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
             mask = dense_mask(q.size(2), k.size(2), attn_mask_type or self.attn_mask_type,
                               attention_mask, q.device)  # fmt: skip
-            causal = mask is True
-            out = self._sdpa(q, k, v) if causal else self._masked(q, k, v, mask)
+            p = self.dropout_p if self.training else 0.0
+            out = sdpa(q, k, v, mask=None if mask is True else mask, causal=mask is True,
+                       scale=self.softmax_scale, dropout_p=p)  # fmt: skip
         s, b = query.size(0), query.size(1)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 

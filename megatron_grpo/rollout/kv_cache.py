@@ -6,9 +6,8 @@ padding tokens write into. Rows are independent sequences at their own positions
 offset, no left padding): a decode query attends to its own row's keys ``[0, pos]`` through a
 key-padding mask, so ragged prompts decode exactly as if each ran alone.
 
-:class:`CachedAttention` wraps a layer's core attention for the duration of a generation call
-(whatever the spec's core attention is, the portable ``SDPAttention`` or Transformer Engine's:
-the cached path replaces it):
+:class:`CachedAttention` replaces each layer's core attention (the portable ``SDPAttention`` or
+Transformer Engine's) for the duration of a generation call:
 
 * prefill (the ragged prompts packed into one ``[T, 1, n, d]`` stream): write each token's K/V
   at its (slot, position), then attend causally within each document (``packed_attention``:
@@ -128,9 +127,9 @@ class KVCache:
 class CachedAttention(torch.nn.Module):
     """Layer ``index``'s core attention during generation (see the module docstring)."""
 
-    def __init__(self, inner: torch.nn.Module, cache: KVCache, index: int, scale: float) -> None:
+    def __init__(self, cache: KVCache, index: int, scale: float) -> None:
         super().__init__()
-        self.inner, self.cache, self.index, self.scale = inner, cache, index, scale
+        self.cache, self.index, self.scale = cache, index, scale
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, **kwargs) -> Tensor:
         kc, vc = self.cache.kv[self.index, 0], self.cache.kv[self.index, 1]
@@ -194,7 +193,7 @@ def attached(model: torch.nn.Module, cache: KVCache) -> Iterator[None]:
     scale = softmax_scale(model)
     try:
         for i, attn in enumerate(layers):
-            attn.core_attention = CachedAttention(saved[i], cache, i, scale)
+            attn.core_attention = CachedAttention(cache, i, scale)
         yield
     finally:
         for attn, core in zip(layers, saved, strict=True):

@@ -124,21 +124,19 @@ class GeneratedRollouts:
     def metrics(self) -> dict[str, float]:
         """The KV-cached engine's counters of the last call: ``rollout/kv_slots`` (sequences the
         cache held at once), ``rollout/prefill_forwards``, ``rollout/decode_steps``,
-        ``rollout/decode_batch_mean`` (rows per decode step) and, when the engine times them,
-        ``perf/prefill_seconds`` / ``perf/decode_seconds``. None for ``engine: recompute``."""
+        ``rollout/decode_batch_mean`` (rows per decode step), ``perf/prefill_seconds`` and
+        ``perf/decode_seconds``. None for ``engine: recompute``."""
         if self.engine is None:
             return {}
         s = self.engine.stats
-        out = {
+        return {
             "rollout/kv_slots": float(s["slots"]),
             "rollout/prefill_forwards": float(s["prefill_forwards"]),
             "rollout/decode_steps": float(s["decode_steps"]),
             "rollout/decode_batch_mean": s["decode_rows"] / max(s["decode_steps"], 1),
+            "perf/prefill_seconds": float(s["prefill_seconds"]),
+            "perf/decode_seconds": float(s["decode_seconds"]),
         }
-        for phase in ("prefill", "decode"):
-            if f"{phase}_seconds" in s:  # added by newer engines; the same on every rank
-                out[f"perf/{phase}_seconds"] = float(s[f"{phase}_seconds"])
-        return out
 
     def next(self, step: int) -> RolloutBatch:
         r = self.cfg.rollout
