@@ -52,14 +52,23 @@ def _teacher_forced(chunks, prompts, responses, temperature, multiple) -> list[l
 
 
 def _compare(chunks, prompts, params, *, budget_gib=1.0, multiple=1, forced=True) -> None:
-    """kv_cache == recompute (tokens), and both record the training pass's log-probs."""
+    """kv_cache == recompute (tokens) on every decode path that covers the model (fused and
+    modules), and both record the training pass's log-probs."""
     from megatron_grpo.megatron import unwrap
     from megatron_grpo.rollout import EngineOptions, KVCacheEngine, generate
 
     model = unwrap(chunks[0])
-    engine = KVCacheEngine(model, EngineOptions(kv_cache_gib=budget_gib, context_bucket=8))
     want = generate(model, prompts, params, torch.Generator().manual_seed(5), engine="recompute")
-    got = generate(model, prompts, params, torch.Generator().manual_seed(5), engine=engine)
+    auto = KVCacheEngine(model).decode.path
+    for path in {"modules", auto}:
+        options = EngineOptions(kv_cache_gib=budget_gib, context_bucket=8, decode_path=path)
+        engine = KVCacheEngine(model, options)
+        assert engine.decode.path == path
+        got = generate(model, prompts, params, torch.Generator().manual_seed(5), engine=engine)
+        _check_generation(chunks, prompts, params, got, want, multiple, forced)
+
+
+def _check_generation(chunks, prompts, params, got, want, multiple, forced) -> None:
     assert got[0] == want[0], (got[0], want[0])
     for a, b in zip(got[1], want[1], strict=True):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
@@ -133,7 +142,8 @@ def test_kv_cache_equals_recompute_tp2(sequence_parallel):
 
 
 def _ep_body(rank: int, world: int, dispatcher: str) -> None:
-    from megatron_grpo.megatron import ParallelConfig
+    from megatron_grpo.megatron import ParallelConfig, unwrap
+    from megatron_grpo.rollout import EngineOptions, KVCacheEngine
 
     parallel = ParallelConfig(expert_model_parallel_size=world)
     _, chunks = _model(
@@ -143,6 +153,10 @@ def _ep_body(rank: int, world: int, dispatcher: str) -> None:
     # Ranks hold different numbers of prompts and lengths: the group runs in lock step.
     prompts = _prompts(3 + 4 * rank, seed=10 + rank)
     # (The teacher-forced pass would need equal token counts per rank under allgather.)
+    engine = KVCacheEngine(unwrap(chunks[0]))
+    assert (engine.decode.path, engine.decode.reason) == ("modules", "MoE layers")
+    with pytest.raises(ValueError, match="fused decode path does not cover this model: MoE"):
+        KVCacheEngine(unwrap(chunks[0]), EngineOptions(decode_path="fused"))
     _compare(chunks, prompts, _params(top_k=1), forced=False)
     _compare(chunks, prompts, _params(temperature=0.9), forced=False)
 
@@ -177,6 +191,12 @@ def _errors_body(rank: int, world: int) -> None:
         generate(model, [[1]], _params(), g, engine="vllm")
     with pytest.raises(ValueError, match="cuda_graphs needs a dense model on GPU"):
         KVCacheEngine(model, EngineOptions(cuda_graphs=True))
+    with pytest.raises(ValueError, match="decode path must be one of"):
+        KVCacheEngine(model, EngineOptions(decode_path="fast"))
+    with pytest.raises(ValueError, match="decode impl 'triton' needs the model on GPU"):
+        KVCacheEngine(model, EngineOptions(decode_impl="triton"))
+    _, chunks = _model(ParallelConfig(), normalization="LayerNorm")
+    assert KVCacheEngine(unwrap(chunks[0])).decode.reason == "normalization=LayerNorm"
 
 
 @pytest.mark.slow

@@ -9,6 +9,8 @@ sequence), then runs decode steps: one token per unfinished sequence, attending 
 * Finished sequences stop costing compute: their slot is refilled by moving the last active
   slot into it (compaction), so a decode step runs over exactly the unfinished rows (rounded up
   to a power of two when CUDA graphs are on) and a long tail of lengths does not keep the batch.
+* Decode steps run the fused path (``fused_decode``: the same weights, ~9 kernels a layer)
+  where it covers the model, else megatron-core's layer modules; ``self.decode`` says which.
 * Decode reads keys ``[0, ctx)`` with ctx the longest row's length rounded up to
   ``context_bucket`` (graph shapes), masking each row to its own length.
 * Parallelism: TP (sequence parallelism switched off while generating and restored; every TP
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_grpo.rollout import fused_decode as fd
 from megatron_grpo.rollout import kv_cache as kvc
 from megatron_grpo.rollout import model_io as io
 from megatron_grpo.rollout.graphs import DecodeGraphs
@@ -51,6 +54,10 @@ class EngineOptions:
             reused; for generation-only use). Off: the cache is freed when a call returns, so
             the policy update never holds it, and graphs are re-captured only when the next
             call's cache lands at another address.
+        decode_path: "fused" (``fused_decode``), "modules" (megatron-core's layers), or "auto":
+            fused wherever it covers the model.
+        decode_impl: the fused path's element-wise kernels: "triton", "torch" or "auto"
+            (Triton on GPU).
     """
 
     kv_cache_gib: float = 16.0
@@ -58,6 +65,8 @@ class EngineOptions:
     max_prefill_tokens: int = 32768
     context_bucket: int = 128
     keep_cache: bool = False
+    decode_path: str = "auto"
+    decode_impl: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.kv_cache_gib > 0:
@@ -111,9 +120,11 @@ class KVCacheEngine:
             )
         self.use_graphs = (cuda and not moe) if graphs is None else graphs
         self.graphs = DecodeGraphs() if self.use_graphs else None
+        self.decode = fd.plan_decode(model, self.options.decode_path, self.options.decode_impl)
+        self._fused: fd.FusedDecoder | None = None
         self.cache: kvc.KVCache | None = None
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._static_key: tuple[int, int, int] | None = None
+        self._static_key: tuple | None = None
         self.stats: dict[str, float] = {}
 
     # ------------------------------------------------------------------ public
@@ -188,12 +199,16 @@ class KVCacheEngine:
         return kvc.KVCache(shape, slots, seq_len, io.model_device(self.model))
 
     def _prepare_static(self, run: _Run) -> None:
-        """Static decode inputs/outputs and the RoPE table: what a captured graph reads and
-        writes. Graphs are dropped when any of them, or the cache, moved."""
+        """Static decode inputs/outputs, the RoPE table and the fused decoder's weights: what a
+        captured graph reads and writes. Graphs are dropped when any of them, the cache or a
+        parameter's storage moved (weights updated in place keep them valid)."""
         device, cache = io.model_device(self.model), self.cache
-        key = (cache.slots, cache.seq_len, cache.kv.data_ptr())
+        weights = tuple(p.data_ptr() for p in self.model.parameters())
+        key = (cache.slots, cache.seq_len, cache.kv.data_ptr(), weights)
         if key == self._static_key:
             return
+        if self.decode.path == "fused":
+            self._fused = fd.FusedDecoder(self.model, self.decode.impl)
         self._meta = torch.zeros(4, cache.slots, dtype=torch.long, device=device)
         self._u = torch.zeros(cache.slots, dtype=torch.float32, device=device)
         self._out = torch.zeros(2, cache.slots, dtype=torch.float64, device=device)
@@ -299,8 +314,12 @@ class KVCacheEngine:
         """The device-only decode step over rows ``0 .. b-1`` (static inputs -> static out)."""
         ids, pos = self._meta[0, :b], self._meta[1, :b]
         self.cache.plan_decode(pos, ctx)
-        hidden = self._forward(ids[:, None], pos[:, None])  # [1, b, H]
-        logits = io.head_logits(self.model, hidden[0])
+        if self._fused is not None:
+            rope = None if self._rope is None else tuple(t.flatten(1) for t in self._rope)
+            hidden = self._fused(ids, pos, self.cache, rope, kvc.softmax_scale(self.model))
+        else:
+            hidden = self._forward(ids[:, None], pos[:, None])[0]  # [b, H]
+        logits = io.head_logits(self.model, hidden)
         tokens, logp = sample(logits, self._u[:b], params)
         io.broadcast_from_tp_src(tokens, logp)
         self._out[0, :b].copy_(tokens)

@@ -154,16 +154,23 @@ class CachedAttention(torch.nn.Module):
         """``query [1, b, n_q, d]``, ``key/value [1, b, n_kv, d]`` -> ``[1, b, n_q * d]``."""
         b, n_q, d = query.size(1), query.size(2), query.size(3)
         c = self.cache
-        n_kv, pos, ctx = key.size(2), c.write_pos, c.ctx
+        n_kv, pos = key.size(2), c.write_pos
         query, key = c.apply_rope(query), c.apply_rope(key)
         rows = torch.arange(b, device=query.device)
         kc[rows, :, pos] = key[0]
         vc[rows, :, pos] = value[0]
-        keys, values = kc[:b, :, :ctx], vc[:b, :, :ctx]  # [b, n_kv, ctx, d]
         q = query[0].reshape(b, n_kv, n_q // n_kv, d)  # query heads grouped by KV head
-        with _decode_backends(query.device):
-            out = sdpa(q, keys, values, mask=c.mask, scale=self.scale)
-        return out.reshape(1, b, n_q * d)
+        return decode_attention(q, kc, vc, c, self.scale).reshape(1, b, n_q * d)
+
+
+def decode_attention(q: Tensor, kc: Tensor, vc: Tensor, cache: KVCache, scale: float) -> Tensor:
+    """One decode step's attention: ``q [b, n_kv, groups, d]`` (the query heads of each KV head
+    as its query length) against row i's cached keys ``kc/vc[i, :, :ctx]`` under the step's
+    mask -> ``[b, n_kv * groups * d]``."""
+    b, ctx = q.size(0), cache.ctx
+    with _decode_backends(q.device):
+        out = sdpa(q, kc[:b, :, :ctx], vc[:b, :, :ctx], mask=cache.mask, scale=scale)
+    return out.reshape(b, -1)
 
 
 # Masked decode attention: cuDNN streams the cache near HBM bandwidth on Hopper (research file:

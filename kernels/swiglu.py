@@ -1,0 +1,64 @@
+"""SwiGLU of a decode step's fc1 output in one pass: ``[b, 2F] -> [b, F]``.
+
+``y = x (+ bias)`` (rounded to the model dtype), ``gate, up = y[:, :F], y[:, F:]`` (megatron-core's
+``chunk(2, -1)``), ``out = silu(gate) * up`` with ``silu(gate)`` and the product each rounded to
+the model dtype, as megatron-core's unfused path computes them. Programs tile (row, F block).
+The reference is ``megatron_grpo.rollout.decode_ops.swiglu_torch``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ._rounding import round_to
+from ._runtime import check_device, interpret_mode, require_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the launcher raises a clear error on use
+    triton = None
+    tl = None
+
+BLOCK = 1024
+
+
+def _swiglu_kernel(x_ptr, bias_ptr, out_ptr, F, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < F
+    dtype = out_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + row * 2 * F + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * 2 * F + F + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        gate = round_to(gate + tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32), dtype)
+        up = round_to(up + tl.load(bias_ptr + F + cols, mask=ok, other=0.0).to(tl.float32), dtype)
+    act = round_to(gate / (1.0 + tl.exp(-gate)), dtype)
+    tl.store(out_ptr + row * F + cols, round_to(act * up, dtype).to(dtype), mask=ok)
+
+
+@functools.cache
+def _build(interpret: bool):
+    """The kernel for one run mode; ``interpret`` keys the cache only."""
+    require_triton()
+    return triton.jit(_swiglu_kernel)
+
+
+def swiglu(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` of ``x [b, 2F]`` contiguous (``bias [2F]`` added first) -> ``[b, F]``."""
+    require_triton()
+    check_device("x", x)
+    if x.dim() != 2 or x.size(1) % 2 or not x.is_contiguous():
+        raise ValueError(f"x must be a contiguous [b, 2F] tensor, got {list(x.shape)}")
+    b, f = x.size(0), x.size(1) // 2
+    if bias is not None and bias.shape != (2 * f,):
+        raise ValueError(f"bias must be [2F]=[{2 * f}], got {list(bias.shape)}")
+    out = torch.empty(b, f, dtype=x.dtype, device=x.device)
+    if b and f:
+        grid = (b, triton.cdiv(f, BLOCK))
+        _build(interpret_mode())[grid](
+            x, bias, out, f, HAS_BIAS=bias is not None, BLOCK=BLOCK, num_warps=4
+        )
+    return out

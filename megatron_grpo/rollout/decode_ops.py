@@ -1,0 +1,81 @@
+"""The element-wise ops of the fused decode step: a pure-torch reference of each, and the choice
+between it and the Triton kernel (``megatron_grpo.kernels``), made by the caller's ``impl``.
+
+The references reproduce megatron-core's module path op by op in the model dtype (the rounding
+of every intermediate included), so the fused step decodes the tokens the module path decodes;
+the kernels compute the same roundings in one pass each.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rope_utils import _rotate_half
+from torch import Tensor
+
+IMPLS = ("torch", "triton")
+
+
+def add_rms_norm_torch(
+    x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None,
+    bias: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``res = residual + (x + bias)``, ``y = rms_norm(res) * weight`` (fp32, rounded once);
+    ``[b, H]``. Like the kernel, ``res`` is written into ``residual`` in place."""
+    t = x if bias is None else x + bias
+    if residual is not None:
+        t = residual.copy_(residual + t)
+    y = F.rms_norm(t.float(), (t.size(-1),), weight.float(), eps).to(t.dtype)
+    return t, y
+
+
+def qkv_rope_cache_torch(
+    qkv: Tensor, groups: int, heads_per_group: int, pos: Tensor, k_cache: Tensor,
+    v_cache: Tensor, norm: tuple[Tensor, Tensor, float] | None = None,
+    rope: tuple[Tensor, Tensor, bool] | None = None,
+) -> Tensor:  # fmt: skip
+    """Reference of ``kernels.qkv_rope_cache``: ``qkv [b, G * (R + 2) * D]`` -> ``q [b, G, R, D]``
+    with row i's key / value written at ``k/v_cache[i, :, pos[i]]``."""
+    b, d, r = qkv.size(0), k_cache.size(-1), heads_per_group
+    heads = qkv.view(b, groups, r + 2, d)
+    q, k, v = heads[:, :, :r], heads[:, :, r], heads[:, :, r + 1]
+    if norm is not None:
+        qw, kw, eps = norm
+        q = F.rms_norm(q.float(), (d,), qw.float(), eps).to(qkv.dtype)
+        k = F.rms_norm(k.float(), (d,), kw.float(), eps).to(qkv.dtype)
+    if rope is not None:
+        cos, sin, interleaved = rope
+        c, s = cos[pos][:, None, None], sin[pos][:, None, None]  # [b, 1, 1, ROT]
+        q = _rope(q, c, s, interleaved)
+        k = _rope(k[:, :, None], c, s, interleaved)[:, :, 0]  # megatron's rotate is 4-D
+    rows = torch.arange(b, device=qkv.device)
+    k_cache[rows, :, pos] = k
+    v_cache[rows, :, pos] = v
+    return q.contiguous()
+
+
+def _rope(t: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+    """megatron-core's unfused formula on the first ``ROT`` features (the rest pass through)."""
+    rot = cos.size(-1)
+    head, rest = t[..., :rot], t[..., rot:]
+    head = head * cos + _rotate_half(head, interleaved) * sin
+    return head if rest.size(-1) == 0 else torch.cat((head, rest), dim=-1)
+
+
+def swiglu_torch(x: Tensor, bias: Tensor | None = None) -> Tensor:
+    """megatron-core's unfused gated SiLU: ``silu(gate) * up`` of ``x (+ bias) [b, 2F]``."""
+    if bias is not None:
+        x = x + bias
+    gate, up = torch.chunk(x, 2, dim=-1)
+    return F.silu(gate) * up
+
+
+def ops(impl: str):
+    """``(add_rms_norm, qkv_rope_cache, swiglu)`` of ``impl`` (one of :data:`IMPLS`)."""
+    if impl == "torch":
+        return add_rms_norm_torch, qkv_rope_cache_torch, swiglu_torch
+    if impl == "triton":
+        from megatron_grpo.kernels import add_rms_norm, qkv_rope_cache, swiglu
+
+        return add_rms_norm, qkv_rope_cache, swiglu
+    raise ValueError(f"decode kernel impl must be one of {IMPLS}, got {impl!r}")

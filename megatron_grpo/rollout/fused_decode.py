@@ -1,0 +1,215 @@
+"""The fused decode step: one token per row through the model's own weights, ~9 kernels a layer.
+
+megatron-core's layer modules spend a decode step (one token per row) on small kernels: fp32
+norms and their casts, a dozen RoPE and reshape ops, SwiGLU's chunk / silu / mul, bias-dropout-
+add. A CUDA graph removes their launch cost but not their per-kernel floor (a 0.6B model's
+step: ~1000 kernels). This path reads the same parameters and runs per layer::
+
+    add + RMSNorm -> QKV GEMM -> q/k norm + RoPE + KV-cache write -> attention -> proj GEMM
+    (TP all-reduce) -> add + RMSNorm -> fc1 GEMM -> SwiGLU -> fc2 GEMM (TP all-reduce)
+
+with each element-wise step one kernel (``decode_ops``: Triton on GPU, the torch reference
+elsewhere) that keeps the module path's roundings in the model dtype. Prefill stays on the
+modules (its cost is the GEMMs).
+
+:func:`plan_decode` decides once, as data, which path a model decodes with: the fused path
+covers dense GPT layers of the portable spec with RMSNorm, SwiGLU, optional q/k RMSNorm and
+biases, RoPE (YaRN, partial, interleaved) or learned positions, and TP with at least one KV
+head per rank; anything else decodes through the modules, and the plan says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from torch import Tensor
+
+from megatron_grpo.kernels import triton_available
+from megatron_grpo.megatron.layer_spec import Norm
+from megatron_grpo.rollout import decode_ops
+from megatron_grpo.rollout.kv_cache import KVCache, decode_attention
+
+PATHS = ("auto", "fused", "modules")
+IMPLS = ("auto", *decode_ops.IMPLS)
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """How decode steps run: ``path`` "fused" or "modules", the fused kernels' ``impl``, and
+    why the modules path was taken (``reason``; empty for the fused path)."""
+
+    path: str
+    impl: str
+    reason: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.path}/{self.impl}" if self.path == "fused" else f"modules ({self.reason})"
+
+
+def plan_decode(model: torch.nn.Module, path: str = "auto", impl: str = "auto") -> DecodePlan:
+    """The decode path of ``model``: ``path``/``impl`` "auto" picks the fused path where
+    :func:`unsupported` finds nothing, with Triton on GPU; an explicit "fused" that the model
+    cannot take is an error naming the reason."""
+    if path not in PATHS or impl not in IMPLS:
+        raise ValueError(f"decode path must be one of {PATHS} and impl one of {IMPLS}, got "
+                         f"{path!r} / {impl!r}")  # fmt: skip
+    cuda = next(model.parameters()).device.type == "cuda"
+    if impl == "auto":
+        impl = "triton" if cuda and triton_available() else "torch"
+    if impl == "triton" and not (cuda or _interpreting()):
+        raise ValueError("decode impl 'triton' needs the model on GPU; use 'torch' or 'auto'")
+    reason = "" if path == "modules" else unsupported(model)
+    if path == "fused" and reason:
+        raise ValueError(f"the fused decode path does not cover this model: {reason}")
+    if path == "modules" or reason:
+        return DecodePlan("modules", impl, reason or "chosen")
+    return DecodePlan("fused", impl)
+
+
+def _interpreting() -> bool:
+    """Triton's CPU interpreter is on (tests run the kernels on CPU tensors there)."""
+    from megatron_grpo.kernels._runtime import interpret_mode
+
+    return triton_available() and interpret_mode()
+
+
+def unsupported(model: torch.nn.Module) -> str:
+    """Why the fused step would not reproduce ``model``'s layers ("" when it does)."""
+    cfg = model.config
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    checks = (
+        (cfg.num_moe_experts is None, "MoE layers"),
+        (cfg.normalization == "RMSNorm", f"normalization={cfg.normalization}"),
+        (cfg.gated_linear_unit and cfg.activation_func is F.silu, "the MLP is not SwiGLU"),
+        (getattr(cfg, "activation_func_clamp_value", None) is None, "a clamped GLU"),
+        (not getattr(cfg, "glu_linear_offset", 0.0), "glu_linear_offset"),
+        (not getattr(cfg, "use_te_activation_func", False), "use_te_activation_func"),
+        (not cfg.fp32_residual_connection, "fp32_residual_connection"),
+        (not cfg.apply_residual_connection_post_layernorm, "residual after the norm"),
+        (not getattr(cfg, "multi_latent_attention", False), "multi-latent attention"),
+        (not getattr(cfg, "attention_output_gate", False), "attention_output_gate"),
+        (getattr(cfg, "window_size", None) is None, "sliding-window attention"),
+        (not getattr(cfg, "qk_l2_norm", False), "qk_l2_norm"),
+        ((cfg.num_query_groups or cfg.num_attention_heads) >= tp, "fewer KV heads than TP"),
+        (_is_rms(model.decoder.final_layernorm), "the final norm is not the portable RMSNorm"),
+    )
+    for ok, why in checks:
+        if not ok:
+            return why
+    for i, layer in enumerate(model.decoder.layers):
+        why = _layer_unsupported(layer)
+        if why:
+            return f"layer {i}: {why}"
+    return ""
+
+
+def _is_rms(norm: torch.nn.Module) -> bool:
+    return type(norm) is Norm and norm.normalization == "RMSNorm"
+
+
+def _layer_unsupported(layer: torch.nn.Module) -> str:
+    attn, mlp = getattr(layer, "self_attention", None), getattr(layer, "mlp", None)
+    if type(layer) is not TransformerLayer or type(attn) is not SelfAttention:
+        return f"{type(layer).__name__} / {type(attn).__name__} is not the portable GPT layer"
+    if not (_is_rms(layer.input_layernorm) and _is_rms(layer.pre_mlp_layernorm)):
+        return "its norms are not the portable RMSNorm (Transformer Engine fuses them)"
+    if type(attn.linear_qkv) is not ColumnParallelLinear or type(attn.linear_proj) is not (
+        RowParallelLinear
+    ):
+        return "its attention linears are not megatron-core's local ones"
+    for qk in (attn.q_layernorm, attn.k_layernorm):
+        if not (_is_rms(qk) or type(qk) is IdentityOp):
+            return "its q/k norm is not the portable RMSNorm"
+    if type(attn.q_layernorm) is not type(attn.k_layernorm):
+        return "only one of q/k is normed"
+    if type(mlp) is not MLP or type(mlp.linear_fc1) is not ColumnParallelLinear:
+        return "its MLP is not megatron-core's local MLP"
+    if type(getattr(layer, "cross_attention", IdentityOp)) is not IdentityOp:
+        return "cross attention"
+    return ""
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One layer's parameters (the live tensors: in-place updates are seen)."""
+
+    norm1: tuple[Tensor, float]
+    qkv: tuple[Tensor, Tensor | None]
+    qk_norm: tuple[Tensor, Tensor, float] | None
+    proj: tuple[Tensor, Tensor | None]
+    norm2: tuple[Tensor, float]
+    fc1: tuple[Tensor, Tensor | None]
+    fc2: tuple[Tensor, Tensor | None]
+
+    @classmethod
+    def of(cls, layer: torch.nn.Module) -> _Layer:
+        attn, mlp = layer.self_attention, layer.mlp
+        qk = None
+        if type(attn.q_layernorm) is Norm:
+            qk = (attn.q_layernorm.weight, attn.k_layernorm.weight, attn.q_layernorm.eps)
+        return cls(
+            _norm(layer.input_layernorm), _linear(attn.linear_qkv), qk,
+            _linear(attn.linear_proj), _norm(layer.pre_mlp_layernorm),
+            _linear(mlp.linear_fc1), _linear(mlp.linear_fc2),
+        )  # fmt: skip
+
+
+def _norm(norm: Norm) -> tuple[Tensor, float]:
+    return norm.weight, norm.eps
+
+
+def _linear(linear: torch.nn.Module) -> tuple[Tensor, Tensor | None]:
+    return linear.weight, linear.bias
+
+
+class FusedDecoder:
+    """``FusedDecoder(model, impl)(ids, pos, cache, rope)``: final-normed hidden ``[b, H]``."""
+
+    def __init__(self, model: torch.nn.Module, impl: str) -> None:
+        self.model = model
+        self.add_norm, self.qkv_rope, self.swiglu = decode_ops.ops(impl)
+        cfg = model.config
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.groups = (cfg.num_query_groups or cfg.num_attention_heads) // tp
+        self.per_group = cfg.num_attention_heads // (
+            cfg.num_query_groups or cfg.num_attention_heads
+        )
+        self.layers = [_Layer.of(layer) for layer in model.decoder.layers]
+        self.final = _norm(model.decoder.final_layernorm)
+        self.tp_group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
+
+    def __call__(
+        self, ids: Tensor, pos: Tensor, cache: KVCache, rope: tuple[Tensor, Tensor] | None,
+        scale: float,
+    ) -> Tensor:  # fmt: skip
+        """Tokens ``ids [b]`` at positions ``pos [b]`` (row i = cache slot i, mask planned)."""
+        emb = self.model.embedding(input_ids=ids[:, None], position_ids=pos[:, None])[0]
+        res, x = self.add_norm(emb.contiguous(), *self.layers[0].norm1)
+        rope_args = None if rope is None else (*rope, cache.rotary_interleaved)
+        for i, layer in enumerate(self.layers):
+            k_cache, v_cache = cache.kv[i, 0], cache.kv[i, 1]
+            q = self.qkv_rope(F.linear(x, *layer.qkv), self.groups, self.per_group, pos,
+                              k_cache, v_cache, layer.qk_norm, rope_args)  # fmt: skip
+            att = decode_attention(q, k_cache, v_cache, cache, scale)
+            out = self._reduce(F.linear(att, layer.proj[0]))
+            res, x = self.add_norm(out, *layer.norm2, residual=res, bias=layer.proj[1])
+            hidden = self.swiglu(F.linear(x, layer.fc1[0]), layer.fc1[1])
+            out = self._reduce(F.linear(hidden, layer.fc2[0]))
+            nxt = self.layers[i + 1].norm1 if i + 1 < len(self.layers) else self.final
+            res, x = self.add_norm(out, *nxt, residual=res, bias=layer.fc2[1])
+        return x
+
+    def _reduce(self, t: Tensor) -> Tensor:
+        """Row-parallel outputs are partial sums over TP (megatron adds their bias after)."""
+        if self.tp_group is not None:
+            dist.all_reduce(t, group=self.tp_group)
+        return t

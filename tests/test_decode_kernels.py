@@ -1,0 +1,178 @@
+"""The fused decode step's kernels against float64 ground truth, and the step end to end.
+
+Each Triton kernel (``add_rms_norm``, ``qkv_rope_cache``, ``swiglu``) must stay within the
+same-dtype torch reference's error (``decode_ops.*_torch``, megatron-core's rounding sequence)
+plus two units of roundoff, at odd sizes (H, head dim, F not powers of two; partial and interleaved
+RoPE; with and without q/k norm and biases). As in test_kernels.py, the interpreter tests run in
+a fresh process with TRITON_INTERPRET=1; GPU tests (marked gpu) run the compiled kernels.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from megatron_grpo.rollout import decode_ops  # noqa: E402
+
+IN_INTERPRETER = type(triton.language.zeros).__name__ == "InterpretedFunction"
+interpreter_only = pytest.mark.skipif(
+    not IN_INTERPRETER, reason="runs under TRITON_INTERPRET=1 in test_interpreter_subprocess"
+)
+
+
+def test_interpreter_subprocess():
+    if IN_INTERPRETER:
+        pytest.skip("already inside the interpreter run")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider"]
+    cmd += ["-m", "not gpu", "-k", "interpreter"]
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    summary = proc.stdout.strip().splitlines()[-1]
+    skipped = re.search(r"(\d+) skipped", summary)
+    assert "passed" in summary and (skipped is None or skipped.group(1) == "1"), summary
+
+
+def _err(x: torch.Tensor, truth: torch.Tensor) -> float:
+    return ((x.double() - truth).abs() / (1 + truth.abs())).max().item()
+
+
+def _check(kernel_out, ref_out, truth, dtype) -> None:
+    """Kernel error <= the same-dtype reference's error + two units of roundoff of the dtype:
+    a norm's rstd may differ in its last bit (reduction order), then the output rounds."""
+    tol = 2 * torch.finfo(dtype).eps
+    for k, r, t in zip(kernel_out, ref_out, truth, strict=True):
+        assert k.dtype == r.dtype == dtype
+        assert _err(k, t) <= _err(r, t) + tol, (_err(k, t), _err(r, t))
+
+
+def _norm_case(dtype, device, bias: bool, residual: bool, h=48, b=5):
+    g = torch.Generator().manual_seed(0)
+    x, res = (torch.randn(b, h, generator=g) * 3 for _ in range(2))
+    w, bb = torch.randn(h, generator=g), torch.randn(h, generator=g)
+    x[0] *= 1e3  # a large row
+    t = dict(x=x, weight=w, residual=res if residual else None, bias=bb if bias else None)
+    return {k: None if v is None else v.to(device, dtype) for k, v in t.items()}
+
+
+def _run_norm(fn, case):
+    case = {k: None if v is None else v.clone() for k, v in case.items()}
+    return fn(case.pop("x"), case.pop("weight"), 1e-6, **case)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias,residual", [(False, False), (False, True), (True, True)])
+def _norm_test(dtype, bias, residual, device="cpu"):
+    from megatron_grpo.kernels import add_rms_norm
+
+    case = _norm_case(dtype, device, bias, residual)
+    truth = _run_norm(decode_ops.add_rms_norm_torch,
+                      {k: None if v is None else v.double() for k, v in case.items()})  # fmt: skip
+    _check(_run_norm(add_rms_norm, case), _run_norm(decode_ops.add_rms_norm_torch, case),
+           truth, dtype)  # fmt: skip
+
+
+test_interpreter_add_rms_norm = interpreter_only(_norm_test)
+
+
+def _qkv_case(dtype, device, groups=3, per_group=2, d=24, rot=16, b=4, slots=6, seq=9):
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(b, groups * (per_group + 2) * d, generator=g) * 2
+    qw, kw = torch.randn(d, generator=g), torch.randn(d, generator=g)
+    angles = torch.rand(seq, rot, generator=g) * 6
+    cos, sin = torch.cos(angles) * 1.1, torch.sin(angles) * 1.1  # a YaRN-like factor
+    pos = torch.tensor([0, 8, 3, 8])[:b]
+    cache = torch.zeros(2, slots, groups, seq, d)
+    to = lambda t: t.to(device, dtype)  # noqa: E731
+    return dict(qkv=to(qkv), qw=to(qw), kw=to(kw), cos=to(cos), sin=to(sin),
+                pos=pos.to(device), cache=to(cache), groups=groups, per_group=per_group)  # fmt: skip
+
+
+def _run_qkv(fn, c, norm: bool, rope: bool, interleaved: bool):
+    cache = c["cache"].clone()
+    q = fn(c["qkv"], c["groups"], c["per_group"], c["pos"], cache[0], cache[1],
+           (c["qw"], c["kw"], 1e-6) if norm else None,
+           (c["cos"], c["sin"], interleaved) if rope else None)  # fmt: skip
+    rows = torch.arange(c["pos"].numel())
+    return q, cache[0][rows, :, c["pos"]], cache[1][rows, :, c["pos"]], cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm,rope,interleaved", [
+    (True, True, False), (True, True, True), (False, True, False), (True, False, False),
+])  # fmt: skip
+def _qkv_test(dtype, norm, rope, interleaved, device="cpu"):
+    from megatron_grpo.kernels import qkv_rope_cache
+
+    c = _qkv_case(dtype, device)
+    c64 = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v
+           for k, v in c.items()}  # fmt: skip
+    args = (norm, rope, interleaved)
+    *truth, _ = _run_qkv(decode_ops.qkv_rope_cache_torch, c64, *args)
+    *ref, _ = _run_qkv(decode_ops.qkv_rope_cache_torch, c, *args)
+    *got, cache = _run_qkv(qkv_rope_cache, c, *args)
+    _check(got, ref, truth, dtype)
+    written = torch.zeros_like(cache[0], dtype=torch.bool)
+    written[torch.arange(4), :, c["pos"]] = True
+    assert (cache[:, ~written] == 0).all(), "the kernel wrote outside (row, pos)"
+
+
+test_interpreter_qkv_rope_cache = interpreter_only(_qkv_test)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def _swiglu_test(dtype, bias, device="cpu"):
+    from megatron_grpo.kernels import swiglu
+
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(3, 2 * 1100, generator=g) * 4).to(device, dtype)  # F = 1100: two blocks
+    bb = torch.randn(2 * 1100, generator=g).to(device, dtype) if bias else None
+    truth = decode_ops.swiglu_torch(x.double(), None if bb is None else bb.double())
+    _check([swiglu(x, bb)], [decode_ops.swiglu_torch(x, bb)], [truth], dtype)
+
+
+test_interpreter_swiglu = interpreter_only(_swiglu_test)
+
+
+def _step_body(rank: int, world: int) -> None:
+    """The fused step with the Triton kernels decodes the recompute oracle's greedy tokens."""
+    from megatron_grpo.megatron import ParallelConfig, unwrap
+    from megatron_grpo.rollout import EngineOptions, KVCacheEngine, generate
+    from tests.test_rollout import _model, _params, _prompts
+
+    _, chunks = _model(ParallelConfig())  # RoPE, GQA, qk-layernorm, qkv bias
+    model = unwrap(chunks[0])
+    engine = KVCacheEngine(model, EngineOptions(context_bucket=8, decode_impl="triton"))
+    assert str(engine.decode) == "fused/triton"
+    prompts, params = _prompts(5), _params(top_k=1, max_new_tokens=6)
+    got = generate(model, prompts, params, torch.Generator().manual_seed(5), engine=engine)
+    want = generate(model, prompts, params, torch.Generator().manual_seed(5), engine="recompute")
+    assert got[0] == want[0]
+
+
+@interpreter_only
+def test_interpreter_fused_step_equals_recompute():
+    from tests.dist_utils import run_distributed
+
+    run_distributed(_step_body, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_decode_kernels(dtype):
+    for bias, residual in [(False, False), (False, True), (True, True)]:
+        _norm_test(dtype, bias, residual, device="cuda")
+    for args in [(True, True, False), (True, True, True), (False, True, False)]:
+        _qkv_test(dtype, *args, device="cuda")
+    for bias in (False, True):
+        _swiglu_test(dtype, bias, device="cuda")
