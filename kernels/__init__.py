@@ -4,7 +4,7 @@ The kernel seam of the vocab-parallel log-prob op (see docs/DESIGN.md): per row-
 (or bf16) logits, ``logits_row_stats`` (max, sum-exp, target logit, entropy numerator over the
 valid columns) and ``logits_grad`` (the fused softmax-gradient epilogue). The GEMMs and the TP
 combine live in ``megatron_grpo.ops``. The decode step's element-wise kernels (``add_rms_norm``,
-``qkv_rope_cache``, ``swiglu``) serve the generation engine's fused decode path. Importing this package works without Triton installed;
+``qkv_rope_cache``, ``swiglu``) and ``sample_rows`` serve the generation engine. Importing this package works without Triton installed;
 calling a kernel then raises a RuntimeError saying so.
 """
 
@@ -13,6 +13,7 @@ from .add_rms_norm import add_rms_norm
 from .logits_grad import logits_grad
 from .logits_row_stats import logits_row_stats
 from .qkv_rope_cache import qkv_rope_cache
+from .sample_rows import sample_rows
 from .swiglu import swiglu
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "logits_grad",
     "logits_row_stats",
     "qkv_rope_cache",
+    "sample_rows",
     "swiglu",
     "triton_available",
 ]

@@ -144,6 +144,38 @@ def _swiglu_test(dtype, bias, device="cpu"):
 test_interpreter_swiglu = interpreter_only(_swiglu_test)
 
 
+def _sample_test(device="cpu"):
+    from megatron_grpo.kernels import sample_rows
+    from megatron_grpo.rollout import SamplingParams
+    from megatron_grpo.rollout.sampling import sample
+
+    g = torch.Generator().manual_seed(3)
+    b, v, padded = 64, 300, 304
+    logits = torch.randn(b, padded, generator=g) * 3
+    logits[:, v:] = 1e4  # padded columns: must never be read
+    logits[0, :v] = -1e4  # ties everywhere
+    logits[1, 7] = 1e4  # one dominant token
+    logits[2, :v] = torch.linspace(-50, 50, v)  # a wide spread
+    u = torch.rand(b, generator=g)
+    u[3], u[4] = 0.0, 1.0 - 2**-24
+    logits, u = logits.to(device), u.to(device)
+    params = SamplingParams(temperature=0.7, top_p=1.0, max_new_tokens=1, eos_id=0,
+                            vocab_size=v)  # fmt: skip
+    tokens, logp = sample_rows(logits, u, v, 0.7)
+    want, want_logp = sample(logits, u, params)
+    # Row 4's target sits within rounding of the end of its CDF: any token of the tail may win.
+    rows = [i for i in range(b) if i != 4]
+    assert tokens[rows].tolist() == want[rows].tolist()
+    assert int(tokens[1]) == 7 and int(tokens[4]) >= v - 10 and int(tokens[4]) < v
+    truth = torch.log_softmax(logits[:, :v].double() / 0.7, dim=-1)
+    err = (logp.double() - truth.gather(1, tokens[:, None])[:, 0]).abs()
+    ref_err = (want_logp.double() - truth.gather(1, want[:, None])[:, 0]).abs()
+    assert (err[rows] <= ref_err[rows] + 1e-5).all(), (err, ref_err)
+
+
+test_interpreter_sample_rows = interpreter_only(_sample_test)
+
+
 def _step_body(rank: int, world: int) -> None:
     """The fused step with the Triton kernels decodes the recompute oracle's greedy tokens."""
     from megatron_grpo.megatron import ParallelConfig, unwrap
@@ -176,3 +208,4 @@ def test_gpu_decode_kernels(dtype):
         _qkv_test(dtype, *args, device="cuda")
     for bias in (False, True):
         _swiglu_test(dtype, bias, device="cuda")
+    _sample_test(device="cuda")

@@ -39,11 +39,15 @@ def parse() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=1024)
     p.add_argument("--kv-cache-gib", type=float, default=60.0)
-    p.add_argument("--modes", default="graphs,eager", help="comma list of graphs, eager")
+    p.add_argument(
+        "--modes", default="graphs,graphs-modules,eager",
+        help="comma list of graphs | eager, each optionally -fused | -modules (the decode path; "
+        "default: the engine's auto choice)",
+    )  # fmt: skip
     p.add_argument("--eager-new-tokens", type=int, default=None, help="shorter eager run")
     p.add_argument("--no-hf", action="store_true", help="skip HF transformers generate")
     p.add_argument("--hf-new-tokens", type=int, default=None, help="default: --new-tokens")
-    p.add_argument("--profile", action="store_true", help="kernel table of eager decode steps")
+    p.add_argument("--profile", default=None, help="kernel table of decode steps of this mode")
     p.add_argument("--out", default=None)
     return p.parse_args()
 
@@ -76,8 +80,20 @@ def roofline(model, cfg, args, tbps: float) -> float:
     return args.prompts * args.new_tokens / (total / (tbps * 1e12))
 
 
-def run_ours(model, cfg, args, graphs: bool, new_tokens: int) -> dict:
-    from megatron_grpo.rollout import EngineOptions, KVCacheEngine, SamplingParams
+def engine_options(args, mode: str):
+    """``graphs`` / ``eager`` with an optional ``-fused`` / ``-modules`` decode path."""
+    from megatron_grpo.rollout import EngineOptions
+
+    graphs, _, path = mode.partition("-")
+    if graphs not in ("graphs", "eager"):
+        raise ValueError(f"--modes: {mode!r} is not graphs or eager [-fused | -modules]")
+    return EngineOptions(
+        kv_cache_gib=args.kv_cache_gib, cuda_graphs=graphs == "graphs", decode_path=path or "auto"
+    )
+
+
+def run_ours(model, cfg, args, mode: str, new_tokens: int) -> dict:
+    from megatron_grpo.rollout import KVCacheEngine, SamplingParams
 
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, cfg.vocab_size, (args.prompts, args.prompt_len), generator=g)
@@ -85,8 +101,8 @@ def run_ours(model, cfg, args, graphs: bool, new_tokens: int) -> dict:
         temperature=1.0, top_p=1.0, max_new_tokens=new_tokens, eos_id=0,
         vocab_size=cfg.vocab_size, ignore_eos=True,
     )  # fmt: skip
-    engine = KVCacheEngine(model, EngineOptions(kv_cache_gib=args.kv_cache_gib, cuda_graphs=graphs))
-    result = {}
+    engine = KVCacheEngine(model, engine_options(args, mode))
+    result = {"decode": str(engine.decode)}
     for label in ("cold", "warm"):  # cold: includes graph captures; warm: graphs reused
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -106,39 +122,44 @@ def run_ours(model, cfg, args, graphs: bool, new_tokens: int) -> dict:
 
 
 def profile(model, cfg, args) -> str:
-    """Kernel time of 8 eager decode steps (prefill excluded) at a context of ~768, the run's
-    mean, full batch; and the GPU-busy fraction of those steps' wall time."""
+    """Kernel table of 8 decode steps of mode ``--profile`` at a context of ~768 (the run's
+    mean) and full batch, prefill excluded (one prefill forward admits every prompt), with the
+    steps' wall time and the GPU-busy share of it."""
+    import dataclasses
+
     from torch.profiler import ProfilerActivity, profile
 
-    from megatron_grpo.rollout import EngineOptions, KVCacheEngine, SamplingParams
+    from megatron_grpo.rollout import KVCacheEngine, SamplingParams
 
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, cfg.vocab_size, (args.prompts, 760), generator=g).tolist()
     params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=9, eos_id=0,
                             vocab_size=cfg.vocab_size, ignore_eos=True)  # fmt: skip
-    engine = KVCacheEngine(model, EngineOptions(kv_cache_gib=args.kv_cache_gib, cuda_graphs=False))
-    engine.generate(prompts, params, g)  # warm-up
+    options = engine_options(args, args.profile)
+    options = dataclasses.replace(options, max_prefill_tokens=args.prompts * 760)
+    engine = KVCacheEngine(model, options)
+    engine.generate(prompts, params, g)  # warm-up (and graph captures)
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-    decode = engine._decode
+    decode, wall = engine._decode, []
 
-    def first_decode_starts_the_profiler(run, rows):
-        if not getattr(prof, "_started", False):
+    def timed_decode(run, rows):
+        if not wall:
             torch.cuda.synchronize()
             prof.start()
-            prof._started = True
-        return decode(run, rows)
+        t0 = time.perf_counter()
+        decode(run, rows)  # ends in a device-to-host copy
+        wall.append(time.perf_counter() - t0)
 
-    engine._decode = first_decode_starts_the_profiler
+    engine._decode = timed_decode
     engine.generate(prompts, params, g)
     torch.cuda.synchronize()
     prof.stop()
     averages = prof.key_averages()
-    for key in ("self_device_time_total", "self_cuda_time_total"):
-        try:
-            return averages.table(sort_by=key, row_limit=30)
-        except (AttributeError, KeyError, RuntimeError):
-            continue
-    return averages.table(row_limit=30)
+    busy = sum(e.self_device_time_total for e in averages if e.device_type.name == "CUDA")
+    head = (f"{args.profile} ({engine.decode}): {len(wall)} decode steps, wall "
+            f"{1e3 * sum(wall) / len(wall):.2f} ms/step, kernels {busy / 1e3 / len(wall):.2f} "
+            "ms/step\n")  # fmt: skip
+    return head + averages.table(sort_by="self_device_time_total", row_limit=40)
 
 
 def run_hf(cfg, args) -> dict:
@@ -182,14 +203,18 @@ def main() -> None:
     report = dict(device=name, world=int(os.environ.get("WORLD_SIZE", "1")), args=vars(args),
                   roofline_tokens_per_s=roofline(model, cfg, args, tbps), hbm_tbps=tbps)  # fmt: skip
     for mode in args.modes.split(","):
-        new = args.new_tokens if mode == "graphs" else (args.eager_new_tokens or args.new_tokens)
-        report[mode] = dict(new_tokens=new, **run_ours(model, cfg, args, mode == "graphs", new))
+        graphs = mode.startswith("graphs")
+        new = args.new_tokens if graphs else (args.eager_new_tokens or args.new_tokens)
+        report[mode] = dict(new_tokens=new, **run_ours(model, cfg, args, mode, new))
         if rank == 0:
             print(mode, json.dumps(report[mode]), flush=True)
     if args.profile:
         table = profile(model, cfg, args)
         if rank == 0:
             print(table, flush=True)
+            if args.out:
+                with open(os.path.join(args.out, f"profile_{args.profile}.txt"), "w") as f:
+                    f.write(table)
     if not args.no_hf and report["world"] == 1:
         del model
         torch.cuda.empty_cache()

@@ -78,29 +78,51 @@ class EngineOptions:
 
 @dataclass
 class _Run:
-    """The state of one generate call: active rows are slots ``0 .. len(rows) - 1``."""
+    """The state of one generate call: active rows are slots ``0 .. len(rows) - 1``. Every
+    sample's tokens and log-probs so far live in host tables, updated a whole step at a time
+    (no per-row Python work per token)."""
 
     prompts: list[list[int]]
     params: SamplingParams
     uniforms: torch.Tensor  # [N, max_new_tokens] on the device
     waiting: deque[int]
     rows: list[int]  # sample index of each active row
-    responses: list[list[int]]
-    logprobs: list[list[float]]
+    tokens: torch.Tensor  # [N, max_new_tokens] int64
+    logps: torch.Tensor  # [N, max_new_tokens] float64
+    lengths: torch.Tensor  # [N] response tokens so far
+    prompt_lens: torch.Tensor  # [N]
+    stops: torch.Tensor  # ids that end a response
 
-    def feed(self, row: int) -> tuple[int, int]:
-        """(token, position) that row ``row`` feeds next."""
-        i = self.rows[row]
-        return self.responses[i][-1], len(self.prompts[i]) + len(self.responses[i]) - 1
+    @classmethod
+    def start(cls, prompts: list[list[int]], params: SamplingParams, uniforms: torch.Tensor):
+        n, m = len(prompts), params.max_new_tokens
+        return cls(
+            [list(map(int, p)) for p in prompts], params, uniforms, deque(range(n)), [],
+            torch.zeros(n, m, dtype=torch.long), torch.zeros(n, m, dtype=torch.float64),
+            torch.zeros(n, dtype=torch.long), torch.tensor([len(p) for p in prompts]),
+            torch.tensor(sorted(params.stops), dtype=torch.long),
+        )  # fmt: skip
 
-    def record(self, samples: list[int], tokens: list[int], logps: list[float]) -> None:
-        for i, tok, lp in zip(samples, tokens, logps, strict=True):
-            self.responses[i].append(int(tok))
-            self.logprobs[i].append(float(lp))
+    def record(self, samples: torch.Tensor, tokens: torch.Tensor, logps: torch.Tensor):
+        """Append one token to each of ``samples``; returns which of them are now done."""
+        at = self.lengths[samples]
+        self.tokens[samples, at] = tokens
+        self.logps[samples, at] = logps.double()
+        self.lengths[samples] = at + 1
+        return (at + 1 >= self.params.max_new_tokens) | torch.isin(tokens, self.stops)
 
-    def done(self, i: int) -> bool:
-        resp = self.responses[i]
-        return len(resp) >= self.params.max_new_tokens or resp[-1] in self.params.stops
+    def feeds(self, samples: torch.Tensor) -> torch.Tensor:
+        """``[4, k]``: token, position, sample and response length each row feeds next."""
+        lens = self.lengths[samples]
+        last = self.tokens[samples, lens - 1]
+        return torch.stack((last, self.prompt_lens[samples] + lens - 1, samples, lens))
+
+    def results(self) -> tuple[list[list[int]], list[list[float]]]:
+        lens = self.lengths.tolist()
+        return (
+            [t[:k] for t, k in zip(self.tokens.tolist(), lens, strict=True)],
+            [lp[:k] for lp, k in zip(self.logps.tolist(), lens, strict=True)],
+        )
 
 
 class KVCacheEngine:
@@ -125,6 +147,7 @@ class KVCacheEngine:
         self.cache: kvc.KVCache | None = None
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self._static_key: tuple | None = None
+        self._rows_moved, self._meta_rows = True, 0  # the host's rows vs the device's meta
         self.stats: dict[str, float] = {}
 
     # ------------------------------------------------------------------ public
@@ -136,10 +159,7 @@ class KVCacheEngine:
         io.check_prompts(prompts, params, self.model.max_sequence_length)
         device = io.model_device(self.model)
         uniforms = torch.rand(len(prompts), params.max_new_tokens, generator=generator)
-        run = _Run(
-            [list(map(int, p)) for p in prompts], params, uniforms.to(device),
-            deque(range(len(prompts))), [], [[] for _ in prompts], [[] for _ in prompts],
-        )  # fmt: skip
+        run = _Run.start(prompts, params, uniforms.to(device))
         self.stats = dict.fromkeys(
             (
                 "prefill_forwards",
@@ -152,7 +172,7 @@ class KVCacheEngine:
         )
         with self._generation_mode(run):
             self._loop(run)
-        return run.responses, run.logprobs
+        return run.results()
 
     # ------------------------------------------------------------------ setup
     @contextlib.contextmanager
@@ -166,6 +186,7 @@ class KVCacheEngine:
         try:
             self.cache = self._allocate(run)
             self._prepare_static(run)
+            self._rows_moved = True
             with kvc.attached(model, self.cache):
                 yield
         finally:
@@ -277,28 +298,30 @@ class KVCacheEngine:
         if not new:
             return
         logits = io.head_logits(self.model, hidden)
-        tokens, logp = sample(logits, run.uniforms[new, 0], run.params)
+        tokens, logp = sample(logits, run.uniforms[new, 0], run.params, self.decode.impl)
         io.broadcast_from_tp_src(tokens, logp)
-        run.record(new, tokens.tolist(), logp.tolist())
+        done = run.record(torch.tensor(new), tokens.cpu(), logp.cpu())
         run.rows.extend(new)
-        self._retire(run)
+        self._rows_moved = True
+        self._retire(run, [first + j for j in done.nonzero()[:, 0].tolist()])
 
     def _decode(self, run: _Run, rows: int) -> None:
         """One token for every active row (``rows`` >= them: the group's padded batch)."""
         n = len(run.rows)
         b = _bucket(rows, self.cache.slots) if self.use_graphs else rows
-        feeds = [run.feed(r) for r in range(n)]
-        longest = max((p for _, p in feeds), default=0) + 1
+        samples = torch.tensor(run.rows, dtype=torch.long)
+        longest = int((run.prompt_lens[samples] + run.lengths[samples]).max()) if n else 1
         ctx = min(-(-longest // self.options.context_bucket) * self.options.context_bucket,
                   self.cache.seq_len)  # fmt: skip
-        meta = torch.zeros(4, b, dtype=torch.long)
-        if n:
-            meta[:, :n] = torch.tensor(
-                [[t for t, _ in feeds], [p for _, p in feeds], run.rows,
-                 [len(run.responses[i]) for i in run.rows]]
-            )  # fmt: skip
-        self._meta[:, :b].copy_(meta)
-        self._u[:b] = run.uniforms[self._meta[2, :b], self._meta[3, :b]]
+        if self._rows_moved or b != self._meta_rows:  # the device's row state is rebuilt
+            meta = torch.zeros(4, b, dtype=torch.long)
+            meta[:, :n] = run.feeds(samples)
+            self._meta[:, :b].copy_(meta)
+            self._rows_moved, self._meta_rows = False, b
+        # The step itself advances each row's state on the device (see _step); padding rows
+        # (past n) advance too, clamped to valid indices.
+        step_u = self._meta[3, :b].clamp(max=run.params.max_new_tokens - 1)
+        self._u[:b] = run.uniforms[self._meta[2, :b], step_u]
         if self.graphs is not None:
             self.graphs.run((b, ctx, run.params), lambda: self._step(b, ctx, run.params))
         else:
@@ -307,8 +330,8 @@ class KVCacheEngine:
         self.stats["decode_rows"] += b
         out = self._out[:, :n].cpu()
         if n:
-            run.record(run.rows, out[0].long().tolist(), out[1].tolist())
-            self._retire(run, ctx)
+            done = run.record(samples, out[0].long(), out[1])
+            self._retire(run, done.nonzero()[:, 0].tolist(), ctx)
 
     def _step(self, b: int, ctx: int, params: SamplingParams) -> None:
         """The device-only decode step over rows ``0 .. b-1`` (static inputs -> static out)."""
@@ -320,10 +343,14 @@ class KVCacheEngine:
         else:
             hidden = self._forward(ids[:, None], pos[:, None])[0]  # [b, H]
         logits = io.head_logits(self.model, hidden)
-        tokens, logp = sample(logits, self._u[:b], params)
+        tokens, logp = sample(logits, self._u[:b], params, self.decode.impl)
         io.broadcast_from_tp_src(tokens, logp)
         self._out[0, :b].copy_(tokens)
         self._out[1, :b].copy_(logp)
+        # The next step's inputs, without a round trip through the host.
+        self._meta[0, :b].copy_(tokens)
+        self._meta[1, :b].add_(1).clamp_(max=self.cache.seq_len - 1)
+        self._meta[3, :b].add_(1)
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states ``[s, b, H]`` of tokens ``ids [b, s]`` at positions
@@ -339,11 +366,12 @@ class KVCacheEngine:
             self.cache.rope = (self._rope[0][at][:, :, 0], self._rope[1][at][:, :, 0])
         return self.model.decoder(hidden_states=emb, attention_mask=None, rotary_pos_emb=None)
 
-    def _retire(self, run: _Run, ctx: int | None = None) -> None:
-        """Drop finished rows, moving the last active rows into their slots."""
-        finished = [r for r, i in enumerate(run.rows) if run.done(i)]
+    def _retire(self, run: _Run, finished: list[int], ctx: int | None = None) -> None:
+        """Drop the ``finished`` rows (ascending), moving the last active rows into their
+        slots."""
         if not finished:
             return
+        self._rows_moved = True
         src, dst = [], []
         for r in reversed(finished):  # highest first: a moved row is never finished
             last = len(run.rows) - 1
