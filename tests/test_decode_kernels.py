@@ -146,6 +146,7 @@ test_interpreter_swiglu = interpreter_only(_swiglu_test)
 
 def _sample_test(device="cpu"):
     from megatron_grpo.kernels import sample_rows
+
     from megatron_grpo.rollout import SamplingParams
     from megatron_grpo.rollout.sampling import sample
 
@@ -170,7 +171,9 @@ def _sample_test(device="cpu"):
     truth = torch.log_softmax(logits[:, :v].double() / 0.7, dim=-1)
     err = (logp.double() - truth.gather(1, tokens[:, None])[:, 0]).abs()
     ref_err = (want_logp.double() - truth.gather(1, want[:, None])[:, 0]).abs()
-    assert (err[rows] <= ref_err[rows] + 1e-5).all(), (err, ref_err)
+    # fp32 holds z only to an ulp of |z| (GPU division is not correctly rounded either)
+    z = (logits[:, :v].double() / 0.7).abs().amax(-1)
+    assert (err[rows] <= ref_err[rows] + 1e-5 + 8 * 2**-24 * z[rows]).all(), (err, ref_err)
 
 
 test_interpreter_sample_rows = interpreter_only(_sample_test)

@@ -323,7 +323,12 @@ class KVCacheEngine:
         step_u = self._meta[3, :b].clamp(max=run.params.max_new_tokens - 1)
         self._u[:b] = run.uniforms[self._meta[2, :b], step_u]
         if self.graphs is not None:
-            self.graphs.run((b, ctx, run.params), lambda: self._step(b, ctx, run.params))
+            meta = self._meta[:, :b].clone()  # the step advances it: a warm-up is undone
+            self.graphs.run(
+                (b, ctx, run.params),
+                lambda: self._step(b, ctx, run.params),
+                lambda: self._meta[:, :b].copy_(meta),
+            )
         else:
             self._step(b, ctx, run.params)
         self.stats["decode_steps"] += 1

@@ -24,21 +24,24 @@ class DecodeGraphs:
         self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
         self.captures = 0
 
-    def run(self, key: Hashable, step: Callable[[], None]) -> None:
-        """Replay the graph of ``key``, capturing ``step`` (which writes static outputs) first."""
+    def run(self, key: Hashable, step: Callable[[], None], undo: Callable[[], None]) -> None:
+        """Replay the graph of ``key``, capturing ``step`` (which writes static outputs) first;
+        ``undo`` reverts what a warm-up run of ``step`` changed in its own inputs."""
         graph = self.graphs.get(key)
         if graph is None:
-            graph = self._capture(step)
+            graph = self._capture(step, undo)
             self.graphs[key] = graph
         graph.replay()
 
-    def _capture(self, step: Callable[[], None]) -> torch.cuda.CUDAGraph:
-        # Warm up on a side stream (cuBLAS workspaces, NCCL communicators), then capture. The
-        # warm-up writes the same K/V the replay writes: the step is idempotent.
+    def _capture(self, step: Callable[[], None], undo: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        # Warm up on a side stream (cuBLAS workspaces, NCCL communicators), undo the step's
+        # advance of its inputs, then capture (capturing runs nothing). The warm-up's K/V writes
+        # are the replay's, at the same positions.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             step()
+            undo()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
