@@ -125,6 +125,17 @@ class _Run:
         )
 
 
+@dataclass(frozen=True)
+class _Launched:
+    """A decode step in flight: its rows' samples, the host copy of its ``[2, n]`` tokens and
+    log-probs (valid once ``event`` completed; None: already synchronous), its context."""
+
+    samples: torch.Tensor
+    out: torch.Tensor
+    event: torch.cuda.Event | None
+    ctx: int
+
+
 class KVCacheEngine:
     """``KVCacheEngine(model, options).generate(prompts, params, generator)``; keep one per
     model so its CUDA graphs are captured once and reused across calls."""
@@ -233,6 +244,9 @@ class KVCacheEngine:
         self._meta = torch.zeros(4, cache.slots, dtype=torch.long, device=device)
         self._u = torch.zeros(cache.slots, dtype=torch.float32, device=device)
         self._out = torch.zeros(2, cache.slots, dtype=torch.float64, device=device)
+        pin = device.type == "cuda"
+        self._host_out = [torch.zeros(2, cache.slots, dtype=torch.float64, pin_memory=pin)
+                          for _ in range(2)]  # fmt: skip
         self._rope = _rope_table(self.model, cache.seq_len)
         cache.rotary_interleaved = bool(self.model.config.rotary_interleaved)
         self._static_key = key
@@ -256,11 +270,12 @@ class KVCacheEngine:
             if tokens:
                 self._prefill(run, new, tokens if group is not None else None)
             t1 = time.perf_counter()
-            rows = len(run.rows)
-            if group is not None:
-                rows = io.group_max([rows], group)[0]
-            if rows:
-                self._decode(run, rows)  # ends in a device-to-host copy: a sync
+            if group is not None:  # EP: the group agrees on every step, one at a time
+                rows = io.group_max([len(run.rows)], group)[0]
+                if rows:
+                    self._decode(run, rows)
+            elif run.rows:
+                self._decode_stream(run)
             self.stats["prefill_seconds"] += t1 - t0
             self.stats["decode_seconds"] += time.perf_counter() - t1
 
@@ -307,10 +322,31 @@ class KVCacheEngine:
 
     def _decode(self, run: _Run, rows: int) -> None:
         """One token for every active row (``rows`` >= them: the group's padded batch)."""
+        step = self._launch(run, rows)
+        self._retire(run, self._collect(run, step), step.ctx)
+
+    def _decode_stream(self, run: _Run) -> None:
+        """Decode steps with one in flight until a row finishes: step t + 1 is launched before
+        step t's tokens reach the host (the device advances the rows' state), so the host's
+        bookkeeping hides behind the GPU. Rows finished at step t also ran step t + 1, whose
+        tokens for them are dropped."""
+        prev = self._launch(run, len(run.rows))
+        while True:
+            nxt = self._launch(run, len(run.rows), ahead=1)
+            finished = self._collect(run, prev)
+            if finished:
+                finished += self._collect(run, nxt, skip=finished)
+                self._retire(run, sorted(finished), nxt.ctx)
+                return
+            prev = nxt
+
+    def _launch(self, run: _Run, rows: int, ahead: int = 0) -> _Launched:
+        """Enqueue one decode step of the active rows (``ahead`` steps of theirs are still in
+        flight) and the copy of its tokens to the host."""
         n = len(run.rows)
         b = _bucket(rows, self.cache.slots) if self.use_graphs else rows
         samples = torch.tensor(run.rows, dtype=torch.long)
-        longest = int((run.prompt_lens[samples] + run.lengths[samples]).max()) if n else 1
+        longest = int((run.prompt_lens[samples] + run.lengths[samples]).max()) + ahead if n else 1
         ctx = min(-(-longest // self.options.context_bucket) * self.options.context_bucket,
                   self.cache.seq_len)  # fmt: skip
         if self._rows_moved or b != self._meta_rows:  # the device's row state is rebuilt
@@ -333,10 +369,23 @@ class KVCacheEngine:
             self._step(b, ctx, run.params)
         self.stats["decode_steps"] += 1
         self.stats["decode_rows"] += b
-        out = self._out[:, :n].cpu()
-        if n:
-            done = run.record(samples, out[0].long(), out[1])
-            self._retire(run, done.nonzero()[:, 0].tolist(), ctx)
+        host = self._host_out[self.stats["decode_steps"] % 2]
+        host[:, :n].copy_(self._out[:, :n], non_blocking=True)
+        event = None
+        if host.is_pinned():
+            event = torch.cuda.Event()
+            event.record()
+        return _Launched(samples, host[:, :n], event, ctx)
+
+    def _collect(self, run: _Run, step: _Launched, skip: list[int] = ()) -> list[int]:
+        """Record a launched step's tokens (except rows ``skip``); its rows that finished."""
+        if step.event is not None:
+            step.event.synchronize()
+        keep = torch.ones(len(step.samples), dtype=torch.bool)
+        keep[list(skip)] = False
+        out = step.out[:, keep]
+        done = run.record(step.samples[keep], out[0].long(), out[1])
+        return keep.nonzero()[:, 0][done].tolist()
 
     def _step(self, b: int, ctx: int, params: SamplingParams) -> None:
         """The device-only decode step over rows ``0 .. b-1`` (static inputs -> static out)."""
