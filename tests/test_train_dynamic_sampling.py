@@ -57,15 +57,18 @@ class _Scripted:
         self.cfg, self.kind, self.dp_rank = cfg, kind, dp_rank
         self.per_rank = cfg.rollout.num_prompts // dp_size
         self.calls: list[tuple[int, int]] = []
+        self.counts: list[int] = []  # prompts per call
 
-    def next(self, step: int, round: int = 0) -> RolloutBatch:
+    def next(self, step: int, round: int = 0, count: int | None = None) -> RolloutBatch:
+        count = self.per_rank if count is None else count
         self.calls.append((step, round))
+        self.counts.append(count)
         if round == 0:
             start = step * self.cfg.rollout.num_prompts + self.dp_rank * self.per_rank
         else:
             start = extra_round_first_prompt(self.cfg, step, round, self.dp_rank, self.per_rank)
-        ids = [start + k for k in range(self.per_rank) for _ in range(G)]
-        rewards = [r for k in range(self.per_rank) for r in _REWARDS[self.kind(start + k)]]
+        ids = [start + k for k in range(count) for _ in range(G)]
+        rewards = [r for k in range(count) for r in _REWARDS[self.kind(start + k)]]
         responses = [[1] * (1 + j % 3) for j in range(len(ids))]  # 1, 2 or 3 tokens
         return RolloutBatch([[11, 10]] * len(ids), responses, ids, None, rewards)
 
@@ -159,6 +162,27 @@ def test_rounds_stop_at_the_cap_and_the_earliest_zero_variance_groups_fill():
     assert m["rollout/groups_all_correct"] == 11.0 and m["rollout/filter_rounds"] == 3.0
 
 
+@pytest.mark.parametrize(("round_size", "counts"), [("full", [4, 4]), ("shortfall", [4, 2])])
+def test_shortfall_rounds_generate_what_the_missing_groups_need(round_size, counts):
+    cfg = _cfg(f"rollout.filter_groups.round_size={round_size}")
+    source, inner = _filtered(cfg, lambda i: "correct" if i == 1 else "mixed")
+    batch = source.next(0)
+    # 3 informative groups of 4: the missing one needs ceil(1 * 4 / 3) = 2 prompts
+    assert inner.counts == counts
+    first = extra_round_first_prompt(cfg, 0, 1, 0, 4)
+    assert list(dict.fromkeys(batch.group_ids)) == [0, 2, 3, first]
+    assert source.metrics()["rollout/groups_generated"] == sum(counts)
+
+
+def test_shortfall_rounds_are_full_while_no_group_is_informative():
+    cfg = _cfg("rollout.filter_groups.round_size=shortfall")
+    mixed = extra_round_first_prompt(cfg, 0, 1, 0, 4) + 3
+    source, inner = _filtered(cfg, lambda i: "mixed" if i == mixed else "wrong")
+    source.next(0)
+    # round 1 (full): 1 informative of 8 generated -> 3 missing need 24 prompts, capped at 4
+    assert inner.counts == [4, 4, 4, 4, 4]
+
+
 def test_no_extra_rounds_trains_the_unfiltered_batch_and_counts():
     cfg = _cfg("rollout.filter_groups.max_extra_rounds=0")
     kinds = ["wrong", "mixed", "correct", "mixed"]
@@ -193,12 +217,12 @@ def test_engine_metrics_merge_over_rounds():
 
 
 class _ScriptedTask:
-    """The toy task's prompts (answer = the prompt's index); rank 1's base prompts are solved by
-    every sample, the others rewarded 1 for the first sample of the group only."""
+    """The toy task's prompts (answer = the prompt's index). Prompt 4 (rank 1's first base prompt
+    of step 0 at DP = 2) is solved by every sample; the others reward only the group's first
+    sample, so they are informative."""
 
-    def __init__(self, task, num_prompts: int, per_rank: int) -> None:
+    def __init__(self, task) -> None:
         self.task, self.tokenizer, self.calls = task, task.tokenizer, 0
-        self.num_prompts, self.per_rank = num_prompts, per_rank
 
     def prompts(self, start: int, n: int):
         from megatron_grpo.train.tasks import Prompt
@@ -209,55 +233,63 @@ class _ScriptedTask:
     def reward(self, prompt, response_ids) -> float:
         i, j = int(prompt.answer), self.calls % G  # samples are scored in order
         self.calls += 1
-        solved = i < EXTRA_PROMPTS_BASE and i % self.num_prompts >= self.per_rank
-        return 1.0 if solved else float(j == 0)
+        return 1.0 if i == 4 else float(j == 0)
 
 
 def _dp_body(rank: int, world: int, tmp: Path) -> None:
+    import dataclasses
+
     import torch.distributed as dist
-    from megatron.core import parallel_state
 
     from megatron_grpo.megatron.model import unwrap
     from megatron_grpo.train.rollout_source import GeneratedRollouts
     from megatron_grpo.train.trainer import Trainer
 
     cfg = _cfg(
-        "parallel.tensor_model_parallel_size=1", "training.micro_batch_size=4",
-        "training.steps=1", "training.mini_batches_per_step=1", f"logging.dir={tmp}",
-        "checkpoint.dir=null", "logging.progress_bar=false", "training.use_reference_model=false",
+        "parallel.tensor_model_parallel_size=1", "rollout.num_prompts=8",
+        "training.micro_batch_size=8", "training.steps=1", "training.mini_batches_per_step=1",
+        f"logging.dir={tmp}", "checkpoint.dir=null", "logging.progress_bar=false",
+        "training.use_reference_model=false",
     )  # fmt: skip
     trainer = Trainer(cfg)
+    toy = trainer.source.inner.task
 
-    def source() -> FilteredRollouts:
-        task = _ScriptedTask(trainer.source.inner.task, 4, 2)
-        inner = GeneratedRollouts(cfg, task, unwrap(trainer.model[0]), rank, world)
-        calls = inner.calls = []
-        generate = inner.next
-        inner.next = lambda step, round=0: calls.append((step, round)) or generate(step, round)
-        return FilteredRollouts(inner, cfg.rollout.filter_groups, 2, trainer.source.dp_group)
+    def source(round_size: str = "full") -> FilteredRollouts:
+        inner = GeneratedRollouts(cfg, _ScriptedTask(toy), unwrap(trainer.model[0]), rank, world)
+        calls, generate = [], inner.next
+        inner.next = lambda *args: calls.append(args) or generate(*args)
+        inner.calls = calls
+        f = dataclasses.replace(cfg.rollout.filter_groups, round_size=round_size)
+        return FilteredRollouts(inner, f, 4, trainer.source.dp_group)
+
+    def all_calls(s: FilteredRollouts) -> list:
+        out = [None] * world
+        dist.all_gather_object(out, s.inner.calls)
+        return out
 
     running = source()
     step0, m0 = running.next(0), running.metrics()
     step1 = running.next(1)
-    calls = [None] * world
-    dist.all_gather_object(calls, running.inner.calls)
-    # rank 0 had its groups after round 0 but generated along with rank 1
-    assert calls == [[(0, 0), (0, 1), (1, 0), (1, 1)]] * 2, calls
-    assert (m0["rollout/filter_rounds"], m0["rollout/groups_generated"]) == (2.0, 8.0)
-    assert (m0["rollout/groups_all_correct"], m0["rollout/groups_kept"]) == (2.0, 4.0)
-    extra = extra_round_first_prompt(cfg, 0, 1, rank, 2)
-    assert sorted(set(step0.group_ids)) == ([0, 1] if rank == 0 else [extra, extra + 1])
+    # rank 1 lacked a group after round 0: rank 0 generated round 1 with it
+    assert all_calls(running) == [[(0, 0, 4), (0, 1, 4), (1, 0, 4)]] * 2
+    assert (m0["rollout/filter_rounds"], m0["rollout/groups_generated"]) == (2.0, 16.0)
+    assert (m0["rollout/groups_all_correct"], m0["rollout/groups_kept"]) == (1.0, 8.0)
+    extra = extra_round_first_prompt(cfg, 0, 1, rank, 4)
+    want = [0, 1, 2, 3] if rank == 0 else [5, 6, 7, extra]
+    assert list(dict.fromkeys(step0.group_ids)) == want
     # a resumed run builds its source fresh at step 1: the same batch, token for token
     assert source().next(1) == step1
+    # shortfall: 1 group short at 3 informative of 4 -> 2 prompts, on both ranks
+    small = source("shortfall")
+    assert small.next(0) == step0 and all_calls(small) == [[(0, 0, 4), (0, 1, 2)]] * 2
     # round 0 samples with the seeds of a run without filter_groups; every round has its own
     seeds = [running.inner._generator(0, k).initial_seed() for k in range(3)]
     assert seeds[0] == random.Random(f"{cfg.training.seed}/0/{rank}").getrandbits(63)
     assert len(set(seeds)) == 3
-    assert parallel_state.get_data_parallel_world_size() == 2
-    trainer.source.inner.task = _ScriptedTask(trainer.source.inner.task, 4, 2)
+    trainer.source.inner.task = _ScriptedTask(toy)
     [metrics] = trainer.train()
-    assert metrics["rollout/groups_kept"] == 4.0 and metrics["rollout/filter_rounds"] == 2.0
-    trained = metrics["response/length_mean"] * 4 * G
+    assert metrics["rollout/groups_kept"] == 8.0 and metrics["rollout/filter_rounds"] == 2.0
+    trained = metrics["response/length_mean"] * 8 * G
     assert metrics["rollout/generated_tokens"] > trained
 
 

@@ -81,11 +81,15 @@ class FilterGroupsConfig:
             greater than this, counting only samples that have loss (response) tokens.
         max_extra_rounds: generation rounds after the first one, at most; 0 drops nothing (the
             batch is the unfiltered one) but logs the group counts.
+        round_size: prompts of an extra round: ``full`` (``num_prompts``, as DAPO) or
+            ``shortfall`` (only as many as the missing groups need at the step's informative
+            rate so far: fewer generated tokens, possibly more rounds).
     """
 
     enabled: bool = False
     reward_tolerance: float = 1e-6
     max_extra_rounds: int = 4
+    round_size: Literal["full", "shortfall"] = "full"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.reward_tolerance < float("inf"):

@@ -18,6 +18,7 @@ generate more than one round per step (``next(step, round)``):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -39,7 +40,8 @@ class RoundSource(Protocol):
 
     generated: bool
 
-    def next(self, step: int, round: int = 0) -> RolloutBatch: ...
+    def next(self, step: int, round: int = 0, count: int | None = None) -> RolloutBatch:
+        """``count`` prompts of this rank (None: its share of ``num_prompts``)."""
 
     def metrics(self) -> dict[str, float]: ...
 
@@ -149,13 +151,15 @@ class FilteredRollouts:
         batches: list[RolloutBatch] = []
         groups: list[Group] = []
         inner_metrics: list[dict[str, float]] = []
-        while not batches or self._another_round(len(batches) - 1, groups):
-            batch = self.inner.next(step, len(batches))
+        count = self.per_rank  # prompts of this round on this rank
+        while count:
+            batch = self.inner.next(step, len(batches), count)
             if batch.rewards is None:
                 raise ValueError(f"{type(self.inner).__name__}.next returned unscored rollouts")
             groups += self._groups(batch, len(batches))
             batches.append(batch)
             inner_metrics.append(self.inner.metrics())
+            count = self._next_round_size(len(batches) - 1, groups)
         chosen, kept = select_groups(groups, self.per_rank)
         picks = [
             [i for g in chosen if g.round == r for i in g.indices] for r in range(len(batches))
@@ -173,13 +177,21 @@ class FilteredRollouts:
             for idx in split_groups(batch)
         ]  # fmt: skip
 
-    def _another_round(self, last: int, groups: list[Group]) -> bool:
-        """Whether any DP rank still lacks informative groups and rounds are left; the same
-        answer on every rank (the cap needs no collective: every rank ran ``last + 1`` rounds)."""
+    def _next_round_size(self, last: int, groups: list[Group]) -> int:
+        """Prompts per rank of the next round, 0 = none: the most any DP rank asks for, so every
+        rank runs the same rounds with the same shapes (the cap needs no collective: every
+        rank ran ``last + 1`` rounds)."""
         if last >= self.cfg.max_extra_rounds:
-            return False
-        short = self.per_rank - sum(g.kind == INFORMATIVE for g in groups)
-        return comm.all_reduce_max([float(max(short, 0))], self.dp_group)[0] > 0
+            return 0
+        informative = sum(g.kind == INFORMATIVE for g in groups)
+        short = max(self.per_rank - informative, 0)
+        if short == 0:
+            want = 0
+        elif self.cfg.round_size == "full" or informative == 0:
+            want = self.per_rank
+        else:  # the prompts that yield ``short`` informative groups at this step's rate so far
+            want = min(self.per_rank, math.ceil(short * len(groups) / informative))
+        return int(comm.all_reduce_max([float(want)], self.dp_group)[0])
 
     def _count(
         self, batches: list[RolloutBatch], groups: list[Group], kept: int

@@ -140,12 +140,13 @@ class GeneratedRollouts:
             "perf/decode_seconds": float(s["decode_seconds"]),
         }
 
-    def next(self, step: int, round: int = 0) -> RolloutBatch:
+    def next(self, step: int, round: int = 0, count: int | None = None) -> RolloutBatch:
         """Step ``step``'s prompts; ``round`` >= 1: an extra round of fresh prompts (dynamic
-        sampling, ``rollout.filter_groups``) with its own seed."""
+        sampling, ``rollout.filter_groups``) with its own seed; ``count``: only the first
+        ``count`` of them (default: all ``num_prompts / DP``)."""
         r = self.cfg.rollout
         start = self._first_prompt(step, round)
-        prompts = self.task.prompts(start, self.per_rank)
+        prompts = self.task.prompts(start, self.per_rank if count is None else count)
         too_long = [p for p in prompts if len(p.ids) > r.max_prompt_length]
         if too_long:
             raise ValueError(
