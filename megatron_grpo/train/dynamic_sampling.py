@@ -8,9 +8,11 @@ generate more than one round per step (``next(step, round)``):
   from every base round (:func:`extra_round_first_prompt`) and samples with its own seed. A
   step's batch is therefore a pure function of (seed, step, weights), and a resumed run
   reproduces it exactly.
-* After each round every DP rank counts its informative groups. The ranks all-reduce the largest
-  shortfall over the DP group, so they all run the same number of rounds and every collective of
-  generation (TP, EP) is matched. The ranks of one TP group hold the same samples, so they agree.
+* After each round every DP rank counts its informative groups and the prompts it wants next
+  (all of its share with ``round_size: full``, or just enough for its shortfall). The ranks
+  all-reduce the largest wish over the DP group, so they all run the same rounds with the same
+  shapes and every collective of generation (TP, EP) is matched. The ranks of one TP group hold
+  the same samples, so they agree.
 * The batch is the rank's first ``num_prompts / DP`` informative groups in generation order.
   When ``max_extra_rounds`` runs out first, the earliest zero-variance groups fill the batch. They
   have zero advantage, so they carry no policy-gradient signal, but every rank keeps its size.
@@ -62,9 +64,10 @@ def extra_round_first_prompt(
 def classify_group(rewards: Sequence[float], loss_tokens: Sequence[int], tolerance: float) -> str:
     """``INFORMATIVE`` when the rewards of the samples with loss tokens spread by more than
     ``tolerance``; otherwise the group has zero variance: ``ALL_CORRECT`` when its mean reward is
-    >= 1 (the top of the built-in tasks' [0, 1] scale), ``ALL_WRONG`` when it is <= 0, and
-    ``ALL_PARTIAL`` in between (e.g. every sample half right) or when fewer than two samples
-    have loss tokens and those have no reward to compare."""
+    >= 1 (the top of the built-in tasks' [0, 1] scale), ``ALL_WRONG`` when it is <= 0 (both
+    within ``tolerance``), ``ALL_PARTIAL`` in between (e.g. every sample half right). A group with
+    fewer than two samples that have loss tokens is never informative; with none, it is
+    ``ALL_PARTIAL``."""
     counted = [r for r, n in zip(rewards, loss_tokens, strict=True) if n > 0]
     if len(counted) >= 2 and max(counted) - min(counted) > tolerance:
         return INFORMATIVE
@@ -86,6 +89,8 @@ def split_groups(batch: RolloutBatch) -> list[list[int]]:
 
 @dataclass
 class Group:
+    """One prompt's samples in the round that generated them, with their ``classify_group``."""
+
     round: int
     indices: list[int]  # positions in that round's batch
     kind: str
