@@ -59,6 +59,9 @@ def test_overrides_reach_every_section():
         ("rollout.engine=vllm", "rollout.engine: 'vllm' is not one of"),
         ("rollout.cuda_graphs=maybe", "rollout.cuda_graphs"),
         ("rollout.stop_ids=5", "rollout.stop_ids: expected a list"),
+        ("rollout.filter_groups.max_rounds=2", "did you mean 'max_extra_rounds'"),
+        ("rollout.filter_groups.enabled=maybe", "rollout.filter_groups.enabled: expected true"),
+        ("rollout.filter_groups=true", "rollout.filter_groups: expected a mapping"),
     ],
 )
 def test_unknown_keys_and_bad_values_name_the_field(override, message):
@@ -76,6 +79,20 @@ def test_unknown_keys_and_bad_values_name_the_field(override, message):
         (["rollout.kv_cache_gib=0"], "rollout: kv_cache_gib must be > 0"),
         (["rollout.reward_fn=no_colon"], "reward_fn must look like"),
         (["rollout.task=math"], "math.data_path is required"),
+        (
+            ["rollout.filter_groups.reward_tolerance=-0.1"],
+            "rollout.filter_groups: reward_tolerance must be a finite number >= 0, got -0.1",
+        ),
+        (["rollout.filter_groups.reward_tolerance=.nan"], "reward_tolerance must be a finite"),
+        (
+            ["rollout.filter_groups.max_extra_rounds=-1"],
+            "max_extra_rounds must be in \\[0, 1024\\]",
+        ),
+        (["rollout.filter_groups.max_extra_rounds=1025"], "max_extra_rounds must be in"),
+        (
+            ["rollout.filter_groups.enabled=true", "rollout.input_path=x.jsonl"],
+            "rollout: filter_groups.enabled needs generated rollouts",
+        ),
         (["training.micro_batch_size=null"], "exactly one of micro_batch_size"),
         (["training.max_tokens_per_micro_batch=64"], "exactly one of micro_batch_size"),
         (["optimizer.min_lr=1.0"], "min_lr must be in"),

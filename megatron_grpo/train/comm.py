@@ -46,11 +46,11 @@ def all_reduce_sum(values: list[float], group: dist.ProcessGroup | None) -> list
     return t.tolist()
 
 
-def all_reduce_max(values: list[float]) -> list[float]:
-    """Element-wise max of float64 scalars over the whole world."""
+def all_reduce_max(values: list[float], group: dist.ProcessGroup | None = None) -> list[float]:
+    """Element-wise max of float64 scalars over ``group`` (None = the whole world)."""
     t = torch.tensor(values, dtype=torch.float64, device=comm_device())
     if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.tolist()
 
 

@@ -61,6 +61,47 @@ class MathTaskConfig:
     prompt_template: str = "{prompt}"
 
 
+# Extra rounds of a step draw prompts from a block of this many rounds (see dynamic_sampling).
+MAX_EXTRA_ROUNDS = 1024
+
+
+@dataclass
+class FilterGroupsConfig:
+    """Dynamic sampling (DAPO): train only on groups whose rewards differ.
+
+    A group whose rewards are all equal has zero advantage: it costs generation and training and
+    teaches nothing. With ``enabled``, such groups are dropped and further rounds of fresh prompts
+    are generated until every DP rank has its ``num_prompts / DP`` informative groups, or
+    ``max_extra_rounds`` extra rounds ran (then zero-variance groups fill the batch, so its size
+    never changes). See ``megatron_grpo/train/dynamic_sampling.py``.
+
+    Attributes:
+        enabled: off by default.
+        reward_tolerance: a group is informative when the spread (max - min) of its rewards is
+            greater than this, counting only samples that have loss (response) tokens.
+        max_extra_rounds: generation rounds after the first one, at most; 0 drops nothing (the
+            batch is the unfiltered one) but logs the group counts.
+        round_size: prompts of an extra round: ``full`` (``num_prompts``, as DAPO) or
+            ``shortfall`` (only as many as the missing groups need at the step's informative
+            rate so far: fewer generated tokens, possibly more rounds).
+    """
+
+    enabled: bool = False
+    reward_tolerance: float = 1e-6
+    max_extra_rounds: int = 4
+    round_size: Literal["full", "shortfall"] = "full"
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.reward_tolerance < float("inf"):
+            raise ValueError(
+                f"reward_tolerance must be a finite number >= 0, got {self.reward_tolerance}"
+            )
+        if not 0 <= self.max_extra_rounds <= MAX_EXTRA_ROUNDS:
+            raise ValueError(
+                f"max_extra_rounds must be in [0, {MAX_EXTRA_ROUNDS}], got {self.max_extra_rounds}"
+            )
+
+
 @dataclass
 class RolloutConfig:
     """What each step generates (or reads) and how it is scored.
@@ -89,6 +130,7 @@ class RolloutConfig:
             them instead of generating; each step consumes the next ``num_prompts`` groups (the
             sampling and engine fields are then unused; the files must carry ``reward``).
         output_dir: write each step's rollouts to ``output_dir/rollouts_step{N}.{output_format}``.
+        filter_groups: dynamic sampling (:class:`FilterGroupsConfig`); needs generation.
     """
 
     num_prompts: int = 16
@@ -109,6 +151,7 @@ class RolloutConfig:
     input_path: str | None = None
     output_dir: str | None = None
     output_format: Literal["jsonl", "parquet"] = "jsonl"
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
     def __post_init__(self) -> None:
         check_positive(self, "num_prompts", "max_prompt_length", "max_response_length")
@@ -135,6 +178,11 @@ class RolloutConfig:
             for name in ("data_path", "tokenizer_dir"):
                 if not getattr(self.math, name):
                     raise ValueError(f"math.{name} is required when task is 'math'")
+        if self.filter_groups.enabled and self.input_path is not None:
+            raise ValueError(
+                "filter_groups.enabled needs generated rollouts (dropped groups are replaced by "
+                "new generations); with input_path, filter the files when writing them"
+            )
 
 
 @dataclass

@@ -21,6 +21,7 @@ import torch
 
 from megatron_grpo.rollout import EngineOptions, KVCacheEngine, SamplingParams, generate
 from megatron_grpo.train.config import TrainConfig
+from megatron_grpo.train.dynamic_sampling import extra_round_first_prompt
 from megatron_grpo.train.rollout_batch import RolloutBatch
 from megatron_grpo.train.rollout_io import RolloutFileSource
 from megatron_grpo.train.tasks import Task, build_task
@@ -103,9 +104,10 @@ def sampling_params(cfg: TrainConfig, eos_id: int) -> SamplingParams:
 class GeneratedRollouts:
     """The policy generates ``group_size`` responses per prompt; the task scores them.
 
-    Step ``s`` on DP rank ``d`` samples with a generator seeded from ``(seed, s, d)``, so a
-    resumed run draws what an uninterrupted one would have. ``model`` is the unwrapped policy
-    (its first model chunk; generation needs PP = CP = 1)."""
+    Step ``s`` on DP rank ``d`` samples with a generator seeded from ``(seed, s, d)`` (extra
+    round ``k``: ``(seed, s, d, k)``), so a resumed run draws what an uninterrupted one would
+    have. ``model`` is the unwrapped policy, its first model chunk (generation needs PP = 1,
+    CP = 1)."""
 
     generated = True
 
@@ -138,10 +140,13 @@ class GeneratedRollouts:
             "perf/decode_seconds": float(s["decode_seconds"]),
         }
 
-    def next(self, step: int) -> RolloutBatch:
+    def next(self, step: int, round: int = 0, count: int | None = None) -> RolloutBatch:
+        """Step ``step``'s prompts; ``round`` >= 1: an extra round of fresh prompts (dynamic
+        sampling, ``rollout.filter_groups``) with its own seed; ``count``: only the first
+        ``count`` of them (default: all ``num_prompts / DP``)."""
         r = self.cfg.rollout
-        start = _first_group(self.cfg, step, self.dp_rank, self.per_rank)
-        prompts = self.task.prompts(start, self.per_rank)
+        start = self._first_prompt(step, round)
+        prompts = self.task.prompts(start, self.per_rank if count is None else count)
         too_long = [p for p in prompts if len(p.ids) > r.max_prompt_length]
         if too_long:
             raise ValueError(
@@ -152,12 +157,18 @@ class GeneratedRollouts:
         samples = [list(p.ids) for p in expanded]
         engine = self.engine if self.engine is not None else "recompute"
         responses, logprobs = generate(
-            self.model, samples, self.params, self._generator(step), engine=engine
+            self.model, samples, self.params, self._generator(step, round), engine=engine
         )
         rewards = [self.task.reward(p, ids) for p, ids in zip(expanded, responses, strict=True)]
         group_ids = [start + i for i in range(len(prompts)) for _ in range(r.group_size)]
         return RolloutBatch(samples, responses, group_ids, logprobs, rewards)
 
-    def _generator(self, step: int) -> torch.Generator:
-        seed = random.Random(f"{self.cfg.training.seed}/{step}/{self.dp_rank}").getrandbits(63)
-        return torch.Generator().manual_seed(seed)
+    def _first_prompt(self, step: int, round: int) -> int:
+        if round == 0:
+            return _first_group(self.cfg, step, self.dp_rank, self.per_rank)
+        return extra_round_first_prompt(self.cfg, step, round, self.dp_rank, self.per_rank)
+
+    def _generator(self, step: int, round: int = 0) -> torch.Generator:
+        key = f"{self.cfg.training.seed}/{step}/{self.dp_rank}"
+        key += f"/{round}" if round else ""  # round 0 keeps the seeds of runs without extras
+        return torch.Generator().manual_seed(random.Random(key).getrandbits(63))

@@ -33,6 +33,7 @@ from megatron_grpo.train import checkpoint as ckpt
 from megatron_grpo.train import comm
 from megatron_grpo.train.batching import PER_TOKEN_INPUTS, make_mini_batches, nonfinite_inputs
 from megatron_grpo.train.config import TrainConfig, check_checkpoint_architecture
+from megatron_grpo.train.dynamic_sampling import maybe_filter
 from megatron_grpo.train.monitor import Monitor, truncate_jsonl, write_resolved_config
 from megatron_grpo.train.optim import build_optimizer, optimizer_step, zero_grads
 from megatron_grpo.train.rollout_batch import RolloutBatch, check_routed_experts
@@ -72,6 +73,8 @@ class Trainer:
             if files is not None
             else GeneratedRollouts(cfg, task, unwrap(self.model[0]), self.dp_rank, self.dp_size)
         )
+        dp_group = parallel_state.get_data_parallel_group()
+        self.source = maybe_filter(cfg, self.source, self.dp_size, dp_group)  # filter_groups
         self.step_fn = GRPOStep(
             cfg.loss,
             vocab_size=cfg.model.vocab_size,
@@ -289,7 +292,8 @@ class Trainer:
         out["perf/tokens_per_s"] = tokens / out["perf/step_seconds"]
         out["perf/train_tokens_per_s"] = tokens / out["perf/update_seconds"]
         if self.source.generated:  # file rollouts were generated elsewhere: no rate to report
-            out["perf/generation_tokens_per_s"] = new_tokens / out["perf/rollout_seconds"]
+            generated = out.get("rollout/generated_tokens", new_tokens)  # filter_groups: all rounds
+            out["perf/generation_tokens_per_s"] = generated / out["perf/rollout_seconds"]
         return out
 
     def maybe_save(self, step: int) -> None:
