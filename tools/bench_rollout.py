@@ -140,20 +140,20 @@ def profile(model, cfg, args) -> str:
     engine = KVCacheEngine(model, options)
     engine.generate(prompts, params, g)  # warm-up (and graph captures)
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-    decode, wall = engine._decode, []
+    launch = engine._launch
 
-    def timed_decode(run, rows):
-        if not wall:
+    def profiled_launch(*a, **kw):
+        if engine.stats["decode_steps"] == 0:
             torch.cuda.synchronize()
             prof.start()
-        t0 = time.perf_counter()
-        decode(run, rows)  # ends in a device-to-host copy
-        wall.append(time.perf_counter() - t0)
+        return launch(*a, **kw)
 
-    engine._decode = timed_decode
+    engine._launch = profiled_launch
     engine.generate(prompts, params, g)
     torch.cuda.synchronize()
     prof.stop()
+    steps = engine.stats["decode_steps"]
+    wall = engine.stats["decode_seconds"] / steps
     averages = prof.key_averages()
     replay = ""
     if engine.graphs is not None and engine.graphs.graphs:  # the steps' graph alone, back to back
@@ -165,8 +165,8 @@ def profile(model, cfg, args) -> str:
         torch.cuda.synchronize()
         replay = f", graph replay alone {1e3 * (time.perf_counter() - t0) / 8:.2f} ms/step"
     busy = sum(e.self_device_time_total for e in averages if e.device_type.name == "CUDA")
-    head = (f"{args.profile} ({engine.decode}): {len(wall)} decode steps, wall "
-            f"{1e3 * sum(wall) / len(wall):.2f} ms/step, kernels {busy / 1e3 / len(wall):.2f} "
+    head = (f"{args.profile} ({engine.decode}): {steps} decode steps, wall "
+            f"{1e3 * wall:.2f} ms/step, kernels {busy / 1e3 / steps:.2f} "
             f"ms/step{replay}\n")  # fmt: skip
     return head + averages.table(sort_by="self_device_time_total", row_limit=40)
 

@@ -274,17 +274,25 @@ class KVCacheEngine:
                 rows = io.group_max([len(run.rows)], group)[0]
                 if rows:
                     self._decode(run, rows)
+            elif run.rows and self._admissible(run):  # one step, then admit the waiting
+                self._decode(run, len(run.rows))
             elif run.rows:
                 self._decode_stream(run)
             self.stats["prefill_seconds"] += t1 - t0
             self.stats["decode_seconds"] += time.perf_counter() - t1
 
+    def _admissible(self, run: _Run) -> bool:
+        """Waiting samples are admitted once a quarter of the slots (or every waiting sample's
+        worth, or the whole cache) is free."""
+        free = self.cache.slots - len(run.rows)
+        return bool(run.waiting) and free >= min(len(run.waiting), max(1, self.cache.slots // 4))
+
     def _admit(self, run: _Run) -> list[int]:
         """Waiting samples to prefill now: when a quarter of the slots (or every waiting sample,
         or the whole cache) is free, up to ``max_prefill_tokens`` of prompts."""
-        free = self.cache.slots - len(run.rows)
-        if not run.waiting or free < min(len(run.waiting), max(1, self.cache.slots // 4)):
+        if not self._admissible(run):
             return []
+        free = self.cache.slots - len(run.rows)
         new, tokens = [], 0
         while run.waiting and len(new) < free:
             n = len(run.prompts[run.waiting[0]])
