@@ -8,8 +8,6 @@ import os
 from collections.abc import Callable
 from typing import NamedTuple
 
-import torch
-
 from megatron_grpo.ops import reference
 
 IMPLS = ("auto", "torch", "triton")
@@ -63,8 +61,3 @@ def resolve_impl(impl: str, device_type: str) -> str:
 def kernels_named(name: str) -> Kernels:
     """The seam functions of a resolved implementation ("torch" or "triton")."""
     return _TORCH if name == "torch" else _triton_kernels()
-
-
-def resolve_kernels(impl: str, device: torch.device) -> Kernels:
-    """:func:`resolve_impl`'s seam functions for ``device`` tensors."""
-    return kernels_named(resolve_impl(impl, device.type))

@@ -27,19 +27,19 @@ beyond the gradients, (a) with an extra fp32 d_weight buffer):
     (a) C = 2048                      56.8 ms  1.29x  over 2.98 GiB
     (b) 8192 x 8192 tiles             67.2 ms  1.51x  over 0.38 GiB (1.46x at T = 32768)
 
-(a) fits ``x = 1.16 + 266 / C`` at TP = 1, which predicted a win over (b) from C ~ 890 rows.
-The TP = 4 measurement (4 x H200, T = 8192, fp32 ``main_grad``, per-GPU ms) contradicts it: (a)
-with C = 1728 took 23.4 ms (24.5 with SP) against 19.2 ms (19.5) for (b), whose TP efficiency is
-89%: each chunk adds a TP all-reduce, a host sync of the loss's finite check and the small
-objective kernels, which the traffic model leaves out. So the threshold is
-``ops.plan.SINGLE_PASS_MIN_ROWS = 4096`` rows per full-width chunk (C >= min(4096, N rows)): (a) runs
-when a batch's loss rows fit one or two chunks of a narrow shard (V_local <= 16384 at the 256 MiB
-tile of the default memory budget: e.g. a 32k vocabulary at TP >= 2, or a 152k vocabulary at
-TP >= 10) and for every batch of at most one chunk; the measured cases above all run (b). Where
-no fp32 gradient buffer exists to accumulate into (bf16 weight without an fp32 ``main_grad``),
-the extra fp32 [V_local, H] buffer may cost at most one tile (``ACCUMULATOR_TILES = 1``; peak
-over the gradients then stays ~2 tiles). Without gradients (no_grad / frozen) (b)'s stats pass
-runs. A larger ``memory_budget`` enlarges the tile and so admits (a) on wider shards.
+(a) fits ``x = 1.16 + 266 / C`` at TP = 1, which predicted a win over (b) from C ~ 890 rows. The
+TP = 4 measurement (4 x H200, T = 8192, fp32 ``main_grad``, per-GPU ms) contradicts it: (a) with
+C = 1728 took 23.4 ms (24.5 with SP) against 19.2 ms (19.5) for (b), whose TP efficiency is 89%:
+each chunk adds a TP all-reduce, a host sync of the loss's finite check and the small objective
+kernels, which the traffic model leaves out. So the threshold is
+``ops.plan.SINGLE_PASS_MIN_ROWS = 4096`` rows per full-width chunk (C >= min(4096, N rows)): (a)
+runs when a batch's loss rows fit one or two chunks of a narrow shard (V_local <= 16384 at the
+256 MiB tile of the default memory budget: e.g. a 32k vocabulary at TP >= 2, or a 152k vocabulary
+at TP >= 10) and for every batch of at most one chunk; the measured cases above all run (b). Where
+no fp32 gradient buffer exists to accumulate into (bf16 weight without an fp32 ``main_grad``), the
+extra fp32 [V_local, H] buffer may cost at most one tile (``ACCUMULATOR_TILES = 1``; peak over the
+gradients then stays ~2 tiles). Without gradients (no_grad / frozen) (b)'s stats pass runs. A
+larger ``memory_budget`` enlarges the tile and so admits (a) on wider shards.
 
 grad_output in (a): d_weight lands in an fp32 ``main_grad`` during the forward, for a
 grad_output of 1 (Megatron's bf16 per-token-loss step: ``loss_scale * loss`` with scale 1). A
@@ -190,11 +190,10 @@ def _deliver_weight_grad(ctx, acc: ForwardWeightGrad, scale: Tensor) -> Tensor |
             return _recompute(ctx, scale - 1, want_dh=False, want_dw=True)[1]
         return main_grad_done(weight)
     grad = acc.acc.mul_(scale)
-    main_grad = getattr(weight, "main_grad", None)
-    if main_grad is not None:  # a low-precision main_grad: rounded once
-        main_grad.add_(grad)
+    if ctx.head.plan.weight_grad == "add_tiles":  # a low-precision main_grad: rounded once
+        weight.main_grad.add_(grad)
         return main_grad_done(weight)
-    return grad.to(weight.dtype)
+    return grad.to(weight.dtype)  # the fp32 gradient itself, or rounded once (write_tiles)
 
 
 def fused_grpo_loss(
@@ -284,7 +283,8 @@ _OP_ARGS = ("tp_group", "sequence_parallel", "temperature", "vocab_size", "chunk
 
 
 def _request(path: str | None, cfg: GRPOLossConfig) -> str:
-    """ "op" or "fused" (either fused path) for ``path``; "megatron" is GRPOStep's alone."""
+    """The request ``path`` means here: "op", or "fused" (either fused path, the plan's to pick);
+    "megatron" is GRPOStep's alone."""
     request = resolve_request(path, cfg)[0]
     if request == "megatron":
         raise ValueError("path 'megatron' runs Megatron's output layer: use GRPOStep")

@@ -1,12 +1,12 @@
 """2D tiling of the LM head: row blocks x vocabulary tiles, one fp32 logits tile alive at a time.
 
-A tile is ``[R, Vc]`` fp32 logits with ``R * Vc * 4 <= tile_bytes`` (the plan's share of its
-memory budget, :mod:`megatron_grpo.ops.plan`; ``TILE_BYTES`` at the default budget). Square-ish tiles keep the
-GEMMs large and bound the traffic of the fp32 gradient accumulators: with rows outer the
+A tile is ``[R, Vc]`` fp32 logits with ``R * Vc * 4 <= tile_bytes`` (the plan's share of its memory
+budget, :mod:`megatron_grpo.ops.plan`; ``TILE_BYTES`` at the default budget). Square-ish tiles keep
+the GEMMs large and bound the traffic of the fp32 gradient accumulators: with rows outer the
 ``[R, H]`` d_hidden block is read and written once per vocab tile, and the ``[V_local, H]``
-d_weight accumulator once per row block, i.e. ``8 * T * V * H * (1 / R + 1 / Vc)`` bytes.
-A 1D row chunk of the whole vocabulary (``R = 384`` at V = 151936 within 256 MiB) made the
-d_weight traffic alone ~100 GB at T = 8192.
+d_weight accumulator once per row block, i.e. ``8 * T * V * H * (1 / R + 1 / Vc)`` bytes. A 1D row
+chunk of the whole vocabulary (``R = 384`` at V = 151936 within 256 MiB) made the d_weight traffic
+alone ~100 GB at T = 8192.
 
 Only the ``n_valid`` real columns are tiled: padded vocabulary rows are never computed.
 """
