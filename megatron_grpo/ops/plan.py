@@ -150,7 +150,7 @@ class LMHeadPlan:
             extra = ", extra fp32 [V_local, H] buffer" if self.extra_accumulator else ""
             parts.append(f"d_weight {self.weight_grad}{extra}")
         budget = f"memory budget {self.memory_budget / _GIB:.3g} GiB"
-        return "; ".join(parts + [f"{budget} (tile {self.tile_bytes / _MIB:.3g} MiB)"])
+        return "; ".join(parts + [f"{budget} (tile {self.tile_bytes / _MIB:.4g} MiB)"])
 
     __str__ = describe
 
