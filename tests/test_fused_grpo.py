@@ -1,23 +1,27 @@
 """fused_grpo_loss == grpo_loss(vocab_parallel_logprobs(...)): loss, metrics, log-probs, entropy
-and gradients, on both token-ratio paths (single pass / tiled recompute), at TP=1 (in process)
-and TP=2 with and without sequence parallelism (spawned); the rule that picks the path."""
+and gradients, on both token-ratio paths (single pass / tiled recompute, chosen with ``path=``),
+at TP=1 (in process) and TP=2 with and without sequence parallelism (spawned); the plan's rule
+that picks the path."""
 
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from megatron_grpo.loss import GRPOLossConfig, grpo_loss
-from megatron_grpo.ops import fused_grpo as fused_mod
-from megatron_grpo.ops import fused_grpo_loss, vocab_parallel_logprobs
-from megatron_grpo.ops import single_pass as single_mod
+from megatron_grpo.ops import fused_grpo_loss, fused_grpo_loss_plan, vocab_parallel_logprobs
 from megatron_grpo.ops import tiling as tiling_mod
 from megatron_grpo.ops.lm_head import LMHead
-from megatron_grpo.ops.single_pass import needs_accumulator, single_pass_rows
+from megatron_grpo.ops.plan import (
+    SINGLE_PASS_MIN_ROWS,
+    TILE_FRACTION,
+    HeadShape,
+    plan_lm_head,
+    weight_grad_mode,
+)
 from tests.dist_utils import run_distributed
 from tests.test_logprobs import close, make_inputs
 
@@ -34,30 +38,15 @@ CONFIGS = {
                  entropy_coef=0.02, clip_eps_low=3e-4, clip_eps_high=4e-4),
 }  # fmt: skip
 PATHS = ("single", "tiled")
+FUSED = {"single": "fused_single_pass", "tiled": "fused_tiled", None: None}  # path= of each
 
 
-@contextmanager
-def forced_path(path: str | None):
-    """Selects the token path through the rule's row threshold (chunks smaller than the loss
-    rows: 1 -> single pass, huge -> tiled) and yields the list of paths that ran."""
-    ran: list[str] = []
-    classes = {"single": fused_mod._SinglePassTokenGRPO, "tiled": fused_mod._TiledTokenGRPO}
-    saved = single_mod.SINGLE_PASS_MIN_ROWS, {k: c.forward for k, c in classes.items()}
-    for name, cls in classes.items():
-
-        def spy(ctx, *args, _name=name, _orig=saved[1][name]):
-            ran.append(_name)
-            return _orig(ctx, *args)
-
-        cls.forward = staticmethod(spy)
-    if path is not None:
-        single_mod.SINGLE_PASS_MIN_ROWS = 1 if path == "single" else 10**9
-    try:
-        yield ran
-    finally:
-        single_mod.SINGLE_PASS_MIN_ROWS = saved[0]
-        for name, cls in classes.items():
-            cls.forward = staticmethod(saved[1][name])
+def ran_path(loss: torch.Tensor) -> str:
+    """Which path built ``loss``: "single", "tiled" (the fused autograd Functions) or "op"."""
+    name = type(loss.grad_fn).__name__
+    return {"_SinglePassTokenGRPOBackward": "single", "_TiledTokenGRPOBackward": "tiled"}.get(
+        name, "op"
+    )
 
 
 def loss_batch(hidden, weight_full, temperature, vocab=VOCAB):
@@ -101,15 +90,16 @@ def _leaf(x, main_grad: torch.dtype | None):
     return x
 
 
-def run_both(cfg, h, w, targets, batch, *, scale=1.0, main_grad=None, **op):
-    """(loss, metrics, logp, ent, d_hidden, d_weight) of the fused path and of the reference;
-    d_weight = main_grad - 0.5 with an initial ``main_grad`` of 0.5 (dtype ``main_grad``)."""
+def run_both(cfg, h, w, targets, batch, *, scale=1.0, main_grad=None, path=None, **op):
+    """(loss, metrics, logp, ent, d_hidden, d_weight, path that ran) of the fused path (``path``:
+    "single", "tiled" or None = the plan's choice) and of the reference ("ref"); d_weight =
+    main_grad - 0.5 with an initial ``main_grad`` of 0.5 (dtype ``main_grad``)."""
     results = []
     for fused in (True, False):
         hh, ww = h.detach().clone().requires_grad_(), _leaf(w, main_grad)
         if fused:
             loss, met, lp, ent = fused_grpo_loss(hh, ww, targets, cfg, return_entropy=True,
-                                                 **batch, **op)  # fmt: skip
+                                                 path=FUSED[path], **batch, **op)  # fmt: skip
         else:
             lp, ent = vocab_parallel_logprobs(hh, ww, targets, rows=batch["loss_mask"],
                                               return_entropy=True, **op)  # fmt: skip
@@ -118,8 +108,9 @@ def run_both(cfg, h, w, targets, batch, *, scale=1.0, main_grad=None, **op):
         dw = ww.grad if main_grad is None else ww.main_grad.float() - 0.5
         if main_grad is not None:
             assert ww.grad_added_to_main_grad
+        ran = ran_path(loss) if fused else "ref"
         results.append((loss.detach(), metric_values(met), lp.detach(), ent.detach(), hh.grad,
-                        dw))  # fmt: skip
+                        dw, ran))  # fmt: skip
     return results
 
 
@@ -159,9 +150,8 @@ def test_fused_matches_grpo_loss_tp1(name, path, dtype):
     weight[VOCAB:] = 50.0
     targets, batch = loss_batch(hidden, weight, 0.8)
     op = dict(temperature=0.8, vocab_size=VOCAB, chunk_size=7, impl="torch")
-    with forced_path(path) as ran:
-        fused, ref = run_both(cfg, hidden, weight, targets, batch, scale=2.5, **op)
-    assert ran == ([path] if path else [])
+    fused, ref = run_both(cfg, hidden, weight, targets, batch, scale=2.5, path=path, **op)
+    assert fused[6] == (path or "op")
     if dtype == torch.float32:
         assert_same(fused, ref)
         assert fused[1]["loss/pg_clipfrac_high"] + fused[1]["loss/pg_clipfrac_low"] > 0
@@ -185,9 +175,8 @@ def test_fused_main_grad(path, w_dtype, mg_dtype, scale):
     hidden, weight, _ = make_inputs(T, H, V, dtype=w_dtype)
     targets, batch = loss_batch(hidden, weight, 1.0)
     op = dict(vocab_size=VOCAB, chunk_size=5, impl="torch", main_grad=mg_dtype)
-    with forced_path(path) as ran:
-        fused, ref = run_both(cfg, hidden, weight, targets, batch, scale=scale, **op)
-    assert ran == [path]
+    fused, ref = run_both(cfg, hidden, weight, targets, batch, scale=scale, path=path, **op)
+    assert fused[6] == path
     if w_dtype == torch.float32:
         assert_same(fused, ref)
     else:  # a bf16 main_grad holds 0.5 + d_weight in steps of 2^-8
@@ -214,10 +203,10 @@ def test_fused_gemm_schedule(monkeypatch, path, with_main_grad):
     for scale in (1.0, 2.0):
         seen.clear()
         w = _leaf(weight, torch.float32 if with_main_grad else None)
-        with forced_path(path):
-            loss, _, _ = fused_grpo_loss(hidden, w, targets, GRPOLossConfig(), chunk_size=8,
-                                         vocab_size=VOCAB, impl="torch", **batch)  # fmt: skip
-        assert seen == one_pass
+        loss, _, _ = fused_grpo_loss(hidden, w, targets, GRPOLossConfig(), chunk_size=8,
+                                     vocab_size=VOCAB, impl="torch", path=FUSED[path],
+                                     **batch)  # fmt: skip
+        assert ran_path(loss) == path and seen == one_pass
         (scale * loss).backward()
         recompute = path == "tiled" or (with_main_grad and scale != 1.0)
         assert seen == one_pass * (2 if recompute else 1)
@@ -231,53 +220,65 @@ def test_single_pass_second_backward_and_no_grad():
     targets, batch = loss_batch(hidden, weight, 1.0)
     op = dict(vocab_size=VOCAB, chunk_size=6, impl="torch")
     expected = run_both(cfg, hidden, weight, targets, batch, scale=3.0, **op)[1]
+    op["path"] = "fused_single_pass"
     for main_grad in (None, torch.float32):
         h, w = hidden.clone().requires_grad_(), _leaf(weight, main_grad)
-        with forced_path("single") as ran:
-            loss, _, _ = fused_grpo_loss(h, w, targets, cfg, **batch, **op)
+        loss, _, _ = fused_grpo_loss(h, w, targets, cfg, **batch, **op)
         (2.0 * loss).backward(retain_graph=True)
         loss.backward()
-        assert ran == ["single"]
+        assert ran_path(loss) == "single"
         close(h.grad, expected[4], rtol=1e-4, atol=1e-6)
         close(w.grad if main_grad is None else w.main_grad - 0.5, expected[5], 1e-4, 1e-6)
-    with torch.no_grad(), forced_path("single") as ran:
+    with torch.no_grad():
         loss, _, lp = fused_grpo_loss(hidden, weight, targets, cfg, **batch, **op)
-    assert ran == ["tiled"]
+        plan = fused_grpo_loss_plan(hidden, weight, targets, cfg, **batch, **op)
+    assert plan.path == "fused_tiled" and "no gradient" in plan.reason
     close(loss, expected[0], rtol=1e-5, atol=1e-7)
     close(lp, expected[2])
+
+
+def rule(n_rows, v_local, hidden, chunk_size=None, extra_accumulator=False, **kw) -> int | None:
+    """Rows per single-pass chunk the plan picks for a bf16 shard with an fp32 main_grad (or,
+    ``extra_accumulator``, without one: d_weight needs an fp32 buffer), None = tiled path."""
+    shape = HeadShape(n_rows, v_local, v_local, hidden, torch.bfloat16,
+                      None if extra_accumulator else torch.float32, "cuda")  # fmt: skip
+    plan = plan_lm_head(shape, loss=GRPOLossConfig(), impl="torch", chunk_size=chunk_size, **kw)
+    assert (plan.path == "fused_single_pass") == (plan.chunk_rows is not None)
+    return plan.chunk_rows
 
 
 def test_single_pass_default_threshold_follows_the_measurements():
     """The measured H200 cases (V = 151936, H = 4096, TP = 1 and TP = 4 with an fp32 main_grad)
     were faster on the tiled path: the default rule must pick it there."""
     for tp in (1, 4):
-        assert single_pass_rows(8192, 151936 // tp, 4096, None, extra_accumulator=False) is None
-    assert single_pass_rows(8192, 16384, 4096, None, extra_accumulator=False) == 4096
+        assert rule(8192, 151936 // tp, 4096) is None
+    assert rule(8192, 16384, 4096) == 4096 == SINGLE_PASS_MIN_ROWS
 
 
-def test_single_pass_rule(monkeypatch):
+def test_single_pass_rule():
     """The documented rule at V = 151936, H = 4096 (an fp32 main_grad, or an extra fp32
     d_weight buffer of at most one tile); explicit chunk_size; the threshold; small batches."""
-    monkeypatch.setattr(single_mod, "SINGLE_PASS_MIN_ROWS", 1024)
+    low = dict(single_pass_min_rows=1024)
     tile_rows = {1: 384, 2: 832, 4: 1728, 8: 3520}  # full-width 256 MiB rows, 64-aligned
     for tp, rows in tile_rows.items():
         v_local = 151936 // tp
         assert rows * v_local * 4 <= tiling_mod.TILE_BYTES < (rows + 64) * v_local * 4
-        with_mg = single_pass_rows(8192, v_local, 4096, None, extra_accumulator=False)
-        assert with_mg == (rows if rows >= single_mod.SINGLE_PASS_MIN_ROWS else None)
-        assert single_pass_rows(8192, v_local, 4096, None, extra_accumulator=True) is None
-        assert single_pass_rows(300, v_local, 4096, None, False) == (300 if rows >= 300 else None)
-    assert single_pass_rows(8192, 151936 // 8, 2048, None, extra_accumulator=True) == 3520
-    assert single_pass_rows(8192, 18992, 4096, 2048, False) == 2048
-    assert single_pass_rows(8192, 18992, 4096, 1000, False) is None  # below the threshold
-    assert single_pass_rows(8192, 18992, 4096, 4096, False) is None  # does not fit a tile
-    assert single_pass_rows(0, 18992, 4096, None, False) is None
+        assert rule(8192, v_local, 4096, **low) == (rows if rows >= 1024 else None)
+        assert rule(8192, v_local, 4096, extra_accumulator=True, **low) is None
+        assert rule(300, v_local, 4096, **low) == (300 if rows >= 300 else None)
+    assert rule(8192, 151936 // 8, 2048, extra_accumulator=True, **low) == 3520
+    assert rule(8192, 18992, 4096, 2048, **low) == 2048
+    assert rule(8192, 18992, 4096, 1000, **low) is None  # below the threshold
+    assert rule(8192, 18992, 4096, 4096, **low) is None  # does not fit a tile
+    assert rule(0, 18992, 4096, **low) is None
     w = torch.zeros(2, 2, dtype=torch.bfloat16)
-    assert needs_accumulator(w) and not needs_accumulator(w.float())
+    modes = [weight_grad_mode(HeadShape.of(x, rows=1, want_dw=True)) for x in (w, w.float())]
+    assert modes == ["write_tiles", "accumulate_fp32"]
     w.main_grad = torch.zeros(2, 2)
-    assert not needs_accumulator(w)
+    assert weight_grad_mode(HeadShape.of(w, rows=1, want_dw=True)) == "accumulate_fp32"
     w.main_grad = torch.zeros(2, 2, dtype=torch.bfloat16)
-    assert needs_accumulator(w)
+    assert weight_grad_mode(HeadShape.of(w, rows=1, want_dw=True)) == "add_tiles"
+    assert weight_grad_mode(HeadShape.of(w, rows=1)) == "none"  # no requires_grad
 
 
 @pytest.mark.parametrize(
@@ -286,38 +287,36 @@ def test_single_pass_rule(monkeypatch):
      (torch.bfloat16, torch.float32, True, "single"), (torch.float32, None, True, "single"),
      (torch.bfloat16, None, False, "single")],
 )  # fmt: skip
-def test_rule_picks_path_from_gradient_buffers(monkeypatch, w_dtype, mg_dtype, weight_grad,
-                                               expected):  # fmt: skip
+def test_rule_picks_path_from_gradient_buffers(w_dtype, mg_dtype, weight_grad, expected):
     """Default threshold and chunking, a budget of one full-width chunk of all loss rows: the
     single pass runs unless d_weight needs an fp32 buffer (bf16 gradient, no fp32 main_grad)
     larger than a tile; a frozen weight needs none."""
     wide = 3 * H  # 4 * V * wide > 4 * V * N_ROWS: the buffer exceeds the tile
-    monkeypatch.setattr(tiling_mod, "TILE_BYTES", 4 * V * N_ROWS)
     hidden, weight, _ = make_inputs(T, wide, V, dtype=w_dtype)
     targets, batch = loss_batch(hidden, weight, 1.0)
     w = _leaf(weight, mg_dtype).requires_grad_(weight_grad)
-    with forced_path(None) as ran:
-        loss, _, _ = fused_grpo_loss(hidden.requires_grad_(), w, targets, GRPOLossConfig(),
-                                     vocab_size=VOCAB, impl="torch", **batch)  # fmt: skip
+    loss, _, _ = fused_grpo_loss(hidden.requires_grad_(), w, targets, GRPOLossConfig(),
+                                 vocab_size=VOCAB, impl="torch",
+                                 memory_budget=TILE_FRACTION * 4 * V * N_ROWS, **batch)  # fmt: skip
     loss.backward()
-    assert ran == [expected]
+    assert ran_path(loss) == expected
 
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("main_grad", [False, True])
-def test_fused_2d_tiles(monkeypatch, path, main_grad):
-    """A small tile budget: vocab tiles that do not divide the vocabulary on the tiled path,
+def test_fused_2d_tiles(path, main_grad):
+    """A small memory budget: vocab tiles that do not divide the vocabulary on the tiled path,
     5-row full-width chunks on the single pass (within a budget that also admits the extra fp32
     d_weight buffer of a bf16 grad); bf16, d_weight into a bf16 grad or main_grad."""
-    monkeypatch.setattr(tiling_mod, "TILE_BYTES", 4 * 5 * 11 if path == "tiled" else 4 * V * H)
+    tile = 4 * 5 * 11 if path == "tiled" else 4 * V * H
     cfg = GRPOLossConfig(**CONFIGS["token_full"])
     hidden, weight, _ = make_inputs(T, H, V, dtype=torch.bfloat16)
     targets, batch = loss_batch(hidden, weight, 0.8)
-    op = dict(temperature=0.8, vocab_size=VOCAB, chunk_size=5, impl="torch")
-    with forced_path(path) as ran:
-        fused, ref = run_both(cfg, hidden, weight, targets, batch, scale=2.0,
-                              main_grad=torch.float32 if main_grad else None, **op)  # fmt: skip
-    assert ran == [path]
+    op = dict(temperature=0.8, vocab_size=VOCAB, chunk_size=5, impl="torch",
+              memory_budget=TILE_FRACTION * tile)  # fmt: skip
+    fused, ref = run_both(cfg, hidden, weight, targets, batch, scale=2.0, path=path,
+                          main_grad=torch.float32 if main_grad else None, **op)  # fmt: skip
+    assert fused[6] == path
     if path == "tiled":  # the same passes: equal up to fp32 reassociation
         for i in (0, 2, 4, 5):
             a, b = fused[i].float(), ref[i].float()
@@ -366,29 +365,29 @@ def _gpu_run(path, cfg, hidden, weight, targets, batch):
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    with forced_path(path) as ran:
-        loss, _, _ = fused_grpo_loss(h, w, targets, cfg, **batch)
+    loss, _, _ = fused_grpo_loss(h, w, targets, cfg, path=FUSED[path], **batch)
     loss.backward()
     torch.cuda.synchronize()
-    assert ran == [path]
+    assert ran_path(loss) == path
     return loss.detach(), h.grad, w.main_grad, torch.cuda.max_memory_allocated() - base
 
 
 @pytest.mark.gpu
-def test_gpu_single_pass_accuracy_and_memory(monkeypatch):
+def test_gpu_single_pass_accuracy_and_memory():
     """The TP = 8 shard of a 151936 vocabulary (V_local = 18992), bf16, an fp32 main_grad: with
     the threshold at 1024 rows (the default 4096 sends this shard to the tiled path) the rule
-    picks 3520-row single-pass chunks; their gradient error against an fp64 reference is within
-    the tiled path's, and the memory beyond the gradients is one full-width tile plus the fp32
-    d_hidden."""
-    monkeypatch.setattr(single_mod, "SINGLE_PASS_MIN_ROWS", 1024)
+    picks 3520-row single-pass chunks (as path="fused_single_pass" does); their gradient error
+    against an fp64 reference is within the tiled path's, and the memory beyond the gradients is
+    one full-width tile plus the fp32 d_hidden."""
     t, h, v, seq, prompt = 4096, 1024, 18992, 512, 64
     cfg = GRPOLossConfig(**CONFIGS["token_full"])
     hidden, weight, targets, batch = _gpu_problem(t, h, v, seq, prompt)
     n_rows = int(batch["loss_mask"].sum())
-    w_mg = weight.clone()
+    w_mg = weight.clone().requires_grad_()
     w_mg.main_grad = torch.zeros(1, device=weight.device).expand(v, h)  # dtype only
-    assert fused_mod.token_pass_rows(w_mg, n_rows, None) == 3520 < n_rows
+    shape = HeadShape.of(w_mg, rows=n_rows)
+    for kw in (dict(single_pass_min_rows=1024), dict(path="fused_single_pass")):
+        assert plan_lm_head(shape, loss=cfg, **kw).chunk_rows == 3520 < n_rows
     single = _gpu_run("single", cfg, hidden, weight, targets, batch)
     tiled = _gpu_run("tiled", cfg, hidden, weight, targets, batch)
     bound = t * h * 2 + 3520 * v * 4 + t * h * 4 + 3520 * h * 6 + 64 * t * 4 + 2**24
@@ -429,9 +428,8 @@ def _tp2_case(rank, world, group, name, path, vocab, main_grad):
         h_loc = hidden[rank * t_local : (rank + 1) * t_local] if sp else hidden
         op = dict(tp_group=group, sequence_parallel=sp, temperature=0.9, vocab_size=vocab,
                   chunk_size=6, impl="torch", main_grad=main_grad)  # fmt: skip
-        with forced_path(path) as ran:
-            fused, ref = run_both(cfg, h_loc, w_loc, targets, batch, scale=2.0, **op)
-        assert ran == ([path] if path else [])
+        fused, ref = run_both(cfg, h_loc, w_loc, targets, batch, scale=2.0, path=path, **op)
+        assert fused[6] == (path or "op")
         assert_same(fused, ref)
         # ... and both equal the TP=1 result (on this rank's slices).
         assert_same(fused, single, grads=False)

@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from megatron_grpo.ops import tiling as tiling_mod
 from megatron_grpo.ops import vocab_parallel_logprobs
 from megatron_grpo.ops.lm_head import LMHead
+from megatron_grpo.ops.plan import TILE_FRACTION
 from megatron_grpo.ops.reference import logits_grad, logits_row_stats
 from megatron_grpo.ops.tiling import TILE_BYTES, Tiling
 
@@ -311,8 +311,8 @@ def test_2d_tiles_match_float64(
 ):
     """Vocab tiles that do not divide the vocabulary (nor the rows the chunk): values and both
     gradients against float64, padded rows never computed, and the backward loop order that
-    keeps the fp32 accumulators small (rows outer iff d_weight accumulates in place in fp32)."""
-    monkeypatch.setattr(tiling_mod, "TILE_BYTES", elems * 4)
+    keeps the fp32 accumulators small (rows outer iff d_weight accumulates in place in fp32).
+    The tile of ``elems`` fp32 values is the memory budget's share (``memory_budget``)."""
     seen = _spy_tiles(monkeypatch)
     hidden, weight, targets = make_inputs(t, 16, v, dtype=dtype, scale=4.0)
     weight[vocab_size:] = 50.0
@@ -325,7 +325,7 @@ def test_2d_tiles_match_float64(
         w.main_grad = torch.full(w.shape, 0.25, dtype=mg)
     out = vocab_parallel_logprobs(h, w, targets, temperature=0.9, vocab_size=vocab_size,
                                   return_entropy=entropy, chunk_size=chunk, impl="torch",
-                                  rows=rows)  # fmt: skip
+                                  rows=rows, memory_budget=TILE_FRACTION * 4 * elems)  # fmt: skip
     lp, ent = out if entropy else (out, torch.zeros_like(out))
     n_fwd = len(seen)
     (lp.double() * g_lp.double() + ent.double() * g_ent.double()).sum().backward()

@@ -8,13 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.ops import tiling as tiling_mod
 from megatron_grpo.ops import vocab_parallel_logprobs
+from megatron_grpo.ops.plan import TILE_FRACTION
 from tests.dist_utils import run_distributed
 from tests.test_logprobs import close, make_inputs, ref_logprobs, rel_err, upstream
 
 T, H = 24, 16
-DEFAULT_TILE_BYTES = tiling_mod.TILE_BYTES
 
 # (sequence_parallel, vocab_size, temperature, chunk_size, masked, dtype)
 CASES = [
@@ -45,12 +44,13 @@ def _shard_inputs(case, tp: int, rank: int):
 def _run_ours(case, group, h_loc, w_loc, targets, rows, g_lp, g_ent):
     sp, vocab, temperature, chunk, _, _ = case
     # With a chunk: 2D tiles of 6 vocab columns (not dividing the shards); else the default.
-    tiling_mod.TILE_BYTES = 4 * chunk * 6 if chunk else DEFAULT_TILE_BYTES
+    budget = TILE_FRACTION * 4 * chunk * 6 if chunk else None
     h = h_loc.requires_grad_()
     w = w_loc.requires_grad_()
     lp, ent = vocab_parallel_logprobs(
         h, w, targets, tp_group=group, sequence_parallel=sp, temperature=temperature,
         vocab_size=vocab, return_entropy=True, chunk_size=chunk, impl="torch", rows=rows,
+        memory_budget=budget,
     )  # fmt: skip
     (lp * g_lp + ent * g_ent).sum().backward()
     return lp.detach(), ent.detach(), h.grad, w.grad

@@ -18,14 +18,15 @@ from megatron_grpo.loss import GRPOLossConfig, grpo_loss, reduce_metrics
 from megatron_grpo.ops import fused_grpo_loss, vocab_parallel_logprobs
 from megatron_grpo.train.config import load_train_config
 from tests.test_fused_grpo import (
+    FUSED,
     PATHS,
     VOCAB,
     H,
     T,
     V,
     assert_same,
-    forced_path,
     loss_batch,
+    ran_path,
     run_both,
 )
 from tests.test_logprobs import close, make_inputs
@@ -156,9 +157,9 @@ def fused_closed_form_case(estimator: str, conv: str, path: str | None, impl: st
     noise = torch.randn(T, generator=torch.Generator().manual_seed(11))
     batch["ref_logprobs"] = batch["ref_logprobs"] + 0.4 * noise  # some |x| beyond each clamp
     hh, ww = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    with forced_path(path):
-        loss, _, lp = fused_grpo_loss(hh, ww, targets, cfg, temperature=0.8, vocab_size=VOCAB,
-                                      chunk_size=7, impl=impl, **batch)  # fmt: skip
+    loss, _, lp = fused_grpo_loss(hh, ww, targets, cfg, temperature=0.8, vocab_size=VOCAB,
+                                  chunk_size=7, impl=impl, path=FUSED[path], **batch)  # fmt: skip
+    assert ran_path(loss) == (path or "op")
     loss.backward()
     dh, dw = _fused_kl_expected(cfg, hidden, weight, targets, batch, 0.8)
     close(hh.grad, dh, rtol=1e-4, atol=1e-6)
@@ -203,9 +204,8 @@ def test_fused_matches_grpo_loss_with_both_options(path):
     hidden, weight, _ = make_inputs(T, H, V)
     targets, batch = loss_batch(hidden, weight, 0.8)
     op = dict(temperature=0.8, vocab_size=VOCAB, chunk_size=7, impl="torch")
-    with forced_path(path) as ran:
-        fused, ref = run_both(cfg, hidden, weight, targets, batch, scale=2.5, **op)
-    assert ran == [path] and 0 < fused[1]["is/frac_masked"] < 1
+    fused, ref = run_both(cfg, hidden, weight, targets, batch, scale=2.5, path=path, **op)
+    assert fused[6] == path and 0 < fused[1]["is/frac_masked"] < 1
     assert_same(fused, ref)
 
 

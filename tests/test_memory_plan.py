@@ -28,8 +28,7 @@ from megatron_grpo.megatron.memory_plan import (
     stage_params,
 )
 from megatron_grpo.ops import fused_grpo_loss
-from megatron_grpo.ops import tiling as tiling_mod
-from megatron_grpo.ops.single_pass import single_pass_rows
+from megatron_grpo.ops.plan import TILE_FRACTION, HeadShape, plan_lm_head
 from megatron_grpo.ops.tiling import TILE_BYTES, Tiling
 from tests.dist_utils import run_distributed
 from tests.megatron_utils import build_layout, tiny_model
@@ -173,10 +172,10 @@ H200_OVER_GRADS_GIB = {(8192, 4): 0.38, (8192, None): 0.38, (32768, None): 0.88}
 H200_FUSED_OVER_GRADS_GIB = {(8192, None): 0.38}
 
 
-def _ws(path, tokens, v_local=151936, hidden=4096, tp=1, sp=False, main_grad_bytes=4):
+def _ws(path, tokens, v_local=151936, hidden=4096, tp=1, sp=False, main_grad_bytes=4, **kw):
     return loss_working_set(
         path, tokens=tokens, hidden=hidden, v_local=v_local, param_bytes=2, sp=sp, tp=tp,
-        main_grad_bytes=main_grad_bytes,
+        main_grad_bytes=main_grad_bytes, **kw,
     )  # fmt: skip
 
 
@@ -210,7 +209,7 @@ def test_op_working_set_follows_the_tiling(tokens, v_local):
 
 
 def test_fused_working_set_follows_the_single_pass_rule():
-    """The fused path's buffers are the single pass's exactly where single_pass_rows picks it
+    """The fused path's buffers are the single pass's exactly where the plan picks it
     (full-width fp32 chunk, fp32 [T, H] and [C, H] d_hidden, an fp32 [V_local, H] d_weight when
     there is no fp32 main_grad), else the op's tiled passes."""
     h, seen = 4096, set()
@@ -219,7 +218,9 @@ def test_fused_working_set_follows_the_single_pass_rule():
             for main_grad in (4, None):
                 fused = _ws("fused", tokens, v_local, h, main_grad_bytes=main_grad)
                 op = _ws("op", tokens, v_local, h, main_grad_bytes=main_grad)
-                rows = single_pass_rows(tokens, v_local, h, None, main_grad != 4)
+                mg = torch.float32 if main_grad == 4 else None
+                shape = HeadShape(tokens, v_local, v_local, h, torch.bfloat16, mg, "cuda")
+                rows = plan_lm_head(shape, loss=GRPOLossConfig(), impl="torch").chunk_rows
                 seen.add(rows is None)
                 if rows is None:
                     assert fused == replace(op, path="fused")
@@ -231,7 +232,7 @@ def test_fused_working_set_follows_the_single_pass_rule():
     assert seen == {True, False}  # both paths occur on this grid
 
 
-def test_plan_predicts_the_path_fused_grpo_loss_takes(monkeypatch):
+def test_plan_predicts_the_path_fused_grpo_loss_takes():
     """At a tiny CPU shape, with the tile budget set so that each rule branch occurs, the path
     the plan models is the one fused_grpo_loss runs (its autograd Function)."""
     t, h, v = 16, 64, 32
@@ -241,8 +242,8 @@ def test_plan_predicts_the_path_fused_grpo_loss_takes(monkeypatch):
         (None, 4 * v * h): "Single",
         (4, 4 * v * t // 2): "Tiled",  # a full-width chunk of all rows does not fit
     }
-    for (main_grad, budget), want in cases.items():
-        monkeypatch.setattr(tiling_mod, "TILE_BYTES", budget)
+    for (main_grad, tile), want in cases.items():
+        budget = TILE_FRACTION * tile
         weight = (0.1 * torch.randn(v, h)).bfloat16().requires_grad_()
         if main_grad:
             weight.main_grad = torch.zeros(v, h)
@@ -251,11 +252,12 @@ def test_plan_predicts_the_path_fused_grpo_loss_takes(monkeypatch):
             hidden, weight, torch.randint(0, v, (t,)), GRPOLossConfig(),
             old_logprobs=torch.full((t,), -3.0), advantages=torch.ones(t),
             loss_mask=torch.ones(t, dtype=torch.bool), cu_seqlens=torch.tensor([0, t]),
-            impl="torch",
+            impl="torch", memory_budget=budget,
         )  # fmt: skip
         assert type(loss.grad_fn).__name__.startswith(f"_{want}")
-        fused = _ws("fused", t, v, h, main_grad_bytes=main_grad)
-        tiled = replace(_ws("op", t, v, h, main_grad_bytes=main_grad), path="fused")
+        fused = _ws("fused", t, v, h, main_grad_bytes=main_grad, memory_budget=budget)
+        op = _ws("op", t, v, h, main_grad_bytes=main_grad, memory_budget=budget)
+        tiled = replace(op, path="fused")
         assert (fused != tiled) == (want == "Single"), (main_grad, budget, fused)
 
 

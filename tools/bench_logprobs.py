@@ -22,11 +22,12 @@ allocated before the step, as Megatron's DDP grad buffer (d weight lands there, 
 the counted gradient is then ``h.grad`` only, main_grad being part of the baseline; only our
 methods support it (the peers are skipped).
 
-fused_grpo picks its token-ratio path by the rule in ``megatron_grpo/ops/fused_grpo.py``
-(single pass when a full-width chunk of >= SINGLE_PASS_MIN_ROWS rows fits the tile budget and
-d_weight has an fp32 buffer: at V = 151936 from TP = 4 with ``--main-grad``); the path it took
-is printed ("single C=<rows>" / "tiled"). ``--single-pass-min-rows`` overrides the threshold to
-measure both paths at one size (e.g. 0 forces the single pass wherever the chunk fits).
+Each of our methods prints the LM-head plan it ran with (``megatron_grpo/ops/plan.py``: path,
+kernels, tiles or single-pass chunks, backward loop order, d_weight mode, memory budget; a short
+label in the tables). fused_grpo's token-ratio path is the plan's choice (single pass when a
+full-width chunk of >= 4096 rows fits the tile and d_weight has an fp32 buffer); ``--fused-path``
+names one (``fused_single_pass`` / ``fused_tiled``) to measure both at one size, and
+``--memory-budget-gib`` sets the plan's memory budget (default 1 GiB: 256 MiB tiles).
 
 This file is the harness (CLI, problems, the fp32 reference, measurement, reports); the methods,
 the GEMM floor and the GEMM options are in ``tools/bench_methods.py``.
@@ -59,16 +60,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--tiny",
         action="store_true",
-        help="T=96 160, H=64, V=1000, vocab 997 (single-pass threshold 32: several chunks)",
+        help="T=96 160, H=64, V=1000, vocab 997 (fused: the single pass in 64-row chunks)",
     )
     ap.add_argument("--tp", action="store_true", help="tensor-parallel mode (under torchrun)")
     ap.add_argument("--methods", nargs="+", default=None, help="subset of the methods")
     ap.add_argument("--chunk-size", type=int, default=None, help="rows per chunk of our op")
     ap.add_argument(
-        "--single-pass-min-rows",
-        type=int,
+        "--fused-path",
+        choices=["fused_single_pass", "fused_tiled", "op"],
         default=None,
-        help="override ops.single_pass.SINGLE_PASS_MIN_ROWS (fused_grpo's path rule)",
+        help="fused_grpo_loss's path= (default: the plan's choice)",
+    )
+    ap.add_argument(
+        "--memory-budget-gib",
+        type=float,
+        default=None,
+        help="the LM-head plan's memory budget in GiB (default 1: 256 MiB logits tiles)",
     )
     ap.add_argument("--gemm-rows", type=int, nargs="+", default=[512, 1024, 4096])
     ap.add_argument("--reps", type=int, default=5)
@@ -85,10 +92,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.T, a.H, a.V = a.T or [96, 160], 64, 1000
         a.vocab_size = a.vocab_size or 997
         a.chunk_size, a.gemm_rows, a.seq_len, a.reps, a.warmup = a.chunk_size or 64, [32], 32, 2, 1
-        if a.single_pass_min_rows is None:
-            a.single_pass_min_rows = 32
+        a.fused_path = a.fused_path or "fused_single_pass"
     a.T = a.T or [8192, 32768]
     a.vocab_size = a.vocab_size or a.V
+    gib = a.memory_budget_gib
+    a.memory_budget = None if gib is None else int(gib * 2**30)
     return a
 
 
@@ -106,16 +114,17 @@ from bench_methods import (  # noqa: E402
     clear_grads,
     floor_ms,
     fp32_highest,
-    fused_path,
     gemm_options,
     median_ms,
+    method_plan,
+    plan_label,
     rel_err,
     sync,
     weight_grad,
 )
 
 from megatron_grpo.loss import GRPOLossConfig, grpo_loss  # noqa: E402
-from megatron_grpo.ops import single_pass, vocab_parallel_logprobs  # noqa: E402
+from megatron_grpo.ops import vocab_parallel_logprobs  # noqa: E402
 
 # ----------------------------------------------------------------------------- objectives
 
@@ -175,8 +184,9 @@ def run_method(name: str, p: Problem, ref: dict | None, args, dev, keep: bool = 
     step = METHODS[name][0]
     res: dict = {}
     try:
-        if name.startswith("fused_grpo"):
-            res["path"] = fused_path(p)
+        plan = method_plan(name, p)
+        if plan is not None:
+            res["path"], res["plan"] = plan_label(plan), str(plan)
         clear_grads(p)
         logp, ent, value = step(p)  # also the warm-up / compile run
         sync(dev)
@@ -226,7 +236,8 @@ def make_problem(T: int, args, dev: torch.device, seed: int = 0) -> Problem:
     if getattr(args, "main_grad", False):
         w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=dev)
     return Problem(h, w, targets, randn(T), randn(T, scale=0.1), args.vocab_size,
-                   chunk_size=args.chunk_size)  # fmt: skip
+                   chunk_size=args.chunk_size, memory_budget=args.memory_budget,
+                   fused_path=args.fused_path)  # fmt: skip
 
 
 def make_grpo(logp: torch.Tensor, seq_len: int, seed: int = 1) -> dict:
@@ -315,6 +326,8 @@ def _print_row(T, name: str, r: dict, floor: dict | None) -> None:
         + (f"  [{r['path']}]" if "path" in r else ""),
         flush=True,
     )
+    if "plan" in r:
+        print(f"{'':<28}plan: {r['plan']}", flush=True)
 
 
 def _print_summary(results: dict, main_grad: bool) -> None:
@@ -344,7 +357,8 @@ def _tp_pair(name: str, full: Problem, shard, group, args, dev) -> tuple[dict, d
     sp = name.endswith("_sp")
     h = full.h.detach().chunk(world)[rank] if sp else full.h.detach()
     tp = Problem(h.clone().requires_grad_(), shard, full.targets, full.coef, full.ent_coef,
-                 full.vocab_size, full.grpo, group, sp, full.chunk_size)  # fmt: skip
+                 full.vocab_size, full.grpo, group, sp, full.chunk_size, full.memory_budget,
+                 full.fused_path)  # fmt: skip
     r1 = run_method(name, full, None, args, dev, keep=True)
     rn = run_method(name, tp, None, args, dev, keep=True)
     if "_out" in r1 and "_out" in rn:
@@ -367,8 +381,9 @@ def run_tp(args, dev, methods: list[str]) -> list[dict]:
         full = make_problem(T, args, dev)
         with torch.no_grad():
             logp0 = vocab_parallel_logprobs(
-                full.h, full.w, full.targets, vocab_size=args.vocab_size, chunk_size=args.chunk_size
-            )
+                full.h, full.w, full.targets, vocab_size=args.vocab_size,
+                chunk_size=args.chunk_size, memory_budget=args.memory_budget,
+            )  # fmt: skip
         full.grpo = make_grpo(logp0, args.seq_len)
         shard = full.w.detach().chunk(world)[rank].clone().requires_grad_()
         if args.main_grad:
@@ -448,8 +463,6 @@ def main() -> int:
     unknown = set(methods) - set(METHODS) - {"floor", "gemm_options"}
     if unknown:
         raise SystemExit(f"unknown --methods {sorted(unknown)}; known: {sorted(METHODS)}")
-    if args.single_pass_min_rows is not None:
-        single_pass.SINGLE_PASS_MIN_ROWS = args.single_pass_min_rows
     if args.main_grad:
         peers = [m for m in methods if m in PEERS]
         if peers:

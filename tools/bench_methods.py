@@ -17,8 +17,13 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_grpo.loss import GRPOLossConfig, grpo_loss
-from megatron_grpo.ops import fused_grpo_loss, vocab_parallel_logprobs
-from megatron_grpo.ops.fused_grpo import token_pass_rows
+from megatron_grpo.ops import (
+    LMHeadPlan,
+    fused_grpo_loss,
+    fused_grpo_loss_plan,
+    logprobs_plan,
+    vocab_parallel_logprobs,
+)
 
 
 @dataclass
@@ -35,6 +40,13 @@ class Problem:
     group: object = None  # TP group (None = no TP)
     sp: bool = False
     chunk_size: int | None = None
+    memory_budget: int | None = None  # bytes of the LM head's working set (ops.plan)
+    fused_path: str | None = None  # fused_grpo_loss's path= (None: the plan's choice)
+
+    def op_args(self) -> dict:
+        """The LM-head arguments every one of our methods passes."""
+        return dict(tp_group=self.group, sequence_parallel=self.sp, vocab_size=self.vocab_size,
+                    chunk_size=self.chunk_size, memory_budget=self.memory_budget)  # fmt: skip
 
 
 def sync(dev: torch.device) -> None:
@@ -82,9 +94,8 @@ def fp32_highest():
 def _ours(impl: str, entropy: bool):
     def step(p: Problem):
         out = vocab_parallel_logprobs(
-            p.h, p.w, p.targets, tp_group=p.group, sequence_parallel=p.sp,
-            vocab_size=p.vocab_size, return_entropy=entropy, chunk_size=p.chunk_size, impl=impl,
-        )  # fmt: skip
+            p.h, p.w, p.targets, return_entropy=entropy, impl=impl, **p.op_args()
+        )
         logp, ent = out if entropy else (out, None)
         obj = (p.coef * logp).sum() + ((p.ent_coef * ent).sum() if entropy else 0.0)
         obj.backward()
@@ -95,24 +106,37 @@ def _ours(impl: str, entropy: bool):
 
 def _fused_grpo(p: Problem):
     loss, _, logp = fused_grpo_loss(
-        p.h, p.w, p.targets, GRPOLossConfig(), **p.grpo, tp_group=p.group,
-        sequence_parallel=p.sp, vocab_size=p.vocab_size, chunk_size=p.chunk_size, impl="auto",
+        p.h, p.w, p.targets, GRPOLossConfig(), **p.grpo, impl="auto", path=p.fused_path,
+        **p.op_args(),
     )  # fmt: skip
     loss.backward()
     return logp.detach(), None, loss.detach()
 
 
-def fused_path(p: Problem) -> str:
-    """The token-ratio path fused_grpo_loss takes on this problem (its rule)."""
-    rows = token_pass_rows(p.w, int(p.grpo["loss_mask"].sum()), p.chunk_size)
-    return "tiled" if rows is None else f"single C={rows}"
+def method_plan(name: str, p: Problem) -> LMHeadPlan | None:
+    """The LM-head plan method ``name`` runs on this problem (None: a peer or the floor)."""
+    if name.startswith("fused_grpo"):
+        return fused_grpo_loss_plan(p.h, p.w, p.targets, GRPOLossConfig(), **p.grpo,
+                                    impl="auto", path=p.fused_path, **p.op_args())  # fmt: skip
+    if name == "unfused_grpo":
+        return logprobs_plan(p.h, p.w, p.targets, rows=p.grpo["loss_mask"], impl="auto",
+                             **p.op_args())  # fmt: skip
+    if name.split("_")[0] in ("torch", "triton"):
+        return logprobs_plan(p.h, p.w, p.targets, impl=name.split("_")[0], **p.op_args())
+    return None
+
+
+def plan_label(plan: LMHeadPlan) -> str:
+    """A short form of a plan for tables: path, chunk or tile shape, loop order."""
+    if plan.chunk_rows is not None:
+        return f"{plan.path} C={plan.chunk_rows}"
+    return f"{plan.path} {plan.tile_rows}x{plan.tile_cols} {plan.loop_order}"
 
 
 def _unfused_grpo(p: Problem):
     logp = vocab_parallel_logprobs(
-        p.h, p.w, p.targets, tp_group=p.group, sequence_parallel=p.sp, rows=p.grpo["loss_mask"],
-        vocab_size=p.vocab_size, chunk_size=p.chunk_size, impl="auto",
-    )  # fmt: skip
+        p.h, p.w, p.targets, rows=p.grpo["loss_mask"], impl="auto", **p.op_args()
+    )
     loss, _ = grpo_loss(GRPOLossConfig(), logprobs=logp, **p.grpo)
     loss.backward()
     return logp.detach(), None, loss.detach()

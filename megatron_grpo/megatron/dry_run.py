@@ -148,10 +148,11 @@ def dry_run(train_cfg: Any, world_size: int, *, file: TextIO | None = None) -> D
     """Validate ``train_cfg`` (the trainer's ``TrainConfig``) for ``world_size`` ranks, print the
     rank layout and the per-rank memory plan; no GPU, no torch.distributed, no model.
 
-    Reads ``model``, ``parallel``, ``loss.ratio_level``, ``rollout`` lengths and
-    ``num_prompts``, ``training`` (micro-batching, ``use_reference_model``, and
-    ``logprob_path`` when the trainer has it: "fused", GRPOStep's default, otherwise) and
-    ``optimizer`` (``optimizer``, ``use_distributed_optimizer``).
+    Reads ``model``, ``parallel``, ``loss``, ``rollout`` lengths and ``num_prompts``,
+    ``training`` (micro-batching, ``use_reference_model``, ``logprob_path`` and
+    ``lm_head_memory_budget`` where the trainer has them: GRPOStep's defaults otherwise) and
+    ``optimizer`` (``optimizer``, ``use_distributed_optimizer``). The LM-head plan (which path
+    the last stage runs, e.g. "op" for GSPO under "fused", and why) is printed with the plan.
     """
     model, par = train_cfg.model, train_cfg.parallel
     dp = check_layout(model, par, world_size)
@@ -160,18 +161,15 @@ def dry_run(train_cfg: Any, world_size: int, *, file: TextIO | None = None) -> D
             f"rollout.num_prompts={train_cfg.rollout.num_prompts} must be divisible "
             f"by the data-parallel size {dp}"
         )
-    path = getattr(train_cfg.training, "logprob_path", "fused")
-    note = ""
-    if path == "fused" and train_cfg.loss.ratio_level == "sequence":
-        path = "op"  # GSPO couples a sequence's tokens: the fused path runs the op path
-        note = "\n(loss.ratio_level 'sequence': the fused log-prob path runs the 'op' path)"
-    opt = train_cfg.optimizer
+    training, opt = train_cfg.training, train_cfg.optimizer
     plan = memory_plan(
         model, par, micro_batch_tokens=micro_batch_tokens(train_cfg), dp_size=dp,
         use_distributed_optimizer=opt.use_distributed_optimizer, optimizer=opt.optimizer,
-        logprob_path=path, reference_model=train_cfg.training.use_reference_model,
+        logprob_path=getattr(training, "logprob_path", "fused"), loss_cfg=train_cfg.loss,
+        reference_model=training.use_reference_model,
+        memory_budget=getattr(training, "lm_head_memory_budget", None),
     )  # fmt: skip
     layout = rank_layout(par, world_size)
-    text = f"dry run: world size {world_size}\n{format_layout(layout)}\n{format_plan(plan)}{note}"
+    text = f"dry run: world size {world_size}\n{format_layout(layout)}\n{format_plan(plan)}"
     print(text, file=file or sys.stdout, flush=True)
     return DryRun(layout, plan, text)

@@ -11,12 +11,14 @@ Usage with any Megatron schedule (PP, VPP, micro-batching work as usual)::
 
 On the last pipeline stage the decoder runs to its final-normed hidden states (the GPTModel's
 output layer is skipped: no [T, V] logits), then one of three log-prob paths
-(``GRPOStep.logprob_path``) feeds the GRPO loss:
+(``GRPOStep.logprob_path``) feeds the GRPO loss. Which one runs, and how (tiles, kernels, loop
+order, d_weight mode), is the LM-head plan of each call (:mod:`megatron_grpo.ops.plan`; its
+``memory_budget`` is ``GRPOStep.memory_budget``):
 
 * ``"fused"``: ``fused_grpo_loss``: by default the op's tiled stats pass, the loss on all rows
-  and the tiled recompute in backward; a single 3-GEMM pass with the loss per full-width chunk
-  only where ``ops.single_pass.single_pass_rows`` allows (narrow vocab shards, small batches).
-  GSPO runs the "op" path (see ``ops/fused_grpo.py``);
+  and the tiled recompute in backward ("fused_tiled"); a single 3-GEMM pass with the loss per
+  full-width chunk ("fused_single_pass") only where the plan's rule allows (narrow vocab shards,
+  small batches). Either can be asked for by name. GSPO runs the "op" path;
 * ``"op"``: ``vocab_parallel_logprobs`` (tiled, recomputed in backward) then ``grpo_loss``;
 * ``"megatron"``: Megatron's standard path, the baseline of our comparisons: the GPTModel's
   ``output_layer`` materializes vocab-parallel logits ``[s, b, V/TP]``, then
@@ -68,9 +70,10 @@ from megatron_grpo.megatron.parallel import comm_device, cuda_compat
 from megatron_grpo.megatron.routing_replay import replay_routes, set_replay_routes
 from megatron_grpo.ops import fused_grpo_loss, vocab_parallel_logprobs
 from megatron_grpo.ops.lm_head import check_targets
+from megatron_grpo.ops.plan import resolve_request
 
-LogprobPath = Literal["fused", "op", "megatron"]
-LOGPROB_PATHS: tuple[str, ...] = ("fused", "op", "megatron")
+LogprobPath = Literal["fused", "op", "megatron", "fused_tiled", "fused_single_pass"]
+LOGPROB_PATHS: tuple[str, ...] = ("fused", "op", "megatron", "fused_tiled", "fused_single_pass")
 
 
 def get_forward_backward_func() -> Callable:
@@ -244,11 +247,14 @@ class GRPOStep:
             probability and are never scored.
         temperature: sampling temperature the log-probs are computed under.
         fused: the original switch, kept for compatibility: True = ``logprob_path="fused"``,
-            False = ``"op"``. Ignored when ``logprob_path`` is given (False together with
-            ``logprob_path="fused"`` is an error); afterwards it reflects the chosen path.
-        chunk_size / impl: passed to the log-prob op ("fused" / "op" paths).
-        logprob_path: "fused", "op" or "megatron" (see the module docstring); None = from
+            False = ``"op"``. Ignored when ``logprob_path`` is given (False together with a
+            fused ``logprob_path`` is an error); afterwards it reflects the chosen path.
+        chunk_size / impl: passed to the log-prob op (all paths but "megatron").
+        logprob_path: "fused", "op" or "megatron" (see the module docstring), or a fused path
+            by name ("fused_tiled", "fused_single_pass": token ratio only); None = from
             ``fused``. "megatron" computes no entropy, so it needs ``loss_cfg.entropy_coef == 0``.
+        memory_budget: bytes of the LM head's working set, trading memory for speed
+            (:mod:`megatron_grpo.ops.plan`); None = its default (1 GiB).
     """
 
     loss_cfg: GRPOLossConfig
@@ -258,6 +264,7 @@ class GRPOStep:
     chunk_size: int | None = None
     impl: str = "auto"
     logprob_path: LogprobPath | None = None
+    memory_budget: int | None = None
 
     def __post_init__(self) -> None:
         if self.logprob_path is None:
@@ -266,14 +273,12 @@ class GRPOStep:
             raise ValueError(
                 f"logprob_path must be one of {list(LOGPROB_PATHS)}, got {self.logprob_path!r}"
             )
-        elif self.logprob_path == "fused" and not self.fused:
-            raise ValueError("fused=False contradicts logprob_path='fused'; set only one")
-        self.fused = self.logprob_path == "fused"
-        if self.logprob_path == "megatron" and self.loss_cfg.entropy_coef != 0:
+        elif self.logprob_path.startswith("fused") and not self.fused:
             raise ValueError(
-                "logprob_path='megatron' (vocab_parallel_cross_entropy) computes no entropy; "
-                f"loss.entropy_coef must be 0, got {self.loss_cfg.entropy_coef}"
+                f"fused=False contradicts logprob_path={self.logprob_path!r}; set only one"
             )
+        self.fused = self.logprob_path.startswith("fused")
+        resolve_request(self.logprob_path, self.loss_cfg)  # the plan's checks (entropy, GSPO)
 
     def forward_step(self, data_iterator: Iterator[PackedBatch], model: torch.nn.Module):
         """Training ``forward_step_func``: returns ``(output, loss_func)`` for the schedule.
@@ -329,19 +334,14 @@ class GRPOStep:
             cp_group=cp_group,
         )
         targets = batch.targets.to(dev)
-        op = self._op_args(tp_group, sequence_parallel)
         if self.logprob_path == "megatron":
             logp = self._megatron_logprobs(output_layer, weight, hidden, targets)
             loss, metrics = grpo_loss(self.loss_cfg, logprobs=logp, **args)
-        elif self.fused and self.loss_cfg.ratio_level == "token":
-            loss, metrics, _ = fused_grpo_loss(hidden, weight, targets, self.loss_cfg, **args, **op)
-        else:
-            ent = self.loss_cfg.entropy_coef != 0
-            out = vocab_parallel_logprobs(
-                hidden, weight, targets, rows=args["loss_mask"], return_entropy=ent, **op
+        else:  # the plan picks "op" or a fused path (GSPO: "op") from the request
+            op = self._op_args(tp_group, sequence_parallel)
+            loss, metrics, _ = fused_grpo_loss(
+                hidden, weight, targets, self.loss_cfg, **args, **op, path=self.logprob_path
             )
-            logp, entropy = out if ent else (out, None)
-            loss, metrics = grpo_loss(self.loss_cfg, logprobs=logp, entropy=entropy, **args)
         count = local_denominator(self.loss_cfg, args["loss_mask"], args["cu_seqlens"], cp_group)
         count = count.round().to(torch.int)
         report = dict(metrics)
@@ -352,6 +352,7 @@ class GRPOStep:
         return dict(
             tp_group=tp_group, sequence_parallel=sequence_parallel, temperature=self.temperature,
             vocab_size=self.vocab_size, chunk_size=self.chunk_size, impl=self.impl,
+            memory_budget=self.memory_budget,
         )  # fmt: skip
 
     def _megatron_logprobs(

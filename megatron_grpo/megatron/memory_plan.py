@@ -5,7 +5,9 @@ of a stage hold the same amounts), the bytes of parameters, gradients, optimizer
 optional frozen reference copy, activations of the in-flight micro-batches and the log-prob/loss
 working set. Parameter counts are exact for the models ``build_model`` builds (the tests compare
 them with ``numel``); activations and working sets are estimates whose assumptions the plan
-lists. The rank layout and ``--dry-run`` live in :mod:`megatron_grpo.megatron.dry_run`.
+lists. The log-prob working set is that of the LM-head plan the step runs
+(:func:`megatron_grpo.ops.plan.plan_lm_head`: path, tiles, loop order, d_weight mode). The rank
+layout and ``--dry-run`` live in :mod:`megatron_grpo.megatron.dry_run`.
 """
 
 from __future__ import annotations
@@ -15,11 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.megatron.config import ModelConfig, ParallelConfig
 from megatron_grpo.megatron.model import padded_vocab_size
-from megatron_grpo.ops.fused_grpo import token_pass_rows
-from megatron_grpo.ops.tiling import Tiling
-from megatron_grpo.ops.weight_grad import WeightGradSink
+from megatron_grpo.ops.plan import REQUESTS, HeadShape, LMHeadPlan, plan_lm_head
 
 GIB = 2**30
 ASSUMPTIONS = (
@@ -75,11 +76,12 @@ class StagePlan:
 @dataclass(frozen=True)
 class MemoryPlan:
     stages: tuple[StagePlan, ...]
-    logprob_path: str
+    logprob_path: str  # as requested (GRPOStep's ``logprob_path``)
     loss_paths: dict[str, LossWorkingSet]
     micro_batch_tokens: int
     params_dtype: torch.dtype
     ranks_per_stage: int  # TP x CP x DP ranks share each stage's row
+    lm_head: LMHeadPlan | None = None  # the plan of ``logprob_path`` (what the last stage runs)
 
     @property
     def peak_bytes(self) -> float:
@@ -228,47 +230,57 @@ def stage_activation_bytes(
 # [T]-sized vectors of the ops per scored token (upper bound): int64 local targets, the fp32
 # stats pass ([4, T]), lse / pz / logp / entropy, the upstream [T] gradients.
 ROW_BYTES = 48
-_META = torch.device("meta")
 _DTYPE_OF_BYTES = {4: torch.float32, 2: torch.bfloat16}
 
 
-def _meta_weight(v_local: int, hidden: int, param_bytes: int, main_grad_bytes: int | None):
-    """A [V_local, H] LM-head shard on the meta device (no memory), with a ``main_grad`` of
-    ``main_grad_bytes`` (None: none), so that the ops' own rules decide as on the GPU."""
+def lm_head_plan(
+    path: str,
+    *,
+    tokens: float,
+    hidden: int,
+    v_local: int,
+    param_bytes: int,
+    main_grad_bytes: int | None = 4,
+    loss_cfg: GRPOLossConfig | None = None,
+    memory_budget: int | None = None,
+) -> LMHeadPlan:
+    """The LM-head plan of a training step on the last stage (CUDA, gradients of hidden and
+    weight wanted, every one of ``tokens`` scored; ``main_grad_bytes``: see
+    :func:`loss_working_set`; ``loss_cfg`` None = the default token-ratio loss)."""
     if param_bytes not in _DTYPE_OF_BYTES or main_grad_bytes not in (None, *_DTYPE_OF_BYTES):
         raise ValueError(
             f"param_bytes must be 2 or 4 and main_grad_bytes 2, 4 or None, got {param_bytes} "
             f"and {main_grad_bytes}"
         )
-    weight = torch.empty(v_local, hidden, dtype=_DTYPE_OF_BYTES[param_bytes], device=_META)
-    if main_grad_bytes is not None:
-        dtype = _DTYPE_OF_BYTES[main_grad_bytes]
-        weight.main_grad = torch.empty(v_local, hidden, dtype=dtype, device=_META)
-    return weight
+    main_grad = None if main_grad_bytes is None else _DTYPE_OF_BYTES[main_grad_bytes]
+    shape = HeadShape(
+        rows=max(math.ceil(tokens), 1), v_local=v_local, n_valid=v_local, hidden=hidden,
+        dtype=_DTYPE_OF_BYTES[param_bytes], main_grad_dtype=main_grad, device_type="cuda",
+    )  # fmt: skip
+    loss = GRPOLossConfig() if loss_cfg is None else loss_cfg
+    return plan_lm_head(shape, path=path, loss=loss, memory_budget=memory_budget)
 
 
-def _tiled_bytes(n: int, hidden: int, v_local: int, direct: bool, tp: int) -> tuple[float, float]:
+def _tiled_bytes(plan: LMHeadPlan, hidden: int, tp: int) -> tuple[float, float]:
     """(fp32 logits tile, d_hidden / d_weight buffers) of the op's tiled passes
-    (``ops.passes``): rows outer when d_weight accumulates in place in fp32 (``direct``), else
-    vocab outer."""
-    tiling = Tiling.plan(n, v_local, None)
-    tile = tiling.buffer(_META)
-    if direct:  # an fp32 [R, H] d_hidden block
+    (``ops.passes``) in the plan's loop order."""
+    tiling, n = plan.tiling(), plan.rows
+    tile = min(tiling.rows, n) * tiling.cols * 4
+    if plan.loop_order == "rows_outer":  # an fp32 [R, H] d_hidden block
         other = min(tiling.rows, n) * hidden * 4
     else:  # an fp32 [T, H] d_hidden, an fp32 [Vc, H] d_weight tile over several row blocks
         other = n * hidden * 4 + (tiling.cols * hidden * 4 if len(tiling.row_blocks()) > 1 else 0)
     other += n * hidden * 4 if tp > 1 else 0  # d_hidden kept in fp32 for the TP reduction
-    return tile.numel() * tile.element_size(), other
+    return tile, other
 
 
-def _single_pass_bytes(
-    n: int, rows: int, hidden: int, v_local: int, direct: bool
-) -> tuple[float, float]:
+def _single_pass_bytes(plan: LMHeadPlan, hidden: int, v_local: int) -> tuple[float, float]:
     """(fp32 [C, V_local] chunk, buffers) of the fused single pass (``ops.single_pass``): an fp32
-    [T, H] d_hidden kept for backward, the chunk's fp32 [C, H] d_hidden and, with no fp32
-    gradient to accumulate into, an fp32 [V_local, H] d_weight."""
-    chunk = min(rows, n)
-    other = n * hidden * 4 + chunk * hidden * 4 + (0 if direct else v_local * hidden * 4)
+    [T, H] d_hidden kept for backward, the chunk's fp32 [C, H] d_hidden and the plan's extra
+    fp32 [V_local, H] d_weight, if any."""
+    n, chunk = plan.rows, min(plan.chunk_rows, plan.rows)
+    other = n * hidden * 4 + chunk * hidden * 4
+    other += v_local * hidden * 4 if plan.extra_accumulator else 0
     return chunk * v_local * 4, other
 
 
@@ -282,31 +294,34 @@ def loss_working_set(
     sp: bool,
     tp: int,
     main_grad_bytes: int | None = 4,
+    loss_cfg: GRPOLossConfig | None = None,
+    memory_budget: int | None = None,
 ) -> LossWorkingSet:
     """Log-prob + loss buffers of one micro-batch on the last stage (``tokens`` on this CP rank,
     all of them scored: an upper bound for our paths, which score response tokens only).
 
     ``main_grad_bytes``: the weight's ``main_grad`` (Megatron DDP: 4 with grad_reduce_in_fp32,
-    else the param size), None = autograd's ``weight.grad``. "fused" (token ratio) takes the
-    single pass where ``ops.fused_grpo.token_pass_rows`` does, else the op's tiled passes.
-    Transients of the final TP reduction (after the tile is freed) are not counted.
+    else the param size), None = autograd's ``weight.grad``. ``path``: a ``GRPOStep``
+    ``logprob_path``; the buffers are those of its plan (:func:`lm_head_plan`: "fused" takes the
+    single pass where the plan does, else the op's tiled passes). Transients of the final TP
+    reduction (after the tile is freed) are not counted.
     """
-    if path == "megatron":
+    if path not in REQUESTS:
+        raise ValueError(f"logprob_path must be one of {list(REQUESTS)}, got {path!r}")
+    plan = lm_head_plan(path, tokens=tokens, hidden=hidden, v_local=v_local,
+                        param_bytes=param_bytes, main_grad_bytes=main_grad_bytes,
+                        loss_cfg=loss_cfg, memory_budget=memory_budget)  # fmt: skip
+    if plan.path == "megatron":
         # output_layer logits [T, V_local] in the param dtype + the fp32 copy the cross entropy
         # turns into the saved softmax (in backward: fp32 grad in place + its cast for the GEMM).
         logits = tokens * v_local * (4 + param_bytes)
         other = 2 * tokens * hidden * param_bytes + 8 * tokens  # gathered input, d_hidden, [T]
         return LossWorkingSet(path, logits, other)
-    if path not in ("fused", "op"):
-        raise ValueError(f"logprob_path must be 'fused', 'op' or 'megatron', got {path!r}")
-    n = max(math.ceil(tokens), 1)
-    weight = _meta_weight(v_local, hidden, param_bytes, main_grad_bytes)
-    direct = WeightGradSink(weight, v_local).direct  # d_weight accumulates in place in fp32
-    rows = token_pass_rows(weight, n, None) if path == "fused" else None
-    if rows is None:
-        logits, other = _tiled_bytes(n, hidden, v_local, direct, tp)
+    if plan.path == "fused_single_pass":
+        logits, other = _single_pass_bytes(plan, hidden, v_local)
     else:
-        logits, other = _single_pass_bytes(n, rows, hidden, v_local, direct)
+        logits, other = _tiled_bytes(plan, hidden, tp)
+    n = plan.rows
     other += n * hidden * param_bytes if sp and tp > 1 else 0  # all-gathered hidden
     return LossWorkingSet(path, logits, other + ROW_BYTES * n)
 
@@ -337,13 +352,21 @@ def _static_bytes(
     }
 
 
-def _loss_paths(cfg: ModelConfig, par: ParallelConfig, tokens: float, pbytes: int) -> dict:
+def _head_args(cfg: ModelConfig, par: ParallelConfig, tokens: float, pbytes: int, **kw) -> dict:
+    """The arguments of :func:`lm_head_plan` for this model and layout (``kw``: loss config,
+    memory budget)."""
     tp = par.tensor_model_parallel_size
-    v_local = padded_vocab_size(cfg, tp) // tp
     main_grad = 4 if par.grad_reduce_in_fp32 else pbytes  # Megatron DDP's grad buffer dtype
-    kw = dict(hidden=cfg.hidden_size, v_local=v_local, param_bytes=pbytes, tp=tp)
-    kw.update(main_grad_bytes=main_grad, sp=par.sequence_parallel)
-    return {p: loss_working_set(p, tokens=tokens, **kw) for p in ("fused", "op", "megatron")}
+    v_local = padded_vocab_size(cfg, tp) // tp
+    return dict(tokens=tokens, hidden=cfg.hidden_size, v_local=v_local, param_bytes=pbytes,
+                main_grad_bytes=main_grad, **kw)  # fmt: skip
+
+
+def _loss_paths(path: str, par: ParallelConfig, head_args: dict) -> dict:
+    """Working sets of the three families (for comparison) and of ``path``."""
+    tp, sp = par.tensor_model_parallel_size, par.sequence_parallel
+    names = dict.fromkeys(("fused", "op", "megatron", path))
+    return {p: loss_working_set(p, sp=sp, tp=tp, **head_args) for p in names}
 
 
 def memory_plan(
@@ -357,6 +380,8 @@ def memory_plan(
     params_dtype: torch.dtype | str | None = None,
     optimizer: str = "adam",
     reference_model: bool = False,
+    loss_cfg: GRPOLossConfig | None = None,
+    memory_budget: int | None = None,
 ) -> MemoryPlan:
     """Per-rank memory of training ``model_cfg`` under ``parallel_cfg`` with ``dp_size`` DP ranks.
 
@@ -365,8 +390,10 @@ def memory_plan(
     ``params_dtype`` None = the model's dtype on GPU (``auto`` = bfloat16). ``optimizer``:
     "adam" (fp32 m, v and master weights) or "sgd" (momentum); sharded over DP x CP (experts:
     expert-DP) with ``use_distributed_optimizer``. ``reference_model``: a frozen copy.
-    ``logprob_path`` picks which loss working set enters the last stage's total; all three are
-    in ``loss_paths`` for comparison ("fused" with GSPO runs the "op" path: pass "op").
+    ``logprob_path`` (a ``GRPOStep`` path) picks which loss working set enters the last stage's
+    total; "fused", "op" and "megatron" are all in ``loss_paths`` for comparison. ``loss_cfg``
+    (None = defaults: token ratio) and ``memory_budget`` (bytes, None = the default) go to the
+    LM-head plan (``lm_head``; "fused" with GSPO runs path "op").
     """
     if micro_batch_tokens <= 0 or dp_size <= 0:
         raise ValueError(f"micro_batch_tokens and dp_size must be positive, got "
@@ -379,9 +406,12 @@ def memory_plan(
     edp = tp * cp * dp_size // (etp * par.expert_model_parallel_size)
     shards = (dp_size * cp, edp) if use_distributed_optimizer else (1, 1)
     tokens = micro_batch_tokens / cp
-    paths = _loss_paths(model_cfg, par, tokens, pbytes)
-    if logprob_path not in paths:
-        raise ValueError(f"logprob_path must be one of {list(paths)}, got {logprob_path!r}")
+    if logprob_path not in REQUESTS:
+        raise ValueError(f"logprob_path must be one of {list(REQUESTS)}, got {logprob_path!r}")
+    head = _head_args(
+        model_cfg, par, tokens, pbytes, loss_cfg=loss_cfg, memory_budget=memory_budget
+    )
+    paths = _loss_paths(logprob_path, par, head)
     stages, pp = [], par.pipeline_model_parallel_size
     for s in range(pp):
         params = stage_params(model_cfg, par, s)
@@ -392,7 +422,8 @@ def memory_plan(
         moe = sum(is_moe_layer(model_cfg, i) for i in layers)
         stages.append(StagePlan(s, len(layers), moe, *params, flight, parts))
     ranks = tp * cp * dp_size
-    return MemoryPlan(tuple(stages), logprob_path, paths, micro_batch_tokens, dtype, ranks)
+    lm_head = lm_head_plan(logprob_path, **head)
+    return MemoryPlan(tuple(stages), logprob_path, paths, micro_batch_tokens, dtype, ranks, lm_head)
 
 
 def expert_tp_size(par: ParallelConfig) -> int:
@@ -431,5 +462,7 @@ def format_plan(plan: MemoryPlan) -> str:
             f"  {p.path:<9} logits {p.logits / GIB:8.3f} GiB + other "
             f"{p.other / GIB:7.3f} GiB  (logits {ratio:.1f}x fused)"
         )
+    if plan.lm_head is not None:
+        lines.append(f"LM-head plan ({plan.logprob_path!r}): {plan.lm_head}")
     lines.append("assumptions: " + "; ".join(ASSUMPTIONS))
     return "\n".join(lines)

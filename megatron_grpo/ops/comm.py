@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from megatron_grpo.ops.stats import GlobalRowStats, Reduction, RowStats, merge_row_stats
 
 
 @dataclass(frozen=True)
@@ -58,25 +59,23 @@ def all_reduce_sum_(x: Tensor, tp: TPInfo) -> Tensor:
     return x
 
 
-def combine_row_stats(
-    m: Tensor, s: Tensor, zt: Tensor, b: Tensor | None, tp: TPInfo
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Combines per-shard row stats (``logits_row_stats`` outputs, each [R]) into global ones.
+def combine_row_stats(local: RowStats, tp: TPInfo) -> GlobalRowStats:
+    """Combines this shard's row stats (each [R]) into the global ones with the log-sum-exp
+    merge of :func:`megatron_grpo.ops.stats.merge_row_stats` over the TP group.
 
     Two collectives: all-reduce MAX of m, then ONE all-reduce SUM of the stacked
-    ``[s * exp(m - M), zt, b * exp(m - M)]``.
-
-    Returns:
-        ``(lse, zt, pz)``, each [R] float32: global log-sum-exp, the target's scaled logit and
-        ``sum_j p_j z_j`` (None without b). ``logp = zt - lse``, ``entropy = lse - pz``.
+    ``[s * exp(m - M), zt, b * exp(m - M)]``. ``logp = zt - lse``, ``entropy = lse - pz``.
     """
-    big_m = m.clone()
-    if tp.size > 1:
-        dist.all_reduce(big_m, op=dist.ReduceOp.MAX, group=tp.group)
-    # An empty shard has m = -inf: exp(-inf - M) is 0 anyway, but -inf - (-inf) would be NaN.
-    scale = torch.where(torch.isfinite(m), torch.exp(m - big_m), torch.zeros_like(m))
-    parts = [s * scale, zt] + ([b * scale] if b is not None else [])
-    stacked = all_reduce_sum_(torch.stack(parts), tp)
-    lse = big_m + torch.log(stacked[0])
-    pz = stacked[2] / stacked[0] if b is not None else None
-    return lse, stacked[1], pz
+    return GlobalRowStats.of(merge_row_stats(local, _over_ranks(tp)))
+
+
+def _over_ranks(tp: TPInfo) -> Reduction:
+    """The merge's reduction over the TP group (each rank's part is its own [R] stats)."""
+
+    def all_max(m: Tensor) -> Tensor:
+        big_m = m.clone()
+        if tp.size > 1:
+            dist.all_reduce(big_m, op=dist.ReduceOp.MAX, group=tp.group)
+        return big_m
+
+    return Reduction(max=all_max, sum=lambda x: all_reduce_sum_(x, tp))

@@ -8,8 +8,6 @@ import os
 from collections.abc import Callable
 from typing import NamedTuple
 
-import torch
-
 from megatron_grpo.ops import reference
 
 IMPLS = ("auto", "torch", "triton")
@@ -38,24 +36,28 @@ def _triton_kernels() -> Kernels:
     return Kernels("triton", mod.logits_row_stats, mod.logits_grad)
 
 
-def resolve_kernels(impl: str, device: torch.device) -> Kernels:
-    """``auto`` = triton on CUDA when triton imports, else torch.
+def resolve_impl(impl: str, device_type: str) -> str:
+    """The kernel implementation ``impl`` means on ``device_type`` tensors: "torch" or "triton".
 
-    ``triton`` on CPU tensors only works under ``TRITON_INTERPRET=1``: anything else is an error
-    rather than a silent switch to the torch path.
+    ``auto`` = triton on CUDA when triton imports, else torch. ``triton`` on CPU tensors only
+    works under ``TRITON_INTERPRET=1``: anything else is an error rather than a silent switch to
+    the torch path. (The decision of :func:`megatron_grpo.ops.plan.plan_lm_head`.)
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "torch":
-        return _TORCH
+        return "torch"
     if impl == "auto":
-        if device.type == "cuda" and _triton_importable():
-            return _triton_kernels()
-        return _TORCH
+        return "triton" if device_type == "cuda" and _triton_importable() else "torch"
     if not _triton_importable():
         raise ImportError("impl='triton' needs the triton package")
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
-            f"impl='triton' on {device.type} tensors needs TRITON_INTERPRET=1 (or use impl='torch')"
+            f"impl='triton' on {device_type} tensors needs TRITON_INTERPRET=1 (or use impl='torch')"
         )
-    return _triton_kernels()
+    return "triton"
+
+
+def kernels_named(name: str) -> Kernels:
+    """The seam functions of a resolved implementation ("torch" or "triton")."""
+    return _TORCH if name == "torch" else _triton_kernels()

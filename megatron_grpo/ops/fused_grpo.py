@@ -1,7 +1,8 @@
 """``fused_grpo_loss``: the GRPO loss straight from hidden states and the LM-head shard.
 
 ratio_level "token" builds the loss context (``loss.math.build_context``) once and runs one of
-two paths, chosen automatically (:func:`megatron_grpo.ops.single_pass.single_pass_rows`):
+two paths, chosen by the call's plan (:func:`megatron_grpo.ops.plan.plan_lm_head`; ``path=``
+picks one explicitly, :func:`fused_grpo_loss_plan` shows it):
 
 (a) single pass, 3 GEMMs, no recompute (:mod:`megatron_grpo.ops.single_pass`): per full-width
     row chunk [C, V_local] of the loss's rows: fp32 logits, row stats, TP combine of those rows,
@@ -26,18 +27,19 @@ beyond the gradients, (a) with an extra fp32 d_weight buffer):
     (a) C = 2048                      56.8 ms  1.29x  over 2.98 GiB
     (b) 8192 x 8192 tiles             67.2 ms  1.51x  over 0.38 GiB (1.46x at T = 32768)
 
-(a) fits ``x = 1.16 + 266 / C`` at TP = 1, which predicted a win over (b) from C ~ 890 rows.
-The TP = 4 measurement (4 x H200, T = 8192, fp32 ``main_grad``, per-GPU ms) contradicts it: (a)
-with C = 1728 took 23.4 ms (24.5 with SP) against 19.2 ms (19.5) for (b), whose TP efficiency is
-89%: each chunk adds a TP all-reduce, a host sync of the loss's finite check and the small
-objective kernels, which the traffic model leaves out. So the threshold is
-``SINGLE_PASS_MIN_ROWS = 4096`` rows per full-width chunk (C >= min(4096, N rows)): (a) runs
-when a batch's loss rows fit one or two chunks of a narrow shard (V_local <= 16384 at the 256 MiB
-tile: e.g. a 32k vocabulary at TP >= 2, or a 152k vocabulary at TP >= 10) and for every batch of
-at most one chunk; the measured cases above all run (b). Where no fp32 gradient buffer exists to
-accumulate into (bf16 weight without an fp32 ``main_grad``), the extra fp32 [V_local, H] buffer
-may cost at most one tile (``ACCUMULATOR_TILES = 1``; peak over the gradients then stays ~2
-tiles, the 0.5 GiB target). Without gradients (no_grad / frozen) (b)'s stats pass runs.
+(a) fits ``x = 1.16 + 266 / C`` at TP = 1, which predicted a win over (b) from C ~ 890 rows. The
+TP = 4 measurement (4 x H200, T = 8192, fp32 ``main_grad``, per-GPU ms) contradicts it: (a) with
+C = 1728 took 23.4 ms (24.5 with SP) against 19.2 ms (19.5) for (b), whose TP efficiency is 89%:
+each chunk adds a TP all-reduce, a host sync of the loss's finite check and the small objective
+kernels, which the traffic model leaves out. So the threshold is
+``ops.plan.SINGLE_PASS_MIN_ROWS = 4096`` rows per full-width chunk (C >= min(4096, N rows)): (a)
+runs when a batch's loss rows fit one or two chunks of a narrow shard (V_local <= 16384 at the
+256 MiB tile of the default memory budget: e.g. a 32k vocabulary at TP >= 2, or a 152k vocabulary
+at TP >= 10) and for every batch of at most one chunk; the measured cases above all run (b). Where
+no fp32 gradient buffer exists to accumulate into (bf16 weight without an fp32 ``main_grad``), the
+extra fp32 [V_local, H] buffer may cost at most one tile (``ACCUMULATOR_TILES = 1``; peak over the
+gradients then stays ~2 tiles). Without gradients (no_grad / frozen) (b)'s stats pass runs. A
+larger ``memory_budget`` enlarges the tile and so admits (a) on wider shards.
 
 grad_output in (a): d_weight lands in an fp32 ``main_grad`` during the forward, for a
 grad_output of 1 (Megatron's bf16 per-token-loss step: ``loss_scale * loss`` with scale 1). A
@@ -47,8 +49,8 @@ gradients enabled whose loss is never backpropagated leaves d_weight in ``main_g
 under ``torch.no_grad()``. A second backward (``retain_graph``) recomputes like (b).
 
 ratio_level "sequence" (GSPO): a token's ratio depends on every token of its sequence (across
-CP ranks too), so it runs ``vocab_parallel_logprobs`` (rows = loss mask), then ``grpo_loss``,
-and autograd through the op.
+CP ranks too), so the plan runs path "op": ``vocab_parallel_logprobs`` (rows = loss mask), then
+``grpo_loss``, and autograd through the op (``path="op"`` runs it for a token ratio too).
 
 ``chunk_size`` means rows per logits tile on every path: full-width [chunk_size, V_local] in (a)
 (chosen only when that fits the tile budget), [chunk_size, Vc] tiles in (b). Prompt tokens
@@ -56,6 +58,9 @@ and autograd through the op.
 """
 
 from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -65,8 +70,8 @@ from megatron_grpo.loss import GRPOLossConfig, grpo_loss
 from megatron_grpo.loss.math import LossContext, build_context
 from megatron_grpo.loss.metrics import MetricDict, merge_metrics
 from megatron_grpo.ops.comm import TPInfo
-from megatron_grpo.ops.lm_head import LMHead, RowGrads, build_lm_head, check_targets
-from megatron_grpo.ops.logprobs import vocab_parallel_logprobs
+from megatron_grpo.ops.lm_head import LMHead, build_lm_head, check_targets
+from megatron_grpo.ops.logprobs import logprobs_plan, vocab_parallel_logprobs
 from megatron_grpo.ops.passes import (
     backward_grads,
     forward_stats,
@@ -74,16 +79,22 @@ from megatron_grpo.ops.passes import (
     local_targets,
     scatter_rows,
 )
-from megatron_grpo.ops.single_pass import (
-    ForwardWeightGrad,
-    TokenSinglePass,
-    needs_accumulator,
-    objective_grads,
-    single_pass_rows,
-)
+from megatron_grpo.ops.plan import HeadShape, LMHeadPlan, plan_lm_head, resolve_request
+from megatron_grpo.ops.single_pass import ForwardWeightGrad, TokenSinglePass, objective_grads
+from megatron_grpo.ops.stats import RowGrads
 from megatron_grpo.ops.weight_grad import WeightGradSink, main_grad_done
 
 _NO_GRADS = (None,) * 6
+
+
+@dataclass(frozen=True)
+class _LossCall:
+    """What the autograd Functions need besides tensors (read, never written)."""
+
+    cfg: GRPOLossConfig
+    need_entropy: bool
+    want_dh: bool
+    want_dw: bool
 
 
 def _recompute(ctx, factor: Tensor, want_dh: bool, want_dw: bool):
@@ -91,8 +102,9 @@ def _recompute(ctx, factor: Tensor, want_dh: bool, want_dw: bool):
     tiled recompute pass (d_weight into main_grad / the gradient, as the op does)."""
     hidden, weight, idx, t_local, lse, g_lp, g_ent, pz = ctx.saved_tensors
     grads = RowGrads(lse, g_lp * factor, None if g_ent is None else g_ent * factor, pz)
-    sink = WeightGradSink(weight, ctx.head.n_valid) if want_dw else None
-    dh = backward_grads(ctx.head, hidden, idx, t_local, grads, sink, want_dh)
+    head: LMHead = ctx.head
+    sink = WeightGradSink(weight, head.n_valid, head.plan.weight_grad) if want_dw else None
+    dh = backward_grads(head, hidden, idx, t_local, grads, sink, want_dh)
     return dh, None if sink is None else sink.finish()
 
 
@@ -105,28 +117,28 @@ def _outputs(ctx, logp: Tensor, ent: Tensor | None, idx: Tensor | None, total: i
 
 
 class _TiledTokenGRPO(torch.autograd.Function):
-    """Path (b). Forward: stats pass + loss + d loss / d logp; backward: the recompute pass."""
+    """Path "fused_tiled". Forward: stats pass + loss + d loss / d logp -> (loss, logp [T],
+    entropy [T] or [0], metrics); backward: the recompute pass."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, head: LMHead, lctx: LossContext, opts: dict):
+    def forward(ctx, hidden, weight, targets, head: LMHead, lctx: LossContext, call: _LossCall):
         total = targets.shape[0]
         idx = None if lctx.num_rows == total else lctx.index  # sorted: all rows = arange
         t_local = local_targets(targets, idx, head)
-        need_ent = opts["need_entropy"]
-        lse, zt, pz = forward_stats(head, gather_hidden(hidden, head), idx, t_local, need_ent)
-        logp = zt - lse
-        ent = lse - pz if need_ent else None
-        want_grad = opts["want_dh"] or opts["want_dw"]
-        loss, metrics, g_lp, g_ent = objective_grads(opts["cfg"], lctx, logp, ent, want_grad)
-        opts["metrics"] = merge_metrics([lctx.metrics, metrics])
-        ctx.head, ctx.opts = head, opts
-        pz = pz if g_ent is not None else None
-        ctx.save_for_backward(hidden, weight, idx, t_local, lse, g_lp, g_ent, pz)
-        return (loss, *_outputs(ctx, logp, ent, idx, total))
+        need_ent = call.need_entropy
+        st = forward_stats(head, gather_hidden(hidden, head), idx, t_local, need_ent)
+        ent = st.entropy if need_ent else None
+        want_grad = call.want_dh or call.want_dw
+        loss, metrics, g_lp, g_ent = objective_grads(call.cfg, lctx, st.logp, ent, want_grad)
+        ctx.head, ctx.call = head, call
+        pz = st.pz if g_ent is not None else None
+        ctx.save_for_backward(hidden, weight, idx, t_local, st.lse, g_lp, g_ent, pz)
+        out = _outputs(ctx, st.logp, ent, idx, total)
+        return loss, *out, merge_metrics([lctx.metrics, metrics])
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_logp, _grad_ent):
-        want_dh, want_dw = ctx.opts["want_dh"], ctx.opts["want_dw"]
+    def backward(ctx, grad_loss, _grad_logp, _grad_ent, _grad_metrics):
+        want_dh, want_dw = ctx.call.want_dh, ctx.call.want_dw
         if grad_loss is None or not (want_dh or want_dw):
             return _NO_GRADS
         dh, dw = _recompute(ctx, grad_loss.float(), want_dh, want_dw)
@@ -134,27 +146,28 @@ class _TiledTokenGRPO(torch.autograd.Function):
 
 
 class _SinglePassTokenGRPO(torch.autograd.Function):
-    """Path (a). Forward: loss and the gradients of grad_output 1; backward: scales them."""
+    """Path "fused_single_pass". Forward: loss and the gradients of grad_output 1 -> (loss,
+    logp [T], entropy [T] or [0], metrics); backward: scales them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, head: LMHead, lctx: LossContext, opts: dict):
+    def forward(ctx, hidden, weight, targets, head: LMHead, lctx: LossContext, call: _LossCall):
         total = targets.shape[0]
         idx = None if lctx.num_rows == total else lctx.index
         t_local = local_targets(targets, idx, head)
-        dw = ForwardWeightGrad(weight, head.n_valid) if opts["want_dw"] else None
-        run = TokenSinglePass(head, lctx, opts["cfg"], opts["need_entropy"])
-        h_full = gather_hidden(hidden, head)
-        res = run.run(h_full, idx, t_local, opts["rows"], opts["want_dh"], dw)
-        opts["metrics"] = merge_metrics(res.metrics)
-        ctx.head, ctx.opts = head, opts
+        mode = head.plan.weight_grad
+        dw = ForwardWeightGrad(weight, head.n_valid, mode) if call.want_dw else None
+        run = TokenSinglePass(head, lctx, call.cfg, call.need_entropy)
+        res = run.run(gather_hidden(hidden, head), idx, t_local, call.want_dh, dw)
+        ctx.head, ctx.call = head, call
         ctx.dh, ctx.dw = res.dh, dw  # consumed (scaled in place) by the first backward
-        g = res.grads
+        g = res.rows.grads()
         ctx.save_for_backward(hidden, weight, idx, t_local, g.lse, g.g_logp, g.g_ent, g.pz)
-        return (res.loss, *_outputs(ctx, res.logp, res.ent, idx, total))
+        out = _outputs(ctx, res.rows.logp, res.rows.ent, idx, total)
+        return res.loss, *out, merge_metrics(res.metrics)
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_logp, _grad_ent):
-        want_dh, want_dw = ctx.opts["want_dh"], ctx.opts["want_dw"]
+    def backward(ctx, grad_loss, _grad_logp, _grad_ent, _grad_metrics):
+        want_dh, want_dw = ctx.call.want_dh, ctx.call.want_dw
         if grad_loss is None or not (want_dh or want_dw):
             return _NO_GRADS
         scale = grad_loss.float()
@@ -177,11 +190,10 @@ def _deliver_weight_grad(ctx, acc: ForwardWeightGrad, scale: Tensor) -> Tensor |
             return _recompute(ctx, scale - 1, want_dh=False, want_dw=True)[1]
         return main_grad_done(weight)
     grad = acc.acc.mul_(scale)
-    main_grad = getattr(weight, "main_grad", None)
-    if main_grad is not None:  # a low-precision main_grad: rounded once
-        main_grad.add_(grad)
+    if ctx.head.plan.weight_grad == "add_tiles":  # a low-precision main_grad: rounded once
+        weight.main_grad.add_(grad)
         return main_grad_done(weight)
-    return grad.to(weight.dtype)
+    return grad.to(weight.dtype)  # the fp32 gradient itself, or rounded once (write_tiles)
 
 
 def fused_grpo_loss(
@@ -205,6 +217,8 @@ def fused_grpo_loss(
     chunk_size: int | None = None,
     impl: str = "auto",
     return_entropy: bool = False,
+    path: str | None = None,
+    memory_budget: int | None = None,
 ) -> tuple[Tensor, MetricDict, Tensor] | tuple[Tensor, MetricDict, Tensor, Tensor]:
     """``grpo_loss`` of the log-probs of ``hidden @ weight^T / temperature``: same loss,
     gradients and metrics as ``vocab_parallel_logprobs`` + ``grpo_loss``, with the loss and its
@@ -213,9 +227,12 @@ def fused_grpo_loss(
     hidden / weight / targets / TP arguments: as :func:`vocab_parallel_logprobs`; the loss
     arguments (all [T], ``cu_seqlens`` [S+1]): as :func:`megatron_grpo.loss.grpo_loss`.
     Entropy is computed only when ``cfg.entropy_coef != 0`` or ``return_entropy``.
-    ``chunk_size``: rows per logits tile on either token path (None = automatic). The token path
-    (single pass or tiled recompute) follows :func:`token_pass_rows`; on the single pass an fp32
-    ``weight.main_grad`` receives d_weight during the forward (see the module docstring).
+    ``chunk_size``: rows per logits tile on either token path (None = automatic).
+    ``path``: None / "fused" = the plan's choice (:mod:`megatron_grpo.ops.plan`), or
+    "fused_tiled", "fused_single_pass", "op" (log-probs, then ``grpo_loss``).
+    ``memory_budget``: bytes, trading memory for speed (``ops.plan``; None = 1 GiB). On the
+    single pass an fp32 ``weight.main_grad`` receives d_weight during the forward (module doc);
+    :func:`fused_grpo_loss_plan` returns the plan a call runs.
 
     Returns:
         ``(loss, metrics, logprobs[, entropy])``: the float32 scalar loss (differentiable
@@ -232,49 +249,72 @@ def fused_grpo_loss(
     )  # fmt: skip
     op_args = dict(
         tp_group=tp_group, sequence_parallel=sequence_parallel, temperature=temperature,
-        vocab_size=vocab_size, chunk_size=chunk_size, impl=impl,
+        vocab_size=vocab_size, chunk_size=chunk_size, impl=impl, memory_budget=memory_budget,
     )  # fmt: skip
-    if cfg.ratio_level == "sequence":
-        return _sequence_level(
-            hidden, weight, targets, cfg, need_ent, return_entropy, loss_args, op_args
-        )
-    head_args = {k: v for k, v in op_args.items() if k != "tp_group"}
-    head = build_lm_head(hidden, weight, targets, tp=TPInfo.of(tp_group), **head_args)
+    if _request(path, cfg) == "op":
+        return _op_path(hidden, weight, targets, cfg, need_ent, return_entropy, loss_args, op_args)
+    head, lctx = _fused_setup(hidden, weight, targets, cfg, loss_args, op_args, path)
+    call = _LossCall(cfg, need_ent, *_wants(hidden, weight))
+    fn = _SinglePassTokenGRPO if head.plan.path == "fused_single_pass" else _TiledTokenGRPO
+    loss, logp, ent, metrics = fn.apply(hidden, weight, targets, head, lctx, call)
+    return (loss, metrics, logp, ent) if return_entropy else (loss, metrics, logp)
+
+
+def fused_grpo_loss_plan(
+    hidden: Tensor, weight: Tensor, targets: Tensor, cfg: GRPOLossConfig, **kwargs
+) -> LMHeadPlan:
+    """The plan :func:`fused_grpo_loss` runs with the same arguments (``kwargs``: its keyword
+    arguments, checked against its signature). Path "op" is the plan of its log-prob op."""
+    bound = inspect.signature(fused_grpo_loss).bind(hidden, weight, targets, cfg, **kwargs)
+    bound.apply_defaults()
+    args = bound.arguments
+    loss_args = {k: args[k] for k in _LOSS_ARGS}
+    op_args = {k: args[k] for k in _OP_ARGS}
+    if _request(args["path"], cfg) == "fused":
+        return _fused_setup(hidden, weight, targets, cfg, loss_args, op_args, args["path"])[0].plan
+    plan = logprobs_plan(hidden, weight, targets, rows=loss_args["loss_mask"].bool(), **op_args)
+    return replace(plan, reason=resolve_request(args["path"], cfg)[1])
+
+
+_LOSS_ARGS = ("old_logprobs", "advantages", "loss_mask", "cu_seqlens", "ref_logprobs",
+              "rollout_logprobs", "denominator", "cp_group")  # fmt: skip
+_OP_ARGS = ("tp_group", "sequence_parallel", "temperature", "vocab_size", "chunk_size", "impl",
+            "memory_budget")  # fmt: skip
+
+
+def _request(path: str | None, cfg: GRPOLossConfig) -> str:
+    """The request ``path`` means here: "op", or "fused" (either fused path, the plan's to pick);
+    "megatron" is GRPOStep's alone."""
+    request = resolve_request(path, cfg)[0]
+    if request == "megatron":
+        raise ValueError("path 'megatron' runs Megatron's output layer: use GRPOStep")
+    return "op" if request == "op" else "fused"
+
+
+def _wants(hidden: Tensor, weight: Tensor) -> tuple[bool, bool]:
+    """(d_hidden wanted, d_weight wanted) of a call made now."""
+    grad_on = torch.is_grad_enabled()
+    return grad_on and hidden.requires_grad, grad_on and weight.requires_grad
+
+
+def _fused_setup(hidden, weight, targets, cfg, loss_args: dict, op_args: dict, path):
+    """(the head bound to its plan, the loss context) of a fused token-ratio call."""
+    head_args = {k: op_args[k] for k in ("sequence_parallel", "temperature", "vocab_size")}
+    tp = TPInfo.of(op_args["tp_group"])
+    head = build_lm_head(hidden, weight, targets, tp=tp, **head_args)
     lctx = build_context(cfg, **loss_args)
     check_targets(targets, lctx.index, head.vocab_size)
-    grad_on = torch.is_grad_enabled()
-    opts = dict(
-        cfg=cfg,
-        need_entropy=need_ent,
-        want_dh=grad_on and hidden.requires_grad,
-        want_dw=grad_on and weight.requires_grad,
-    )
-    opts["rows"] = token_pass_rows(
-        weight, lctx.num_rows, chunk_size, want_dh=opts["want_dh"], want_dw=opts["want_dw"]
-    )
-    fn = _TiledTokenGRPO if opts["rows"] is None else _SinglePassTokenGRPO
-    loss, logp, ent = fn.apply(hidden, weight, targets, head, lctx, opts)
-    return (loss, opts["metrics"], logp, ent) if return_entropy else (loss, opts["metrics"], logp)
+    want_dh, want_dw = _wants(hidden, weight)
+    shape = HeadShape.of(weight, rows=lctx.num_rows, n_valid=head.n_valid, want_dh=want_dh,
+                         want_dw=want_dw)  # fmt: skip
+    plan = plan_lm_head(shape, path=path, loss=cfg, impl=op_args["impl"],
+                        chunk_size=op_args["chunk_size"],
+                        memory_budget=op_args["memory_budget"])  # fmt: skip
+    return head.with_plan(plan), lctx
 
 
-def token_pass_rows(
-    weight: Tensor,
-    n_rows: int,
-    chunk_size: int | None,
-    *,
-    want_dh: bool = True,
-    want_dw: bool = True,
-) -> int | None:
-    """Rows per chunk of the single pass (a) for ``n_rows`` loss rows and this [V_local, H]
-    ``weight`` (its main_grad / dtype), or None for the tiled path (b) (see the module doc)."""
-    if not (want_dh or want_dw):
-        return None
-    extra = want_dw and needs_accumulator(weight)
-    return single_pass_rows(n_rows, weight.shape[0], weight.shape[1], chunk_size, extra)
-
-
-def _sequence_level(hidden, weight, targets, cfg, need_ent, return_entropy, loss_args, op_args):
-    """GSPO: log-probs first (op with recompute), then the loss, then autograd."""
+def _op_path(hidden, weight, targets, cfg, need_ent, return_entropy, loss_args, op_args):
+    """Path "op" (GSPO's): log-probs first (op with recompute), then the loss, then autograd."""
     out = vocab_parallel_logprobs(
         hidden,
         weight,

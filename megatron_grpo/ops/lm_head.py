@@ -4,23 +4,27 @@ Logits are computed in 2D tiles (:mod:`megatron_grpo.ops.tiling`): ``[R, Vc]`` f
 vocabulary-sized tensor alive. The three GEMMs (logits, d_hidden, d_weight) run through torch
 (cuBLAS on GPU) with fp32 results; the per-tile softmax work goes through the kernel seam
 (:mod:`megatron_grpo.ops.reference` or ``megatron_grpo.kernels``), which sees each vocab tile as
-a shard of ``Vc`` valid columns.
+a shard of ``Vc`` valid columns. How a call runs (tiles, kernels, paths) is its
+:class:`megatron_grpo.ops.plan.LMHeadPlan`, bound to the head with :meth:`LMHead.with_plan`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from megatron_grpo.ops.comm import TPInfo
-from megatron_grpo.ops.dispatch import Kernels, resolve_kernels
-from megatron_grpo.ops.tiling import TILE_BYTES, Tiling, narrow_alias, tile_view
+from megatron_grpo.ops.dispatch import Kernels, kernels_named
+from megatron_grpo.ops.stats import RowGrads, RowStats
+from megatron_grpo.ops.tiling import narrow_alias, tile_view
 
-_CHUNK_ALIGN = 64
+if TYPE_CHECKING:
+    from megatron_grpo.ops.plan import LMHeadPlan
 
 
 @cache
@@ -55,36 +59,13 @@ def mm_f32(a: Tensor, b: Tensor, acc: Tensor | None = None, out: Tensor | None =
     return torch.mm(a, b) if out is None else torch.mm(a, b, out=out)
 
 
-def default_chunk_size(v_local: int) -> int:
-    """Rows of one full-width fp32 [C, V_local] tile within ``TILE_BYTES`` (a memory-planning
-    figure: the op itself tiles the vocabulary too, see :class:`Tiling`)."""
-    rows = TILE_BYTES // (4 * max(v_local, 1))
-    return max(_CHUNK_ALIGN, rows // _CHUNK_ALIGN * _CHUNK_ALIGN)
-
-
-@dataclass(frozen=True)
-class RowGrads:
-    """Per-row inputs of the logits gradient, each [R] fp32 (g_ent and pz both or neither)."""
-
-    lse: Tensor
-    g_logp: Tensor
-    g_ent: Tensor | None
-    pz: Tensor | None
-
-    def rows(self, start: int, stop: int) -> RowGrads:
-        def cut(x: Tensor | None) -> Tensor | None:
-            return None if x is None else x[start:stop]
-
-        return RowGrads(*(cut(x) for x in (self.lse, self.g_logp, self.g_ent, self.pz)))
-
-
 @dataclass(frozen=True)
 class LMHead:
     """A validated vocab-parallel LM head shard and how to run it tile by tile.
 
     ``weight`` is this rank's [V_local, H] shard: rows ``[vocab_start, vocab_start + V_local)``
     of the padded vocabulary, of which the first ``n_valid`` are real tokens (only those are
-    tiled). ``chunk_size``: rows per tile, None = automatic (see :meth:`Tiling.plan`).
+    tiled). ``plan`` / ``kernels``: the call's plan and its kernel seam (:meth:`with_plan`).
     """
 
     weight: Tensor
@@ -94,11 +75,14 @@ class LMHead:
     vocab_start: int
     n_valid: int
     inv_temperature: float
-    chunk_size: int | None
-    kernels: Kernels
+    plan: LMHeadPlan | None = None
+    kernels: Kernels | None = None
 
-    def tiling(self, n_rows: int) -> Tiling:
-        return Tiling.plan(n_rows, self.n_valid, self.chunk_size)
+    def with_plan(self, plan: LMHeadPlan) -> LMHead:
+        """This head running ``plan`` (its tiles, loop order and ``impl``'s kernels)."""
+        if plan.n_valid != self.n_valid:
+            raise ValueError(f"plan for {plan.n_valid} valid columns, shard has {self.n_valid}")
+        return replace(self, plan=plan, kernels=kernels_named(plan.impl))
 
     def logits(self, h: Tensor, start: int, stop: int, buf: Tensor) -> Tensor:
         """[R, H] -> raw fp32 logits [R, stop - start] of vocab rows ``start:stop``, in ``buf``
@@ -106,11 +90,11 @@ class LMHead:
         out = tile_view(buf, h.shape[0], stop - start)
         return mm_f32(h, self.weight[start:stop].t(), out=out)
 
-    def stats(self, logits: Tensor, t_local: Tensor, start: int, with_entropy: bool):
-        """Row stats (m, s, zt, b) of a tile starting at vocab row ``start``."""
-        return self.kernels.logits_row_stats(
+    def stats(self, logits: Tensor, t_local: Tensor, start: int, with_entropy: bool) -> RowStats:
+        """Row stats of a tile starting at vocab row ``start``."""
+        return RowStats(*self.kernels.logits_row_stats(
             logits, t_local - start, logits.shape[1], self.inv_temperature, with_entropy
-        )
+        ))  # fmt: skip
 
     def dlogits(self, logits: Tensor, t_local: Tensor, start: int, g: RowGrads) -> Tensor:
         """d loss / d logits of a tile in the GEMM dtype (the weight's), written over ``logits``.
@@ -135,10 +119,9 @@ def build_lm_head(
     sequence_parallel: bool,
     temperature: float,
     vocab_size: int | None,
-    chunk_size: int | None,
-    impl: str,
 ) -> LMHead:
-    """Validates the op's inputs (errors name the argument) and describes this rank's shard."""
+    """Validates the op's inputs (errors name the argument) and describes this rank's shard
+    (without a plan: :meth:`LMHead.with_plan`)."""
     _check_shapes(hidden, weight, targets, tp, sequence_parallel)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
@@ -153,10 +136,6 @@ def build_lm_head(
             f"vocab_size must be in [1, V_local * TP = {padded}] (padded rows excluded), "
             f"got {vocab_size}"
         )
-    if chunk_size is not None and (
-        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
-    ):
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     start = tp.rank * v_local
     return LMHead(
         weight=weight,
@@ -166,8 +145,6 @@ def build_lm_head(
         vocab_start=start,
         n_valid=min(max(vocab_size - start, 0), v_local),
         inv_temperature=1.0 / float(temperature),
-        chunk_size=chunk_size,
-        kernels=resolve_kernels(impl, hidden.device),
     )
 
 

@@ -6,7 +6,8 @@ over tiles -> one TP combine over all active rows (all-reduce MAX, then one all-
 Only [R]-sized stats are saved. Backward recomputes each tile's logits, turns them into d logits
 (kernel seam) and runs the two gradient GEMMs with fp32 accumulation (see
 :mod:`megatron_grpo.ops.passes`); d_hidden is reduce-scattered (sequence parallel) or
-all-reduced (replicated hidden) across TP in fp32.
+all-reduced (replicated hidden) across TP in fp32. Tiles, kernels and loop order are the
+call's :class:`~megatron_grpo.ops.plan.LMHeadPlan` (path "op"; :func:`logprobs_plan`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_grpo.ops.comm import TPInfo
-from megatron_grpo.ops.lm_head import LMHead, RowGrads, build_lm_head, select_rows
+from megatron_grpo.ops.lm_head import LMHead, build_lm_head, select_rows
 from megatron_grpo.ops.passes import (
     backward_grads,
     forward_stats,
@@ -24,6 +25,8 @@ from megatron_grpo.ops.passes import (
     local_targets,
     scatter_rows,
 )
+from megatron_grpo.ops.plan import HeadShape, LMHeadPlan, plan_lm_head
+from megatron_grpo.ops.stats import RowGrads
 from megatron_grpo.ops.weight_grad import WeightGradSink
 
 
@@ -32,14 +35,14 @@ class _VocabParallelLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, idx, head: LMHead, return_entropy: bool):
         ctx.set_materialize_grads(False)
         t_local = local_targets(targets, idx, head)
-        lse, zt, pz = forward_stats(head, gather_hidden(hidden, head), idx, t_local, return_entropy)
+        st = forward_stats(head, gather_hidden(hidden, head), idx, t_local, return_entropy)
         total = targets.shape[0]
-        logp = scatter_rows(zt - lse, idx, total)
+        logp = scatter_rows(st.logp, idx, total)
         ctx.head = head
-        ctx.save_for_backward(hidden, weight, idx, t_local, lse, pz)
+        ctx.save_for_backward(hidden, weight, idx, t_local, st.lse, st.pz)
         if not return_entropy:
             return logp
-        return logp, scatter_rows(lse - pz, idx, total)
+        return logp, scatter_rows(st.entropy, idx, total)
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy=None):
@@ -49,7 +52,8 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             return None, None, None, None, None, None
         g_ent = None if grad_entropy is None else _active(grad_entropy, idx, lse)
         grads = RowGrads(lse, _active(grad_logp, idx, lse), g_ent, None if g_ent is None else pz)
-        sink = WeightGradSink(weight, ctx.head.n_valid) if want_dw else None
+        mode = ctx.head.plan.weight_grad
+        sink = WeightGradSink(weight, ctx.head.n_valid, mode) if want_dw else None
         dh = backward_grads(ctx.head, hidden, idx, t_local, grads, sink, want_dh)
         return dh, None if sink is None else sink.finish(), None, None, None, None
 
@@ -75,6 +79,7 @@ def vocab_parallel_logprobs(
     chunk_size: int | None = None,
     impl: str = "auto",
     rows: Tensor | None = None,
+    memory_budget: int | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probs ``log softmax(h W^T / temperature)[target]`` over a TP-sharded vocabulary.
 
@@ -91,25 +96,54 @@ def vocab_parallel_logprobs(
             Default: V_local * TP.
         return_entropy: also return the full-distribution entropy (differentiable).
         chunk_size: rows per tile of the fp32 logits (the vocab is tiled so that a tile stays
-            within ``ops.tiling.TILE_BYTES``); None = automatic.
+            within the memory budget's tile); None = automatic.
         impl: "torch", "triton" or "auto" (triton on CUDA when it imports).
         rows: optional bool [T]: only these rows go through the LM head; other positions
             return 0 with no gradient and may hold any target (e.g. -100).
+        memory_budget: bytes of the LM head's working set, trading memory for speed (larger
+            tiles); None = ``ops.plan.DEFAULT_MEMORY_BUDGET`` (1 GiB). See :mod:`ops.plan`.
     Returns:
         logp float32 [T] (and entropy float32 [T]), identical on every TP rank. The weight
         gradient goes to ``weight.main_grad`` when it exists, else to ``weight.grad``.
     """
-    tp = TPInfo.of(tp_group)
-    head = build_lm_head(
-        hidden,
-        weight,
-        targets,
-        tp=tp,
-        sequence_parallel=sequence_parallel,
-        temperature=temperature,
-        vocab_size=vocab_size,
-        chunk_size=chunk_size,
-        impl=impl,
-    )
-    idx = select_rows(rows, targets, head.vocab_size)
+    head, idx = _prepare(hidden, weight, targets, rows, tp_group, sequence_parallel, temperature,
+                         vocab_size, chunk_size, impl, memory_budget)  # fmt: skip
     return _VocabParallelLogprobs.apply(hidden, weight, targets, idx, head, return_entropy)
+
+
+def logprobs_plan(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    sequence_parallel: bool = False,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+    chunk_size: int | None = None,
+    impl: str = "auto",
+    rows: Tensor | None = None,
+    memory_budget: int | None = None,
+) -> LMHeadPlan:
+    """The plan :func:`vocab_parallel_logprobs` runs with these arguments (validated alike)."""
+    return _prepare(hidden, weight, targets, rows, tp_group, sequence_parallel, temperature,
+                    vocab_size, chunk_size, impl, memory_budget)[0].plan  # fmt: skip
+
+
+def _prepare(
+    hidden, weight, targets, rows, tp_group, sequence_parallel, temperature, vocab_size,
+    chunk_size, impl, memory_budget,
+) -> tuple[LMHead, Tensor | None]:  # fmt: skip
+    """The validated head bound to its plan, and the active rows' indices (None = all)."""
+    tp = TPInfo.of(tp_group)
+    head = build_lm_head(hidden, weight, targets, tp=tp, sequence_parallel=sequence_parallel,
+                         temperature=temperature, vocab_size=vocab_size)  # fmt: skip
+    idx = select_rows(rows, targets, head.vocab_size)
+    grad_on = torch.is_grad_enabled()
+    shape = HeadShape.of(
+        weight, rows=targets.shape[0] if idx is None else idx.numel(), n_valid=head.n_valid,
+        want_dh=grad_on and hidden.requires_grad, want_dw=grad_on and weight.requires_grad,
+    )  # fmt: skip
+    plan = plan_lm_head(shape, path="op", impl=impl, chunk_size=chunk_size,
+                        memory_budget=memory_budget)  # fmt: skip
+    return head.with_plan(plan), idx

@@ -6,7 +6,8 @@ stats (kernel seam) -> merged across tiles, then one TP combine over all active 
 
 Backward (:func:`backward_grads`): recompute each tile's logits, d logits (kernel seam, in place
 in the GEMM dtype), then ``d_hidden += dlogits @ W_tile`` and ``d_weight_tile += dlogits^T @ h``
-with fp32 accumulation. The loop order follows where the fp32 accumulators live:
+with fp32 accumulation. The tiles and the loop order are the plan's (``head.plan``,
+:mod:`megatron_grpo.ops.plan`); the order follows where the fp32 accumulators live:
 
 * rows outer (d_weight accumulated in place in fp32 ``main_grad`` / an fp32 weight's gradient):
   extra memory one tile + an fp32 [R, H] d_hidden block;
@@ -31,7 +32,8 @@ from megatron_grpo.ops.comm import (
     combine_row_stats,
     reduce_scatter_rows,
 )
-from megatron_grpo.ops.lm_head import LMHead, RowGrads, mm_f32, take_rows
+from megatron_grpo.ops.lm_head import LMHead, mm_f32, take_rows
+from megatron_grpo.ops.stats import GlobalRowStats, RowGrads, RowStats
 from megatron_grpo.ops.tiling import Tiling, merge_tile_stats
 from megatron_grpo.ops.weight_grad import WeightGradSink
 
@@ -55,13 +57,20 @@ def scatter_rows(values: Tensor, idx: Tensor | None, total: int) -> Tensor:
     return out.index_copy_(0, idx, values)
 
 
+def plan_tiling(head: LMHead, n_rows: int) -> Tiling:
+    """The tiles of ``head.plan``, made for these ``n_rows`` active rows."""
+    if head.plan.rows != n_rows:
+        raise ValueError(f"the plan is for {head.plan.rows} rows, the pass has {n_rows}")
+    return head.plan.tiling()
+
+
 def forward_stats(
     head: LMHead, h_full: Tensor, idx: Tensor | None, t_local: Tensor, with_entropy: bool
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Global (lse, zt, pz) [R] of the active rows; one logits tile alive at a time."""
+) -> GlobalRowStats:
+    """Global stats [R] of the active rows; one logits tile alive at a time."""
     n_rows, dev = t_local.shape[0], h_full.device
-    tiling = head.tiling(n_rows)
-    stats = torch.empty((4 if with_entropy else 3, n_rows), device=dev)
+    tiling = plan_tiling(head, n_rows)
+    local = RowStats.empty(n_rows, dev, with_entropy)
     buf = tiling.buffer(dev)
     for r0, r1 in tiling.row_blocks():
         h, t_rows = take_rows(h_full, idx, r0, r1), t_local[r0:r1]
@@ -69,10 +78,8 @@ def forward_stats(
         for v0, v1 in tiling.col_tiles():
             logits = head.logits(h, v0, v1, buf)
             parts.append(head.stats(logits, t_rows, v0, with_entropy))
-        for i, value in enumerate(merge_tile_stats(parts, r1 - r0, dev)[: stats.shape[0]]):
-            stats[i, r0:r1] = value
-    b = stats[3] if with_entropy else None
-    return combine_row_stats(stats[0], stats[1], stats[2], b, head.tp)
+        local.write(r0, r1, merge_tile_stats(parts, r1 - r0, dev, with_entropy))
+    return combine_row_stats(local, head.tp)
 
 
 class HiddenGrad:
@@ -112,12 +119,15 @@ def backward_grads(
     sink: WeightGradSink | None,
     want_dh: bool,
 ) -> Tensor | None:
-    """Recomputes every tile; lands d_weight in ``sink`` and returns d_hidden [T_local, H] in
-    the hidden dtype (TP-reduced), or None when not ``want_dh``."""
+    """Recomputes every tile in the plan's loop order; lands d_weight in ``sink`` and returns
+    d_hidden [T_local, H] in the hidden dtype (TP-reduced), or None when not ``want_dh``."""
     h_full = gather_hidden(hidden, head)
-    tiling = head.tiling(t_local.shape[0])
+    tiling = plan_tiling(head, t_local.shape[0])
     dh = HiddenGrad(head, h_full, idx, hidden.dtype) if want_dh else None
-    if sink is None or sink.direct:
+    rows_outer = head.plan.loop_order == "rows_outer"
+    if sink is not None and sink.direct != rows_outer:
+        raise RuntimeError(f"loop order {head.plan.loop_order} with a direct={sink.direct} sink")
+    if rows_outer:
         _rows_outer(head, tiling, h_full, idx, t_local, grads, sink, dh)
     else:
         _vocab_outer(head, tiling, h_full, idx, t_local, grads, sink, dh)

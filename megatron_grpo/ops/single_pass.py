@@ -1,5 +1,6 @@
 """The single pass of ``fused_grpo_loss`` (token ratio): the loss and both gradients in one pass
-over the vocabulary (3 GEMMs, no recompute), and the rule that chooses it over the tiled path.
+over the vocabulary (3 GEMMs, no recompute). The plan chooses it (``ops.plan``, path
+"fused_single_pass") and sizes its chunks (``LMHeadPlan.chunk_rows``).
 
 Per full-width row chunk of the loss's valid rows: fp32 logits ``[C, n_valid]`` -> row stats
 (kernel seam) -> TP combine of those rows -> logp / entropy -> ``loss.math.objective`` of the
@@ -20,46 +21,12 @@ from torch import Tensor
 from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.loss.math import LossContext, objective
 from megatron_grpo.loss.metrics import MetricDict
-from megatron_grpo.ops import tiling
 from megatron_grpo.ops.comm import combine_row_stats
-from megatron_grpo.ops.lm_head import LMHead, RowGrads, mm_f32, take_rows
+from megatron_grpo.ops.lm_head import LMHead, mm_f32, take_rows
 from megatron_grpo.ops.passes import HiddenGrad
+from megatron_grpo.ops.stats import GlobalRowStats, RowGrads, RowStats
+from megatron_grpo.ops.tiling import merge_tile_stats, tile_view
 from megatron_grpo.ops.weight_grad import main_grad_of
-
-# Smallest full-width row chunk worth the single pass (measurements: ops/fused_grpo.py).
-SINGLE_PASS_MIN_ROWS = 4096
-# An fp32 [V_local, H] d_weight buffer beyond the gradient may cost at most this many tiles.
-ACCUMULATOR_TILES = 1
-
-
-def needs_accumulator(weight: Tensor) -> bool:
-    """Whether the single pass needs an fp32 [V_local, H] buffer beyond the gradient: neither an
-    fp32 ``main_grad`` nor an fp32 gradient (fp32 weight) exists to accumulate into."""
-    main_grad = main_grad_of(weight)
-    if main_grad is not None:
-        return main_grad.dtype != torch.float32
-    return weight.dtype != torch.float32
-
-
-def single_pass_rows(
-    n_rows: int, v_local: int, hidden_size: int, chunk_size: int | None, extra_accumulator: bool
-) -> int | None:
-    """Rows per chunk of the single pass, or None when the tiled recompute path runs.
-
-    A full-width fp32 [C, V_local] chunk must fit ``tiling.TILE_BYTES`` (C = ``chunk_size``, or
-    as many rows as fit, 64-aligned) with C >= min(SINGLE_PASS_MIN_ROWS, n_rows), and an extra
-    fp32 d_weight buffer (``extra_accumulator``) must cost at most ACCUMULATOR_TILES tiles.
-    Depends only on values equal on all TP ranks (V_local, not the rank's valid columns), so
-    every rank takes the same path and runs the same number of per-chunk collectives.
-    """
-    budget = tiling.TILE_BYTES
-    fit = budget // (4 * max(v_local, 1))
-    rows = tiling.round_down(fit, tiling.ROW_ALIGN) if chunk_size is None else chunk_size
-    if n_rows == 0 or not 1 <= rows <= fit or rows < min(SINGLE_PASS_MIN_ROWS, n_rows):
-        return None
-    if extra_accumulator and 4 * v_local * hidden_size > ACCUMULATOR_TILES * budget:
-        return None
-    return min(rows, n_rows)
 
 
 def objective_grads(
@@ -85,13 +52,14 @@ class ForwardWeightGrad:
     ``in_main_grad``: straight into an fp32 ``weight.main_grad`` (Megatron's DDP buffer: no
     [V_local, H] buffer of our own), which then already holds it before backward. Otherwise into
     ``acc``, an fp32 [V_local, H] buffer (padded rows 0): the fp32 weight's gradient itself, or
-    an extra buffer (:func:`needs_accumulator`) rounded into the gradient in backward.
+    an extra buffer (``LMHeadPlan.extra_accumulator``) rounded into the gradient in backward.
+    ``mode``: the plan's ``weight_grad``.
     """
 
-    def __init__(self, weight: Tensor, n_valid: int):
+    def __init__(self, weight: Tensor, n_valid: int, mode: str):
         self.n_valid = n_valid
         main_grad = main_grad_of(weight)
-        self.in_main_grad = main_grad is not None and main_grad.dtype == torch.float32
+        self.in_main_grad = mode == "accumulate_fp32" and main_grad is not None
         if self.in_main_grad:
             self.acc = main_grad
         else:  # every valid row is written by the first chunk's GEMM: no zero fill
@@ -110,89 +78,104 @@ class ForwardWeightGrad:
 
 
 @dataclass
+class PassRows:
+    """Per-row results of the single pass, each [N] fp32, filled chunk by chunk."""
+
+    logp: Tensor
+    lse: Tensor
+    g_logp: Tensor  # d loss / d logp (grad_output 1)
+    g_ent: Tensor | None  # d loss / d entropy; None when the loss has no entropy term
+    ent: Tensor | None  # entropy; None when not computed
+    pz: Tensor | None  # sum_j p_j z_j (with entropy)
+
+    @staticmethod
+    def empty(n: int, device: torch.device, need_ent: bool, ent_grad: bool) -> PassRows:
+        def new(on: bool = True) -> Tensor | None:
+            return torch.empty(n, device=device) if on else None
+
+        return PassRows(new(), new(), new(), new(ent_grad), new(need_ent), new(need_ent))
+
+    def grads(self) -> RowGrads:
+        """The logits gradient's per-row inputs (pz only with an entropy gradient)."""
+        return RowGrads(self.lse, self.g_logp, self.g_ent, None if self.g_ent is None else self.pz)
+
+
+@dataclass
 class SinglePassResult:
     """What the forward keeps: loss pieces, [N] outputs and the gradients of grad_output 1."""
 
     loss: Tensor  # fp32 scalar
     metrics: list[MetricDict]
-    logp: Tensor  # [N]
-    ent: Tensor | None  # [N]
-    grads: RowGrads  # lse, d loss / d logp, d loss / d entropy, pz: [N] each
+    rows: PassRows
     dh: Tensor | None  # fp32 [T_local, H], TP-reduced
 
 
 class TokenSinglePass:
-    """One pass over the N loss rows (``t_local`` [N]) in chunks of ``rows`` full-width rows."""
+    """One pass over the N loss rows (``t_local`` [N]) in the plan's full-width chunks."""
 
     def __init__(self, head: LMHead, lctx: LossContext, cfg: GRPOLossConfig, need_ent: bool):
         self.head, self.lctx, self.cfg, self.need_ent = head, lctx, cfg, need_ent
 
     def run(
-        self,
-        h_full: Tensor,
-        idx: Tensor | None,
-        t_local: Tensor,
-        rows: int,
-        want_dh: bool,
+        self, h_full: Tensor, idx: Tensor | None, t_local: Tensor, want_dh: bool,
         dw: ForwardWeightGrad | None,
-    ) -> SinglePassResult:
+    ) -> SinglePassResult:  # fmt: skip
         """h_full [T, H] (gathered), idx [N] or None (all rows); d_weight goes into ``dw``."""
-        n, dev = t_local.shape[0], h_full.device
-        stats = torch.empty((6 if self.need_ent else 3, n), device=dev)
+        n, dev, rows = t_local.shape[0], h_full.device, self.head.plan.chunk_rows
+        ent_grad = self.need_ent and self.cfg.entropy_coef != 0
+        out = PassRows.empty(n, dev, self.need_ent, ent_grad)
         dh = HiddenGrad(self.head, h_full, idx, torch.float32) if want_dh else None
         buf = torch.empty(min(rows, n) * self.head.n_valid, device=dev)
         losses, metrics = [], [self.lctx.metrics]
         for r0 in range(0, n, rows):
             r1 = min(r0 + rows, n)
             h = take_rows(h_full, idx, r0, r1)
-            loss, met = self._chunk(h, t_local[r0:r1], r0, r1, stats, buf, dh, dw)
+            loss, met = self._chunk(h, t_local[r0:r1], r0, r1, out, buf, dh, dw)
             losses.append(loss)
             metrics.append(met)
-        ent = g_ent = pz = None
-        if self.need_ent:
-            ent, pz = stats[4], stats[5]
-            g_ent = stats[3] if self.cfg.entropy_coef != 0 else None
-        grads = RowGrads(stats[1], stats[2], g_ent, None if g_ent is None else pz)
         total = torch.stack(losses).sum()
-        return SinglePassResult(
-            total, metrics, stats[0], ent, grads, None if dh is None else dh.finish()
-        )
+        return SinglePassResult(total, metrics, out, None if dh is None else dh.finish())
 
-    def _chunk(self, h, t_rows, r0, r1, stats, buf, dh, dw) -> tuple[Tensor, MetricDict]:
-        """Stats, loss and gradients of rows r0:r1; stats rows: logp, lse, g_lp, g_ent, ent, pz."""
+    def _chunk(self, h, t_rows, r0, r1, out: PassRows, buf, dh, dw) -> tuple[Tensor, MetricDict]:
+        """Stats, loss and gradients of rows r0:r1, written into ``out``."""
         head = self.head
-        lse, zt, pz = combine_row_stats(*self._local_stats(h, t_rows, buf), head.tp)
-        logp = stats[0, r0:r1] = zt - lse
-        stats[1, r0:r1] = lse
+        st = combine_row_stats(self._local_stats(h, t_rows, buf), head.tp)
+        logp = out.logp[r0:r1] = st.logp
+        out.lse[r0:r1] = st.lse
         ent = None
         if self.need_ent:
-            ent = stats[4, r0:r1] = lse - pz
-            stats[5, r0:r1] = pz
+            ent = out.ent[r0:r1] = st.entropy
+            out.pz[r0:r1] = st.pz
         loss, met, g_lp, g_ent = objective_grads(
             self.cfg, self.lctx.rows(slice(r0, r1)), logp, ent, want_grad=True
         )
-        stats[2, r0:r1] = g_lp
+        out.g_logp[r0:r1] = g_lp
         if g_ent is not None:
-            stats[3, r0:r1] = g_ent
+            out.g_ent[r0:r1] = g_ent
         if head.n_valid == 0:  # all-padded shard: no logits, zero local gradients
             if dh is not None:
                 dh.put(r0, r1, h.new_zeros(h.shape, dtype=torch.float32))
             return loss, met
-        g = RowGrads(lse, g_lp, g_ent, None if g_ent is None else pz)
-        dlogits = head.dlogits(tiling.tile_view(buf, r1 - r0, head.n_valid), t_rows, 0, g)
+        self._backward_chunk(h, t_rows, r0, r1, st, g_lp, g_ent, buf, dh, dw)
+        return loss, met
+
+    def _backward_chunk(
+        self, h, t_rows, r0, r1, st: GlobalRowStats, g_lp, g_ent, buf, dh, dw
+    ) -> None:
+        """d logits of the chunk still in ``buf``, then its d_hidden and d_weight GEMMs."""
+        head = self.head
+        g = RowGrads(st.lse, g_lp, g_ent, None if g_ent is None else st.pz)
+        dlogits = head.dlogits(tile_view(buf, r1 - r0, head.n_valid), t_rows, 0, g)
         if dh is not None:
             dh.put(r0, r1, mm_f32(dlogits, head.weight[: head.n_valid]))
         if dw is not None:
             dw.add(dlogits, h)
-        return loss, met
 
-    def _local_stats(self, h: Tensor, t_rows: Tensor, buf: Tensor) -> list[Tensor | None]:
-        """This shard's (m, s, zt, b) of the rows ``h``; the logits stay in ``buf``."""
-        head, rows = self.head, h.shape[0]
-        if head.n_valid == 0:
-            parts = []
-        else:
+    def _local_stats(self, h: Tensor, t_rows: Tensor, buf: Tensor) -> RowStats:
+        """This shard's stats of the rows ``h``; the logits stay in ``buf``."""
+        head = self.head
+        parts = []
+        if head.n_valid:
             logits = head.logits(h, 0, head.n_valid, buf)
             parts = [head.stats(logits, t_rows, 0, self.need_ent)]
-        m, s, zt, b = tiling.merge_tile_stats(parts, rows, h.device)
-        return [m, s, zt, b if self.need_ent else None]
+        return merge_tile_stats(parts, h.shape[0], h.device, self.need_ent)

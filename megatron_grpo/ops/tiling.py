@@ -1,11 +1,12 @@
 """2D tiling of the LM head: row blocks x vocabulary tiles, one fp32 logits tile alive at a time.
 
-A tile is ``[R, Vc]`` fp32 logits with ``R * Vc * 4 <= TILE_BYTES``. Square-ish tiles keep the
-GEMMs large and bound the traffic of the fp32 gradient accumulators: with rows outer the
+A tile is ``[R, Vc]`` fp32 logits with ``R * Vc * 4 <= tile_bytes`` (the plan's share of its memory
+budget, :mod:`megatron_grpo.ops.plan`; ``TILE_BYTES`` at the default budget). Square-ish tiles keep
+the GEMMs large and bound the traffic of the fp32 gradient accumulators: with rows outer the
 ``[R, H]`` d_hidden block is read and written once per vocab tile, and the ``[V_local, H]``
-d_weight accumulator once per row block, i.e. ``8 * T * V * H * (1 / R + 1 / Vc)`` bytes.
-A 1D row chunk of the whole vocabulary (``R = 384`` at V = 151936 within 256 MiB) made the
-d_weight traffic alone ~100 GB at T = 8192.
+d_weight accumulator once per row block, i.e. ``8 * T * V * H * (1 / R + 1 / Vc)`` bytes. A 1D row
+chunk of the whole vocabulary (``R = 384`` at V = 151936 within 256 MiB) made the d_weight traffic
+alone ~100 GB at T = 8192.
 
 Only the ``n_valid`` real columns are tiled: padded vocabulary rows are never computed.
 """
@@ -18,7 +19,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-# Budget of one fp32 [R, Vc] logits tile (its low-precision gradient is written in place).
+from megatron_grpo.ops.stats import OVER_TILES, RowStats, merge_row_stats
+
+# One fp32 [R, Vc] logits tile at the default memory budget (its low-precision gradient is
+# written in place); ops.plan derives the tile of any other budget.
 TILE_BYTES = 256 * 2**20
 ROW_ALIGN = 64
 COL_ALIGN = 256
@@ -38,13 +42,15 @@ class Tiling:
     n_cols: int
 
     @staticmethod
-    def plan(n_rows: int, n_cols: int, chunk_size: int | None) -> Tiling:
+    def plan(
+        n_rows: int, n_cols: int, chunk_size: int | None, tile_bytes: int = TILE_BYTES
+    ) -> Tiling:
         """Tile shape for ``n_rows`` active rows and ``n_cols`` valid vocab columns.
 
-        ``chunk_size`` None: square tiles of ``sqrt(TILE_BYTES / 4)`` (8192 at 256 MiB), fewer
+        ``chunk_size`` None: square tiles of ``sqrt(tile_bytes / 4)`` (8192 at 256 MiB), fewer
         rows when there are fewer. Else ``chunk_size`` rows and as many columns as fit.
         """
-        elems = TILE_BYTES // 4
+        elems = tile_bytes // 4
         if chunk_size is None:
             side = round_down(math.isqrt(elems), COL_ALIGN)
             rows = min(side, -(-max(n_rows, 1) // ROW_ALIGN) * ROW_ALIGN)
@@ -82,24 +88,14 @@ def narrow_alias(logits: Tensor, dtype: torch.dtype) -> Tensor:
     return logits.view(dtype)[:, : logits.shape[1]]
 
 
-def merge_tile_stats(parts: list[tuple], rows: int, device: torch.device) -> list[Tensor | None]:
-    """Combines per-tile row stats ``(m, s, zt, b)`` (each [R]) into this shard's stats.
-
-    Same algebra as the TP combine: ``M = max m``, ``s = sum s_i exp(m_i - M)`` (likewise b);
-    the target logit is in at most one tile (0 elsewhere), so its sum is exact. No tile (an
-    all-padded shard) gives the identities (-inf, 0, 0, 0).
-    """
-    with_b = bool(parts) and parts[0][3] is not None
+def merge_tile_stats(
+    parts: list[RowStats], rows: int, device: torch.device, with_b: bool
+) -> RowStats:
+    """Combines per-tile row stats (each [R]) into this shard's stats: the log-sum-exp merge
+    (:func:`megatron_grpo.ops.stats.merge_row_stats`) over the stacked tiles. One tile is its
+    own merge; no tile (an all-padded shard) gives the identities (-inf, 0, 0, 0)."""
     if not parts:
-        zeros = torch.zeros(rows, device=device)
-        return [torch.full_like(zeros, float("-inf")), zeros, zeros.clone(), zeros.clone()]
+        return RowStats.identity(rows, device, with_b)
     if len(parts) == 1:
-        return list(parts[0])
-    m = torch.stack([p[0] for p in parts])
-    big_m = m.amax(0)
-    # An all-masked tile would have m = -inf; exp(-inf - M) is 0 but -inf - (-inf) is NaN.
-    scale = torch.where(torch.isfinite(m), torch.exp(m - big_m), torch.zeros_like(m))
-    s = (torch.stack([p[1] for p in parts]) * scale).sum(0)
-    zt = torch.stack([p[2] for p in parts]).sum(0)
-    b = (torch.stack([p[3] for p in parts]) * scale).sum(0) if with_b else None
-    return [big_m, s, zt, b]
+        return parts[0]
+    return merge_row_stats(RowStats.stack(parts), OVER_TILES)

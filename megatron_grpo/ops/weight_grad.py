@@ -1,12 +1,14 @@
 """Where the LM-head weight gradient goes: ``weight.main_grad`` (Megatron) or ``weight.grad``.
 
-The gradient is accumulated vocab tile by vocab tile in fp32. It is accumulated *in place*
-("direct") where an fp32 buffer of the gradient already exists or is the gradient itself: an
-fp32 ``weight.main_grad`` (Megatron DDP, gradient_accumulation_fusion semantics), or a fresh fp32
-gradient of an fp32 weight. Otherwise (bf16 weight without main_grad, or a low-precision
-main_grad) each tile is summed in an fp32 scratch and rounded once into the gradient (or, from a
-single row block, written by one GEMM with an fp32 accumulator), so no fp32 buffer of the whole
-[V_local, H] shard exists beyond the gradient itself.
+The gradient is accumulated vocab tile by vocab tile in fp32, in one of the plan's modes
+(``LMHeadPlan.weight_grad``, decided by :func:`megatron_grpo.ops.plan.weight_grad_mode`):
+"accumulate_fp32" *in place* where an fp32 buffer of the gradient already exists or is the
+gradient itself: an fp32 ``weight.main_grad`` (Megatron DDP, gradient_accumulation_fusion
+semantics), or a fresh fp32 gradient of an fp32 weight. Otherwise ("write_tiles": a new gradient
+of a bf16 weight without main_grad; "add_tiles": a low-precision main_grad) each tile is summed in
+an fp32 scratch and rounded once into the gradient (or, from a single row block, written by one
+GEMM with an fp32 accumulator), so no fp32 buffer of the whole [V_local, H] shard exists beyond
+the gradient itself.
 
 With ``main_grad`` autograd receives no weight gradient. When the weight also carries
 ``grad_added_to_main_grad`` (Megatron DDP sets it on every parameter) the flag is set and a dummy
@@ -36,14 +38,15 @@ def main_grad_of(weight: Tensor) -> Tensor | None:
 class WeightGradSink:
     """The d_weight of one backward pass, delivered in vocab tiles of [Vc, H].
 
-    ``n_valid``: rows ``>= n_valid`` (padded vocabulary) receive no tile and stay 0.
+    ``n_valid``: rows ``>= n_valid`` (padded vocabulary) receive no tile and stay 0. ``mode``:
+    the plan's ``weight_grad`` (module docstring; never "none": no sink then).
     """
 
-    def __init__(self, weight: Tensor, n_valid: int):
+    def __init__(self, weight: Tensor, n_valid: int, mode: str):
         self.weight = weight
         self.main_grad = main_grad_of(weight)
-        # fresh: a new low-precision gradient whose tiles are each written exactly once
-        self.fresh = self.main_grad is None and weight.dtype != torch.float32
+        # fresh: a new gradient in the weight's dtype whose tiles are each written exactly once
+        self.fresh = mode == "write_tiles"
         if self.main_grad is not None:
             self.target = self.main_grad
         elif self.fresh:  # no zero fill of the whole shard: every valid row is written
@@ -51,7 +54,13 @@ class WeightGradSink:
             self.target[n_valid:].zero_()
         else:  # an fp32 weight's gradient, accumulated in place
             self.target = torch.zeros_like(weight, memory_format=torch.contiguous_format)
-        self.direct = self.target.dtype == torch.float32
+        self.direct = mode == "accumulate_fp32"
+        found = "add_tiles" if self.main_grad is not None else "write_tiles"
+        found = "accumulate_fp32" if self.target.dtype == torch.float32 else found
+        if mode != found:  # the plan was made for other buffers than the weight has now
+            raise RuntimeError(
+                f"weight_grad mode {mode!r}, but the weight's buffers need {found!r}"
+            )
 
     def tile(self, start: int, stop: int) -> Tensor:
         """Rows ``start:stop`` of the fp32 d_weight, to accumulate into in place."""

@@ -236,7 +236,10 @@ class TrainingConfig:
         logprob_path: how the last stage turns hidden states into log-probs and the loss:
             ``fused`` (LM head + GRPO loss in one vocab pass), ``op`` (vocab_parallel_logprobs,
             then grpo_loss) or ``megatron`` (Megatron's output_layer + vocab_parallel_cross_entropy
-            on materialized [T, V/TP] logits: the baseline for comparisons).
+            on materialized [T, V/TP] logits: the baseline for comparisons); ``fused_tiled`` /
+            ``fused_single_pass`` name one fused path instead of the plan's choice.
+        lm_head_memory_budget: bytes of the LM head's working set (``GRPOStep.memory_budget``,
+            ``megatron_grpo.ops.plan``): larger = larger logits tiles, faster; None = 1 GiB.
     """
 
     steps: int = 100
@@ -247,10 +250,12 @@ class TrainingConfig:
     advantage_estimator: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
     use_reference_model: bool = False
     max_consecutive_nonfinite_skips: int = 3
-    logprob_path: Literal["fused", "op", "megatron"] = "fused"
+    logprob_path: Literal["fused", "op", "megatron", "fused_tiled", "fused_single_pass"] = "fused"
+    lm_head_memory_budget: int | None = None
 
     def __post_init__(self) -> None:
         check_positive(self, "steps", "mini_batches_per_step", "max_consecutive_nonfinite_skips")
+        check_positive(self, "lm_head_memory_budget")
         check_positive(self, "micro_batch_size", "max_tokens_per_micro_batch")
         if (self.micro_batch_size is None) == (self.max_tokens_per_micro_batch is None):
             raise ValueError(

@@ -80,6 +80,7 @@ class Trainer:
             vocab_size=cfg.model.vocab_size,
             temperature=cfg.rollout.temperature,
             logprob_path=cfg.training.logprob_path,
+            memory_budget=cfg.training.lm_head_memory_budget,
         )
         self.start_step, self.skipped, self.consecutive_skips = 0, 0, 0
         self._load(resume)

@@ -1,0 +1,293 @@
+"""The LM-head plan: every choice of how one call runs, made once by one pure function.
+
+:func:`plan_lm_head` takes what is known before any GEMM (:class:`HeadShape`: active rows, the
+shard's shape, dtypes and gradient buffers, the device type) and the caller's options (loss
+config, kernel impl, chunk size, memory budget, an optional explicit path) and returns a frozen
+:class:`LMHeadPlan`. ``vocab_parallel_logprobs``, ``fused_grpo_loss``, ``GRPOStep``, the memory
+plan and the dry run all run or report that plan; ``str(plan)`` explains it in one line.
+
+The decisions, each a field of the plan:
+
+* ``path``: "op" (``vocab_parallel_logprobs``, then ``grpo_loss``), "fused_tiled" (stats pass,
+  loss, recompute in backward: 4 GEMMs), "fused_single_pass" (3 GEMMs per full-width chunk, the
+  loss inside) or "megatron" (Megatron's output layer + ``vocab_parallel_cross_entropy``, only
+  run by ``GRPOStep``). Requests: ``"fused"`` (or None with a loss) picks between the fused paths
+  by the single-pass rule below, and runs "op" for GSPO (``ratio_level == "sequence"``: a
+  token's ratio needs its whole sequence); log-probs alone (no loss) run "op".
+* ``impl``: the kernel seam, "torch" or "triton" (``ops.dispatch.resolve_impl``).
+* ``weight_grad``: where d_weight goes: "accumulate_fp32" (in place in an fp32 buffer that is
+  the gradient: an fp32 ``main_grad``, or the fp32 gradient of an fp32 weight), "write_tiles" (a
+  new gradient in the weight's dtype: each vocab tile summed in fp32, written once), "add_tiles"
+  (a ``main_grad`` that is not fp32: each tile summed in fp32, added once) or "none".
+* ``loop_order`` of the tiled backward: "rows_outer" where d_weight accumulates in place
+  ("accumulate_fp32" / "none"), else "vocab_outer" (see ``ops.passes``).
+* chunk sizes: ``tile_rows x tile_cols`` fp32 logits tiles of the tiled passes (also the
+  single pass's recompute), ``chunk_rows`` full-width rows per single-pass chunk.
+
+The memory budget (``memory_budget`` bytes, default 1 GiB) is the knob that trades memory for
+speed: one fp32 logits tile gets ``memory_budget / TILE_FRACTION`` (256 MiB by default), the rest
+covers what grows with it (the fp32 d_hidden block / d_weight tile of the tiled backward; on the
+single pass an extra fp32 [V_local, H] d_weight buffer of at most ``ACCUMULATOR_TILES`` tiles).
+A larger budget means larger tiles (less accumulator traffic, ``8 T V H (1/R + 1/Vc)`` bytes)
+and makes the single pass possible on wider shards; a smaller one less memory. At the default,
+V_local = 151936, H = 4096, bf16, the peak beyond the gradients measured on an H200 is 0.38 GiB
+(T = 8192) and 0.88 GiB (T = 32768 without an fp32 main_grad): within 1 GiB.
+
+The single-pass rule (measurements: ``ops/fused_grpo.py``): a full-width fp32 [C, V_local] chunk
+must fit the tile (C = ``chunk_size``, or as many 64-aligned rows as fit), C >=
+min(``single_pass_min_rows``, rows), and an extra fp32 d_weight buffer ("write_tiles" /
+"add_tiles") must fit ``ACCUMULATOR_TILES`` tiles. It reads only values equal on all TP ranks
+(V_local, not the rank's valid columns), so every rank takes the same path. An explicit
+``path="fused_single_pass"`` skips the row threshold but not the memory checks (ValueError).
+Without gradients or loss rows both fused paths are the same stats pass: "fused_tiled" runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from megatron_grpo.loss import GRPOLossConfig
+from megatron_grpo.ops.dispatch import resolve_impl
+from megatron_grpo.ops.tiling import ROW_ALIGN, TILE_BYTES, Tiling, round_down
+from megatron_grpo.ops.weight_grad import main_grad_of
+
+PATHS = ("op", "fused_tiled", "fused_single_pass", "megatron")
+REQUESTS = ("fused", *PATHS)
+WEIGHT_GRADS = ("none", "accumulate_fp32", "write_tiles", "add_tiles")
+LOOP_ORDERS = ("rows_outer", "vocab_outer")
+
+TILE_FRACTION = 4  # one fp32 logits tile = memory_budget / TILE_FRACTION
+DEFAULT_MEMORY_BUDGET = TILE_FRACTION * TILE_BYTES  # 1 GiB
+SINGLE_PASS_MIN_ROWS = 4096  # smallest full-width chunk worth the single pass (auto)
+ACCUMULATOR_TILES = 1  # the single pass's extra fp32 [V_local, H] d_weight, in tiles
+_MIN_BUDGET = TILE_FRACTION * 4  # a tile of one fp32 element
+_GIB, _MIB = 2**30, 2**20
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    """What the plan knows of a call: plain values, no tensors."""
+
+    rows: int  # active rows through the LM head (the loss rows, the op's ``rows``)
+    v_local: int  # rows of this rank's weight shard (padded vocabulary)
+    n_valid: int  # real vocabulary rows of the shard (the others are padding)
+    hidden: int  # H
+    dtype: torch.dtype  # of the weight (and hidden): the GEMM dtype
+    main_grad_dtype: torch.dtype | None  # weight.main_grad's; None: autograd's weight.grad
+    device_type: str
+    want_dh: bool = True
+    want_dw: bool = True
+
+    @staticmethod
+    def of(
+        weight: Tensor,
+        *,
+        rows: int,
+        n_valid: int | None = None,
+        want_dh: bool = True,
+        want_dw: bool | None = None,
+    ) -> HeadShape:
+        """The shape of a [V_local, H] ``weight`` (its ``main_grad``, device); ``n_valid``
+        None = V_local; ``want_dw`` None = ``weight.requires_grad``."""
+        main_grad = main_grad_of(weight)
+        v_local, hidden = weight.shape
+        return HeadShape(
+            rows=rows, v_local=v_local, n_valid=v_local if n_valid is None else n_valid,
+            hidden=hidden, dtype=weight.dtype,
+            main_grad_dtype=None if main_grad is None else main_grad.dtype,
+            device_type=weight.device.type, want_dh=want_dh,
+            want_dw=weight.requires_grad if want_dw is None else want_dw,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LMHeadPlan:
+    """How one call runs (module docstring); ``str(plan)`` explains it in one line. Fields that
+    do not apply are None ("megatron" runs Megatron's own code; ``chunk_rows`` is the single
+    pass's)."""
+
+    path: str
+    reason: str  # why this path
+    impl: str | None
+    weight_grad: str | None
+    loop_order: str | None
+    rows: int
+    n_valid: int
+    tile_rows: int | None
+    tile_cols: int | None
+    chunk_rows: int | None
+    memory_budget: int
+
+    @property
+    def tile_bytes(self) -> int:
+        return self.memory_budget // TILE_FRACTION
+
+    @property
+    def extra_accumulator(self) -> bool:
+        """Whether the single pass keeps an fp32 [V_local, H] d_weight beyond the gradient."""
+        return self.path == "fused_single_pass" and self.weight_grad in ("write_tiles", "add_tiles")
+
+    def tiling(self) -> Tiling:
+        """The tiles of the tiled passes over ``rows`` x ``n_valid``."""
+        if self.tile_rows is None or self.tile_cols is None:
+            raise ValueError(f"path {self.path!r} has no tiles")
+        return Tiling(self.tile_rows, self.tile_cols, self.rows, self.n_valid)
+
+    def describe(self) -> str:
+        parts = [f"{self.path} ({self.reason})"]
+        if self.impl is not None:
+            parts.append(f"{self.impl} kernels")
+        if self.chunk_rows is not None:
+            parts.append(f"{self.chunk_rows}-row full-width chunks of {self.n_valid} columns")
+        if self.tile_rows is not None:
+            what = "recompute tiles" if self.chunk_rows is not None else "tiles"
+            parts.append(f"{self.rows} rows in {self.tile_rows} x {self.tile_cols} {what}")
+            parts.append(f"backward {self.loop_order.replace('_', ' ')}")
+        if self.weight_grad is not None:
+            extra = ", extra fp32 [V_local, H] buffer" if self.extra_accumulator else ""
+            parts.append(f"d_weight {self.weight_grad}{extra}")
+        budget = f"memory budget {self.memory_budget / _GIB:.3g} GiB"
+        return "; ".join(parts + [f"{budget} (tile {self.tile_bytes / _MIB:.4g} MiB)"])
+
+    __str__ = describe
+
+
+def weight_grad_mode(shape: HeadShape) -> str:
+    """Where d_weight goes (module docstring): read from the weight's dtype and main_grad."""
+    if not shape.want_dw:
+        return "none"
+    target = shape.main_grad_dtype if shape.main_grad_dtype is not None else shape.dtype
+    if target == torch.float32:
+        return "accumulate_fp32"
+    return "write_tiles" if shape.main_grad_dtype is None else "add_tiles"
+
+
+def resolve_request(path: str | None, loss: GRPOLossConfig | None) -> tuple[str, str]:
+    """(``"op"`` | ``"fused"`` | an explicit path, why) of a request; raises on impossible ones.
+
+    ``"fused"`` here still has to pick between the fused paths (:func:`plan_lm_head`).
+    """
+    if path is not None and path not in REQUESTS:
+        raise ValueError(f"path must be one of {list(REQUESTS)} or None, got {path!r}")
+    if path == "megatron" and loss is not None and loss.entropy_coef != 0:
+        raise ValueError(
+            "path 'megatron' (vocab_parallel_cross_entropy) computes no entropy; "
+            f"loss.entropy_coef must be 0, got {loss.entropy_coef}"
+        )
+    if path in ("op", "megatron"):
+        return path, "requested"
+    if loss is None:
+        if path is not None:
+            raise ValueError(f"path {path!r} fuses the loss: it needs a loss config")
+        return "op", "log-probs only"
+    if loss.ratio_level == "sequence":
+        if path in ("fused_tiled", "fused_single_pass"):
+            raise ValueError(
+                f"path {path!r} needs loss.ratio_level 'token': a sequence ratio (GSPO) couples "
+                "a sequence's tokens, so its log-probs come first (path 'op' or 'fused')"
+            )
+        return "op", "loss.ratio_level 'sequence' (GSPO): log-probs of all rows first"
+    return ("fused", "auto") if path in (None, "fused") else (path, "requested")
+
+
+def plan_lm_head(
+    shape: HeadShape,
+    *,
+    path: str | None = None,
+    loss: GRPOLossConfig | None = None,
+    impl: str = "auto",
+    chunk_size: int | None = None,
+    memory_budget: int | None = None,
+    single_pass_min_rows: int = SINGLE_PASS_MIN_ROWS,
+) -> LMHeadPlan:
+    """The plan of one call (module docstring). Deterministic: equal arguments, equal plans.
+
+    Args:
+        shape: the call's rows, shard and gradient buffers (:meth:`HeadShape.of`).
+        path: None / "fused" (automatic), or one of :data:`PATHS`.
+        loss: the GRPO loss config (its ``ratio_level``), None for log-probs alone.
+        impl: "auto", "torch" or "triton" (kernel seam).
+        chunk_size: rows per logits tile / single-pass chunk; None = automatic.
+        memory_budget: bytes (see the module docstring); None = :data:`DEFAULT_MEMORY_BUDGET`.
+        single_pass_min_rows: the automatic rule's row threshold.
+    """
+    budget = _check_options(chunk_size, memory_budget, single_pass_min_rows)
+    request, reason = resolve_request(path, loss)
+    weight_grad = weight_grad_mode(shape)
+    if request == "megatron":
+        return LMHeadPlan("megatron", reason, None, None, None, shape.rows, shape.n_valid,
+                          None, None, None, budget)  # fmt: skip
+    impl_name = resolve_impl(impl, shape.device_type)
+    tiling = Tiling.plan(shape.rows, shape.n_valid, chunk_size, budget // TILE_FRACTION)
+    chunk_rows = None
+    if request != "op":
+        request, chunk_rows, reason = _fused_path(
+            request, shape, weight_grad, chunk_size, budget // TILE_FRACTION, single_pass_min_rows
+        )
+    loop = "rows_outer" if weight_grad in ("none", "accumulate_fp32") else "vocab_outer"
+    return LMHeadPlan(request, reason, impl_name, weight_grad, loop, shape.rows, shape.n_valid,
+                      tiling.rows, tiling.cols, chunk_rows, budget)  # fmt: skip
+
+
+def _check_options(chunk_size: int | None, memory_budget: int | None, min_rows: int) -> int:
+    """Validates the options; returns the memory budget in bytes."""
+    if chunk_size is not None and (not _is_int(chunk_size) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
+    if not _is_int(budget) or budget < _MIN_BUDGET:
+        raise ValueError(f"memory_budget must be an int >= {_MIN_BUDGET} bytes or None, "
+                         f"got {memory_budget!r}")  # fmt: skip
+    if not _is_int(min_rows) or min_rows < 0:
+        raise ValueError(f"single_pass_min_rows must be an int >= 0, got {min_rows!r}")
+    return budget
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _fused_path(
+    request: str, shape: HeadShape, weight_grad: str, chunk_size: int | None, tile: int,
+    min_rows: int,
+) -> tuple[str, int | None, str]:  # fmt: skip
+    """(path, single-pass chunk rows or None, why) of a fused request."""
+    if not (shape.want_dh or shape.want_dw):
+        return "fused_tiled", None, "no gradient wanted: the stats pass"
+    if shape.rows == 0:
+        return "fused_tiled", None, "no loss rows"
+    if request == "fused_tiled":
+        return "fused_tiled", None, "requested"
+    rows, why_not = _single_pass_chunk(shape, weight_grad, chunk_size, tile)
+    if why_not is not None and request == "fused_single_pass":
+        raise ValueError(f"path 'fused_single_pass' does not fit the memory budget: {why_not}; "
+                         "raise memory_budget or lower chunk_size")  # fmt: skip
+    if why_not is not None:
+        return "fused_tiled", None, f"auto: {why_not}"
+    if request == "fused_single_pass":
+        return request, min(rows, shape.rows), "requested"
+    threshold = min(min_rows, shape.rows)
+    if rows < threshold:
+        why = f"auto: full-width chunks of {rows} rows < min({min_rows}, {shape.rows} rows)"
+        return "fused_tiled", None, why
+    why = f"auto: full-width chunks of {rows} rows >= min({min_rows}, {shape.rows} rows)"
+    return "fused_single_pass", min(rows, shape.rows), why
+
+
+def _single_pass_chunk(
+    shape: HeadShape, weight_grad: str, chunk_size: int | None, tile: int
+) -> tuple[int, str | None]:
+    """(rows per full-width chunk, None) when the single pass fits ``tile`` bytes, else
+    (rows, why not)."""
+    fit = tile // (4 * max(shape.v_local, 1))
+    rows = round_down(fit, ROW_ALIGN) if chunk_size is None else chunk_size
+    if not 1 <= rows <= fit:
+        return rows, (f"a full-width fp32 chunk of {max(rows, 1)} x {shape.v_local} exceeds the "
+                      f"{tile}-byte tile")  # fmt: skip
+    extra = 4 * shape.v_local * shape.hidden
+    if weight_grad in ("write_tiles", "add_tiles") and extra > ACCUMULATOR_TILES * tile:
+        return rows, (f"its extra fp32 [V_local, H] d_weight ({extra} bytes) exceeds "
+                      f"{ACCUMULATOR_TILES} tile of {tile} bytes")  # fmt: skip
+    return rows, None
