@@ -242,3 +242,25 @@ def _gpu_body(rank: int, world: int) -> None:
         tol = 1e-4 if dtype == "float32" else 0.1  # bf16: per-forward rounding of activations
         for a, b in zip(got[1], forced, strict=True):
             torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=tol)
+
+
+def test_compaction_moves_each_row_from_where_its_cache_is():
+    """Finished rows are refilled by the last rows in one batched copy (every source read before
+    any write): a row moved into a slot that later moves on again must come from its origin."""
+    from types import SimpleNamespace
+
+    from megatron_grpo.rollout.engine import KVCacheEngine
+
+    for finished in ([1, 3], [0, 2, 3], [1, 2, 4, 5], [0, 5], [4]):
+        slots = list(range(6))  # slot i holds the cache of sample i
+        run = SimpleNamespace(rows=list(range(6)))
+
+        def move_rows(src, dst, ctx, slots=slots):
+            moved = [slots[s] for s in src]  # batched: read everything first
+            for d, v in zip(dst, moved, strict=True):
+                slots[d] = v
+
+        engine = SimpleNamespace(cache=SimpleNamespace(move_rows=move_rows, seq_len=8))
+        KVCacheEngine._retire(engine, run, finished)
+        assert sorted(run.rows) == sorted(set(range(6)) - set(finished))
+        assert [slots[r] for r in range(len(run.rows))] == run.rows, (finished, slots, run.rows)

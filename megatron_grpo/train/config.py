@@ -123,6 +123,10 @@ class RolloutConfig:
             it wait for a free slot (generation streams through the cache instead of failing).
         cuda_graphs: replay the engine's decode steps as CUDA graphs; null = auto (on for dense
             models on GPU, off for MoE and on CPU); true on CPU or with MoE is an error.
+        decode_path: how the engine's decode steps run: ``fused`` (the same weights through a
+            step of ~9 kernels a layer: ``megatron_grpo.rollout.fused_decode``), ``modules``
+            (megatron-core's layer modules) or ``auto`` (fused wherever it covers the model:
+            dense portable-spec GPT layers; the choice and its reason are logged).
         task: ``reverse_digits`` (toy, built-in tokenizer) or ``math`` (local JSONL + HF tokenizer).
         reward_fn: optional ``"pkg.module:function"`` replacing the task's reward; called as
             ``fn(prompt: str, response: str, answer: str) -> float``.
@@ -144,6 +148,7 @@ class RolloutConfig:
     engine: Literal["kv_cache", "recompute"] = "kv_cache"
     kv_cache_gib: float = 16.0
     cuda_graphs: bool | None = None
+    decode_path: Literal["auto", "fused", "modules"] = "auto"
     task: TaskName = "reverse_digits"
     reverse_digits: ReverseDigitsConfig = field(default_factory=ReverseDigitsConfig)
     math: MathTaskConfig = field(default_factory=MathTaskConfig)

@@ -120,8 +120,12 @@ class GeneratedRollouts:
         r = cfg.rollout
         self.engine: KVCacheEngine | None = None
         if r.engine == "kv_cache":  # one per run: its CUDA graphs are reused across steps
-            options = EngineOptions(kv_cache_gib=r.kv_cache_gib, cuda_graphs=r.cuda_graphs)
+            options = EngineOptions(
+                kv_cache_gib=r.kv_cache_gib, cuda_graphs=r.cuda_graphs, decode_path=r.decode_path
+            )
             self.engine = KVCacheEngine(model, options)
+            if torch.distributed.get_rank() == 0:
+                print(f"rollout: decode steps run {self.engine.decode}", flush=True)
 
     def metrics(self) -> dict[str, float]:
         """The KV-cached engine's counters of the last call: ``rollout/kv_slots`` (sequences the
