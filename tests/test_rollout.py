@@ -222,3 +222,23 @@ def _gpu_body(rank: int, world: int) -> None:
         tol = 1e-4 if dtype == "float32" else 0.1  # bf16: per-forward rounding of activations
         for a, b in zip(got[1], forced, strict=True):
             torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=tol)
+
+
+def test_compaction_moves_a_row_moved_twice_from_its_origin():
+    """Rows [A, B, C, D] with A and C finished: D moves into C's slot, then on into A's; its
+    cache must come from D's slot (one batched copy reads all slots before writing)."""
+    from types import SimpleNamespace
+
+    from megatron_grpo.rollout import KVCacheEngine
+    from megatron_grpo.rollout.kv_cache import CacheShape, KVCache
+
+    cache = KVCache(CacheShape(1, 1, 2, torch.float32), slots=4, seq_len=4, device="cpu")
+    for slot in range(4):
+        cache.kv[:, :, slot] = float(slot)
+    engine = KVCacheEngine.__new__(KVCacheEngine)
+    engine.cache = cache
+    run = SimpleNamespace(rows=[10, 11, 12, 13], done=lambda i: i in (10, 12))
+    engine._retire(run)
+    assert run.rows == [13, 11]
+    assert cache.kv[0, 0, 0].unique().tolist() == [3.0]  # D's cache
+    assert cache.kv[0, 0, 1].unique().tolist() == [1.0]  # B stays

@@ -325,15 +325,17 @@ class KVCacheEngine:
         finished = [r for r, i in enumerate(run.rows) if run.done(i)]
         if not finished:
             return
-        src, dst = [], []
+        # One batched copy reads every slot before writing any, so a row moved twice (into a
+        # finished slot, which is later the last one and moves on) is copied from its origin.
+        origin: dict[int, int] = {}  # destination slot -> slot holding its row's cache now
         for r in reversed(finished):  # highest first: a moved row is never finished
             last = len(run.rows) - 1
             if r != last:
-                src.append(last)
-                dst.append(r)
+                origin[r] = origin.pop(last, last)
                 run.rows[r] = run.rows[last]
             run.rows.pop()
-        self.cache.move_rows(src, dst, ctx or self.cache.seq_len)
+        dst = list(origin)
+        self.cache.move_rows([origin[d] for d in dst], dst, ctx or self.cache.seq_len)
 
 
 def _bucket(rows: int, slots: int) -> int:
