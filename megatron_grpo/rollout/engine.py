@@ -34,6 +34,7 @@ from megatron_grpo.rollout import kv_cache as kvc
 from megatron_grpo.rollout import model_io as io
 from megatron_grpo.rollout.graphs import DecodeGraphs
 from megatron_grpo.rollout.params import SamplingParams
+from megatron_grpo.rollout.routes import RouteLog, recording
 from megatron_grpo.rollout.sampling import sample
 
 
@@ -78,6 +79,7 @@ class _Run:
     rows: list[int]  # sample index of each active row
     responses: list[list[int]]
     logprobs: list[list[float]]
+    routes: RouteLog | None = None  # MoE routing replay: routes of every forward
 
     def feed(self, row: int) -> tuple[int, int]:
         """(token, position) that row ``row`` feeds next."""
@@ -119,8 +121,14 @@ class KVCacheEngine:
     # ------------------------------------------------------------------ public
     @torch.no_grad()
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator
-    ) -> tuple[list[list[int]], list[list[float]]]:
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        generator: torch.Generator,
+        record_routes: bool = False,
+    ) -> tuple[list[list[int]], list[list[float]]] | tuple[list, list, list[torch.Tensor]]:
+        """``(responses, logprobs)``, and per sample its routes ``[P + R, L, k]`` with
+        ``record_routes`` (MoE only; ``megatron_grpo.rollout.routes``)."""
         io.check_layout()
         io.check_prompts(prompts, params, self.model.max_sequence_length)
         device = io.model_device(self.model)
@@ -129,6 +137,8 @@ class KVCacheEngine:
             [list(map(int, p)) for p in prompts], params, uniforms.to(device),
             deque(range(len(prompts))), [], [[] for _ in prompts], [[] for _ in prompts],
         )  # fmt: skip
+        if record_routes:
+            run.routes = RouteLog(self.model, run.prompts, params.max_new_tokens)
         self.stats = dict.fromkeys(
             (
                 "prefill_forwards",
@@ -139,8 +149,10 @@ class KVCacheEngine:
             ),
             0,
         )
-        with self._generation_mode(run):
+        with self._generation_mode(run), recording(run.routes):
             self._loop(run)
+        if run.routes is not None:
+            return run.responses, run.logprobs, run.routes.result(run.responses)
         return run.responses, run.logprobs
 
     # ------------------------------------------------------------------ setup
@@ -256,6 +268,8 @@ class KVCacheEngine:
         ids, pos, packed = ids.to(device), pos.to(device), io.packed_to(packed, device)
         self.cache.plan_prefill(packed, slot.to(device), pos[0])
         hidden = self._forward(ids, pos)[packed.cu_seqlens_q[1:].long() - 1, 0]
+        if run.routes is not None:  # document j is sample new[j]; a dummy one is dropped
+            run.routes.packed(new, packed.cu_seqlens_q)
         self.stats["prefill_forwards"] += 1
         if device.type == "cuda":
             self.stats["prefill_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -288,6 +302,8 @@ class KVCacheEngine:
             self.graphs.run((b, ctx, run.params), lambda: self._step(b, ctx, run.params))
         else:
             self._step(b, ctx, run.params)
+        if run.routes is not None:  # the rows fed, before retiring compacts them
+            run.routes.rows(run.rows, [p for _, p in feeds])
         self.stats["decode_steps"] += 1
         self.stats["decode_rows"] += b
         out = self._out[:, :n].cpu()

@@ -189,6 +189,10 @@ class TrainingConfig:
             ``fused`` (LM head + GRPO loss in one vocab pass), ``op`` (vocab_parallel_logprobs,
             then grpo_loss) or ``megatron`` (Megatron's output_layer + vocab_parallel_cross_entropy
             on materialized [T, V/TP] logits: the baseline for comparisons).
+        log_mismatch_without_replay: with ``model.moe_enable_routing_replay``, also run the
+            old-log-prob pass with live routing (one more no-grad forward of the policy per
+            step) and log ``mismatch/k1_no_replay`` / ``mismatch/k3_no_replay``: the rollout
+            mismatch of the same rollouts without replay, next to ``mismatch/k1`` / ``k3``.
     """
 
     steps: int = 100
@@ -200,6 +204,7 @@ class TrainingConfig:
     use_reference_model: bool = False
     max_consecutive_nonfinite_skips: int = 3
     logprob_path: Literal["fused", "op", "megatron"] = "fused"
+    log_mismatch_without_replay: bool = False
 
     def __post_init__(self) -> None:
         check_positive(self, "steps", "mini_batches_per_step", "max_consecutive_nonfinite_skips")
@@ -292,6 +297,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.loss.kl_coef > 0 and not self.training.use_reference_model:
             raise ValueError("loss.kl_coef > 0 needs training.use_reference_model: true")
+        if self.training.log_mismatch_without_replay and not self.model.moe_enable_routing_replay:
+            raise ValueError(
+                "training.log_mismatch_without_replay needs model.moe_enable_routing_replay: true"
+            )
         samples = self.rollout.num_prompts * self.rollout.group_size
         if samples % self.training.mini_batches_per_step:
             raise ValueError(
