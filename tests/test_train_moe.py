@@ -99,8 +99,10 @@ def _train(tmp: Path, extra: list[str]) -> list[dict]:
             "model.moe_aux_loss_coeff=0.01",
             "rollout.engine=recompute",
         ],
+        # routing replay of the KV-cached engine's own routes, and the live-routing twin pass
+        ["model.moe_enable_routing_replay=true", "training.log_mismatch_without_replay=true"],
     ],
-    ids=["contract_command", "token_budget_aux_loss"],
+    ids=["contract_command", "token_budget_aux_loss", "routing_replay"],
 )
 def test_moe_expert_parallel_training_runs(tmp_path, extra):
     metrics = _train(tmp_path, extra)
@@ -112,9 +114,13 @@ def test_moe_expert_parallel_training_runs(tmp_path, extra):
         # forwards do not leak into the real tokens. The recompute engine runs the training
         # pass's packed forward, so routing agrees exactly; KV-cached decode rounds
         # differently (other GEMM shapes), which can flip a near-tied top-k choice of a token
-        # (the generator/trainer routing mismatch that routing replay removes).
-        bound = 1e-5 if "rollout.engine=recompute" in extra else 2e-3
+        # (the generator/trainer routing mismatch that routing replay removes: exact again).
+        replay = "model.moe_enable_routing_replay=true" in extra
+        bound = 1e-5 if "rollout.engine=recompute" in extra or replay else 2e-3
         assert abs(m["mismatch/k1"]) < bound, m
+        if replay:  # the generation's routes reached the trainer; the live-routed pass ran
+            assert 0 <= m["moe/replay_mismatch_frac"] < 0.05, m
+            assert m["mismatch/k3_no_replay"] >= 0 and "mismatch/k1_no_replay" in m, m
     assert metrics[-1]["optim/grad_norm"] > 0.0
     aux = [m.get("moe/load_balancing_loss") for m in metrics]
     if "model.moe_aux_loss_coeff=0.01" in extra:
@@ -122,6 +128,13 @@ def test_moe_expert_parallel_training_runs(tmp_path, extra):
         assert all(a is not None and 0.9 < a <= 2.0 + 1e-6 for a in aux), aux
     else:  # coefficient 0: the router computes no aux loss, so none is reported
         assert aux == [None] * 3
+
+
+def test_mismatch_without_replay_needs_replay():
+    from megatron_grpo.train.config import TrainConfig, TrainingConfig
+
+    with pytest.raises(ValueError, match="log_mismatch_without_replay needs model.moe_enable"):
+        TrainConfig(training=TrainingConfig(log_mismatch_without_replay=True))
 
 
 def test_tracked_losses_follow_the_router_config():

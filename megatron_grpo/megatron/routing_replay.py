@@ -37,6 +37,7 @@ import inspect
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,20 +54,26 @@ class _RouteHook:
     """Stands in megatron's ``RouterReplay`` slot of one router (duck-typed ``get_replay_topk``)."""
 
     layer: int  # index among the model's MoE layers
-    sequence_parallel: bool
+    config: Any  # the router's TransformerConfig
     mode: str | None = None  # None (live), "record" or "replay"
     shape: tuple[int, int] = (0, 0)  # (S_local, B) of the router's current input
-    recorded: list[tuple[Tensor, tuple[int, int]]] = field(default_factory=list)
+    # (ids, (S_local, B), sequence parallel) of each recorded forward
+    recorded: list[tuple[Tensor, tuple[int, int], bool]] = field(default_factory=list)
     routes: Tensor | None = None  # [T, k] full-sequence routes of the next forwards
     recompute: deque = field(default_factory=deque)  # local ids of forwards, for backward
     stats: Tensor | None = None  # [mismatched, replayed] (token, layer) pairs
+
+    @property
+    def sequence_parallel(self) -> bool:
+        # Read per forward: generation switches sequence parallelism off and back on.
+        return bool(self.config.sequence_parallel)
 
     def get_replay_topk(
         self, scores: Tensor, topk: int, num_groups=None, group_topk=None, default_compute_topk=None
     ) -> tuple[Tensor, Tensor]:
         live = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
         if self.mode == "record":
-            self.recorded.append((live[1].detach(), self.shape))
+            self.recorded.append((live[1].detach(), self.shape, self.sequence_parallel))
             return live
         if self.mode != "replay":
             return live
@@ -172,7 +179,7 @@ def _install(router: torch.nn.Module, layer: int) -> _RouteHook:
         )
     if router.routing_type in ("sinkhorn", "quantile_balancing"):
         raise ValueError(f"routing replay does not support {router.routing_type!r} routing")
-    hook = _RouteHook(layer=layer, sequence_parallel=router.config.sequence_parallel)
+    hook = _RouteHook(layer=layer, config=router.config)
     router.register_forward_pre_hook(_save_shape(hook), with_kwargs=True)
     router.router_replay = hook
     return hook
@@ -199,9 +206,9 @@ class RouteRecorder:
 
     def _layer(self, hook: _RouteHook) -> Tensor:
         parts = []
-        for ids, (s_local, b) in hook.recorded:
+        for ids, (s_local, b), sequence_parallel in hook.recorded:
             x = ids.view(s_local, b, -1)
-            if hook.sequence_parallel:
+            if sequence_parallel:
                 x = _gather_tp(x)
             parts.append(x.transpose(0, 1).reshape(-1, x.shape[-1]))
         if not parts:

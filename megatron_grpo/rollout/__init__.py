@@ -5,6 +5,8 @@ prompt from an unwrapped GPTModel (PP = CP = 1) and returns ``(responses, logpro
 ids (ending in a stop id unless cut at ``max_new_tokens``) and the recorded log-prob of each
 response token, ``log_softmax(logits / temperature)[token]`` in fp32 over the real vocabulary.
 ``generator`` is a CPU generator seeded identically on every TP rank of the group.
+``record_routes=True`` (MoE routing replay) appends per sample the routes of its tokens,
+int64 ``[P + R, L, k]`` (``megatron_grpo.rollout.routes``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from megatron_grpo.rollout import model_io
 from megatron_grpo.rollout.engine import EngineOptions, KVCacheEngine
 from megatron_grpo.rollout.params import SamplingParams
 from megatron_grpo.rollout.recompute import generate_recompute
+from megatron_grpo.rollout.routes import RouteLog, recording
 from megatron_grpo.rollout.sampling import sample
 
 __all__ = ["EngineOptions", "KVCacheEngine", "SamplingParams", "generate", "sample"]
@@ -29,25 +32,30 @@ def generate(
     generator: torch.Generator,
     *,
     engine: str | KVCacheEngine = "kv_cache",
-) -> tuple[list[list[int]], list[list[float]]]:
+    record_routes: bool = False,
+) -> tuple[list[list[int]], list[list[float]]] | tuple[list, list, list[torch.Tensor]]:
     """Sample a response for each prompt (the model is in eval mode while sampling).
 
     ``engine``: ``"kv_cache"`` (a one-off :class:`KVCacheEngine`; pass an engine instance to
-    reuse its CUDA graphs across calls) or ``"recompute"`` (no cache: the test oracle)."""
+    reuse its CUDA graphs across calls) or ``"recompute"`` (no cache: the test oracle).
+    ``record_routes``: also return the routes of each sample (MoE only)."""
     if isinstance(engine, KVCacheEngine):
         if engine.model is not model:
             raise ValueError("the KVCacheEngine passed as engine was built for another model")
-        return engine.generate(prompts, params, generator)
+        return engine.generate(prompts, params, generator, record_routes)
     if engine == "kv_cache":
-        return KVCacheEngine(model).generate(prompts, params, generator)
+        return KVCacheEngine(model).generate(prompts, params, generator, record_routes)
     if engine != "recompute":
         raise ValueError(f"engine must be one of {ENGINES} or a KVCacheEngine, got {engine!r}")
     model_io.check_layout()
     model_io.check_prompts(prompts, params, model.max_sequence_length)
     uniforms = torch.rand(len(prompts), params.max_new_tokens, generator=generator)
+    routes = RouteLog(model, prompts, params.max_new_tokens) if record_routes else None
     was_training = model.training
     model.eval()
     try:
-        return generate_recompute(model, prompts, params, uniforms)
+        with recording(routes):
+            out = generate_recompute(model, prompts, params, uniforms, routes)
     finally:
         model.train(was_training)
+    return out if routes is None else (*out, routes.result(out[0]))

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -37,6 +36,8 @@ from megatron_grpo.rollout import kv_cache as kvc
 from megatron_grpo.rollout import model_io as io
 from megatron_grpo.rollout.graphs import DecodeGraphs
 from megatron_grpo.rollout.params import SamplingParams
+from megatron_grpo.rollout.routes import RouteLog, recording
+from megatron_grpo.rollout.run_state import Launched, Run
 from megatron_grpo.rollout.sampling import sample
 
 
@@ -76,66 +77,6 @@ class EngineOptions:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
-@dataclass
-class _Run:
-    """The state of one generate call: active rows are slots ``0 .. len(rows) - 1``. Every
-    sample's tokens and log-probs so far live in host tables, updated a whole step at a time
-    (no per-row Python work per token)."""
-
-    prompts: list[list[int]]
-    params: SamplingParams
-    uniforms: torch.Tensor  # [N, max_new_tokens] on the device
-    waiting: deque[int]
-    rows: list[int]  # sample index of each active row
-    tokens: torch.Tensor  # [N, max_new_tokens] int64
-    logps: torch.Tensor  # [N, max_new_tokens] float64
-    lengths: torch.Tensor  # [N] response tokens so far
-    prompt_lens: torch.Tensor  # [N]
-    stops: torch.Tensor  # ids that end a response
-
-    @classmethod
-    def start(cls, prompts: list[list[int]], params: SamplingParams, uniforms: torch.Tensor):
-        n, m = len(prompts), params.max_new_tokens
-        return cls(
-            [list(map(int, p)) for p in prompts], params, uniforms, deque(range(n)), [],
-            torch.zeros(n, m, dtype=torch.long), torch.zeros(n, m, dtype=torch.float64),
-            torch.zeros(n, dtype=torch.long), torch.tensor([len(p) for p in prompts]),
-            torch.tensor(sorted(params.stops), dtype=torch.long),
-        )  # fmt: skip
-
-    def record(self, samples: torch.Tensor, tokens: torch.Tensor, logps: torch.Tensor):
-        """Append one token to each of ``samples``; returns which of them are now done."""
-        at = self.lengths[samples]
-        self.tokens[samples, at] = tokens
-        self.logps[samples, at] = logps.double()
-        self.lengths[samples] = at + 1
-        return (at + 1 >= self.params.max_new_tokens) | torch.isin(tokens, self.stops)
-
-    def feeds(self, samples: torch.Tensor) -> torch.Tensor:
-        """``[4, k]``: token, position, sample and response length each row feeds next."""
-        lens = self.lengths[samples]
-        last = self.tokens[samples, lens - 1]
-        return torch.stack((last, self.prompt_lens[samples] + lens - 1, samples, lens))
-
-    def results(self) -> tuple[list[list[int]], list[list[float]]]:
-        lens = self.lengths.tolist()
-        return (
-            [t[:k] for t, k in zip(self.tokens.tolist(), lens, strict=True)],
-            [lp[:k] for lp, k in zip(self.logps.tolist(), lens, strict=True)],
-        )
-
-
-@dataclass(frozen=True)
-class _Launched:
-    """A decode step in flight: its rows' samples, the host copy of its ``[2, n]`` tokens and
-    log-probs (valid once ``event`` completed; None: already synchronous), its context."""
-
-    samples: torch.Tensor
-    out: torch.Tensor
-    event: torch.cuda.Event | None
-    ctx: int
-
-
 class KVCacheEngine:
     """``KVCacheEngine(model, options).generate(prompts, params, generator)``; keep one per
     model so its CUDA graphs are captured once and reused across calls."""
@@ -164,13 +105,21 @@ class KVCacheEngine:
     # ------------------------------------------------------------------ public
     @torch.no_grad()
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator
-    ) -> tuple[list[list[int]], list[list[float]]]:
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        generator: torch.Generator,
+        record_routes: bool = False,
+    ) -> tuple[list[list[int]], list[list[float]]] | tuple[list, list, list[torch.Tensor]]:
+        """``(responses, logprobs)``, and per sample its routes ``[P + R, L, k]`` with
+        ``record_routes`` (MoE only; ``megatron_grpo.rollout.routes``)."""
         io.check_layout()
         io.check_prompts(prompts, params, self.model.max_sequence_length)
         device = io.model_device(self.model)
         uniforms = torch.rand(len(prompts), params.max_new_tokens, generator=generator)
-        run = _Run.start(prompts, params, uniforms.to(device))
+        run = Run.start(prompts, params, uniforms.to(device))
+        if record_routes:
+            run.routes = RouteLog(self.model, run.prompts, params.max_new_tokens)
         self.stats = dict.fromkeys(
             (
                 "prefill_forwards",
@@ -181,13 +130,16 @@ class KVCacheEngine:
             ),
             0,
         )
-        with self._generation_mode(run):
+        with self._generation_mode(run), recording(run.routes):
             self._loop(run)
-        return run.results()
+        responses, logprobs = run.results()
+        if run.routes is not None:
+            return responses, logprobs, run.routes.result(responses)
+        return responses, logprobs
 
     # ------------------------------------------------------------------ setup
     @contextlib.contextmanager
-    def _generation_mode(self, run: _Run) -> Iterator[None]:
+    def _generation_mode(self, run: Run) -> Iterator[None]:
         """Eval mode, SP off, the cache allocated and attached; all undone."""
         model, cfg = self.model, self.model.config
         was_training, sp = model.training, cfg.sequence_parallel
@@ -207,7 +159,7 @@ class KVCacheEngine:
                 _set_sequence_parallel(model, True)
             model.train(was_training)
 
-    def _allocate(self, run: _Run) -> kvc.KVCache:
+    def _allocate(self, run: Run) -> kvc.KVCache:
         shape = kvc.CacheShape.of(self.model)
         kept = self.cache
         longest = max(len(p) for p in run.prompts) + run.params.max_new_tokens
@@ -230,7 +182,7 @@ class KVCacheEngine:
         self.cache = None  # the kept one, if any, is freed before the new one is allocated
         return kvc.KVCache(shape, slots, seq_len, io.model_device(self.model))
 
-    def _prepare_static(self, run: _Run) -> None:
+    def _prepare_static(self, run: Run) -> None:
         """Static decode inputs/outputs, the RoPE table and the fused decoder's weights: what a
         captured graph reads and writes. Graphs are dropped when any of them, the cache or a
         parameter's storage moved (weights updated in place keep them valid)."""
@@ -254,7 +206,7 @@ class KVCacheEngine:
             self.graphs.clear()
 
     # ------------------------------------------------------------------ the loop
-    def _loop(self, run: _Run) -> None:
+    def _loop(self, run: Run) -> None:
         group = io.expert_group(self.model)
         while True:
             new = self._admit(run)
@@ -274,20 +226,22 @@ class KVCacheEngine:
                 rows = io.group_max([len(run.rows)], group)[0]
                 if rows:
                     self._decode(run, rows)
-            elif run.rows and self._admissible(run):  # one step, then admit the waiting
+            elif run.rows and (self._admissible(run) or run.routes is not None):
+                # One step, then admit the waiting; routes are recorded step by step, as the
+                # rows are fed (a step ahead would route rows that already finished).
                 self._decode(run, len(run.rows))
             elif run.rows:
                 self._decode_stream(run)
             self.stats["prefill_seconds"] += t1 - t0
             self.stats["decode_seconds"] += time.perf_counter() - t1
 
-    def _admissible(self, run: _Run) -> bool:
+    def _admissible(self, run: Run) -> bool:
         """Waiting samples are admitted once a quarter of the slots (or every waiting sample's
         worth, or the whole cache) is free."""
         free = self.cache.slots - len(run.rows)
         return bool(run.waiting) and free >= min(len(run.waiting), max(1, self.cache.slots // 4))
 
-    def _admit(self, run: _Run) -> list[int]:
+    def _admit(self, run: Run) -> list[int]:
         """Waiting samples to prefill now: when a quarter of the slots (or every waiting sample,
         or the whole cache) is free, up to ``max_prefill_tokens`` of prompts."""
         if not self._admissible(run):
@@ -302,7 +256,7 @@ class KVCacheEngine:
             tokens += n
         return new
 
-    def _prefill(self, run: _Run, new: list[int], num_tokens: int | None) -> None:
+    def _prefill(self, run: Run, new: list[int], num_tokens: int | None) -> None:
         """Prefill ``new`` into slots after the active rows; sample their first tokens."""
         seqs = [run.prompts[i] for i in new] or [[0]]  # a dummy document keeps EP in step
         ids, pos, packed = io.packed_inputs(seqs, 1, num_tokens)
@@ -315,6 +269,8 @@ class KVCacheEngine:
         ids, pos, packed = ids.to(device), pos.to(device), io.packed_to(packed, device)
         self.cache.plan_prefill(packed, slot.to(device), pos[0])
         hidden = self._forward(ids, pos)[packed.cu_seqlens_q[1:].long() - 1, 0]
+        if run.routes is not None:  # document j is sample new[j]; a dummy one is dropped
+            run.routes.packed(new, packed.cu_seqlens_q)
         self.stats["prefill_forwards"] += 1
         if device.type == "cuda":
             self.stats["prefill_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -328,12 +284,12 @@ class KVCacheEngine:
         self._rows_moved = True
         self._retire(run, [first + j for j in done.nonzero()[:, 0].tolist()])
 
-    def _decode(self, run: _Run, rows: int) -> None:
+    def _decode(self, run: Run, rows: int) -> None:
         """One token for every active row (``rows`` >= them: the group's padded batch)."""
         step = self._launch(run, rows)
         self._retire(run, self._collect(run, step), step.ctx)
 
-    def _decode_stream(self, run: _Run) -> None:
+    def _decode_stream(self, run: Run) -> None:
         """Decode steps with one in flight until a row finishes: step t + 1 is launched before
         step t's tokens reach the host (the device advances the rows' state), so the host's
         bookkeeping hides behind the GPU. Rows finished at step t also ran step t + 1, whose
@@ -348,7 +304,7 @@ class KVCacheEngine:
                 return
             prev = nxt
 
-    def _launch(self, run: _Run, rows: int, ahead: int = 0) -> _Launched:
+    def _launch(self, run: Run, rows: int, ahead: int = 0) -> Launched:
         """Enqueue one decode step of the active rows (``ahead`` steps of theirs are still in
         flight) and the copy of its tokens to the host."""
         n = len(run.rows)
@@ -375,6 +331,9 @@ class KVCacheEngine:
             )
         else:
             self._step(b, ctx, run.params)
+        if run.routes is not None:  # the rows fed (never ahead: see _loop), before compaction
+            positions = run.prompt_lens[samples] + run.lengths[samples] - 1
+            run.routes.rows(run.rows, positions.tolist())
         self.stats["decode_steps"] += 1
         self.stats["decode_rows"] += b
         host = self._host_out[self.stats["decode_steps"] % 2]
@@ -383,9 +342,9 @@ class KVCacheEngine:
         if host.is_pinned():
             event = torch.cuda.Event()
             event.record()
-        return _Launched(samples, host[:, :n], event, ctx)
+        return Launched(samples, host[:, :n], event, ctx)
 
-    def _collect(self, run: _Run, step: _Launched, skip: list[int] = ()) -> list[int]:
+    def _collect(self, run: Run, step: Launched, skip: list[int] = ()) -> list[int]:
         """Record a launched step's tokens (except rows ``skip``); its rows that finished."""
         if step.event is not None:
             step.event.synchronize()
@@ -428,7 +387,7 @@ class KVCacheEngine:
             self.cache.rope = (self._rope[0][at][:, :, 0], self._rope[1][at][:, :, 0])
         return self.model.decoder(hidden_states=emb, attention_mask=None, rotary_pos_emb=None)
 
-    def _retire(self, run: _Run, finished: list[int], ctx: int | None = None) -> None:
+    def _retire(self, run: Run, finished: list[int], ctx: int | None = None) -> None:
         """Drop the ``finished`` rows (ascending), moving the last active rows into their
         slots."""
         if not finished:

@@ -18,6 +18,7 @@ from megatron.core import parallel_state
 
 from megatron_grpo.rollout import model_io as io
 from megatron_grpo.rollout.params import SamplingParams
+from megatron_grpo.rollout.routes import RouteLog
 from megatron_grpo.rollout.sampling import sample
 
 
@@ -33,8 +34,10 @@ def generate_recompute(
     prompts: list[list[int]],
     params: SamplingParams,
     uniforms: torch.Tensor,
+    routes: RouteLog | None = None,
 ) -> tuple[list[list[int]], list[list[float]]]:
-    """``uniforms [N, max_new_tokens]``: the uniform number of each (sample, position)."""
+    """``uniforms [N, max_new_tokens]``: the uniform number of each (sample, position).
+    ``routes`` (recording): each token's route is kept from the step that first fed it."""
     responses: list[list[int]] = [[] for _ in prompts]
     logprobs: list[list[float]] = [[] for _ in prompts]
     active = list(range(len(prompts)))
@@ -55,6 +58,9 @@ def generate_recompute(
             break
         inputs = io.packed_inputs(seqs, _pad_multiple(model), num_tokens)
         hidden = io.packed_last_hidden(model, *inputs)
+        if routes is not None:  # step 0 feeds the prompts, later steps one new token each
+            new = [0 if step == 0 else len(s) - 1 for s in seqs]
+            routes.packed(active, inputs[2].cu_seqlens_q, new)
         if not active:
             continue
         logits = io.head_logits(model, hidden)

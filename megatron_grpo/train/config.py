@@ -245,6 +245,10 @@ class TrainingConfig:
             ``fused_single_pass`` name one fused path instead of the plan's choice.
         lm_head_memory_budget: bytes of the LM head's working set (``GRPOStep.memory_budget``,
             ``megatron_grpo.ops.plan``): larger = larger logits tiles, faster; None = 1 GiB.
+        log_mismatch_without_replay: with ``model.moe_enable_routing_replay``, also run the
+            old-log-prob pass with live routing (one more no-grad forward of the policy per
+            step) and log ``mismatch/k1_no_replay`` / ``mismatch/k3_no_replay``: the rollout
+            mismatch of the same rollouts without replay, next to ``mismatch/k1`` / ``k3``.
     """
 
     steps: int = 100
@@ -257,6 +261,7 @@ class TrainingConfig:
     max_consecutive_nonfinite_skips: int = 3
     logprob_path: Literal["fused", "op", "megatron", "fused_tiled", "fused_single_pass"] = "fused"
     lm_head_memory_budget: int | None = None
+    log_mismatch_without_replay: bool = False
 
     def __post_init__(self) -> None:
         check_positive(self, "steps", "mini_batches_per_step", "max_consecutive_nonfinite_skips")
@@ -350,6 +355,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.loss.kl_coef > 0 and not self.training.use_reference_model:
             raise ValueError("loss.kl_coef > 0 needs training.use_reference_model: true")
+        if self.training.log_mismatch_without_replay and not self.model.moe_enable_routing_replay:
+            raise ValueError(
+                "training.log_mismatch_without_replay needs model.moe_enable_routing_replay: true"
+            )
         samples = self.rollout.num_prompts * self.rollout.group_size
         if samples % self.training.mini_batches_per_step:
             raise ValueError(

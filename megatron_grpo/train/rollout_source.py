@@ -159,13 +159,24 @@ class GeneratedRollouts:
             )
         expanded = [p for p in prompts for _ in range(r.group_size)]
         samples = [list(p.ids) for p in expanded]
-        engine = self.engine if self.engine is not None else "recompute"
-        responses, logprobs = generate(
-            self.model, samples, self.params, self._generator(step, round), engine=engine
-        )
+        responses, logprobs, routes = self._generate(samples, step, round)
         rewards = [self.task.reward(p, ids) for p, ids in zip(expanded, responses, strict=True)]
         group_ids = [start + i for i in range(len(prompts)) for _ in range(r.group_size)]
-        return RolloutBatch(samples, responses, group_ids, logprobs, rewards)
+        return RolloutBatch(samples, responses, group_ids, logprobs, rewards, routed_experts=routes)
+
+    def _generate(
+        self, samples: list[list[int]], step: int, round: int
+    ) -> tuple[list, list, list | None]:
+        """``(responses, logprobs, routes)``; with ``model.moe_enable_routing_replay`` the
+        routes of every sample's tokens as the generation's routers chose them, int64
+        ``[P + R, L, k]`` (``RolloutBatch.routed_experts``; the last row -1), else None."""
+        engine = self.engine if self.engine is not None else "recompute"
+        replay = self.cfg.model.moe_enable_routing_replay
+        out = generate(
+            self.model, samples, self.params, self._generator(step, round), engine=engine,
+            record_routes=replay,
+        )  # fmt: skip
+        return out if replay else (*out, None)
 
     def _first_prompt(self, step: int, round: int) -> int:
         if round == 0:

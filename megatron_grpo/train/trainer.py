@@ -13,6 +13,7 @@ run replays exactly what an uninterrupted one would have done.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -22,6 +23,7 @@ from megatron.core import parallel_state
 
 from megatron_grpo.config import to_dict
 from megatron_grpo.loss import compute_advantages, reduce_metrics
+from megatron_grpo.loss.math import kl_estimate
 from megatron_grpo.megatron.batch import PackedBatch
 from megatron_grpo.megatron.config import dispatcher_type
 from megatron_grpo.megatron.forward import GRPOStep, get_forward_backward_func
@@ -221,11 +223,33 @@ class Trainer:
             mb.old_logprobs = lp
         if self.cfg.model.moe_enable_routing_replay:  # the policy's pass: same weights as rollout
             self._replay_counts = replay_mismatch(self.model)
+            if self.cfg.training.log_mismatch_without_replay:
+                self._no_replay = self._mismatch_without_replay(flat)
         if self.ref_model is not None:
             for mb, lp in zip(
                 flat, self.step_fn.compute_logprobs(self.ref_model, flat), strict=True
             ):
                 mb.ref_logprobs = lp
+
+    def _mismatch_without_replay(self, flat: list[PackedBatch]) -> dict[str, float]:
+        """``mismatch/k1_no_replay`` / ``mismatch/k3_no_replay``: ``mismatch/k1`` / ``k3`` (mean
+        over response tokens of ``x = old - rollout``, all DP ranks) had the old-log-prob pass
+        routed live: one more no-grad forward of the policy over the same micro-batches."""
+        live = [dataclasses.replace(mb, routes=None) for mb in flat]
+        clamp = self.cfg.loss.log_ratio_clamp
+        sums = [0.0, 0.0, 0.0]
+        for mb, lp in zip(flat, self.step_fn.compute_logprobs(self.model, live), strict=True):
+            if mb.rollout_logprobs is None:
+                continue
+            rows = mb.loss_mask & torch.isfinite(mb.rollout_logprobs)
+            x = (lp[rows] - mb.rollout_logprobs[rows]).double()
+            sums[0] += float(kl_estimate(x, "k1", None, None).sum())
+            sums[1] += float(kl_estimate(x, "k3", clamp, None).sum())
+            sums[2] += float(rows.sum())
+        k1, k3, n = comm.all_reduce_sum(sums, parallel_state.get_data_parallel_group())
+        if n == 0:  # rollouts without log-probs: no mismatch to report
+            return {}
+        return {"mismatch/k1_no_replay": k1 / n, "mismatch/k3_no_replay": k3 / n}
 
     def update(self, mini_batches: list[list[PackedBatch]]) -> dict[str, float]:
         """One optimizer step per mini-batch; non-finite inputs/loss/grads skip the step."""
@@ -345,7 +369,8 @@ class Trainer:
         """``moe/replay_mismatch_frac``: fraction of replayed (token, MoE layer) pairs whose live
         top-k differs from the replayed one in the old-log-prob pass (the policy the rollouts
         came from); ``moe/replay_mismatch_frac_update``: the same over this step's training
-        forwards. All ranks (a sum over the world)."""
+        forwards. All ranks (a sum over the world). With ``training.log_mismatch_without_replay``
+        also ``mismatch/k{1,3}_no_replay`` (:meth:`_mismatch_without_replay`)."""
         if not self.cfg.model.moe_enable_routing_replay:
             return {}
         old = self.__dict__.pop("_replay_counts", None)
@@ -355,6 +380,7 @@ class Trainer:
         out = {"moe/replay_mismatch_frac_update": sums[0] / max(sums[1], 1.0)}
         if old is not None:  # update() without the old-log-prob pass has no such count
             out["moe/replay_mismatch_frac"] = sums[2] / max(sums[3], 1.0)
+        out.update(self.__dict__.pop("_no_replay", {}))
         return out
 
     def _nonfinite_inputs(self, micro_batches: list[PackedBatch]) -> str | None:

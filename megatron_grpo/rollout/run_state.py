@@ -1,0 +1,77 @@
+"""The host-side state of one ``KVCacheEngine.generate`` call and of a decode step in flight.
+
+Every sample's tokens and log-probs live in ``[N, max_new_tokens]`` tables that a decode step
+updates with a few vectorized ops (no per-row Python per token), so the host keeps up with a
+GPU step of a few milliseconds.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from megatron_grpo.rollout.params import SamplingParams
+from megatron_grpo.rollout.routes import RouteLog
+
+
+@dataclass
+class Run:
+    """The state of one generate call: active rows are slots ``0 .. len(rows) - 1``. Every
+    sample's tokens and log-probs so far live in host tables, updated a whole step at a time
+    (no per-row Python work per token)."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    uniforms: torch.Tensor  # [N, max_new_tokens] on the device
+    waiting: deque[int]
+    rows: list[int]  # sample index of each active row
+    tokens: torch.Tensor  # [N, max_new_tokens] int64
+    logps: torch.Tensor  # [N, max_new_tokens] float64
+    lengths: torch.Tensor  # [N] response tokens so far
+    prompt_lens: torch.Tensor  # [N]
+    stops: torch.Tensor  # ids that end a response
+    routes: RouteLog | None = None  # MoE routing replay: routes of every forward
+
+    @classmethod
+    def start(cls, prompts: list[list[int]], params: SamplingParams, uniforms: torch.Tensor):
+        n, m = len(prompts), params.max_new_tokens
+        return cls(
+            [list(map(int, p)) for p in prompts], params, uniforms, deque(range(n)), [],
+            torch.zeros(n, m, dtype=torch.long), torch.zeros(n, m, dtype=torch.float64),
+            torch.zeros(n, dtype=torch.long), torch.tensor([len(p) for p in prompts]),
+            torch.tensor(sorted(params.stops), dtype=torch.long),
+        )  # fmt: skip
+
+    def record(self, samples: torch.Tensor, tokens: torch.Tensor, logps: torch.Tensor):
+        """Append one token to each of ``samples``; returns which of them are now done."""
+        at = self.lengths[samples]
+        self.tokens[samples, at] = tokens
+        self.logps[samples, at] = logps.double()
+        self.lengths[samples] = at + 1
+        return (at + 1 >= self.params.max_new_tokens) | torch.isin(tokens, self.stops)
+
+    def feeds(self, samples: torch.Tensor) -> torch.Tensor:
+        """``[4, k]``: token, position, sample and response length each row feeds next."""
+        lens = self.lengths[samples]
+        last = self.tokens[samples, lens - 1]
+        return torch.stack((last, self.prompt_lens[samples] + lens - 1, samples, lens))
+
+    def results(self) -> tuple[list[list[int]], list[list[float]]]:
+        lens = self.lengths.tolist()
+        return (
+            [t[:k] for t, k in zip(self.tokens.tolist(), lens, strict=True)],
+            [lp[:k] for lp, k in zip(self.logps.tolist(), lens, strict=True)],
+        )
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A decode step in flight: its rows' samples, the host copy of its ``[2, n]`` tokens and
+    log-probs (valid once ``event`` completed; None: already synchronous), its context."""
+
+    samples: torch.Tensor
+    out: torch.Tensor
+    event: torch.cuda.Event | None
+    ctx: int
