@@ -4,12 +4,14 @@ The kernel seam of the vocab-parallel log-prob op (see docs/DESIGN.md): per row-
 (or bf16) logits, ``logits_row_stats`` (max, sum-exp, target logit, entropy numerator over the
 valid columns) and ``logits_grad`` (the fused softmax-gradient epilogue). The GEMMs and the TP
 combine live in ``megatron_grpo.ops``. The decode step's element-wise kernels (``add_rms_norm``,
-``qkv_rope_cache``, ``swiglu``) and ``sample_rows`` serve the generation engine. Importing this package works without Triton installed;
+``qkv_rope_cache``, ``swiglu``), ``decode_attention`` and ``sample_rows`` serve the
+generation engine. Importing this package works without Triton installed;
 calling a kernel then raises a RuntimeError saying so.
 """
 
 from ._runtime import AUTOTUNE_ENV, triton_available
 from .add_rms_norm import add_rms_norm
+from .decode_attention import decode_attention
 from .logits_grad import logits_grad
 from .logits_row_stats import logits_row_stats
 from .qkv_rope_cache import qkv_rope_cache
@@ -19,6 +21,7 @@ from .swiglu import swiglu
 __all__ = [
     "AUTOTUNE_ENV",
     "add_rms_norm",
+    "decode_attention",
     "logits_grad",
     "logits_row_stats",
     "qkv_rope_cache",

@@ -41,8 +41,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--kv-cache-gib", type=float, default=60.0)
     p.add_argument(
         "--modes", default="graphs,graphs-modules,eager",
-        help="comma list of graphs | eager, each optionally -fused | -modules (the decode path; "
-        "default: the engine's auto choice)",
+        help="comma list of graphs | eager, each optionally -fused | -modules (the decode path) "
+        "and then -sdpa | -triton (the decode attention); default: the engine's auto choice",
     )  # fmt: skip
     p.add_argument("--eager-new-tokens", type=int, default=None, help="shorter eager run")
     p.add_argument("--no-hf", action="store_true", help="skip HF transformers generate")
@@ -84,12 +84,15 @@ def engine_options(args, mode: str):
     """``graphs`` / ``eager`` with an optional ``-fused`` / ``-modules`` decode path."""
     from megatron_grpo.rollout import EngineOptions
 
-    graphs, _, path = mode.partition("-")
+    graphs, _, rest = mode.partition("-")
+    path, _, attention = rest.partition("-")
     if graphs not in ("graphs", "eager"):
-        raise ValueError(f"--modes: {mode!r} is not graphs or eager [-fused | -modules]")
+        raise ValueError(f"--modes: {mode!r} is not graphs | eager [-fused | -modules "
+                         "[-sdpa | -triton]]")  # fmt: skip
     return EngineOptions(
-        kv_cache_gib=args.kv_cache_gib, cuda_graphs=graphs == "graphs", decode_path=path or "auto"
-    )
+        kv_cache_gib=args.kv_cache_gib, cuda_graphs=graphs == "graphs",
+        decode_path=path or "auto", decode_attention=attention or "auto",
+    )  # fmt: skip
 
 
 def run_ours(model, cfg, args, mode: str, new_tokens: int) -> dict:

@@ -59,6 +59,8 @@ class EngineOptions:
             fused wherever it covers the model.
         decode_impl: the fused path's element-wise kernels: "triton", "torch" or "auto"
             (Triton on GPU).
+        decode_attention: "triton" (``kernels.decode_attention``: split-K over exactly each
+            row's keys), "sdpa" (masked SDPA over the context bucket) or "auto" (as the impl).
     """
 
     kv_cache_gib: float = 16.0
@@ -68,6 +70,7 @@ class EngineOptions:
     keep_cache: bool = False
     decode_path: str = "auto"
     decode_impl: str = "auto"
+    decode_attention: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.kv_cache_gib > 0:
@@ -94,7 +97,8 @@ class KVCacheEngine:
             )
         self.use_graphs = (cuda and not moe) if graphs is None else graphs
         self.graphs = DecodeGraphs() if self.use_graphs else None
-        self.decode = fd.plan_decode(model, self.options.decode_path, self.options.decode_impl)
+        o = self.options
+        self.decode = fd.plan_decode(model, o.decode_path, o.decode_impl, o.decode_attention)
         self._fused: fd.FusedDecoder | None = None
         self.cache: kvc.KVCache | None = None
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -148,6 +152,7 @@ class KVCacheEngine:
             _set_sequence_parallel(model, False)
         try:
             self.cache = self._allocate(run)
+            self.cache.attention = self.decode.attention
             self._prepare_static(run)
             self._rows_moved = True
             with kvc.attached(model, self.cache):

@@ -40,39 +40,48 @@ from megatron_grpo.rollout.kv_cache import KVCache, decode_attention
 
 PATHS = ("auto", "fused", "modules")
 IMPLS = ("auto", *decode_ops.IMPLS)
+ATTENTIONS = ("auto", "sdpa", "triton")
 
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """How decode steps run: ``path`` "fused" or "modules", the fused kernels' ``impl``, and
-    why the modules path was taken (``reason``; empty for the fused path)."""
+    """How decode steps run: ``path`` "fused" or "modules", the fused kernels' ``impl``, the
+    decode ``attention`` ("triton": exact row lengths, or "sdpa": the masked context bucket),
+    and why the modules path was taken (``reason``; empty for the fused path)."""
 
     path: str
     impl: str
     reason: str = ""
+    attention: str = "sdpa"
 
     def __str__(self) -> str:
-        return f"{self.path}/{self.impl}" if self.path == "fused" else f"modules ({self.reason})"
+        where = f"{self.path}/{self.impl}" if self.path == "fused" else f"modules ({self.reason})"
+        return f"{where}, {self.attention} attention"
 
 
-def plan_decode(model: torch.nn.Module, path: str = "auto", impl: str = "auto") -> DecodePlan:
+def plan_decode(
+    model: torch.nn.Module, path: str = "auto", impl: str = "auto", attention: str = "auto"
+) -> DecodePlan:
     """The decode path of ``model``: ``path``/``impl`` "auto" picks the fused path where
     :func:`unsupported` finds nothing, with Triton on GPU; an explicit "fused" that the model
-    cannot take is an error naming the reason."""
-    if path not in PATHS or impl not in IMPLS:
-        raise ValueError(f"decode path must be one of {PATHS} and impl one of {IMPLS}, got "
-                         f"{path!r} / {impl!r}")  # fmt: skip
+    cannot take is an error naming the reason. ``attention`` "auto" follows ``impl``."""
+    if path not in PATHS or impl not in IMPLS or attention not in ATTENTIONS:
+        raise ValueError(f"decode path must be one of {PATHS}, impl one of {IMPLS} and "
+                         f"attention one of {ATTENTIONS}, got {path!r} / {impl!r} / "
+                         f"{attention!r}")  # fmt: skip
     cuda = next(model.parameters()).device.type == "cuda"
     if impl == "auto":
         impl = "triton" if cuda and triton_available() else "torch"
-    if impl == "triton" and not (cuda or _interpreting()):
+    if "triton" in (impl, attention) and not (cuda or _interpreting()):
         raise ValueError("decode impl 'triton' needs the model on GPU; use 'torch' or 'auto'")
+    if attention == "auto":
+        attention = "triton" if impl == "triton" else "sdpa"
     reason = "" if path == "modules" else unsupported(model)
     if path == "fused" and reason:
         raise ValueError(f"the fused decode path does not cover this model: {reason}")
     if path == "modules" or reason:
-        return DecodePlan("modules", impl, reason or "chosen")
-    return DecodePlan("fused", impl)
+        return DecodePlan("modules", impl, reason or "chosen", attention)
+    return DecodePlan("fused", impl, "", attention)
 
 
 def _interpreting() -> bool:

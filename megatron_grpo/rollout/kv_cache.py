@@ -94,6 +94,7 @@ class KVCache:
         # (scaled by YaRN's factor), computed once per forward for every layer; None: no RoPE.
         self.rope: tuple[Tensor, Tensor] | None = None
         self.rotary_interleaved = False
+        self.attention = "sdpa"  # decode attention: "sdpa" (masked, cuDNN) or "triton"
 
     def plan_prefill(self, packed: PackedSeqParams, write_slot: Tensor, write_pos: Tensor) -> None:
         self.decoding, self.packed = False, packed
@@ -165,9 +166,16 @@ class CachedAttention(torch.nn.Module):
 
 def decode_attention(q: Tensor, kc: Tensor, vc: Tensor, cache: KVCache, scale: float) -> Tensor:
     """One decode step's attention: ``q [b, n_kv, groups, d]`` (the query heads of each KV head
-    as its query length) against row i's cached keys ``kc/vc[i, :, :ctx]`` under the step's
-    mask -> ``[b, n_kv * groups * d]``."""
+    as its query length) against row i's cached keys ``kc/vc[i, :, :pos_i + 1]`` ->
+    ``[b, n_kv * groups * d]``: ``cache.attention`` "triton" reads exactly each row's keys
+    (``kernels.decode_attention``, split-K); "sdpa" reads the ``ctx`` bucket under the step's
+    mask (cuDNN on GPU)."""
     b, ctx = q.size(0), cache.ctx
+    if cache.attention == "triton":
+        from megatron_grpo.kernels import decode_attention as kernel
+
+        out = kernel(q.contiguous(), kc, vc, cache.write_pos, ctx, scale)
+        return out.reshape(b, -1)
     with _decode_backends(q.device):
         out = sdpa(q, kc[:b, :, :ctx], vc[:b, :, :ctx], mask=cache.mask, scale=scale)
     return out.reshape(b, -1)
