@@ -77,6 +77,8 @@ def test_unknown_keys_and_bad_values_name_the_field(override, message):
         (["rollout.top_k=-1"], "rollout: top_k must be >= 0"),
         (["rollout.stop_ids=[3, -1]"], "rollout: stop_ids must be token ids >= 0, got -1"),
         (["rollout.kv_cache_gib=0"], "rollout: kv_cache_gib must be > 0"),
+        (["rollout.context_bucket=0"], "rollout: context_bucket must be positive"),
+        (["rollout.max_prefill_tokens=-1"], "rollout: max_prefill_tokens must be positive"),
         (["rollout.reward_fn=no_colon"], "reward_fn must look like"),
         (["rollout.task=math"], "math.data_path is required"),
         (

@@ -123,6 +123,11 @@ class RolloutConfig:
             it wait for a free slot (generation streams through the cache instead of failing).
         cuda_graphs: replay the engine's decode steps as CUDA graphs; null = auto (on for dense
             models on GPU, off for MoE and on CPU); true on CPU or with MoE is an error.
+        max_prefill_tokens: prompt tokens per prefill forward of the ``kv_cache`` engine (bounds
+            its activation memory; more prompts wait for the next forward).
+        context_bucket: decode steps attend to a context rounded up to a multiple of this many
+            positions (the CUDA graphs' context shapes: smaller = more graphs, less padding for
+            the masked ``sdpa`` attention).
         decode_path: how the engine's decode steps run: ``fused`` (the same weights through a
             step of ~9 kernels a layer: ``megatron_grpo.rollout.fused_decode``), ``modules``
             (megatron-core's layer modules) or ``auto`` (fused wherever it covers the model:
@@ -148,6 +153,8 @@ class RolloutConfig:
     engine: Literal["kv_cache", "recompute"] = "kv_cache"
     kv_cache_gib: float = 16.0
     cuda_graphs: bool | None = None
+    max_prefill_tokens: int = 32768
+    context_bucket: int = 128
     decode_path: Literal["auto", "fused", "modules"] = "auto"
     task: TaskName = "reverse_digits"
     reverse_digits: ReverseDigitsConfig = field(default_factory=ReverseDigitsConfig)
@@ -159,7 +166,10 @@ class RolloutConfig:
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
     def __post_init__(self) -> None:
-        check_positive(self, "num_prompts", "max_prompt_length", "max_response_length")
+        check_positive(
+            self, "num_prompts", "max_prompt_length", "max_response_length", "max_prefill_tokens",
+            "context_bucket",
+        )  # fmt: skip
         if self.group_size < 2:
             raise ValueError(
                 f"group_size must be >= 2 (GRPO compares samples), got {self.group_size}"

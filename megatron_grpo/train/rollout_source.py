@@ -121,8 +121,10 @@ class GeneratedRollouts:
         self.engine: KVCacheEngine | None = None
         if r.engine == "kv_cache":  # one per run: its CUDA graphs are reused across steps
             options = EngineOptions(
-                kv_cache_gib=r.kv_cache_gib, cuda_graphs=r.cuda_graphs, decode_path=r.decode_path
-            )
+                kv_cache_gib=r.kv_cache_gib, cuda_graphs=r.cuda_graphs,
+                max_prefill_tokens=r.max_prefill_tokens, context_bucket=r.context_bucket,
+                decode_path=r.decode_path,
+            )  # fmt: skip
             self.engine = KVCacheEngine(model, options)
             if torch.distributed.get_rank() == 0:
                 print(f"rollout: decode steps run {self.engine.decode}", flush=True)
