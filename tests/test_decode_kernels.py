@@ -9,37 +9,18 @@ a fresh process with TRITON_INTERPRET=1; GPU tests (marked gpu) run the compiled
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
 
 from megatron_grpo.rollout import decode_ops  # noqa: E402
-
-IN_INTERPRETER = type(triton.language.zeros).__name__ == "InterpretedFunction"
-interpreter_only = pytest.mark.skipif(
-    not IN_INTERPRETER, reason="runs under TRITON_INTERPRET=1 in test_interpreter_subprocess"
-)
+from tests.interpreter import interpreter_only, run_interpreter_tests  # noqa: E402
 
 
 def test_interpreter_subprocess():
-    if IN_INTERPRETER:
-        pytest.skip("already inside the interpreter run")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider"]
-    cmd += ["-m", "not gpu", "-k", "interpreter"]
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    summary = proc.stdout.strip().splitlines()[-1]
-    skipped = re.search(r"(\d+) skipped", summary)
-    assert "passed" in summary and (skipped is None or skipped.group(1) == "1"), summary
+    """Run this module's interpreter tests in a fresh process with TRITON_INTERPRET=1."""
+    run_interpreter_tests(__file__, timeout=900)
 
 
 def _err(x: torch.Tensor, truth: torch.Tensor) -> float:

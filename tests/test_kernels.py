@@ -14,11 +14,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import math
-import os
-import re
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,33 +24,17 @@ triton = pytest.importorskip("triton")
 from megatron_grpo.kernels import logits_grad, logits_row_stats  # noqa: E402
 
 import megatron_grpo  # noqa: E402
+from tests.interpreter import IN_INTERPRETER, interpreter_only, run_interpreter_tests  # noqa: E402
 
 STATS_MOD = importlib.import_module("megatron_grpo.kernels.logits_row_stats")
 GRAD_MOD = importlib.import_module("megatron_grpo.kernels.logits_grad")
 STATS_DEFAULT_BLOCK, GRAD_DEFAULT_BLOCK = STATS_MOD.BLOCK_V, GRAD_MOD.BLOCK_V
 NEG_INF = float("-inf")
-# Triton's own library was built for the interpreter (TRITON_INTERPRET=1 before its import).
-IN_INTERPRETER = type(triton.language.zeros).__name__ == "InterpretedFunction"
-interpreter_only = pytest.mark.skipif(
-    not IN_INTERPRETER, reason="runs under TRITON_INTERPRET=1 in test_interpreter_subprocess"
-)
 
 
 def test_interpreter_subprocess():
     """Run this module's interpreter tests in a fresh process with TRITON_INTERPRET=1."""
-    if IN_INTERPRETER:
-        pytest.skip("already inside the interpreter run")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env.pop("MEGATRON_GRPO_AUTOTUNE", None)
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider"]
-    cmd += ["-m", "not gpu", "-k", "interpreter"]
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    summary = proc.stdout.strip().splitlines()[-1]
-    skipped = re.search(r"(\d+) skipped", summary)
-    # Only the driver itself may skip there: the interpreter tests must really run.
-    assert "passed" in summary and (skipped is None or skipped.group(1) == "1"), summary
+    run_interpreter_tests(__file__)
 
 
 # --------------------------------------------------------------------------- references

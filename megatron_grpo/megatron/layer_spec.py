@@ -102,13 +102,16 @@ class Norm(torch.nn.Module):
             param.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = (self.hidden_size,)
-        xf, w = x.float(), self.weight.float()
         if self.bias is None:
-            y = F.rms_norm(xf, shape, w, self.eps)
-        else:
-            y = F.layer_norm(xf, shape, w, self.bias.float(), self.eps)
+            return rms_norm_f32(x, self.weight, self.eps)
+        shape = (self.hidden_size,)
+        y = F.layer_norm(x.float(), shape, self.weight.float(), self.bias.float(), self.eps)
         return y.to(x.dtype)
+
+
+def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension computed in fp32, returned in ``x``'s dtype."""
+    return F.rms_norm(x.float(), (x.size(-1),), weight.float(), eps).to(x.dtype)
 
 
 _MASK_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.no_mask)

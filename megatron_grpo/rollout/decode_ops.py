@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import _rotate_half
 from torch import Tensor
 
+from megatron_grpo.megatron.layer_spec import rms_norm_f32
+
 IMPLS = ("torch", "triton")
 
 
@@ -25,8 +27,7 @@ def add_rms_norm_torch(
     t = x if bias is None else x + bias
     if residual is not None:
         t = residual.copy_(residual + t)
-    y = F.rms_norm(t.float(), (t.size(-1),), weight.float(), eps).to(t.dtype)
-    return t, y
+    return t, rms_norm_f32(t, weight, eps)
 
 
 def qkv_rope_cache_torch(
@@ -41,21 +42,21 @@ def qkv_rope_cache_torch(
     q, k, v = heads[:, :, :r], heads[:, :, r], heads[:, :, r + 1]
     if norm is not None:
         qw, kw, eps = norm
-        q = F.rms_norm(q.float(), (d,), qw.float(), eps).to(qkv.dtype)
-        k = F.rms_norm(k.float(), (d,), kw.float(), eps).to(qkv.dtype)
+        q, k = rms_norm_f32(q, qw, eps), rms_norm_f32(k, kw, eps)
     if rope is not None:
         cos, sin, interleaved = rope
         c, s = cos[pos][:, None, None], sin[pos][:, None, None]  # [b, 1, 1, ROT]
-        q = _rope(q, c, s, interleaved)
-        k = _rope(k[:, :, None], c, s, interleaved)[:, :, 0]  # megatron's rotate is 4-D
+        q = apply_rope(q, c, s, interleaved)
+        k = apply_rope(k[:, :, None], c, s, interleaved)[:, :, 0]  # megatron's rotate is 4-D
     rows = torch.arange(b, device=qkv.device)
     k_cache[rows, :, pos] = k
     v_cache[rows, :, pos] = v
     return q.contiguous()
 
 
-def _rope(t: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
-    """megatron-core's unfused formula on the first ``ROT`` features (the rest pass through)."""
+def apply_rope(t: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+    """megatron-core's unfused RoPE formula (``t * cos + rotate_half(t) * sin``) on the first
+    ``ROT = cos.size(-1)`` features of ``t [.., n, d]`` (4-D); the rest pass through."""
     rot = cos.size(-1)
     head, rest = t[..., :rot], t[..., rot:]
     head = head * cos + _rotate_half(head, interleaved) * sin

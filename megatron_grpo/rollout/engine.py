@@ -327,13 +327,9 @@ class KVCacheEngine:
         # (past n) advance too, clamped to valid indices.
         step_u = self._meta[3, :b].clamp(max=run.params.max_new_tokens - 1)
         self._u[:b] = run.uniforms[self._meta[2, :b], step_u]
-        if self.graphs is not None:
-            meta = self._meta[:, :b].clone()  # the step advances it: a warm-up is undone
-            self.graphs.run(
-                (b, ctx, run.params),
-                lambda: self._step(b, ctx, run.params),
-                lambda: self._meta[:, :b].copy_(meta),
-            )
+        if self.graphs is not None:  # the step advances the rows' state: a warm-up is undone
+            step = lambda: self._step(b, ctx, run.params)  # noqa: E731
+            self.graphs.run((b, ctx, run.params), step, lambda: self._meta_checkpoint(b))
         else:
             self._step(b, ctx, run.params)
         if run.routes is not None:  # the rows fed (never ahead: see _loop), before compaction
@@ -359,13 +355,17 @@ class KVCacheEngine:
         done = run.record(step.samples[keep], out[0].long(), out[1])
         return keep.nonzero()[:, 0][done].tolist()
 
+    def _meta_checkpoint(self, b: int):
+        """Saves rows ``0 .. b-1``'s device state; returns what restores it."""
+        saved = self._meta[:, :b].clone()
+        return lambda: self._meta[:, :b].copy_(saved)
+
     def _step(self, b: int, ctx: int, params: SamplingParams) -> None:
         """The device-only decode step over rows ``0 .. b-1`` (static inputs -> static out)."""
         ids, pos = self._meta[0, :b], self._meta[1, :b]
         self.cache.plan_decode(pos, ctx)
         if self._fused is not None:
-            rope = None if self._rope is None else tuple(t.flatten(1) for t in self._rope)
-            hidden = self._fused(ids, pos, self.cache, rope, kvc.softmax_scale(self.model))
+            hidden = self._fused(ids, pos, self.cache, self._rope)
         else:
             hidden = self._forward(ids[:, None], pos[:, None])[0]  # [b, H]
         logits = io.head_logits(self.model, hidden)
@@ -389,7 +389,7 @@ class KVCacheEngine:
         emb = self.model.embedding(input_ids=ids, position_ids=pos)  # [s, b, H]
         if self._rope is not None:
             at = pos.t()  # [s, b]
-            self.cache.rope = (self._rope[0][at][:, :, 0], self._rope[1][at][:, :, 0])
+            self.cache.rope = (self._rope[0][at][:, :, None], self._rope[1][at][:, :, None])
         return self.model.decoder(hidden_states=emb, attention_mask=None, rotary_pos_emb=None)
 
     def _retire(self, run: Run, finished: list[int], ctx: int | None = None) -> None:
@@ -417,7 +417,7 @@ def _bucket(rows: int, slots: int) -> int:
 
 
 def _rope_table(model: torch.nn.Module, seq_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """RoPE ``(cos, sin)`` ``[seq_len, 1, 1, rot_dim]`` in the model dtype, from the model's own
+    """RoPE ``(cos, sin)`` ``[seq_len, rot_dim]`` in the model dtype, from the model's own
     rotary module (YaRN included, its attention factor applied as megatron-core does); None
     without rotary embeddings."""
     kind, cfg = model.position_embedding_type, model.config
@@ -437,6 +437,7 @@ def _rope_table(model: torch.nn.Module, seq_len: int) -> tuple[torch.Tensor, tor
 
         mscale = _yarn_get_concentration_factor_from_config(cfg)
     dtype = next(model.parameters()).dtype
+    freqs = freqs.flatten(1)  # [seq_len, 1, 1, rot_dim] -> [seq_len, rot_dim]
     return (torch.cos(freqs) * mscale).to(dtype), (torch.sin(freqs) * mscale).to(dtype)
 
 

@@ -36,7 +36,7 @@ from torch import Tensor
 from megatron_grpo.kernels import triton_available
 from megatron_grpo.megatron.layer_spec import Norm
 from megatron_grpo.rollout import decode_ops
-from megatron_grpo.rollout.kv_cache import KVCache, decode_attention
+from megatron_grpo.rollout.kv_cache import KVCache, decode_attention, softmax_scale
 
 PATHS = ("auto", "fused", "modules")
 IMPLS = ("auto", *decode_ops.IMPLS)
@@ -195,10 +195,10 @@ class FusedDecoder:
         self.layers = [_Layer.of(layer) for layer in model.decoder.layers]
         self.final = _norm(model.decoder.final_layernorm)
         self.tp_group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
+        self.scale = softmax_scale(model)
 
     def __call__(
         self, ids: Tensor, pos: Tensor, cache: KVCache, rope: tuple[Tensor, Tensor] | None,
-        scale: float,
     ) -> Tensor:  # fmt: skip
         """Tokens ``ids [b]`` at positions ``pos [b]`` (row i = cache slot i, mask planned)."""
         emb = self.model.embedding(input_ids=ids[:, None], position_ids=pos[:, None])[0]
@@ -208,7 +208,7 @@ class FusedDecoder:
             k_cache, v_cache = cache.kv[i, 0], cache.kv[i, 1]
             q = self.qkv_rope(F.linear(x, *layer.qkv), self.groups, self.per_group, pos,
                               k_cache, v_cache, layer.qk_norm, rope_args)  # fmt: skip
-            att = decode_attention(q, k_cache, v_cache, cache, scale)
+            att = decode_attention(q, k_cache, v_cache, cache, self.scale)
             out = self._reduce(F.linear(att, layer.proj[0]))
             res, x = self.add_norm(out, *layer.norm2, residual=res, bias=layer.proj[1])
             hidden = self.swiglu(F.linear(x, layer.fc1[0]), layer.fc1[1])

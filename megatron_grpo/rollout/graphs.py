@@ -24,24 +24,30 @@ class DecodeGraphs:
         self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
         self.captures = 0
 
-    def run(self, key: Hashable, step: Callable[[], None], undo: Callable[[], None]) -> None:
+    def run(
+        self, key: Hashable, step: Callable[[], None], checkpoint: Callable[[], Callable[[], None]]
+    ) -> None:
         """Replay the graph of ``key``, capturing ``step`` (which writes static outputs) first;
-        ``undo`` reverts what a warm-up run of ``step`` changed in its own inputs."""
+        ``checkpoint()`` saves the step's inputs before its warm-up run and returns what
+        restores them (called only when capturing)."""
         graph = self.graphs.get(key)
         if graph is None:
-            graph = self._capture(step, undo)
+            graph = self._capture(step, checkpoint)
             self.graphs[key] = graph
         graph.replay()
 
-    def _capture(self, step: Callable[[], None], undo: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    def _capture(
+        self, step: Callable[[], None], checkpoint: Callable[[], Callable[[], None]]
+    ) -> torch.cuda.CUDAGraph:
         # Warm up on a side stream (cuBLAS workspaces, NCCL communicators), undo the step's
         # advance of its inputs, then capture (capturing runs nothing). The warm-up's K/V writes
         # are the replay's, at the same positions.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
+            restore = checkpoint()
             step()
-            undo()
+            restore()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):

@@ -26,13 +26,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from megatron.core.models.common.embeddings.rope_utils import _rotate_half
 from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron_grpo.megatron.layer_spec import sdpa
 from megatron_grpo.megatron.packed_attention import packed_causal_attention
+from megatron_grpo.rollout.decode_ops import apply_rope
 
 
 @dataclass(frozen=True)
@@ -110,11 +110,7 @@ class KVCache:
         part first) with this forward's precomputed cos / sin: ``x [s, b, n, d]``."""
         if self.rope is None:
             return x
-        cos, sin = self.rope
-        rot = cos.size(-1)
-        t, rest = x[..., :rot], x[..., rot:]
-        t = t * cos + _rotate_half(t, self.rotary_interleaved) * sin
-        return t if rest.size(-1) == 0 else torch.cat((t, rest), dim=-1)
+        return apply_rope(x, *self.rope, self.rotary_interleaved)
 
     def move_rows(self, src: list[int], dst: list[int], ctx: int) -> None:
         """Copy slots ``src`` to ``dst`` (the first ``ctx`` positions): compaction."""
