@@ -12,6 +12,7 @@ calling a kernel then raises a RuntimeError saying so.
 from ._runtime import AUTOTUNE_ENV, triton_available
 from .add_rms_norm import add_rms_norm
 from .decode_attention import decode_attention
+from .head_gemm import head_gemm_grad, head_gemm_stats
 from .logits_grad import logits_grad
 from .logits_row_stats import logits_row_stats
 from .qkv_rope_cache import qkv_rope_cache
@@ -22,6 +23,8 @@ __all__ = [
     "AUTOTUNE_ENV",
     "add_rms_norm",
     "decode_attention",
+    "head_gemm_grad",
+    "head_gemm_stats",
     "logits_grad",
     "logits_row_stats",
     "qkv_rope_cache",

@@ -49,15 +49,19 @@ def _grad_kernel(
     grad_logp_ptr,
     grad_entropy_ptr,
     entropy_pz_ptr,
+    shift_ptr,
     out_ptr,
     n_valid,
     v_local,
     stride_row,
     stride_out_row,
     inv_temperature,
+    n_rows,
+    shift_block,
     BLOCK_V: tl.constexpr,
     HAS_ENTROPY: tl.constexpr,
     NARROW_ALIAS: tl.constexpr,
+    HAS_SHIFT: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
@@ -72,7 +76,12 @@ def _grad_kernel(
     for start in range(0, v_local, BLOCK_V):
         cols = start + lanes
         valid = cols < n_valid
-        z = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32) * inv_temperature
+        x = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+        if HAS_SHIFT:  # x = z - m of the column's block (head_gemm's shifted logits)
+            shift = tl.load(shift_ptr + (cols // shift_block) * n_rows + row, mask=valid, other=0.0)
+            z = x + shift
+        else:
+            z = x * inv_temperature
         p = tl.exp(tl.where(valid, z - lse, float("-inf")))  # exactly 0 on padded columns
         onehot = tl.where(valid & (cols == target), 1.0, 0.0)
         dz = g_logp * (onehot - p)
@@ -131,6 +140,17 @@ def _check_out(out: torch.Tensor, logits: torch.Tensor) -> bool:
     return out.element_size() < logits.element_size()
 
 
+def _check_shift(shift: torch.Tensor, block: int, rows: int, n_valid: int, device) -> None:
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"shift_block must be a positive int with block_shift, got {block!r}")
+    nb = -(-n_valid // block)
+    if not isinstance(shift, torch.Tensor) or tuple(shift.shape) != (nb, rows):
+        got = getattr(shift, "shape", shift)
+        raise ValueError(f"block_shift must be [NB={nb}, C={rows}], got {got}")
+    if shift.dtype != torch.float32 or shift.device != device or not shift.is_contiguous():
+        raise ValueError(f"block_shift must be contiguous fp32 on {device}, got {shift.dtype}")
+
+
 def logits_grad(
     logits: torch.Tensor,
     targets_local: torch.Tensor,
@@ -141,6 +161,8 @@ def logits_grad(
     grad_entropy: torch.Tensor | None = None,
     entropy_pz: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    block_shift: torch.Tensor | None = None,
+    shift_block: int = 0,
 ) -> torch.Tensor:
     """d loss / d logits of a [C, V_local] chunk (see the module docstring for the formula).
 
@@ -155,6 +177,10 @@ def logits_grad(
         entropy_pz: [C] float32 global sum_j p_j z_j; required with grad_entropy.
         out: [C, V_local] float output, or None. May alias the logits: `logits` itself, or a
             narrower-dtype view whose row r starts at logits row r (see the module docstring).
+        block_shift: [NB, C] fp32 or None. Given, ``logits`` holds shifted tempered logits
+            ``z - block_shift[j // shift_block]`` (``kernels.head_gemm``'s ``shifted``) and
+            ``z = logits + shift`` replaces ``z = logits * inv_temperature``.
+        shift_block: columns per block of ``block_shift`` (> 0 with it).
 
     Returns:
         [C, V_local] d logits in out's dtype (logits.dtype when out is None); padded columns 0.
@@ -172,6 +198,8 @@ def logits_grad(
     if grad_entropy is not None:
         check_row_vector("grad_entropy", grad_entropy, rows, torch.float32, dev)
         check_row_vector("entropy_pz", entropy_pz, rows, torch.float32, dev)
+    if block_shift is not None:
+        _check_shift(block_shift, shift_block, rows, n_valid, dev)
     narrow_alias = out is not None and _check_out(out, logits)
     check_device("logits", logits)
     if out is None:
@@ -180,10 +208,11 @@ def logits_grad(
         return out
     autotune = autotune_enabled()
     kernel = _build(interpret_mode(), autotune)
-    args = (logits, targets_local, lse, grad_logp, grad_entropy, entropy_pz, out)
-    args += (n_valid, v_local, logits.stride(0), out.stride(0), float(inv_temperature))
+    args = (logits, targets_local, lse, grad_logp, grad_entropy, entropy_pz, block_shift, out)
+    args += (n_valid, v_local, logits.stride(0), out.stride(0), float(inv_temperature), rows)
+    flags = dict(NARROW_ALIAS=narrow_alias, HAS_SHIFT=block_shift is not None)
     if autotune:
-        kernel[(rows,)](*args, NARROW_ALIAS=narrow_alias)
+        kernel[(rows,)](*args, max(shift_block, 1), **flags)
     else:
-        kernel[(rows,)](*args, BLOCK_V=BLOCK_V, NARROW_ALIAS=narrow_alias, num_warps=NUM_WARPS)
+        kernel[(rows,)](*args, max(shift_block, 1), BLOCK_V=BLOCK_V, num_warps=NUM_WARPS, **flags)
     return out

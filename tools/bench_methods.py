@@ -91,10 +91,10 @@ def fp32_highest():
 # A step runs forward + backward and returns (logp, entropy | None, objective value).
 
 
-def _ours(impl: str, entropy: bool):
+def _ours(impl: str, entropy: bool, gemm: str = "auto"):
     def step(p: Problem):
         out = vocab_parallel_logprobs(
-            p.h, p.w, p.targets, return_entropy=entropy, impl=impl, **p.op_args()
+            p.h, p.w, p.targets, return_entropy=entropy, impl=impl, gemm=gemm, **p.op_args()
         )
         logp, ent = out if entropy else (out, None)
         obj = (p.coef * logp).sum() + ((p.ent_coef * ent).sum() if entropy else 0.0)
@@ -104,33 +104,51 @@ def _ours(impl: str, entropy: bool):
     return step
 
 
-def _fused_grpo(p: Problem):
-    loss, _, logp = fused_grpo_loss(
-        p.h, p.w, p.targets, GRPOLossConfig(), **p.grpo, impl="auto", path=p.fused_path,
-        **p.op_args(),
-    )  # fmt: skip
-    loss.backward()
-    return logp.detach(), None, loss.detach()
+# fused_grpo variants: name -> (path override or None = --fused-path / the plan's, gemm)
+_FUSED = {
+    "fused_grpo": (None, "auto"),
+    "fused_grpo_sp": (None, "auto"),
+    "fused_grpo_tiled": ("fused_tiled", "auto"),
+    "fused_grpo_separate": (None, "separate"),
+}
+
+
+def _fused_args(name: str, p: Problem) -> dict:
+    path, gemm = _FUSED[name]
+    return dict(**p.grpo, impl="auto", path=path or p.fused_path, gemm=gemm, **p.op_args())
+
+
+def _fused_grpo(name: str):
+    def step(p: Problem):
+        loss, _, logp = fused_grpo_loss(
+            p.h, p.w, p.targets, GRPOLossConfig(), **_fused_args(name, p)
+        )
+        loss.backward()
+        return logp.detach(), None, loss.detach()
+
+    return step
 
 
 def method_plan(name: str, p: Problem) -> LMHeadPlan | None:
     """The LM-head plan method ``name`` runs on this problem (None: a peer or the floor)."""
-    if name.startswith("fused_grpo"):
-        return fused_grpo_loss_plan(p.h, p.w, p.targets, GRPOLossConfig(), **p.grpo,
-                                    impl="auto", path=p.fused_path, **p.op_args())  # fmt: skip
+    if name in _FUSED:
+        return fused_grpo_loss_plan(p.h, p.w, p.targets, GRPOLossConfig(), **_fused_args(name, p))
     if name == "unfused_grpo":
         return logprobs_plan(p.h, p.w, p.targets, rows=p.grpo["loss_mask"], impl="auto",
                              **p.op_args())  # fmt: skip
     if name.split("_")[0] in ("torch", "triton"):
-        return logprobs_plan(p.h, p.w, p.targets, impl=name.split("_")[0], **p.op_args())
+        gemm = "separate" if name.endswith("_separate") else "auto"
+        return logprobs_plan(p.h, p.w, p.targets, impl=name.split("_")[0], gemm=gemm,
+                             **p.op_args())  # fmt: skip
     return None
 
 
 def plan_label(plan: LMHeadPlan) -> str:
     """A short form of a plan for tables: path, chunk or tile shape, loop order."""
+    gemm = {"fused_epilogue": "epilogue", "separate": "separate"}.get(plan.gemm, "")
     if plan.chunk_rows is not None:
-        return f"{plan.path} C={plan.chunk_rows}"
-    return f"{plan.path} {plan.tile_rows}x{plan.tile_cols} {plan.loop_order}"
+        return f"{plan.path} {gemm} C={plan.chunk_rows}"
+    return f"{plan.path} {gemm} {plan.tile_rows}x{plan.tile_cols} {plan.loop_order}"
 
 
 def _unfused_grpo(p: Problem):
@@ -174,11 +192,11 @@ def _cce(filter_eps):
 METHODS: dict[str, tuple[Callable, str]] = {
     "torch": (_ours("torch", False), "logp"),
     "triton": (_ours("triton", False), "logp"),
+    "triton_separate": (_ours("triton", False, "separate"), "logp"),
     "triton_sp": (_ours("triton", False), "logp"),
     "torch_entropy": (_ours("torch", True), "logp_entropy"),
     "triton_entropy": (_ours("triton", True), "logp_entropy"),
-    "fused_grpo": (_fused_grpo, "grpo"),
-    "fused_grpo_sp": (_fused_grpo, "grpo"),
+    **{name: (_fused_grpo(name), "grpo") for name in _FUSED},
     "unfused_grpo": (_unfused_grpo, "grpo"),
     "megatron_fused_ce": (_megatron, "logp"),
     "cce_exact": (_cce(None), "logp"),

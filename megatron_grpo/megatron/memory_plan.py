@@ -21,6 +21,7 @@ from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.megatron.config import ModelConfig, ParallelConfig
 from megatron_grpo.megatron.model import padded_vocab_size
 from megatron_grpo.ops.plan import REQUESTS, HeadShape, LMHeadPlan, plan_lm_head
+from megatron_grpo.ops.reference import STATS_BLOCK
 
 GIB = 2**30
 ASSUMPTIONS = (
@@ -262,10 +263,10 @@ def lm_head_plan(
 
 
 def _tiled_bytes(plan: LMHeadPlan, hidden: int, tp: int) -> tuple[float, float]:
-    """(fp32 logits tile, d_hidden / d_weight buffers) of the op's tiled passes
-    (``ops.passes``) in the plan's loop order."""
+    """(logits tile: fp32, or the GEMM dtype's d logits with the fused epilogue; d_hidden /
+    d_weight buffers) of the op's tiled passes (``ops.passes``) in the plan's loop order."""
     tiling, n = plan.tiling(), plan.rows
-    tile = min(tiling.rows, n) * tiling.cols * 4
+    tile = min(tiling.rows, n) * tiling.cols * _size(plan.tile_dtype)
     if plan.loop_order == "rows_outer":  # an fp32 [R, H] d_hidden block
         other = min(tiling.rows, n) * hidden * 4
     else:  # an fp32 [T, H] d_hidden, an fp32 [Vc, H] d_weight tile over several row blocks
@@ -274,14 +275,21 @@ def _tiled_bytes(plan: LMHeadPlan, hidden: int, tp: int) -> tuple[float, float]:
     return tile, other
 
 
-def _single_pass_bytes(plan: LMHeadPlan, hidden: int, v_local: int) -> tuple[float, float]:
-    """(fp32 [C, V_local] chunk, buffers) of the fused single pass (``ops.single_pass``): an fp32
-    [T, H] d_hidden kept for backward, the chunk's fp32 [C, H] d_hidden and the plan's extra
-    fp32 [V_local, H] d_weight, if any."""
+def _single_pass_bytes(plan: LMHeadPlan, hidden: int, v_local: int, tp: int) -> tuple[float, float]:
+    """([C, V_local] chunk: fp32 logits, or shifted logits in the GEMM dtype with the fused
+    epilogue; buffers) of the fused single pass (``ops.single_pass``): the chunk's fp32 [C, H]
+    d_hidden and block statistics, the d_hidden kept for backward (fp32 [T, H] under TP, else
+    in the hidden dtype: the gradient itself) and the plan's extra fp32 [V_local, H] d_weight,
+    if any."""
     n, chunk = plan.rows, min(plan.chunk_rows, plan.rows)
-    other = n * hidden * 4 + chunk * hidden * 4
+    blocks = -(-v_local // STATS_BLOCK)
+    other = chunk * hidden * 4 + chunk * blocks * 16 + (n * hidden * 4 if tp > 1 else 0)
     other += v_local * hidden * 4 if plan.extra_accumulator else 0
-    return chunk * v_local * 4, other
+    return chunk * v_local * _size(plan.tile_dtype), other
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def loss_working_set(
@@ -318,7 +326,7 @@ def loss_working_set(
         other = 2 * tokens * hidden * param_bytes + 8 * tokens  # gathered input, d_hidden, [T]
         return LossWorkingSet(path, logits, other)
     if plan.path == "fused_single_pass":
-        logits, other = _single_pass_bytes(plan, hidden, v_local)
+        logits, other = _single_pass_bytes(plan, hidden, v_local, tp)
     else:
         logits, other = _tiled_bytes(plan, hidden, tp)
     n = plan.rows

@@ -14,14 +14,18 @@ IMPLS = ("auto", "torch", "triton")
 
 
 class Kernels(NamedTuple):
-    """The two seam functions (see ``megatron_grpo.ops.reference`` for the contract)."""
+    """The seam functions (see ``megatron_grpo.ops.reference`` for the contract): softmax
+    statistics and gradient of a logits chunk, and the LM-head GEMM with those as epilogues."""
 
     name: str
     logits_row_stats: Callable
     logits_grad: Callable
+    head_gemm_stats: Callable
+    head_gemm_grad: Callable
 
 
-_TORCH = Kernels("torch", reference.logits_row_stats, reference.logits_grad)
+_NAMES = Kernels._fields[1:]
+_TORCH = Kernels("torch", *(getattr(reference, n) for n in _NAMES))
 
 
 def _triton_importable() -> bool:
@@ -30,10 +34,10 @@ def _triton_importable() -> bool:
 
 def _triton_kernels() -> Kernels:
     mod = importlib.import_module("megatron_grpo.kernels")
-    missing = [n for n in ("logits_row_stats", "logits_grad") if not hasattr(mod, n)]
+    missing = [n for n in _NAMES if not hasattr(mod, n)]
     if missing:
         raise ImportError(f"impl='triton': megatron_grpo.kernels does not define {missing}")
-    return Kernels("triton", mod.logits_row_stats, mod.logits_grad)
+    return Kernels("triton", *(getattr(mod, n) for n in _NAMES))
 
 
 def resolve_impl(impl: str, device_type: str) -> str:

@@ -219,6 +219,7 @@ def fused_grpo_loss(
     return_entropy: bool = False,
     path: str | None = None,
     memory_budget: int | None = None,
+    gemm: str = "auto",
 ) -> tuple[Tensor, MetricDict, Tensor] | tuple[Tensor, MetricDict, Tensor, Tensor]:
     """``grpo_loss`` of the log-probs of ``hidden @ weight^T / temperature``: same loss,
     gradients and metrics as ``vocab_parallel_logprobs`` + ``grpo_loss``, with the loss and its
@@ -232,7 +233,8 @@ def fused_grpo_loss(
     "fused_tiled", "fused_single_pass", "op" (log-probs, then ``grpo_loss``).
     ``memory_budget``: bytes, trading memory for speed (``ops.plan``; None = 1 GiB). On the
     single pass an fp32 ``weight.main_grad`` receives d_weight during the forward (module doc);
-    :func:`fused_grpo_loss_plan` returns the plan a call runs.
+    :func:`fused_grpo_loss_plan` returns the plan a call runs. ``gemm``: how the logits GEMM
+    meets the softmax work (``ops.plan``; auto = its fused epilogue with the triton kernels).
 
     Returns:
         ``(loss, metrics, logprobs[, entropy])``: the float32 scalar loss (differentiable
@@ -250,6 +252,7 @@ def fused_grpo_loss(
     op_args = dict(
         tp_group=tp_group, sequence_parallel=sequence_parallel, temperature=temperature,
         vocab_size=vocab_size, chunk_size=chunk_size, impl=impl, memory_budget=memory_budget,
+        gemm=gemm,
     )  # fmt: skip
     if _request(path, cfg) == "op":
         return _op_path(hidden, weight, targets, cfg, need_ent, return_entropy, loss_args, op_args)
@@ -279,7 +282,7 @@ def fused_grpo_loss_plan(
 _LOSS_ARGS = ("old_logprobs", "advantages", "loss_mask", "cu_seqlens", "ref_logprobs",
               "rollout_logprobs", "denominator", "cp_group")  # fmt: skip
 _OP_ARGS = ("tp_group", "sequence_parallel", "temperature", "vocab_size", "chunk_size", "impl",
-            "memory_budget")  # fmt: skip
+            "memory_budget", "gemm")  # fmt: skip
 
 
 def _request(path: str | None, cfg: GRPOLossConfig) -> str:
@@ -309,7 +312,7 @@ def _fused_setup(hidden, weight, targets, cfg, loss_args: dict, op_args: dict, p
                          want_dw=want_dw)  # fmt: skip
     plan = plan_lm_head(shape, path=path, loss=cfg, impl=op_args["impl"],
                         chunk_size=op_args["chunk_size"],
-                        memory_budget=op_args["memory_budget"])  # fmt: skip
+                        memory_budget=op_args["memory_budget"], gemm=op_args["gemm"])  # fmt: skip
     return head.with_plan(plan), lctx
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from functools import cache
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,43 +19,13 @@ from torch import Tensor
 
 from megatron_grpo.ops.comm import TPInfo
 from megatron_grpo.ops.dispatch import Kernels, kernels_named
-from megatron_grpo.ops.stats import RowGrads, RowStats
+from megatron_grpo.ops.gemm import mm_f32
+from megatron_grpo.ops.reference import STATS_BLOCK
+from megatron_grpo.ops.stats import OVER_TILES, RowGrads, RowStats, merge_row_stats
 from megatron_grpo.ops.tiling import narrow_alias, tile_view
 
 if TYPE_CHECKING:
     from megatron_grpo.ops.plan import LMHeadPlan
-
-
-@cache
-def _has_out_dtype_mm(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether ``torch.mm(..., out_dtype=float32)`` runs for ``dtype`` inputs on this device."""
-    try:
-        a = torch.zeros(2, 2, dtype=dtype, device=device_type)
-        torch.mm(a, a, out_dtype=torch.float32)
-        return True
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
-
-
-def mm_f32(a: Tensor, b: Tensor, acc: Tensor | None = None, out: Tensor | None = None) -> Tensor:
-    """``a @ b`` accumulated and returned in fp32: ``acc += a @ b`` in place when ``acc`` is
-    given, else written into ``out`` (a contiguous fp32 tensor) or a new tensor.
-
-    Low-precision operands use the out_dtype GEMM (fp32 accumulator written out as fp32) where
-    torch provides it, else they are upcast (exact products, more memory: CPU and old torch).
-    """
-    f32 = torch.float32
-    if not (a.dtype == f32 and b.dtype == f32):
-        if a.dtype == b.dtype and _has_out_dtype_mm(a.device.type, a.dtype):
-            if acc is not None:
-                return torch.addmm(acc, a, b, out_dtype=f32, out=acc)
-            if out is not None:
-                return torch.mm(a, b, out_dtype=f32, out=out)
-            return torch.mm(a, b, out_dtype=f32)
-        a, b = a.float(), b.float()
-    if acc is not None:
-        return acc.addmm_(a, b)
-    return torch.mm(a, b) if out is None else torch.mm(a, b, out=out)
 
 
 @dataclass(frozen=True)
@@ -95,6 +64,57 @@ class LMHead:
         return RowStats(*self.kernels.logits_row_stats(
             logits, t_local - start, logits.shape[1], self.inv_temperature, with_entropy
         ))  # fmt: skip
+
+    @property
+    def epilogue(self) -> bool:
+        """Whether the plan runs the logits GEMM with the softmax work as its epilogue."""
+        return self.plan.gemm == "fused_epilogue"
+
+    def tile_stats(
+        self, h: Tensor, t_local: Tensor, start: int, stop: int, with_entropy: bool, buf: Tensor
+    ) -> RowStats:
+        """Row stats of vocab rows ``start:stop`` for the rows ``h`` ([R, H]): the fused GEMM's
+        per-block statistics merged, or fp32 logits in ``buf`` reduced by the stats kernel."""
+        if not self.epilogue:
+            return self.stats(self.logits(h, start, stop, buf), t_local, start, with_entropy)
+        parts = self.kernels.head_gemm_stats(
+            h, self.weight[start:stop], t_local - start, self.inv_temperature, with_entropy
+        )
+        return merge_row_stats(RowStats(*parts), OVER_TILES)
+
+    def tile_dlogits(
+        self, h: Tensor, t_local: Tensor, start: int, stop: int, g: RowGrads, buf: Tensor
+    ) -> Tensor:
+        """d loss / d logits [R, stop - start] in the GEMM dtype of vocab rows ``start:stop``,
+        written in ``buf``: straight from the fused GEMM, or by recompute + gradient kernel."""
+        if not self.epilogue:
+            return self.dlogits(self.logits(h, start, stop, buf), t_local, start, g)
+        out = tile_view(buf, h.shape[0], stop - start)
+        return self.kernels.head_gemm_grad(
+            h, self.weight[start:stop], t_local - start, self.inv_temperature,
+            g.lse, g.g_logp, g.g_ent, g.pz, out=out,
+        )  # fmt: skip
+
+    def shifted_stats(
+        self, h: Tensor, t_local: Tensor, with_entropy: bool, buf: Tensor
+    ) -> tuple[RowStats, Tensor]:
+        """Row stats of every valid column for the rows ``h`` ([C, H]) by the fused GEMM, which
+        also keeps the shifted logits ``z - m_block`` in ``buf`` (GEMM dtype, [C, n_valid]);
+        returns (stats, the per-block shifts ``m`` [NB, C]) for :meth:`shifted_dlogits`."""
+        out = tile_view(buf, h.shape[0], self.n_valid)
+        parts = RowStats(*self.kernels.head_gemm_stats(
+            h, self.weight[: self.n_valid], t_local, self.inv_temperature, with_entropy,
+            shifted=out,
+        ))  # fmt: skip
+        return merge_row_stats(parts, OVER_TILES), parts.m
+
+    def shifted_dlogits(self, shifted: Tensor, t_local: Tensor, shift: Tensor, g: RowGrads):
+        """d loss / d logits of :meth:`shifted_stats`'s ``[C, n_valid]`` shifted logits, written
+        over them (GEMM dtype)."""
+        return self.kernels.logits_grad(
+            shifted, t_local, self.n_valid, self.inv_temperature, g.lse, g.g_logp, g.g_ent, g.pz,
+            out=shifted, block_shift=shift, shift_block=STATS_BLOCK,
+        )  # fmt: skip
 
     def dlogits(self, logits: Tensor, t_local: Tensor, start: int, g: RowGrads) -> Tensor:
         """d loss / d logits of a tile in the GEMM dtype (the weight's), written over ``logits``.

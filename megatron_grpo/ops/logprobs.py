@@ -80,6 +80,7 @@ def vocab_parallel_logprobs(
     impl: str = "auto",
     rows: Tensor | None = None,
     memory_budget: int | None = None,
+    gemm: str = "auto",
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probs ``log softmax(h W^T / temperature)[target]`` over a TP-sharded vocabulary.
 
@@ -102,12 +103,15 @@ def vocab_parallel_logprobs(
             return 0 with no gradient and may hold any target (e.g. -100).
         memory_budget: bytes of the LM head's working set, trading memory for speed (larger
             tiles); None = ``ops.plan.DEFAULT_MEMORY_BUDGET`` (1 GiB). See :mod:`ops.plan`.
+        gemm: "auto", "fused_epilogue" (the logits GEMM with the softmax work as its epilogue:
+            no fp32 logits in memory) or "separate" (cuBLAS GEMM, then the kernels). See
+            :mod:`ops.plan`; auto = "fused_epilogue" with the triton kernels.
     Returns:
         logp float32 [T] (and entropy float32 [T]), identical on every TP rank. The weight
         gradient goes to ``weight.main_grad`` when it exists, else to ``weight.grad``.
     """
     head, idx = _prepare(hidden, weight, targets, rows, tp_group, sequence_parallel, temperature,
-                         vocab_size, chunk_size, impl, memory_budget)  # fmt: skip
+                         vocab_size, chunk_size, impl, memory_budget, gemm)  # fmt: skip
     return _VocabParallelLogprobs.apply(hidden, weight, targets, idx, head, return_entropy)
 
 
@@ -124,15 +128,16 @@ def logprobs_plan(
     impl: str = "auto",
     rows: Tensor | None = None,
     memory_budget: int | None = None,
+    gemm: str = "auto",
 ) -> LMHeadPlan:
     """The plan :func:`vocab_parallel_logprobs` runs with these arguments (validated alike)."""
     return _prepare(hidden, weight, targets, rows, tp_group, sequence_parallel, temperature,
-                    vocab_size, chunk_size, impl, memory_budget)[0].plan  # fmt: skip
+                    vocab_size, chunk_size, impl, memory_budget, gemm)[0].plan  # fmt: skip
 
 
 def _prepare(
     hidden, weight, targets, rows, tp_group, sequence_parallel, temperature, vocab_size,
-    chunk_size, impl, memory_budget,
+    chunk_size, impl, memory_budget, gemm,
 ) -> tuple[LMHead, Tensor | None]:  # fmt: skip
     """The validated head bound to its plan, and the active rows' indices (None = all)."""
     tp = TPInfo.of(tp_group)
@@ -145,5 +150,5 @@ def _prepare(
         want_dh=grad_on and hidden.requires_grad, want_dw=grad_on and weight.requires_grad,
     )  # fmt: skip
     plan = plan_lm_head(shape, path="op", impl=impl, chunk_size=chunk_size,
-                        memory_budget=memory_budget)  # fmt: skip
+                        memory_budget=memory_budget, gemm=gemm)  # fmt: skip
     return head.with_plan(plan), idx

@@ -32,7 +32,8 @@ from megatron_grpo.ops.comm import (
     combine_row_stats,
     reduce_scatter_rows,
 )
-from megatron_grpo.ops.lm_head import LMHead, mm_f32, take_rows
+from megatron_grpo.ops.gemm import mm_f32
+from megatron_grpo.ops.lm_head import LMHead, take_rows
 from megatron_grpo.ops.stats import GlobalRowStats, RowGrads, RowStats
 from megatron_grpo.ops.tiling import Tiling, merge_tile_stats
 from megatron_grpo.ops.weight_grad import WeightGradSink
@@ -72,12 +73,13 @@ def forward_stats(
     tiling = plan_tiling(head, n_rows)
     local = RowStats.empty(n_rows, dev, with_entropy)
     buf = tiling.buffer(dev)
+    # The fused GEMM keeps no logits: one call covers every column of a row block.
+    col_tiles = [(0, head.n_valid)] if head.epilogue and head.n_valid else tiling.col_tiles()
     for r0, r1 in tiling.row_blocks():
         h, t_rows = take_rows(h_full, idx, r0, r1), t_local[r0:r1]
         parts = []
-        for v0, v1 in tiling.col_tiles():
-            logits = head.logits(h, v0, v1, buf)
-            parts.append(head.stats(logits, t_rows, v0, with_entropy))
+        for v0, v1 in col_tiles:
+            parts.append(head.tile_stats(h, t_rows, v0, v1, with_entropy, buf))
         local.write(r0, r1, merge_tile_stats(parts, r1 - r0, dev, with_entropy))
     return combine_row_stats(local, head.tp)
 
@@ -140,7 +142,7 @@ def _rows_outer(head, tiling: Tiling, h_full, idx, t_local, grads, sink, dh_out)
         h, t_rows, g = take_rows(h_full, idx, r0, r1), t_local[r0:r1], grads.rows(r0, r1)
         dh = None  # fp32 [R, H], started by the first tile's GEMM
         for v0, v1 in tiling.col_tiles():
-            dlogits = head.dlogits(head.logits(h, v0, v1, buf), t_rows, v0, g)
+            dlogits = head.tile_dlogits(h, t_rows, v0, v1, g, buf)
             if dh_out is not None:
                 dh = mm_f32(dlogits, w[v0:v1], acc=dh)
             if sink is not None:
@@ -165,8 +167,7 @@ def _vocab_outer(head, tiling: Tiling, h_full, idx, t_local, grads, sink, dh_out
         acc = None  # fp32 [Vc, H] sum over row blocks; one block goes straight to the sink
         for r0, r1 in blocks:
             h = take_rows(h_full, idx, r0, r1)
-            logits = head.logits(h, v0, v1, buf)
-            dlogits = head.dlogits(logits, t_local[r0:r1], v0, grads.rows(r0, r1))
+            dlogits = head.tile_dlogits(h, t_local[r0:r1], v0, v1, grads.rows(r0, r1), buf)
             if dh is not None and v0 == 0:
                 mm_f32(dlogits, w[v0:v1], out=dh[r0:r1])
             elif dh is not None:

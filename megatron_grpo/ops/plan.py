@@ -15,14 +15,20 @@ The decisions, each a field of the plan:
   by the single-pass rule below, and runs "op" for GSPO (``ratio_level == "sequence"``: a
   token's ratio needs its whole sequence); log-probs alone (no loss) run "op".
 * ``impl``: the kernel seam, "torch" or "triton" (``ops.dispatch.resolve_impl``).
+* ``gemm``: how the logits GEMM meets the softmax work. "fused_epilogue": the GEMM reduces its
+  fp32 accumulator in registers (``kernels.head_gemm``): the stats pass writes no logits at all,
+  the recompute writes d logits in the GEMM dtype, the single pass keeps shifted logits in the
+  GEMM dtype. "separate": a cuBLAS GEMM writes fp32 logits tiles that the stats / gradient
+  kernels then read. ``auto``: "fused_epilogue" with the triton kernels, else "separate".
 * ``weight_grad``: where d_weight goes: "accumulate_fp32" (in place in an fp32 buffer that is
   the gradient: an fp32 ``main_grad``, or the fp32 gradient of an fp32 weight), "write_tiles" (a
   new gradient in the weight's dtype: each vocab tile summed in fp32, written once), "add_tiles"
   (a ``main_grad`` that is not fp32: each tile summed in fp32, added once) or "none".
 * ``loop_order`` of the tiled backward: "rows_outer" where d_weight accumulates in place
   ("accumulate_fp32" / "none"), else "vocab_outer" (see ``ops.passes``).
-* chunk sizes: ``tile_rows x tile_cols`` fp32 logits tiles of the tiled passes (also the
-  single pass's recompute), ``chunk_rows`` full-width rows per single-pass chunk.
+* chunk sizes: ``tile_rows x tile_cols`` tiles of the tiled passes (fp32 logits, or d logits
+  in the GEMM dtype with "fused_epilogue"; also the single pass's recompute), ``chunk_rows``
+  full-width rows per single-pass chunk.
 
 The memory budget (``memory_budget`` bytes, default 1 GiB) is the knob that trades memory for
 speed: one fp32 logits tile gets ``memory_budget / TILE_FRACTION`` (256 MiB by default), the rest
@@ -51,17 +57,20 @@ from torch import Tensor
 
 from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.ops.dispatch import resolve_impl
+from megatron_grpo.ops.reference import STATS_BLOCK
 from megatron_grpo.ops.tiling import ROW_ALIGN, TILE_BYTES, Tiling, round_down
 from megatron_grpo.ops.weight_grad import main_grad_of
 
 PATHS = ("op", "fused_tiled", "fused_single_pass", "megatron")
+GEMMS = ("separate", "fused_epilogue")
 REQUESTS = ("fused", *PATHS)
 WEIGHT_GRADS = ("none", "accumulate_fp32", "write_tiles", "add_tiles")
 LOOP_ORDERS = ("rows_outer", "vocab_outer")
 
 TILE_FRACTION = 4  # one fp32 logits tile = memory_budget / TILE_FRACTION
 DEFAULT_MEMORY_BUDGET = TILE_FRACTION * TILE_BYTES  # 1 GiB
-SINGLE_PASS_MIN_ROWS = 4096  # smallest full-width chunk worth the single pass (auto)
+# Smallest full-width chunk worth the single pass (auto), per GEMM mode (ops/fused_grpo.py).
+SINGLE_PASS_MIN_ROWS = {"separate": 4096, "fused_epilogue": 1024}
 ACCUMULATOR_TILES = 1  # the single pass's extra fp32 [V_local, H] d_weight, in tiles
 _MIN_BUDGET = TILE_FRACTION * 4  # a tile of one fp32 element
 _GIB, _MIB = 2**30, 2**20
@@ -112,6 +121,7 @@ class LMHeadPlan:
     path: str
     reason: str  # why this path
     impl: str | None
+    gemm: str | None
     weight_grad: str | None
     loop_order: str | None
     rows: int
@@ -120,6 +130,7 @@ class LMHeadPlan:
     tile_cols: int | None
     chunk_rows: int | None
     memory_budget: int
+    dtype: torch.dtype = torch.float32  # the GEMM dtype (the weight's)
 
     @property
     def tile_bytes(self) -> int:
@@ -134,14 +145,21 @@ class LMHeadPlan:
         """The tiles of the tiled passes over ``rows`` x ``n_valid``."""
         if self.tile_rows is None or self.tile_cols is None:
             raise ValueError(f"path {self.path!r} has no tiles")
-        return Tiling(self.tile_rows, self.tile_cols, self.rows, self.n_valid)
+        return Tiling(self.tile_rows, self.tile_cols, self.rows, self.n_valid, self.tile_dtype)
+
+    @property
+    def tile_dtype(self) -> torch.dtype:
+        """Of a tile (and a single-pass chunk): the GEMM dtype with the fused epilogue."""
+        return self.dtype if self.gemm == "fused_epilogue" else torch.float32
 
     def describe(self) -> str:
         parts = [f"{self.path} ({self.reason})"]
         if self.impl is not None:
-            parts.append(f"{self.impl} kernels")
+            parts.append(f"{self.impl} kernels, {self.gemm.replace('_', ' ')} GEMM")
         if self.chunk_rows is not None:
-            parts.append(f"{self.chunk_rows}-row full-width chunks of {self.n_valid} columns")
+            kept = "shifted" if self.gemm == "fused_epilogue" else "fp32"
+            parts.append(f"{self.chunk_rows}-row full-width chunks of {self.n_valid} {kept} "
+                         "logit columns")  # fmt: skip
         if self.tile_rows is not None:
             what = "recompute tiles" if self.chunk_rows is not None else "tiles"
             parts.append(f"{self.rows} rows in {self.tile_rows} x {self.tile_cols} {what}")
@@ -201,7 +219,8 @@ def plan_lm_head(
     impl: str = "auto",
     chunk_size: int | None = None,
     memory_budget: int | None = None,
-    single_pass_min_rows: int = SINGLE_PASS_MIN_ROWS,
+    single_pass_min_rows: int | None = None,
+    gemm: str = "auto",
 ) -> LMHeadPlan:
     """The plan of one call (module docstring). Deterministic: equal arguments, equal plans.
 
@@ -212,27 +231,46 @@ def plan_lm_head(
         impl: "auto", "torch" or "triton" (kernel seam).
         chunk_size: rows per logits tile / single-pass chunk; None = automatic.
         memory_budget: bytes (see the module docstring); None = :data:`DEFAULT_MEMORY_BUDGET`.
-        single_pass_min_rows: the automatic rule's row threshold.
+        single_pass_min_rows: the automatic rule's row threshold; None =
+            :data:`SINGLE_PASS_MIN_ROWS` of the GEMM mode.
+        gemm: "auto" or one of :data:`GEMMS` (module docstring).
     """
     budget = _check_options(chunk_size, memory_budget, single_pass_min_rows)
     request, reason = resolve_request(path, loss)
     weight_grad = weight_grad_mode(shape)
     if request == "megatron":
-        return LMHeadPlan("megatron", reason, None, None, None, shape.rows, shape.n_valid,
-                          None, None, None, budget)  # fmt: skip
+        return LMHeadPlan("megatron", reason, None, None, None, None, shape.rows, shape.n_valid,
+                          None, None, None, budget, shape.dtype)  # fmt: skip
     impl_name = resolve_impl(impl, shape.device_type)
-    tiling = Tiling.plan(shape.rows, shape.n_valid, chunk_size, budget // TILE_FRACTION)
+    gemm_name = resolve_gemm(gemm, impl_name)
+    tile_dtype = shape.dtype if gemm_name == "fused_epilogue" else torch.float32
+    tiling = Tiling.plan(shape.rows, shape.n_valid, chunk_size, budget // TILE_FRACTION, tile_dtype)
     chunk_rows = None
     if request != "op":
+        min_rows = (
+            SINGLE_PASS_MIN_ROWS[gemm_name]
+            if single_pass_min_rows is None
+            else single_pass_min_rows
+        )
         request, chunk_rows, reason = _fused_path(
-            request, shape, weight_grad, chunk_size, budget // TILE_FRACTION, single_pass_min_rows
+            request, shape, weight_grad, chunk_size, budget, gemm_name, min_rows
         )
     loop = "rows_outer" if weight_grad in ("none", "accumulate_fp32") else "vocab_outer"
-    return LMHeadPlan(request, reason, impl_name, weight_grad, loop, shape.rows, shape.n_valid,
-                      tiling.rows, tiling.cols, chunk_rows, budget)  # fmt: skip
+    return LMHeadPlan(request, reason, impl_name, gemm_name, weight_grad, loop, shape.rows,
+                      shape.n_valid, tiling.rows, tiling.cols, chunk_rows, budget,
+                      shape.dtype)  # fmt: skip
 
 
-def _check_options(chunk_size: int | None, memory_budget: int | None, min_rows: int) -> int:
+def resolve_gemm(gemm: str, impl: str) -> str:
+    """The GEMM mode ``gemm`` means with kernels ``impl`` (module docstring)."""
+    if gemm == "auto":
+        return "fused_epilogue" if impl == "triton" else "separate"
+    if gemm not in GEMMS:
+        raise ValueError(f"gemm must be 'auto' or one of {list(GEMMS)}, got {gemm!r}")
+    return gemm
+
+
+def _check_options(chunk_size: int | None, memory_budget: int | None, min_rows: int | None) -> int:
     """Validates the options; returns the memory budget in bytes."""
     if chunk_size is not None and (not _is_int(chunk_size) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
@@ -240,7 +278,7 @@ def _check_options(chunk_size: int | None, memory_budget: int | None, min_rows: 
     if not _is_int(budget) or budget < _MIN_BUDGET:
         raise ValueError(f"memory_budget must be an int >= {_MIN_BUDGET} bytes or None, "
                          f"got {memory_budget!r}")  # fmt: skip
-    if not _is_int(min_rows) or min_rows < 0:
+    if min_rows is not None and (not _is_int(min_rows) or min_rows < 0):
         raise ValueError(f"single_pass_min_rows must be an int >= 0, got {min_rows!r}")
     return budget
 
@@ -250,8 +288,8 @@ def _is_int(x: object) -> bool:
 
 
 def _fused_path(
-    request: str, shape: HeadShape, weight_grad: str, chunk_size: int | None, tile: int,
-    min_rows: int,
+    request: str, shape: HeadShape, weight_grad: str, chunk_size: int | None, budget: int,
+    gemm: str, min_rows: int,
 ) -> tuple[str, int | None, str]:  # fmt: skip
     """(path, single-pass chunk rows or None, why) of a fused request."""
     if not (shape.want_dh or shape.want_dw):
@@ -260,7 +298,10 @@ def _fused_path(
         return "fused_tiled", None, "no loss rows"
     if request == "fused_tiled":
         return "fused_tiled", None, "requested"
-    rows, why_not = _single_pass_chunk(shape, weight_grad, chunk_size, tile)
+    if gemm == "fused_epilogue":
+        rows, why_not = _epilogue_chunk(shape, weight_grad, chunk_size, budget)
+    else:
+        rows, why_not = _single_pass_chunk(shape, weight_grad, chunk_size, budget // TILE_FRACTION)
     if why_not is not None and request == "fused_single_pass":
         raise ValueError(f"path 'fused_single_pass' does not fit the memory budget: {why_not}; "
                          "raise memory_budget or lower chunk_size")  # fmt: skip
@@ -274,6 +315,29 @@ def _fused_path(
         return "fused_tiled", None, why
     why = f"auto: full-width chunks of {rows} rows >= min({min_rows}, {shape.rows} rows)"
     return "fused_single_pass", min(rows, shape.rows), why
+
+
+def _epilogue_chunk(
+    shape: HeadShape, weight_grad: str, chunk_size: int | None, budget: int
+) -> tuple[int, str | None]:
+    """(rows per full-width chunk, None) when the fused-epilogue single pass fits ``budget``
+    bytes, else (rows, why not). Per chunk row it keeps the shifted logits (GEMM dtype), the
+    block statistics and an fp32 d_hidden row; the extra fp32 [V_local, H] d_weight, when
+    there is no fp32 buffer to accumulate into, comes out of the budget first."""
+    extra = 4 * shape.v_local * shape.hidden
+    extra = extra if weight_grad in ("write_tiles", "add_tiles") else 0
+    elem = torch.empty((), dtype=shape.dtype).element_size()
+    blocks = -(-shape.v_local // STATS_BLOCK)
+    per_row = elem * shape.v_local + 16 * blocks + 4 * shape.hidden
+    fit = max(budget - extra, 0) // per_row
+    rows = round_down(fit, ROW_ALIGN) if chunk_size is None else chunk_size
+    if extra and fit < ROW_ALIGN:
+        return rows, (f"its extra fp32 [V_local, H] d_weight ({extra} bytes) leaves no room for "
+                      f"a chunk in the {budget}-byte budget")  # fmt: skip
+    if not 1 <= rows <= fit:
+        return rows, (f"a full-width chunk of {max(rows, 1)} x {shape.v_local} "
+                      f"({per_row} bytes a row) exceeds the {budget}-byte budget")  # fmt: skip
+    return rows, None
 
 
 def _single_pass_chunk(

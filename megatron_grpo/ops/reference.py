@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from megatron_grpo.ops.gemm import mm_f32
+
 
 def _target_hits(targets_local: Tensor, n_valid: int) -> tuple[Tensor, Tensor]:
     """Returns (in-shard mask [C] bool, safe column index [C, 1] int64)."""
@@ -65,6 +67,8 @@ def logits_grad(
     grad_entropy: Tensor | None = None,
     entropy_pz: Tensor | None = None,
     out: Tensor | None = None,
+    block_shift: Tensor | None = None,
+    shift_block: int = 0,
 ) -> Tensor:
     """d(loss)/d(logits) of one row-chunk from the global statistics.
 
@@ -77,6 +81,8 @@ def logits_grad(
         lse: [C] global log-sum-exp of z; entropy_pz: [C] global ``sum_j p_j z_j``.
         grad_logp, grad_entropy: [C] float32.
         out: optional [C, V_local] output (any float dtype; may be ``logits`` itself).
+        block_shift: optional [NB, C] fp32: ``logits`` then holds shifted tempered logits (see
+            :func:`head_gemm_stats`) and ``z = logits + block_shift[col // shift_block]``.
     Returns:
         [C, V_local] in ``out``'s dtype (or ``logits.dtype``).
     """
@@ -87,7 +93,11 @@ def logits_grad(
     if n_valid == 0:
         return out.zero_()
     hit, col = _target_hits(targets_local, n_valid)
-    z = logits[:, :n_valid] * inv_temperature  # copy: `out` may alias `logits`
+    if block_shift is None:
+        z = logits[:, :n_valid] * inv_temperature  # copy: `out` may alias `logits`
+    else:
+        shift = block_shift.t().repeat_interleave(shift_block, dim=1)[:, :n_valid]
+        z = logits[:, :n_valid].float() + shift
     p = torch.exp(z - lse.unsqueeze(1))
     if grad_entropy is None:
         dz = p.mul_(-grad_logp.unsqueeze(1))
@@ -101,3 +111,65 @@ def logits_grad(
     out[:, :n_valid].copy_(dz)
     out[:, n_valid:].zero_()
     return out
+
+
+# Columns per block of the fused GEMM's statistics (``kernels.head_gemm.STATS_BLOCK_N``).
+STATS_BLOCK = 256
+
+
+def head_gemm_stats(
+    h: Tensor,
+    w: Tensor,
+    targets_local: Tensor,
+    inv_temperature: float,
+    with_entropy: bool,
+    shifted: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """Per-block statistics of ``z = (h @ w^T) * inv_temperature`` (``kernels.head_gemm``).
+
+    Args:
+        h: [M, H]; w: [N, H] (every column valid); targets_local: [M] int64.
+        shifted: optional [M, N] output in w's dtype for ``z - m`` of each element's block.
+    Returns:
+        ``(m, s, zt, b)``, each [NB, M] fp32, NB = cdiv(N, :data:`STATS_BLOCK`): the statistics
+        of :func:`logits_row_stats` over each block of columns.
+    """
+    rows, n = h.shape[0], w.shape[0]
+    nb = -(-n // STATS_BLOCK)
+    z = mm_f32(h, w.t()) * inv_temperature  # [M, N] fp32
+    pad = torch.full((rows, nb * STATS_BLOCK - n), float("-inf"), device=z.device)
+    zb = torch.cat([z, pad], dim=1).view(rows, nb, STATS_BLOCK)
+    m = zb.amax(dim=2)  # [M, NB], finite: every block has a column
+    d = zb - m.unsqueeze(2)
+    e = torch.exp(d)
+    s = e.sum(dim=2)
+    cols = torch.arange(nb * STATS_BLOCK, device=z.device).view(nb, STATS_BLOCK)
+    hit = (cols.unsqueeze(0) == targets_local.view(rows, 1, 1)) & (cols < n).unsqueeze(0)
+    zt = torch.where(hit, zb, 0.0).sum(dim=2)
+    b = (e * torch.where(torch.isfinite(d), d, 0.0)).sum(dim=2) + m * s if with_entropy else None
+    if shifted is not None:
+        shifted.copy_(d.reshape(rows, -1)[:, :n])
+    b_t = None if b is None else b.t().contiguous()
+    return m.t().contiguous(), s.t().contiguous(), zt.t().contiguous(), b_t
+
+
+def head_gemm_grad(
+    h: Tensor,
+    w: Tensor,
+    targets_local: Tensor,
+    inv_temperature: float,
+    lse: Tensor,
+    grad_logp: Tensor,
+    grad_entropy: Tensor | None = None,
+    entropy_pz: Tensor | None = None,
+    out: Tensor | None = None,
+) -> Tensor:
+    """d loss / d logits [M, N] of ``logits = h @ w^T`` (``kernels.head_gemm``), in ``out`` or a
+    new tensor of w's dtype."""
+    logits = mm_f32(h, w.t())
+    if out is None:
+        out = torch.empty(logits.shape, dtype=w.dtype, device=w.device)
+    n = w.shape[0]
+    return logits_grad(
+        logits, targets_local, n, inv_temperature, lse, grad_logp, grad_entropy, entropy_pz, out
+    )

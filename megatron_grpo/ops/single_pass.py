@@ -22,7 +22,8 @@ from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.loss.math import LossContext, objective
 from megatron_grpo.loss.metrics import MetricDict
 from megatron_grpo.ops.comm import combine_row_stats
-from megatron_grpo.ops.lm_head import LMHead, mm_f32, take_rows
+from megatron_grpo.ops.gemm import mm_f32
+from megatron_grpo.ops.lm_head import LMHead, take_rows
 from megatron_grpo.ops.passes import HiddenGrad
 from megatron_grpo.ops.stats import GlobalRowStats, RowGrads, RowStats
 from megatron_grpo.ops.tiling import merge_tile_stats, tile_view
@@ -124,8 +125,12 @@ class TokenSinglePass:
         n, dev, rows = t_local.shape[0], h_full.device, self.head.plan.chunk_rows
         ent_grad = self.need_ent and self.cfg.entropy_coef != 0
         out = PassRows.empty(n, dev, self.need_ent, ent_grad)
-        dh = HiddenGrad(self.head, h_full, idx, torch.float32) if want_dh else None
-        buf = torch.empty(min(rows, n) * self.head.n_valid, device=dev)
+        # d_hidden rows are final in one GEMM each (K = the whole shard): at TP 1 kept in the
+        # hidden dtype (backward's grad_output scale is then exact for 1 only), else fp32 for
+        # the TP sum.
+        dh = HiddenGrad(self.head, h_full, idx, h_full.dtype) if want_dh else None
+        dtype = self.head.weight.dtype if self.head.epilogue else torch.float32
+        buf = torch.empty(min(rows, n) * self.head.n_valid, dtype=dtype, device=dev)
         losses, metrics = [], [self.lctx.metrics]
         for r0 in range(0, n, rows):
             r1 = min(r0 + rows, n)
@@ -139,7 +144,8 @@ class TokenSinglePass:
     def _chunk(self, h, t_rows, r0, r1, out: PassRows, buf, dh, dw) -> tuple[Tensor, MetricDict]:
         """Stats, loss and gradients of rows r0:r1, written into ``out``."""
         head = self.head
-        st = combine_row_stats(self._local_stats(h, t_rows, buf), head.tp)
+        local, shift = self._local_stats(h, t_rows, buf)
+        st = combine_row_stats(local, head.tp)
         logp = out.logp[r0:r1] = st.logp
         out.lse[r0:r1] = st.lse
         ent = None
@@ -156,26 +162,35 @@ class TokenSinglePass:
             if dh is not None:
                 dh.put(r0, r1, h.new_zeros(h.shape, dtype=torch.float32))
             return loss, met
-        self._backward_chunk(h, t_rows, r0, r1, st, g_lp, g_ent, buf, dh, dw)
+        self._backward_chunk(h, t_rows, r0, r1, st, g_lp, g_ent, buf, shift, dh, dw)
         return loss, met
 
     def _backward_chunk(
-        self, h, t_rows, r0, r1, st: GlobalRowStats, g_lp, g_ent, buf, dh, dw
+        self, h, t_rows, r0, r1, st: GlobalRowStats, g_lp, g_ent, buf, shift, dh, dw
     ) -> None:
         """d logits of the chunk still in ``buf``, then its d_hidden and d_weight GEMMs."""
         head = self.head
         g = RowGrads(st.lse, g_lp, g_ent, None if g_ent is None else st.pz)
-        dlogits = head.dlogits(tile_view(buf, r1 - r0, head.n_valid), t_rows, 0, g)
+        logits = tile_view(buf, r1 - r0, head.n_valid)
+        if shift is None:
+            dlogits = head.dlogits(logits, t_rows, 0, g)
+        else:
+            dlogits = head.shifted_dlogits(logits, t_rows, shift, g)
         if dh is not None:
             dh.put(r0, r1, mm_f32(dlogits, head.weight[: head.n_valid]))
         if dw is not None:
             dw.add(dlogits, h)
 
-    def _local_stats(self, h: Tensor, t_rows: Tensor, buf: Tensor) -> RowStats:
-        """This shard's stats of the rows ``h``; the logits stay in ``buf``."""
+    def _local_stats(
+        self, h: Tensor, t_rows: Tensor, buf: Tensor
+    ) -> tuple[RowStats, Tensor | None]:
+        """This shard's stats of the rows ``h`` and the fused GEMM's block shifts (None: fp32
+        logits); the (shifted) logits stay in ``buf``."""
         head = self.head
+        if head.epilogue and head.n_valid:
+            return head.shifted_stats(h, t_rows, self.need_ent, buf)
         parts = []
         if head.n_valid:
             logits = head.logits(h, 0, head.n_valid, buf)
             parts = [head.stats(logits, t_rows, 0, self.need_ent)]
-        return merge_tile_stats(parts, h.shape[0], h.device, self.need_ent)
+        return merge_tile_stats(parts, h.shape[0], h.device, self.need_ent), None

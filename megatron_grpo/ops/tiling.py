@@ -40,24 +40,30 @@ class Tiling:
     cols: int
     n_rows: int
     n_cols: int
+    dtype: torch.dtype = torch.float32  # of the tile: fp32 logits, or the GEMM dtype's d logits
 
     @staticmethod
     def plan(
-        n_rows: int, n_cols: int, chunk_size: int | None, tile_bytes: int = TILE_BYTES
+        n_rows: int,
+        n_cols: int,
+        chunk_size: int | None,
+        tile_bytes: int = TILE_BYTES,
+        dtype: torch.dtype = torch.float32,
     ) -> Tiling:
         """Tile shape for ``n_rows`` active rows and ``n_cols`` valid vocab columns.
 
-        ``chunk_size`` None: square tiles of ``sqrt(tile_bytes / 4)`` (8192 at 256 MiB), fewer
-        rows when there are fewer. Else ``chunk_size`` rows and as many columns as fit.
+        ``chunk_size`` None: square tiles of ``sqrt(tile_bytes / element size)`` (8192 fp32 at
+        256 MiB), fewer rows when there are fewer. Else ``chunk_size`` rows and as many columns
+        as fit.
         """
-        elems = tile_bytes // 4
+        elems = tile_bytes // torch.empty((), dtype=dtype).element_size()
         if chunk_size is None:
             side = round_down(math.isqrt(elems), COL_ALIGN)
             rows = min(side, -(-max(n_rows, 1) // ROW_ALIGN) * ROW_ALIGN)
         else:
             rows = chunk_size
         cols = max(1, round_down(elems // rows, COL_ALIGN))
-        return Tiling(rows, min(cols, max(n_cols, 1)), n_rows, n_cols)
+        return Tiling(rows, min(cols, max(n_cols, 1)), n_rows, n_cols, dtype)
 
     def row_blocks(self) -> list[tuple[int, int]]:
         return [(r, min(r + self.rows, self.n_rows)) for r in range(0, self.n_rows, self.rows)]
@@ -66,12 +72,12 @@ class Tiling:
         return [(c, min(c + self.cols, self.n_cols)) for c in range(0, self.n_cols, self.cols)]
 
     def buffer(self, device: torch.device) -> Tensor:
-        """Flat fp32 scratch for one tile (reused by every tile of a pass)."""
-        return torch.empty(min(self.rows, self.n_rows) * self.cols, device=device)
+        """Flat scratch for one tile (reused by every tile of a pass)."""
+        return torch.empty(min(self.rows, self.n_rows) * self.cols, dtype=self.dtype, device=device)
 
 
 def tile_view(buf: Tensor, rows: int, cols: int) -> Tensor:
-    """A contiguous fp32 [rows, cols] view of the front of a flat scratch buffer."""
+    """A contiguous [rows, cols] view (buf's dtype) of the front of a flat scratch buffer."""
     return buf[: rows * cols].view(rows, cols)
 
 

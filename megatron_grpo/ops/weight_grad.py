@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megatron_grpo.ops.lm_head import mm_f32
+from megatron_grpo.ops.gemm import mm_f32
 
 
 def main_grad_of(weight: Tensor) -> Tensor | None:
