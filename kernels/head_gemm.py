@@ -44,9 +44,11 @@ except ImportError:  # the launchers raise a clear error on use
     triton = None
     tl = None
 
-# Hopper-class default (autotuning only with MEGATRON_GRPO_AUTOTUNE=1): 128 x 256 fp32
-# accumulator in 8 warps, 64-deep K steps, 3 stages of shared memory.
-CONFIG = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+# Pointer kernel default (autotuning only with MEGATRON_GRPO_AUTOTUNE=1): 128 x 256 fp32
+# accumulator in 8 warps, 64-deep K steps, 4 stages of shared memory (the fastest of
+# ``_configs()`` on an H200, tools/bench_head_gemm.py).
+CONFIG = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
+TMA_CONFIG = dict(BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
 STATS_BLOCK_N = CONFIG["BLOCK_N"]  # the vocab block of the stats partials (fixed: see _configs)
 _GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -106,6 +108,50 @@ def _head_gemm_kernel(
                         b_ptr, shifted_ptr, stride_o, HAS_ENTROPY, STORE_SHIFTED, DOT_F32)  # fmt: skip
 
 
+def _head_gemm_tma_kernel(
+    h_desc, w_desc, t_ptr,
+    m_ptr, s_ptr, zt_ptr, b_ptr, shifted_ptr,
+    lse_ptr, glp_ptr, gent_ptr, pz_ptr, out_ptr,
+    M, N, K, stride_o, inv_t,
+    GRAD: tl.constexpr, HAS_ENTROPY: tl.constexpr, STORE_SHIFTED: tl.constexpr,
+    DOT_F32: tl.constexpr, NUM_SMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """The same GEMM + epilogues, persistent (one program per SM) with TMA loads (Hopper+):
+    the flattened tile loop lets the next tile's loads overlap this tile's epilogue."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_group = GROUP_M * num_n
+    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_SMS, flatten=True):
+        first_m = (tile // per_group) * GROUP_M
+        group_m = min(num_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % per_group) % group_m
+        pid_n = (tile % per_group) // group_m
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(k_tiles):  # TMA zero-fills out-of-range rows, columns and K
+            a = h_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+            b = w_desc.load([pid_n * BLOCK_N, k * BLOCK_K])
+            if DOT_F32:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32).T, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b.T, acc)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = offs_m < M
+        col_ok = offs_n < N
+        z = acc * inv_t
+        target = tl.load(t_ptr + offs_m, mask=row_ok, other=-1)
+        hit = (offs_n[None, :] == target[:, None]) & col_ok[None, :]
+        if GRAD:
+            _grad_epilogue(z, hit, col_ok, row_ok, offs_m, offs_n, lse_ptr, glp_ptr, gent_ptr,
+                           pz_ptr, out_ptr, stride_o, inv_t, HAS_ENTROPY, DOT_F32)  # fmt: skip
+        else:
+            _stats_epilogue(z, hit, col_ok, row_ok, offs_m, offs_n, pid_n, M, m_ptr, s_ptr,
+                            zt_ptr, b_ptr, shifted_ptr, stride_o, HAS_ENTROPY, STORE_SHIFTED,
+                            DOT_F32)  # fmt: skip
+
+
 def _stats_epilogue(
     z, hit, col_ok, row_ok, offs_m, offs_n, pid_n, M, m_ptr, s_ptr, zt_ptr, b_ptr, shifted_ptr,
     stride_o, HAS_ENTROPY: tl.constexpr, STORE_SHIFTED: tl.constexpr, ROUND: tl.constexpr,
@@ -155,9 +201,39 @@ def _configs() -> list:
     # BLOCK_N stays STATS_BLOCK_N: the stats partials and the shifted logits' blocks use it.
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=st)
-        for bm, bk, w, st in [(128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 8, 4), (64, 64, 4, 4),
-                              (256, 64, 8, 3), (128, 128, 8, 2)]
+        for bm, bk, w, st in [(128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 8, 4), (64, 64, 4, 4)]
     ]  # fmt: skip
+
+
+@functools.cache
+def _build_tma():
+    require_triton()
+    return triton.jit(_head_gemm_tma_kernel)
+
+
+def _num_sms(device: torch.device) -> int:
+    """Programs of the persistent kernel: the device's SMs (4 under the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+KERNELS = ("tma", "pointer")
+
+
+def kernel_kind(h: torch.Tensor, w: torch.Tensor, kernel: str | None = None) -> str:
+    """Which kernel runs (one place): ``kernel`` when given, else "tma" (persistent, TMA
+    loads) on Hopper and newer GPUs for 16-bit operands whose rows are 16-byte aligned, else
+    "pointer"."""
+    if kernel is not None:
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS} or None, got {kernel!r}")
+        return kernel
+    if interpret_mode() or h.device.type != "cuda" or h.dtype == torch.float32:
+        return "pointer"
+    aligned = all(x.data_ptr() % 16 == 0 and x.stride(0) * x.element_size() % 16 == 0
+                  for x in (h, w))  # fmt: skip
+    return "tma" if aligned and torch.cuda.get_device_capability(h.device)[0] >= 9 else "pointer"
 
 
 @functools.cache
@@ -186,7 +262,28 @@ def _check_inputs(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor) -> No
     check_row_vector("targets_local", targets, h.shape[0], torch.int64, h.device)
 
 
-def _launch(h, w, targets, inv_t, ptrs, *, grad, entropy, shifted, out_stride) -> None:
+def _launch_tma(h, w, targets, inv_t, ptrs, *, grad, entropy, shifted, out_stride) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    cfg = TMA_CONFIG
+    m_rows, n_cols, k_dim = h.shape[0], w.shape[0], h.shape[1]
+    h_desc = TensorDescriptor.from_tensor(h, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
+    w_desc = TensorDescriptor.from_tensor(w, [STATS_BLOCK_N, cfg["BLOCK_K"]])
+    tiles = triton.cdiv(m_rows, cfg["BLOCK_M"]) * triton.cdiv(n_cols, STATS_BLOCK_N)
+    sms = _num_sms(h.device)
+    _build_tma()[(min(sms, tiles),)](
+        h_desc, w_desc, targets, *ptrs, m_rows, n_cols, k_dim, out_stride, float(inv_t),
+        GRAD=grad, HAS_ENTROPY=entropy, STORE_SHIFTED=shifted,
+        DOT_F32=interpret_mode() or h.dtype == torch.float32,
+        NUM_SMS=sms,
+        BLOCK_N=STATS_BLOCK_N, **cfg,
+    )  # fmt: skip
+
+
+def _launch(h, w, targets, inv_t, ptrs, *, grad, entropy, shifted, out_stride, kernel) -> None:
+    if kernel_kind(h, w, kernel) == "tma":
+        return _launch_tma(h, w, targets, inv_t, ptrs, grad=grad, entropy=entropy,
+                           shifted=shifted, out_stride=out_stride)  # fmt: skip
     m_rows, n_cols, k_dim = h.shape[0], w.shape[0], h.shape[1]
     interpret = interpret_mode()
     autotune = autotune_enabled() and not interpret
@@ -198,7 +295,8 @@ def _launch(h, w, targets, inv_t, ptrs, *, grad, entropy, shifted, out_stride) -
 
     kernel[grid](
         h, w, targets, *ptrs, m_rows, n_cols, k_dim, h.stride(0), w.stride(0), out_stride,
-        float(inv_t), GRAD=grad, HAS_ENTROPY=entropy, STORE_SHIFTED=shifted, DOT_F32=interpret,
+        float(inv_t), GRAD=grad, HAS_ENTROPY=entropy, STORE_SHIFTED=shifted,
+        DOT_F32=interpret or h.dtype == torch.float32,
         BLOCK_N=STATS_BLOCK_N, **tune,
     )  # fmt: skip
 
@@ -210,6 +308,7 @@ def head_gemm_stats(
     inv_temperature: float,
     with_entropy: bool,
     shifted: torch.Tensor | None = None,
+    kernel: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Per-block softmax statistics of ``z = (h @ w^T) * inv_temperature`` (module docstring).
 
@@ -221,6 +320,7 @@ def head_gemm_stats(
         with_entropy: also return b.
         shifted: optional [M, N] output (w's dtype, last dim contiguous) for ``z - m`` of each
             element's block.
+        kernel: None (:func:`kernel_kind` decides), "tma" or "pointer".
 
     Returns:
         (m, s, zt, b), each [NB, M] fp32 with NB = cdiv(N, STATS_BLOCK_N) (b None unless
@@ -240,7 +340,7 @@ def head_gemm_stats(
         ptrs = (m, s, zt, b, shifted, None, None, None, None, None)
         _launch(h, w, targets_local, inv_temperature, ptrs, grad=False, entropy=with_entropy,
                 shifted=shifted is not None,
-                out_stride=0 if shifted is None else shifted.stride(0))  # fmt: skip
+                out_stride=0 if shifted is None else shifted.stride(0), kernel=kernel)  # fmt: skip
     return m, s, zt, b
 
 
@@ -254,6 +354,7 @@ def head_gemm_grad(
     grad_entropy: torch.Tensor | None = None,
     entropy_pz: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """d loss / d logits ``[M, N]`` of ``logits = h @ w^T``, straight from the GEMM.
 
@@ -262,6 +363,7 @@ def head_gemm_grad(
         lse: [M] fp32 global log-sum-exp of z; grad_logp: [M] fp32 d loss / d logp.
         grad_entropy, entropy_pz: [M] fp32 d loss / d entropy and sum_j p_j z_j, or both None.
         out: [M, N] output (last dim contiguous), or None for a new one in w's dtype.
+        kernel: None (:func:`kernel_kind` decides), "tma" or "pointer".
     """
     require_triton()
     _check_inputs(h, w, targets_local)
@@ -280,7 +382,8 @@ def head_gemm_grad(
     if rows and n_cols:
         ptrs = (None, None, None, None, None, lse, grad_logp, grad_entropy, entropy_pz, out)
         _launch(h, w, targets_local, inv_temperature, ptrs, grad=True,
-                entropy=grad_entropy is not None, shifted=False, out_stride=out.stride(0))  # fmt: skip
+                entropy=grad_entropy is not None, shifted=False, out_stride=out.stride(0),
+                kernel=kernel)  # fmt: skip
     return out
 
 

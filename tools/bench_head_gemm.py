@@ -35,6 +35,25 @@ def _time(fn, reps: int = 10, warmup: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _time_kind(res: dict, label: str, h, w, t, lse, g, out16, kind: str | None = None) -> None:
+    """Kernel ``kind`` (default: ``label``) at its current config in the four modes."""
+    kind = kind or label
+    try:
+        res[f"{label} stats"] = _time(lambda: head_gemm.head_gemm_stats(h, w, t, 1.0, False,
+                                                                       kernel=kind))  # fmt: skip
+        res[f"{label} stats+entropy"] = _time(
+            lambda: head_gemm.head_gemm_stats(h, w, t, 1.0, True, kernel=kind)
+        )
+        res[f"{label} stats+shifted"] = _time(
+            lambda: head_gemm.head_gemm_stats(h, w, t, 1.0, False, shifted=out16, kernel=kind)
+        )
+        res[f"{label} grad"] = _time(
+            lambda: head_gemm.head_gemm_grad(h, w, t, 1.0, lse, g, out=out16, kernel=kind)
+        )
+    except Exception as e:  # noqa: BLE001 - report and go on
+        res[f"error {label}"] = f"{type(e).__name__}: {e}"[:300]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--T", type=int, default=8192)
@@ -56,6 +75,13 @@ def main() -> int:
     }
     lse = torch.full((args.T,), 12.0, device=dev)
     g = torch.randn(args.T, device=dev)
+    for kind in ("tma", "pointer"):
+        _time_kind(res, kind, h, w, t, lse, g, out16)
+    default_tma = dict(head_gemm.TMA_CONFIG)
+    for bk, warps, stages in [(64, 8, 3), (128, 8, 3), (64, 8, 5), (128, 8, 2)]:
+        head_gemm.TMA_CONFIG.update(BLOCK_K=bk, num_warps=warps, num_stages=stages)
+        _time_kind(res, f"tma BK{bk} w{warps} s{stages}", h, w, t, lse, g, out16, "tma")
+    head_gemm.TMA_CONFIG.update(default_tma)
     configs = [dict(head_gemm.CONFIG)] + [
         {**c.kwargs, "BLOCK_N": head_gemm.STATS_BLOCK_N, "num_warps": c.num_warps,
          "num_stages": c.num_stages} for c in head_gemm._configs()
@@ -65,12 +91,16 @@ def main() -> int:
         head_gemm.CONFIG.clear()
         head_gemm.CONFIG.update(cfg)
         try:
-            res[f"stats {label}"] = _time(lambda: head_gemm.head_gemm_stats(h, w, t, 1.0, False))
+            res[f"stats {label}"] = _time(
+                lambda: head_gemm.head_gemm_stats(h, w, t, 1.0, False, kernel="pointer")
+            )
             res[f"stats+shifted {label}"] = _time(
-                lambda: head_gemm.head_gemm_stats(h, w, t, 1.0, False, shifted=out16)
+                lambda: head_gemm.head_gemm_stats(
+                    h, w, t, 1.0, False, shifted=out16, kernel="pointer"
+                )
             )
             res[f"grad {label}"] = _time(
-                lambda: head_gemm.head_gemm_grad(h, w, t, 1.0, lse, g, out=out16)
+                lambda: head_gemm.head_gemm_grad(h, w, t, 1.0, lse, g, out=out16, kernel="pointer")
             )
         except (triton.runtime.errors.OutOfResources, RuntimeError) as e:
             res[f"error {label}"] = str(e)[:200]
