@@ -48,7 +48,7 @@ except ImportError:  # the launchers raise a clear error on use
 # accumulator in 8 warps, 64-deep K steps, 4 stages of shared memory (the fastest of
 # ``_configs()`` on an H200, tools/bench_head_gemm.py).
 CONFIG = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
-TMA_CONFIG = dict(BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
+TMA_CONFIG = dict(BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 STATS_BLOCK_N = CONFIG["BLOCK_N"]  # the vocab block of the stats partials (fixed: see _configs)
 _GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

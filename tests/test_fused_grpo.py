@@ -252,7 +252,7 @@ def test_single_pass_default_threshold_follows_the_measurements():
     were faster on the tiled path: the default rule must pick it there."""
     for tp in (1, 4):
         assert rule(8192, 151936 // tp, 4096) is None
-    assert rule(8192, 16384, 4096) == 4096 == SINGLE_PASS_MIN_ROWS
+    assert rule(8192, 16384, 4096) == 4096 == SINGLE_PASS_MIN_ROWS["separate"]
 
 
 def test_single_pass_rule():

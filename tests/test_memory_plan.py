@@ -23,12 +23,14 @@ from megatron_grpo.megatron.memory_plan import (
     GIB,
     ROW_BYTES,
     format_plan,
+    lm_head_plan,
     loss_working_set,
     memory_plan,
     stage_params,
 )
 from megatron_grpo.ops import fused_grpo_loss
-from megatron_grpo.ops.plan import TILE_FRACTION, HeadShape, plan_lm_head
+from megatron_grpo.ops.plan import DEFAULT_MEMORY_BUDGET, TILE_FRACTION
+from megatron_grpo.ops.reference import STATS_BLOCK
 from megatron_grpo.ops.tiling import TILE_BYTES, Tiling
 from tests.dist_utils import run_distributed
 from tests.megatron_utils import build_layout, tiny_model
@@ -155,9 +157,10 @@ def test_expert_parallel_divides_expert_params():
 def test_megatron_logits_working_set_is_larger():
     plan = _plan(par=P(tensor_model_parallel_size=4, sequence_parallel=True))
     ours, theirs = plan.loss_paths["fused"], plan.loss_paths["megatron"]
+    op = plan.loss_paths["op"]
     assert theirs.logits >= 4 * ours.logits
-    assert 0 < ours.logits <= TILE_BYTES  # one fp32 logits tile of the ops' tiled passes
-    assert plan.loss_paths["op"] == replace(ours, path="op")
+    assert 0 < ours.logits <= DEFAULT_MEMORY_BUDGET  # the single pass's chunk
+    assert 0 < op.logits <= TILE_BYTES  # one logits tile of the op's tiled passes
     v_local = 152064 // 4  # 151936 padded to a multiple of 128 * TP
     assert theirs.logits == 32768 * v_local * 6  # bf16 logits + fp32 softmax
     text = format_plan(plan)
@@ -167,9 +170,12 @@ def test_megatron_logits_working_set_is_larger():
 # Measured on one H200 (tools/bench_logprobs.py, H=4096, V=151936, bf16, default tiles): peak
 # memory beyond the bf16 gradients of vocab_parallel_logprobs forward + backward, in GiB, keyed
 # by (T, main_grad bytes: 4 = an fp32 main_grad allocated up front, None = bf16 weight.grad).
-H200_OVER_GRADS_GIB = {(8192, 4): 0.38, (8192, None): 0.38, (32768, None): 0.88}
-# Same measurement for fused_grpo_loss (its tiled path at this shape, ops/fused_grpo.py).
-H200_FUSED_OVER_GRADS_GIB = {(8192, None): 0.38}
+H200_OVER_GRADS_GIB = {(8192, 4): 0.38, (32768, 4): 0.42, (8192, None): 0.38,
+                       (32768, None): 0.92}  # fmt: skip
+# Same measurement for fused_grpo_loss: its fused-epilogue single pass with an fp32 main_grad
+# (3200-row chunks of bf16 shifted logits), its tiled path without (ops/fused_grpo.py).
+H200_FUSED_OVER_GRADS_GIB = {(8192, 4): 0.96, (32768, 4): 0.96, (8192, None): 0.38,
+                             (32768, None): 0.92}  # fmt: skip
 
 
 def _ws(path, tokens, v_local=151936, hidden=4096, tp=1, sp=False, main_grad_bytes=4, **kw):
@@ -191,14 +197,19 @@ def test_working_set_predicts_h200_measurements(path, measured):
 @pytest.mark.parametrize("tokens", [100, 8192, 20000])
 @pytest.mark.parametrize("v_local", [151936, 37984])
 def test_op_working_set_follows_the_tiling(tokens, v_local):
-    """One fp32 tile of Tiling.plan; rows outer with an fp32 main_grad (an fp32 [R, H] d_hidden
-    block), vocab outer without (fp32 [T, H] d_hidden + a [Vc, H] d_weight tile if several row
-    blocks); fp32 [T, H] d_hidden under TP; the gathered [T, H] hidden under SP."""
-    h, tiling = 64, Tiling.plan(tokens, v_local, None)
+    """One tile of Tiling.plan in the plan's tile dtype (fp32 logits, or bf16 d logits with the
+    fused epilogue); rows outer with an fp32 main_grad (an fp32 [R, H] d_hidden block), vocab
+    outer without (fp32 [T, H] d_hidden + a [Vc, H] d_weight tile if several row blocks); fp32
+    [T, H] d_hidden under TP; the gathered [T, H] hidden under SP."""
+    h = 64
+    plan = lm_head_plan("op", tokens=tokens, hidden=h, v_local=v_local, param_bytes=2)
+    tiling = Tiling.plan(tokens, v_local, None, TILE_BYTES, plan.tile_dtype)
+    assert tiling == plan.tiling()
+    elem = plan.tile_dtype.itemsize
     rows, blocks = min(tiling.rows, tokens), len(tiling.row_blocks())
     direct = _ws("op", tokens, v_local, h)
     outer = _ws("op", tokens, v_local, h, main_grad_bytes=None)
-    assert direct.logits == outer.logits == rows * tiling.cols * 4 <= TILE_BYTES
+    assert direct.logits == outer.logits == rows * tiling.cols * elem <= TILE_BYTES
     d_weight_tile = tiling.cols * h * 4 if blocks > 1 else 0
     assert outer.other - direct.other == tokens * h * 4 + d_weight_tile - rows * h * 4
     assert _ws("op", tokens, v_local, h, main_grad_bytes=2) == outer  # bf16 main_grad: same
@@ -210,25 +221,27 @@ def test_op_working_set_follows_the_tiling(tokens, v_local):
 
 def test_fused_working_set_follows_the_single_pass_rule():
     """The fused path's buffers are the single pass's exactly where the plan picks it
-    (full-width fp32 chunk, fp32 [T, H] and [C, H] d_hidden, an fp32 [V_local, H] d_weight when
-    there is no fp32 main_grad), else the op's tiled passes."""
+    (full-width chunk in the plan's tile dtype, the chunk's fp32 [C, H] d_hidden and block
+    statistics, an fp32 [V_local, H] d_weight when there is no fp32 main_grad), else the op's
+    tiled passes; within the memory budget either way."""
     h, seen = 4096, set()
-    for v_local in (4096, 16384, 37984):
+    for v_local in (4096, 16384, 37984, 151936):
         for tokens in (1000, 4096, 32768):
             for main_grad in (4, None):
                 fused = _ws("fused", tokens, v_local, h, main_grad_bytes=main_grad)
                 op = _ws("op", tokens, v_local, h, main_grad_bytes=main_grad)
-                mg = torch.float32 if main_grad == 4 else None
-                shape = HeadShape(tokens, v_local, v_local, h, torch.bfloat16, mg, "cuda")
-                rows = plan_lm_head(shape, loss=GRPOLossConfig(), impl="torch").chunk_rows
-                seen.add(rows is None)
-                if rows is None:
+                plan = lm_head_plan("fused", tokens=tokens, hidden=h, v_local=v_local,
+                                    param_bytes=2, main_grad_bytes=main_grad)  # fmt: skip
+                seen.add(plan.chunk_rows is None)
+                if plan.chunk_rows is None:
                     assert fused == replace(op, path="fused")
                     continue
-                chunk = min(rows, tokens)
-                assert fused.logits == chunk * v_local * 4 <= TILE_BYTES
+                chunk = min(plan.chunk_rows, tokens)
+                assert fused.logits == chunk * v_local * plan.tile_dtype.itemsize
                 acc = 0 if main_grad == 4 else v_local * h * 4
-                assert fused.other == (tokens + chunk) * h * 4 + acc + ROW_BYTES * tokens
+                stats = chunk * -(-v_local // STATS_BLOCK) * 16
+                assert fused.other == chunk * h * 4 + stats + acc + ROW_BYTES * tokens
+                assert fused.total - ROW_BYTES * tokens <= DEFAULT_MEMORY_BUDGET
     assert seen == {True, False}  # both paths occur on this grid
 
 

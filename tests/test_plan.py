@@ -7,6 +7,7 @@ vocabulary (padded rows on the last shard) and an odd number of loss rows."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -120,9 +121,20 @@ def test_default_budget_and_the_knob():
     assert len(small.tiling().row_blocks()) > len(big.tiling().row_blocks())
     tp8 = HeadShape(8192, 18992, 18992, 4096, torch.bfloat16, torch.float32, "cuda")
     cfg = GRPOLossConfig()
-    assert plan_lm_head(tp8, loss=cfg).path == "fused_tiled"  # 3520-row chunks < 4096
-    wide = plan_lm_head(tp8, loss=cfg, memory_budget=2 * GIB)
+    sep = dict(loss=cfg, gemm="separate")  # fp32 chunks: 3520 rows < 4096 at the default
+    assert plan_lm_head(tp8, **sep).path == "fused_tiled"
+    wide = plan_lm_head(tp8, memory_budget=2 * GIB, **sep)
     assert wide.path == "fused_single_pass" and wide.chunk_rows == 7040
+    # The fused epilogue keeps bf16 shifted logits: 2 bytes + block stats + an fp32 d_hidden a
+    # row, so the default budget holds 3200 full-width rows of a 152k shard (>= 1024: single
+    # pass); without an fp32 buffer for d_weight its 2.3 GiB accumulator needs a larger budget.
+    full = HeadShape(8192, 151936, 151936, 4096, torch.bfloat16, torch.float32, "cuda")
+    epi = dict(loss=cfg, impl="torch", gemm="fused_epilogue")
+    plan = plan_lm_head(full, **epi)
+    assert (plan.path, plan.chunk_rows) == ("fused_single_pass", 3200)
+    no_main_grad = replace(full, main_grad_dtype=None)
+    assert plan_lm_head(no_main_grad, **epi).path == "fused_tiled"
+    assert plan_lm_head(no_main_grad, memory_budget=4 * GIB, **epi).chunk_rows == 5440
 
 
 def test_requests_and_errors():
