@@ -227,13 +227,15 @@ def _budget(path: str) -> int:
     return TILE_FRACTION * (4 * V * H if path == "fused_single_pass" else 4 * CHUNK * 6)
 
 
-def _ours(path, cfg, group, sp, dtype, tp, rank):
-    """(loss, metrics, logp, d_hidden, d_weight) of ``path`` through fused_grpo_loss."""
+def _ours(path, cfg, group, sp, dtype, tp, rank, gemm="separate"):
+    """(loss, metrics, logp, d_hidden, d_weight) of ``path`` through fused_grpo_loss (torch
+    kernels; ``gemm``: the plan's GEMM mode, run by its torch reference)."""
     h, w, batch, targets = _problem(tp, rank, sp, dtype, requires_grad=True)
     kw = dict(tp_group=group, sequence_parallel=sp, temperature=TEMPERATURE, vocab_size=VOCAB,
-              chunk_size=CHUNK, impl="torch", memory_budget=_budget(path), path=path)  # fmt: skip
+              chunk_size=CHUNK, impl="torch", memory_budget=_budget(path), path=path,
+              gemm=gemm)  # fmt: skip
     plan = fused_grpo_loss_plan(h, w, targets, cfg, **kw, **batch)
-    assert plan.path == path, plan
+    assert (plan.path, plan.gemm) == (path, gemm), plan
     assert plan.loop_order == ("rows_outer" if dtype == torch.float32 else "vocab_outer")
     loss, metrics, logp = fused_grpo_loss(h, w, targets, cfg, **kw, **batch)
     (2.0 * loss).backward()
@@ -299,12 +301,15 @@ def _check_tp(group, tp: int, rank: int) -> None:
         ref = {"plain": _float64(CFG, sp, tp, rank), "entropy": _float64(CFG_ENTROPY, sp, tp, rank)}
         ce = _megatron(CFG, group, sp, tp, rank)
         _same(ce, ref["plain"], f"{where} megatron vs float64", metrics=False)
-        for path, dtype in itertools.product(PATHS[:3], (torch.float32, torch.float64)):
-            ours = _ours(path, CFG, group, sp, dtype, tp, rank)
-            _same(ours, ref["plain"], f"{where} {path} {dtype} vs float64", metrics=False)
-            _same(ours, ce, f"{where} {path} {dtype} vs vocab_parallel_cross_entropy")
-            ours = _ours(path, CFG_ENTROPY, group, sp, dtype, tp, rank)
-            _same(ours, ref["entropy"], f"{where} {path} {dtype} entropy vs float64", False)
+        runs = [(p, d, "separate") for p in PATHS[:3] for d in (torch.float32, torch.float64)]
+        runs += [(p, torch.float32, "fused_epilogue") for p in PATHS[:3]]
+        for path, dtype, gemm in runs:
+            what = f"{where} {path} {dtype} {gemm}"
+            ours = _ours(path, CFG, group, sp, dtype, tp, rank, gemm)
+            _same(ours, ref["plain"], f"{what} vs float64", metrics=False)
+            _same(ours, ce, f"{what} vs vocab_parallel_cross_entropy")
+            ours = _ours(path, CFG_ENTROPY, group, sp, dtype, tp, rank, gemm)
+            _same(ours, ref["entropy"], f"{what} entropy vs float64", False)
 
 
 def _body(rank: int, world_size: int) -> None:
