@@ -357,7 +357,7 @@ def _gpu_problem(t: int, h: int, v: int, seq: int, prompt: int):
     return hidden, weight, targets, batch
 
 
-def _gpu_run(path, cfg, hidden, weight, targets, batch):
+def _gpu_run(path, cfg, hidden, weight, targets, batch, gemm="auto"):
     """(loss, d_hidden, main_grad, extra peak bytes) of fused_grpo_loss on ``path``."""
     h = hidden.clone().requires_grad_()
     w = weight.clone().requires_grad_()
@@ -365,7 +365,7 @@ def _gpu_run(path, cfg, hidden, weight, targets, batch):
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    loss, _, _ = fused_grpo_loss(h, w, targets, cfg, path=FUSED[path], **batch)
+    loss, _, _ = fused_grpo_loss(h, w, targets, cfg, path=FUSED[path], gemm=gemm, **batch)
     loss.backward()
     torch.cuda.synchronize()
     assert ran_path(loss) == path
@@ -373,12 +373,14 @@ def _gpu_run(path, cfg, hidden, weight, targets, batch):
 
 
 @pytest.mark.gpu
-def test_gpu_single_pass_accuracy_and_memory():
-    """The TP = 8 shard of a 151936 vocabulary (V_local = 18992), bf16, an fp32 main_grad: with
-    the threshold at 1024 rows (the default 4096 sends this shard to the tiled path) the rule
-    picks 3520-row single-pass chunks (as path="fused_single_pass" does); their gradient error
-    against an fp64 reference is within the tiled path's, and the memory beyond the gradients is
-    one full-width tile plus the fp32 d_hidden."""
+@pytest.mark.parametrize("gemm", ["separate", "fused_epilogue"])
+def test_gpu_single_pass_accuracy_and_memory(gemm):
+    """The TP = 8 shard of a 151936 vocabulary (V_local = 18992), bf16, an fp32 main_grad.
+    "separate": with the threshold at 1024 rows the rule picks 3520-row chunks of fp32 logits
+    (as path="fused_single_pass" does); "fused_epilogue": the default picks chunks of bf16
+    shifted logits sized by the 1 GiB budget. Their gradient error against an fp64 reference is
+    within the tiled path's, and the memory beyond the gradients is one full-width chunk plus
+    the d_hidden buffers."""
     t, h, v, seq, prompt = 4096, 1024, 18992, 512, 64
     cfg = GRPOLossConfig(**CONFIGS["token_full"])
     hidden, weight, targets, batch = _gpu_problem(t, h, v, seq, prompt)
@@ -386,11 +388,12 @@ def test_gpu_single_pass_accuracy_and_memory():
     w_mg = weight.clone().requires_grad_()
     w_mg.main_grad = torch.zeros(1, device=weight.device).expand(v, h)  # dtype only
     shape = HeadShape.of(w_mg, rows=n_rows)
+    chunk, elem = (3520, 4) if gemm == "separate" else (n_rows, 2)  # epilogue: all rows fit
     for kw in (dict(single_pass_min_rows=1024), dict(path="fused_single_pass")):
-        assert plan_lm_head(shape, loss=cfg, **kw).chunk_rows == 3520 < n_rows
-    single = _gpu_run("single", cfg, hidden, weight, targets, batch)
-    tiled = _gpu_run("tiled", cfg, hidden, weight, targets, batch)
-    bound = t * h * 2 + 3520 * v * 4 + t * h * 4 + 3520 * h * 6 + 64 * t * 4 + 2**24
+        assert plan_lm_head(shape, loss=cfg, gemm=gemm, **kw).chunk_rows == chunk
+    single = _gpu_run("single", cfg, hidden, weight, targets, batch, gemm)
+    tiled = _gpu_run("tiled", cfg, hidden, weight, targets, batch, gemm)
+    bound = t * h * 2 + chunk * v * elem + t * h * 4 + chunk * h * 6 + 64 * t * 4 + 2**24
     assert single[3] <= bound, (single[3] / 2**20, bound / 2**20)
     close(single[0], tiled[0], rtol=1e-5, atol=1e-6)
 

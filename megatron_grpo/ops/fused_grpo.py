@@ -5,7 +5,8 @@ two paths, chosen by the call's plan (:func:`megatron_grpo.ops.plan.plan_lm_head
 picks one explicitly, :func:`fused_grpo_loss_plan` shows it):
 
 (a) single pass, 3 GEMMs, no recompute (:mod:`megatron_grpo.ops.single_pass`): per full-width
-    row chunk [C, V_local] of the loss's rows: fp32 logits, row stats, TP combine of those rows,
+    row chunk [C, V_local] of the loss's rows: logits (bf16 shifted logits and block stats from
+    the fused-epilogue GEMM, or fp32 logits), row stats, TP combine of those rows,
     logp / entropy, ``loss.math.objective`` on the chunk under autograd (metrics merged),
     d logits in place, ``dh_chunk = dlogits @ W`` (fp32, TP-reduced at the end) and
     ``d_weight += dlogits^T @ h`` into an fp32 ``main_grad`` when there is one, else into an fp32
@@ -15,31 +16,30 @@ picks one explicitly, :func:`fused_grpo_loss_plan` shows it):
     op's recompute pass (:func:`ops.passes.backward_grads`); one logits tile, d_weight straight
     into an fp32 ``main_grad``.
 
-The rule. (a) needs complete fp32 rows (a row's loss needs its full-vocabulary statistics) and
-reads + writes the fp32 [V_local, H] d_weight once per chunk: ``8 V_local H`` bytes against
-``6 C V_local H`` GEMM flops, a relative cost of ``(4/3) (F/B) / C`` (F/B, the flop:byte ratio,
-is ~175 on an H200: ~700 TFLOP/s achieved, ~4 TB/s), i.e. ~230 / C. Measured on one H200
-(T = 8192, H = 4096, V = 151936, TP = 1, bf16; 3-GEMM floor 43.9 ms; "over" = peak memory
-beyond the gradients, (a) with an extra fp32 d_weight buffer):
+The rule (``ops.plan``). (a) keeps complete rows of one chunk (a row's loss needs its
+full-vocabulary statistics). With the fused-epilogue GEMM (``kernels.head_gemm``, the default
+with the triton kernels) a chunk is bf16 *shifted* logits ``z - m_block`` plus fp32 block
+statistics, so the 1 GiB default budget holds C = 3200 rows of a 152k shard; with the
+"separate" GEMM it is fp32 logits (C = 384 at the 256 MiB tile). (a) reads + writes the fp32
+[V_local, H] d_weight once per chunk, ``8 V_local H`` bytes against ``6 C V_local H`` GEMM flops,
+so it wins from a few thousand rows. Measured on one H200 (2026-11-23, H = 4096, V = 151936,
+bf16, fp32 ``main_grad``, ``tools/bench_logprobs.py --main-grad``; x = time over the 3-GEMM
+floor, T = 8192 / 32768):
 
-    (a) C = 384 (256 MiB chunks)    110.4 ms  2.54x  over 2.44 GiB
-    (a) C = 1024                      62.4 ms  1.42x  over 2.44 GiB
-    (a) C = 2048                      56.8 ms  1.29x  over 2.98 GiB
-    (b) 8192 x 8192 tiles             67.2 ms  1.51x  over 0.38 GiB (1.46x at T = 32768)
+    (a) fused epilogue, C = 3200 (1 GiB)    1.230x / 1.173x  over 0.96 GiB
+    (a) fused epilogue, C = 6464 (2 GiB)    1.210x / 1.173x  over 1.94 GiB
+    (a) fused epilogue, C = 8192/12992 (4 GiB)  1.127x / 1.103x
+    (b) tiled, fused epilogue               1.564x / 1.406x  over 0.38 / 0.42 GiB
+    Megatron's fused CE (same day)          1.264x / 1.283x  over 12.7 / 54 GiB
 
-(a) fits ``x = 1.16 + 266 / C`` at TP = 1, which predicted a win over (b) from C ~ 890 rows. The
-TP = 4 measurement (4 x H200, T = 8192, fp32 ``main_grad``, per-GPU ms) contradicts it: (a) with
-C = 1728 took 23.4 ms (24.5 with SP) against 19.2 ms (19.5) for (b), whose TP efficiency is 89%:
-each chunk adds a TP all-reduce, a host sync of the loss's finite check and the small objective
-kernels, which the traffic model leaves out. So the threshold is
-``ops.plan.SINGLE_PASS_MIN_ROWS = 4096`` rows per full-width chunk (C >= min(4096, N rows)): (a)
-runs when a batch's loss rows fit one or two chunks of a narrow shard (V_local <= 16384 at the
-256 MiB tile of the default memory budget: e.g. a 32k vocabulary at TP >= 2, or a 152k vocabulary
-at TP >= 10) and for every batch of at most one chunk; the measured cases above all run (b). Where
-no fp32 gradient buffer exists to accumulate into (bf16 weight without an fp32 ``main_grad``), the
-extra fp32 [V_local, H] buffer may cost at most one tile (``ACCUMULATOR_TILES = 1``; peak over the
-gradients then stays ~2 tiles). Without gradients (no_grad / frozen) (b)'s stats pass runs. A
-larger ``memory_budget`` enlarges the tile and so admits (a) on wider shards.
+So the automatic threshold is ``ops.plan.SINGLE_PASS_MIN_ROWS["fused_epilogue"] = 1024`` rows.
+Without an fp32 ``main_grad`` (bf16 weight) (a) needs an extra fp32 [V_local, H] d_weight
+(2.3 GiB at V_local = 151936, H = 4096) out of the budget: at 1 GiB (b) runs (1.42x / 1.40x),
+at 4 GiB (a) runs with C = 5440 (1.235x / 1.171x). The "separate" GEMM keeps the older rule
+(``SINGLE_PASS_MIN_ROWS["separate"] = 4096`` rows of fp32 logits; its measurements:
+``x = 1.16 + 266 / C`` at TP = 1, and at TP = 4 each chunk's TP all-reduce and host sync made
+C = 1728 slower than (b)). Without gradients (no_grad / frozen) (b)'s stats pass runs. A larger
+``memory_budget`` enlarges chunks and tiles.
 
 grad_output in (a): d_weight lands in an fp32 ``main_grad`` during the forward, for a
 grad_output of 1 (Megatron's bf16 per-token-loss step: ``loss_scale * loss`` with scale 1). A

@@ -2,7 +2,9 @@
 over the vocabulary (3 GEMMs, no recompute). The plan chooses it (``ops.plan``, path
 "fused_single_pass") and sizes its chunks (``LMHeadPlan.chunk_rows``).
 
-Per full-width row chunk of the loss's valid rows: fp32 logits ``[C, n_valid]`` -> row stats
+Per full-width row chunk of the loss's valid rows: logits ``[C, n_valid]`` (plan.gemm
+"fused_epilogue": the GEMM's epilogue writes block statistics and bf16 shifted logits
+``z - m_block``; "separate": fp32 logits, then the stats kernel) -> row stats
 (kernel seam) -> TP combine of those rows -> logp / entropy -> ``loss.math.objective`` of the
 chunk under autograd (d loss / d logp, d loss / d entropy) -> d logits (kernel seam, in place in
 the GEMM dtype) -> ``dh_chunk = dlogits @ W`` and ``d_weight += dlogits^T @ h``, both with fp32
