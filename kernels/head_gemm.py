@@ -48,7 +48,10 @@ except ImportError:  # the launchers raise a clear error on use
 # accumulator in 8 warps, 64-deep K steps, 4 stages of shared memory (the fastest of
 # ``_configs()`` on an H200, tools/bench_head_gemm.py).
 CONFIG = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
-TMA_CONFIG = dict(BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+# The persistent TMA kernel's default: 3 stages, flattened tile loop (warp specialization is an
+# option to measure: tools/bench_head_gemm.py).
+TMA_CONFIG = dict(BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, FLATTEN=True,
+                  WARP_SPECIALIZE=False)  # fmt: skip
 STATS_BLOCK_N = CONFIG["BLOCK_N"]  # the vocab block of the stats partials (fixed: see _configs)
 _GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -95,17 +98,9 @@ def _head_gemm_kernel(
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
 
-    row_ok = offs_m < M
-    col_ok = offs_n < N
-    z = acc * inv_t
-    target = tl.load(t_ptr + offs_m, mask=row_ok, other=-1)
-    hit = (offs_n[None, :] == target[:, None]) & col_ok[None, :]
-    if GRAD:
-        _grad_epilogue(z, hit, col_ok, row_ok, offs_m, offs_n, lse_ptr, glp_ptr, gent_ptr, pz_ptr,
-                       out_ptr, stride_o, inv_t, HAS_ENTROPY, DOT_F32)  # fmt: skip
-    else:
-        _stats_epilogue(z, hit, col_ok, row_ok, offs_m, offs_n, pid_n, M, m_ptr, s_ptr, zt_ptr,
-                        b_ptr, shifted_ptr, stride_o, HAS_ENTROPY, STORE_SHIFTED, DOT_F32)  # fmt: skip
+    _tile_epilogue(acc, pid_m, pid_n, M, N, inv_t, t_ptr, m_ptr, s_ptr, zt_ptr, b_ptr,
+                   shifted_ptr, lse_ptr, glp_ptr, gent_ptr, pz_ptr, out_ptr, stride_o, GRAD,
+                   HAS_ENTROPY, STORE_SHIFTED, DOT_F32, BLOCK_M, BLOCK_N)  # fmt: skip
 
 
 def _head_gemm_tma_kernel(
@@ -116,14 +111,19 @@ def _head_gemm_tma_kernel(
     GRAD: tl.constexpr, HAS_ENTROPY: tl.constexpr, STORE_SHIFTED: tl.constexpr,
     DOT_F32: tl.constexpr, NUM_SMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):  # fmt: skip
     """The same GEMM + epilogues, persistent (one program per SM) with TMA loads (Hopper+):
-    the flattened tile loop lets the next tile's loads overlap this tile's epilogue."""
+    the flattened tile loop (FLATTEN) lets the next tile's loads overlap this tile's epilogue;
+    WARP_SPECIALIZE (Triton's automatic warp specialization, not flattened) gives the loads
+    their own warps instead."""
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     per_group = GROUP_M * num_n
-    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_SMS, flatten=True):
+    for tile in tl.range(
+        tl.program_id(0), num_m * num_n, NUM_SMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE
+    ):
         first_m = (tile // per_group) * GROUP_M
         group_m = min(num_m - first_m, GROUP_M)
         pid_m = first_m + (tile % per_group) % group_m
@@ -136,20 +136,31 @@ def _head_gemm_tma_kernel(
                 acc = tl.dot(a.to(tl.float32), b.to(tl.float32).T, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, b.T, acc)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = offs_m < M
-        col_ok = offs_n < N
-        z = acc * inv_t
-        target = tl.load(t_ptr + offs_m, mask=row_ok, other=-1)
-        hit = (offs_n[None, :] == target[:, None]) & col_ok[None, :]
-        if GRAD:
-            _grad_epilogue(z, hit, col_ok, row_ok, offs_m, offs_n, lse_ptr, glp_ptr, gent_ptr,
-                           pz_ptr, out_ptr, stride_o, inv_t, HAS_ENTROPY, DOT_F32)  # fmt: skip
-        else:
-            _stats_epilogue(z, hit, col_ok, row_ok, offs_m, offs_n, pid_n, M, m_ptr, s_ptr,
-                            zt_ptr, b_ptr, shifted_ptr, stride_o, HAS_ENTROPY, STORE_SHIFTED,
-                            DOT_F32)  # fmt: skip
+        _tile_epilogue(acc, pid_m, pid_n, M, N, inv_t, t_ptr, m_ptr, s_ptr, zt_ptr, b_ptr,
+                       shifted_ptr, lse_ptr, glp_ptr, gent_ptr, pz_ptr, out_ptr, stride_o, GRAD,
+                       HAS_ENTROPY, STORE_SHIFTED, DOT_F32, BLOCK_M, BLOCK_N)  # fmt: skip
+
+
+def _tile_epilogue(
+    acc, pid_m, pid_n, M, N, inv_t, t_ptr, m_ptr, s_ptr, zt_ptr, b_ptr, shifted_ptr,
+    lse_ptr, glp_ptr, gent_ptr, pz_ptr, out_ptr, stride_o,
+    GRAD: tl.constexpr, HAS_ENTROPY: tl.constexpr, STORE_SHIFTED: tl.constexpr,
+    ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Both kernels' epilogue of output tile (pid_m, pid_n): the stats or the gradient."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = offs_m < M
+    col_ok = offs_n < N
+    z = acc * inv_t
+    target = tl.load(t_ptr + offs_m, mask=row_ok, other=-1)
+    hit = (offs_n[None, :] == target[:, None]) & col_ok[None, :]
+    if GRAD:
+        _grad_epilogue(z, hit, col_ok, row_ok, offs_m, offs_n, lse_ptr, glp_ptr, gent_ptr, pz_ptr,
+                       out_ptr, stride_o, inv_t, HAS_ENTROPY, ROUND)  # fmt: skip
+    else:
+        _stats_epilogue(z, hit, col_ok, row_ok, offs_m, offs_n, pid_n, M, m_ptr, s_ptr, zt_ptr,
+                        b_ptr, shifted_ptr, stride_o, HAS_ENTROPY, STORE_SHIFTED, ROUND)  # fmt: skip
 
 
 def _stats_epilogue(
@@ -195,6 +206,7 @@ def _grad_epilogue(
 if triton is not None:  # helpers are jitted at import, like _rounding.round_to
     _stats_epilogue = triton.jit(_stats_epilogue)
     _grad_epilogue = triton.jit(_grad_epilogue)
+    _tile_epilogue = triton.jit(_tile_epilogue)
 
 
 def _configs() -> list:
