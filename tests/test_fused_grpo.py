@@ -6,6 +6,7 @@ that picks the path."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -337,6 +338,24 @@ def test_fused_rejects_bad_inputs():
         fused_grpo_loss(hidden, weight, bad, GRPOLossConfig(), vocab_size=VOCAB, **batch)
 
 
+@pytest.mark.parametrize("path", [*PATHS, "op"])
+def test_nonfinite_logprobs_raise_once_checked(path):
+    """nonfinite="raise": a non-finite hidden row at a loss row raises naming the log-probs and
+    the row, on every path, with the check deferred to one host sync (the single pass runs
+    several chunks first; the bad row is in the last one); "count" gives a finite loss."""
+    hidden, weight, _ = make_inputs(T, H, V)
+    targets, batch = loss_batch(hidden, weight, 1.0)
+    hidden[T - 2] = float("nan")  # a loss row of the last sequence
+    row = int(batch["loss_mask"][: T - 2].sum())  # its index among the loss rows
+    op = dict(vocab_size=VOCAB, chunk_size=4, impl="torch", path=FUSED.get(path, path))
+    h = hidden.clone().requires_grad_()
+    with pytest.raises(ValueError, match=rf"logprobs has 1 non-finite.*first at index {row}"):
+        fused_grpo_loss(h, weight, targets, GRPOLossConfig(), **batch, **op)
+    loss, met, _ = fused_grpo_loss(h, weight, targets, GRPOLossConfig(nonfinite="count"),
+                                   **batch, **op)  # fmt: skip
+    assert torch.isfinite(loss) and float(met["loss/nonfinite_count"].sum) == 1
+
+
 # ---------------------------------------------------------------- GPU
 
 
@@ -370,6 +389,38 @@ def _gpu_run(path, cfg, hidden, weight, targets, batch, gemm="auto"):
     torch.cuda.synchronize()
     assert ran_path(loss) == path
     return loss.detach(), h.grad, w.main_grad, torch.cuda.max_memory_allocated() - base
+
+
+def _count_host_syncs(fn) -> int:
+    """Synchronizing CUDA calls made by ``fn()`` (torch's sync debug mode, one warning each)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in seen)
+
+
+@pytest.mark.gpu
+def test_gpu_single_pass_host_syncs_do_not_grow_with_chunks():
+    """The single pass queues every chunk without waiting for the GPU: its host syncs (input
+    checks, the one deferred finiteness check) are as many for 7 chunks as for 2."""
+    x = torch.ones(4, device="cuda")
+    assert _count_host_syncs(lambda: [x.tolist() for _ in range(3)]) == 3  # counts each one
+    hidden, weight, targets, batch = _gpu_problem(1024, 256, 4096, 128, 16)
+
+    def run(chunk: int) -> None:
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        w.main_grad = torch.zeros(w.shape, device=w.device)
+        loss, _, _ = fused_grpo_loss(h, w, targets, GRPOLossConfig(), chunk_size=chunk,
+                                     path="fused_single_pass", **batch)  # fmt: skip
+        assert ran_path(loss) == "single"
+
+    few, many = _count_host_syncs(lambda: run(512)), _count_host_syncs(lambda: run(128))
+    assert few == many, f"{few} host syncs with 2 chunks, {many} with 7"
 
 
 @pytest.mark.gpu

@@ -54,11 +54,20 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def median_ms(fn: Callable[[], object], dev: torch.device, warmup: int, reps: int) -> float:
+def median_ms(
+    fn: Callable[[], object], dev: torch.device, warmup: int, reps: int,
+    setup: Callable[[], object] | None = None,
+) -> float:  # fmt: skip
+    """Median ms of ``fn()``; ``setup()`` (e.g. zeroing gradient buffers, a step's business,
+    not the LM head's) runs before each call, outside the timed region."""
     for _ in range(warmup):
+        if setup is not None:
+            setup()
         fn()
     times = []
     for _ in range(reps):
+        if setup is not None:
+            setup()
         sync(dev)
         if dev.type == "cuda":
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

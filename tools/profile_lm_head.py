@@ -96,7 +96,7 @@ def _gemms(prof) -> list[dict]:
 def profile_method(name: str, p: Problem, args, dev, out: Path) -> dict:
     step = METHODS[name][0]
     plan = method_plan(name, p)
-    ms = median_ms(lambda: (clear_grads(p), step(p)), dev, args.warmup, args.reps)
+    ms = median_ms(lambda: step(p), dev, args.warmup, args.reps, setup=lambda: clear_grads(p))
     clear_grads(p)
     sync(dev)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
@@ -119,7 +119,9 @@ def chunk_sweep(p: Problem, sizes: list[int], args, dev) -> dict:
     for c in sizes:
         p.chunk_size, p.fused_path = c, "fused_single_pass"
         try:
-            res[c] = median_ms(lambda: (clear_grads(p), step(p)), dev, args.warmup, args.reps)
+            res[c] = median_ms(
+                lambda: step(p), dev, args.warmup, args.reps, setup=lambda: clear_grads(p)
+            )
         except (ValueError, RuntimeError) as e:
             res[c] = f"{type(e).__name__}: {e}"[:200]
         clear_grads(p)

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from megatron_grpo.loss import checks
 from megatron_grpo.loss.config import GRPOLossConfig
-from megatron_grpo.loss.math import build_context, objective
+from megatron_grpo.loss.math import build_context, objective, raise_on_nonfinite
 from megatron_grpo.loss.metrics import MetricDict, merge_metrics
 
 
@@ -72,5 +72,7 @@ def grpo_loss(
     )
     lp = logprobs.index_select(0, ctx.index)
     ent = None if entropy is None else entropy.index_select(0, ctx.index)
-    loss, metrics = objective(cfg, ctx, lp, ent)
+    # the finiteness check (a host sync) after the loss is queued: the GPU works meanwhile
+    loss, metrics = objective(cfg, ctx, lp, ent, check_finite=False)
+    raise_on_nonfinite(cfg, lp, ent)
     return loss, merge_metrics([ctx.metrics, metrics])

@@ -303,16 +303,29 @@ def policy_log_ratio(cfg: GRPOLossConfig, ctx: LossContext, logprobs: Tensor) ->
     return clamp_opt(log_ratio, cfg.log_ratio_clamp)
 
 
-def _neutralise(
-    cfg: GRPOLossConfig, ctx: LossContext, logprobs: Tensor, entropy: Tensor | None
-) -> tuple[Tensor, Tensor | None, Tensor, MetricDict]:
-    """Handle non-finite current log-probs / entropy at valid rows (raise, or zero-weight)."""
-    everything = torch.ones_like(ctx.coef, dtype=torch.bool)
-    raise_ = cfg.nonfinite == "raise"
+def raise_on_nonfinite(cfg: GRPOLossConfig, logprobs: Tensor, entropy: Tensor | None) -> None:
+    """``cfg.nonfinite == "raise"``: raises naming the first non-finite current log-prob /
+    entropy row ``[n]`` (one host sync); otherwise nothing. ``objective(check_finite=False)``
+    leaves this to its caller, who can then call it once, after the loss is queued on the GPU
+    (a host sync per row chunk would idle the GPU)."""
+    if cfg.nonfinite != "raise":
+        return
     named = {"logprobs": logprobs} | ({} if entropy is None else {"entropy": entropy})
-    bad = checks.nonfinite_rows(named, everything, raise_)
-    if raise_:
+    checks.nonfinite_rows(named, torch.ones_like(logprobs, dtype=torch.bool), raise_=True)
+
+
+def _neutralise(
+    cfg: GRPOLossConfig, ctx: LossContext, logprobs: Tensor, entropy: Tensor | None,
+    check_finite: bool,
+) -> tuple[Tensor, Tensor | None, Tensor, MetricDict]:  # fmt: skip
+    """Handle non-finite current log-probs / entropy at valid rows (raise, or zero-weight)."""
+    if cfg.nonfinite == "raise":
+        if check_finite:
+            raise_on_nonfinite(cfg, logprobs, entropy)
         return logprobs, entropy, ctx.coef, {}
+    everything = torch.ones_like(ctx.coef, dtype=torch.bool)
+    named = {"logprobs": logprobs} | ({} if entropy is None else {"entropy": entropy})
+    bad = checks.nonfinite_rows(named, everything, raise_=False)
     logprobs = torch.where(bad, ctx.old, logprobs)
     entropy = None if entropy is None else torch.where(bad, torch.zeros_like(entropy), entropy)
     coef = torch.where(bad, torch.zeros_like(ctx.coef), ctx.coef)
@@ -343,10 +356,14 @@ def objective(
     ctx: LossContext,
     logprobs: Tensor,
     entropy: Tensor | None = None,
+    *,
+    check_finite: bool = True,
 ) -> tuple[Tensor, MetricDict]:
     """Weighted loss sum of the rows of ``ctx`` for current ``logprobs`` / ``entropy`` ``[n]``.
 
-    Returns ``(sum(coef * objective_t), metrics)``; see the module docstring.
+    Returns ``(sum(coef * objective_t), metrics)``; see the module docstring. With
+    ``check_finite=False`` and ``cfg.nonfinite == "raise"`` the caller must call
+    :func:`raise_on_nonfinite` on these rows itself (the loss is NaN where they are not finite).
     """
     n = ctx.num_rows
     checks.check_float("logprobs", logprobs, n, ctx.old.device)
@@ -356,7 +373,7 @@ def objective(
         raise ValueError("ref_logprobs is required when kl_coef > 0")
     lp = logprobs.float()
     ent = None if entropy is None else entropy.float()
-    lp, ent, coef, metrics = _neutralise(cfg, ctx, lp, ent)
+    lp, ent, coef, metrics = _neutralise(cfg, ctx, lp, ent, check_finite)
 
     ratio = torch.exp(policy_log_ratio(cfg, ctx, lp))
     per_row, pg_metrics = pg_term(cfg, ratio, ctx.adv)

@@ -37,7 +37,8 @@ class MeanMetric:
     def of(cls, values: Tensor) -> MeanMetric:
         """Mean of the elements of ``values`` ``[N]``."""
         values = values.detach().float()
-        return cls(values.sum(), torch.tensor(float(values.numel()), device=values.device))
+        # torch.full, not torch.tensor(..., device=): a host-to-device copy syncs the stream
+        return cls(values.sum(), torch.full((), float(values.numel()), device=values.device))
 
     def merge(self, other: MeanMetric) -> MeanMetric:
         return MeanMetric(_f32(self.sum) + _f32(other.sum), _f32(self.count) + _f32(other.count))
@@ -62,7 +63,7 @@ class MinMetric:
     @classmethod
     def of(cls, values: Tensor) -> MinMetric:
         v = values.detach().float()
-        return cls(v.min() if v.numel() else torch.tensor(math.inf, device=v.device))
+        return cls(v.min() if v.numel() else torch.full((), math.inf, device=v.device))
 
     def merge(self, other: MinMetric) -> MinMetric:
         return MinMetric(torch.minimum(_f32(self.value), _f32(other.value)))
@@ -77,7 +78,7 @@ class MaxMetric:
     @classmethod
     def of(cls, values: Tensor) -> MaxMetric:
         v = values.detach().float()
-        return cls(v.max() if v.numel() else torch.tensor(-math.inf, device=v.device))
+        return cls(v.max() if v.numel() else torch.full((), -math.inf, device=v.device))
 
     def merge(self, other: MaxMetric) -> MaxMetric:
         return MaxMetric(torch.maximum(_f32(self.value), _f32(other.value)))

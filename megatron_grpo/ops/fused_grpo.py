@@ -67,7 +67,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_grpo.loss import GRPOLossConfig, grpo_loss
-from megatron_grpo.loss.math import LossContext, build_context
+from megatron_grpo.loss.math import LossContext, build_context, raise_on_nonfinite
 from megatron_grpo.loss.metrics import MetricDict, merge_metrics
 from megatron_grpo.ops.comm import TPInfo
 from megatron_grpo.ops.lm_head import LMHead, build_lm_head, check_targets
@@ -130,6 +130,7 @@ class _TiledTokenGRPO(torch.autograd.Function):
         ent = st.entropy if need_ent else None
         want_grad = call.want_dh or call.want_dw
         loss, metrics, g_lp, g_ent = objective_grads(call.cfg, lctx, st.logp, ent, want_grad)
+        raise_on_nonfinite(call.cfg, st.logp, ent)  # the host sync once the loss is queued
         ctx.head, ctx.call = head, call
         pz = st.pz if g_ent is not None else None
         ctx.save_for_backward(hidden, weight, idx, t_local, st.lse, g_lp, g_ent, pz)

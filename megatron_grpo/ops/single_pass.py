@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from megatron_grpo.loss import GRPOLossConfig
-from megatron_grpo.loss.math import LossContext, objective
+from megatron_grpo.loss.math import LossContext, objective, raise_on_nonfinite
 from megatron_grpo.loss.metrics import MetricDict
 from megatron_grpo.ops.comm import combine_row_stats
 from megatron_grpo.ops.gemm import mm_f32
@@ -36,11 +36,12 @@ def objective_grads(
     cfg: GRPOLossConfig, lctx: LossContext, logp: Tensor, ent: Tensor | None, want_grad: bool
 ) -> tuple[Tensor, MetricDict, Tensor | None, Tensor | None]:
     """``loss.math.objective`` of the rows of ``lctx`` and, if wanted, its gradients w.r.t.
-    logp / entropy ([n] each; the entropy one None when ``cfg.entropy_coef == 0``)."""
+    logp / entropy ([n] each; the entropy one None when ``cfg.entropy_coef == 0``). Host-sync
+    free: the caller runs ``loss.math.raise_on_nonfinite`` on the rows once, afterwards."""
     with torch.enable_grad():
         lp = logp.detach().requires_grad_(want_grad)
         en = None if ent is None else ent.detach().requires_grad_(want_grad)
-        loss, metrics = objective(cfg, lctx, lp, en)
+        loss, metrics = objective(cfg, lctx, lp, en, check_finite=False)
         if not want_grad:
             return loss.detach(), metrics, None, None
         inputs = [lp] if en is None else [lp, en]
@@ -140,6 +141,9 @@ class TokenSinglePass:
             loss, met = self._chunk(h, t_local[r0:r1], r0, r1, out, buf, dh, dw)
             losses.append(loss)
             metrics.append(met)
+        # One finiteness check (host sync) for all chunks: a sync per chunk would idle the GPU
+        # while the next chunk is launched. On a raise, main_grad holds part of this step.
+        raise_on_nonfinite(self.cfg, out.logp, out.ent)
         total = torch.stack(losses).sum()
         return SinglePassResult(total, metrics, out, None if dh is None else dh.finish())
 
