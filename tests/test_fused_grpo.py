@@ -1,7 +1,7 @@
 """fused_grpo_loss == grpo_loss(vocab_parallel_logprobs(...)): loss, metrics, log-probs, entropy
-and gradients, on both token-ratio paths (single pass / tiled recompute, chosen with ``path=``),
-at TP=1 (in process) and TP=2 with and without sequence parallelism (spawned); the plan's rule
-that picks the path."""
+and gradients, on both token-ratio paths (single pass / tiled recompute, chosen with ``path=``)
+and for GSPO (sequence ratio: the tiled path, the plan's choice), at TP=1 (in process) and TP=2
+with and without sequence parallelism (spawned); the plan's rule that picks the path."""
 
 from __future__ import annotations
 
@@ -138,7 +138,9 @@ def assert_bf16_grads(fused, ref, dw_ulp=0.0):
         close(fused[i], ref[i], rtol=2e-2, atol=1e-2 * ref[i].abs().max().item() + extra)
 
 
-CASES = [(n, p) for n in ("token_full", "token_plain") for p in PATHS] + [("gspo", None)]
+# path None: the plan's choice (GSPO: tiled)
+CASES = [(n, p) for n in ("token_full", "token_plain") for p in PATHS]
+CASES += [("gspo", None), ("gspo", "tiled")]
 
 
 @pytest.mark.parametrize(("name", "path"), CASES)
@@ -152,7 +154,7 @@ def test_fused_matches_grpo_loss_tp1(name, path, dtype):
     targets, batch = loss_batch(hidden, weight, 0.8)
     op = dict(temperature=0.8, vocab_size=VOCAB, chunk_size=7, impl="torch")
     fused, ref = run_both(cfg, hidden, weight, targets, batch, scale=2.5, path=path, **op)
-    assert fused[6] == (path or "op")
+    assert fused[6] == (path or "tiled")
     if dtype == torch.float32:
         assert_same(fused, ref)
         assert fused[1]["loss/pg_clipfrac_high"] + fused[1]["loss/pg_clipfrac_low"] > 0
@@ -166,18 +168,18 @@ MAIN_GRADS = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
               (torch.bfloat16, torch.bfloat16)]  # fmt: skip
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(("name", "path"), [("token_full", p) for p in PATHS] + [("gspo", None)])
 @pytest.mark.parametrize(("w_dtype", "mg_dtype"), MAIN_GRADS)
 @pytest.mark.parametrize("scale", [1.0, 3.0])
-def test_fused_main_grad(path, w_dtype, mg_dtype, scale):
+def test_fused_main_grad(name, path, w_dtype, mg_dtype, scale):
     """d_weight accumulates onto an existing main_grad, scaled by grad_output (the single pass
-    writes it in forward and corrects a grad_output != 1 in backward)."""
-    cfg = GRPOLossConfig(**CONFIGS["token_full"])
+    writes it in forward and corrects a grad_output != 1 in backward; GSPO runs tiled)."""
+    cfg = GRPOLossConfig(**CONFIGS[name])
     hidden, weight, _ = make_inputs(T, H, V, dtype=w_dtype)
     targets, batch = loss_batch(hidden, weight, 1.0)
     op = dict(vocab_size=VOCAB, chunk_size=5, impl="torch", main_grad=mg_dtype)
     fused, ref = run_both(cfg, hidden, weight, targets, batch, scale=scale, path=path, **op)
-    assert fused[6] == path
+    assert fused[6] == (path or "tiled")
     if w_dtype == torch.float32:
         assert_same(fused, ref)
     else:  # a bf16 main_grad holds 0.5 + d_weight in steps of 2^-8
@@ -336,6 +338,9 @@ def test_fused_rejects_bad_inputs():
     bad[CU[1] + PROMPT[1]] = VOCAB  # first response token of sequence 1
     with pytest.raises(ValueError, match=rf"targets\[{int(CU[1]) + PROMPT[1]}\]"):
         fused_grpo_loss(hidden, weight, bad, GRPOLossConfig(), vocab_size=VOCAB, **batch)
+    gspo = GRPOLossConfig(ratio_level="sequence")
+    with pytest.raises(ValueError, match="'sequence' \\(GSPO\\) needs all of a sequence"):
+        fused_grpo_loss(hidden, weight, targets, gspo, path="fused_single_pass", **batch)
 
 
 @pytest.mark.parametrize("path", [*PATHS, "op"])
@@ -483,7 +488,7 @@ def _tp2_case(rank, world, group, name, path, vocab, main_grad):
         op = dict(tp_group=group, sequence_parallel=sp, temperature=0.9, vocab_size=vocab,
                   chunk_size=6, impl="torch", main_grad=main_grad)  # fmt: skip
         fused, ref = run_both(cfg, h_loc, w_loc, targets, batch, scale=2.0, path=path, **op)
-        assert fused[6] == (path or "op")
+        assert fused[6] == (path or "tiled")
         assert_same(fused, ref)
         # ... and both equal the TP=1 result (on this rank's slices).
         assert_same(fused, single, grads=False)
@@ -500,6 +505,7 @@ def _tp2_body(rank: int, world_size: int) -> None:
     # vocab 18 <= V_local: rank 1's shard is all padding (no logits, zero local gradients)
     _tp2_case(rank, world_size, group, "token_full", "single", 18, torch.float32)
     _tp2_case(rank, world_size, group, "gspo", None, VOCAB, None)
+    _tp2_case(rank, world_size, group, "gspo", "tiled", VOCAB, torch.float32)
 
 
 @pytest.mark.slow

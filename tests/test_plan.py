@@ -80,6 +80,25 @@ def test_plan_is_deterministic_and_explained_by_its_fields():
     assert seen["weight_grad"] == set(WEIGHT_GRADS)
 
 
+def test_sequence_ratio_never_runs_the_single_pass():
+    """GSPO over the grid where a token ratio reaches every path: automatic and "fused_tiled"
+    requests run the tiled path (same tiles), "op" the op; an explicit single pass raises."""
+    gspo = GRPOLossConfig(ratio_level="sequence")
+    token_single = 0
+    for shape, request, opts, token in _plans():
+        token_single += getattr(token, "path", None) == "fused_single_pass"
+        try:
+            plan = plan_lm_head(shape, path=request, loss=gspo, impl="torch", **opts)
+        except ValueError as e:
+            assert request == "fused_single_pass" and "'sequence' (GSPO)" in str(e)
+            continue
+        assert request != "fused_single_pass"
+        assert plan.path == ("op" if request == "op" else "fused_tiled") and plan.chunk_rows is None
+        if not isinstance(token, ValueError):
+            assert (plan.tile_rows, plan.tile_cols) == (token.tile_rows, token.tile_cols)
+    assert token_single > 0
+
+
 def _check_fields(shape: HeadShape, request: str | None, plan) -> None:
     """Each field follows from the inputs as the module docstring says; str(plan) names them."""
     text = str(plan)
@@ -143,13 +162,15 @@ def test_requests_and_errors():
     assert plan_lm_head(shape).path == "op"  # log-probs alone
     for request in (None, "fused"):
         plan = plan_lm_head(shape, path=request, loss=gspo)
-        assert plan.path == "op" and "sequence" in plan.reason
+        assert plan.path == "fused_tiled" and "sequence" in plan.reason
+    assert plan_lm_head(shape, path="fused_tiled", loss=gspo).reason == "requested"
+    assert plan_lm_head(shape, path="op", loss=gspo).path == "op"
     megatron = plan_lm_head(shape, path="megatron", loss=GRPOLossConfig())
     assert megatron.impl is None and str(megatron).startswith("megatron (requested)")
     assert set(REQUESTS) == {"fused", *PATHS}
     errors = [  # (request, loss config, options, message)
         ("fused_single_pass", GRPOLossConfig(), {}, "memory_budget"),  # extra fp32 d_weight
-        ("fused_tiled", gspo, {}, "ratio_level 'token'"),
+        ("fused_single_pass", gspo, {}, "sequence.*'fused' / 'fused_tiled' or 'op'"),
         ("fused_tiled", None, {}, "needs a loss config"),
         ("megatron", GRPOLossConfig(entropy_coef=0.1), {}, "entropy_coef"),
         ("liger", None, {}, "path must be one of"),

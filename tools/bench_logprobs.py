@@ -12,7 +12,8 @@ CPU dry run of the same logic at tiny sizes (Triton kernels in the interpreter):
     torchrun --nproc-per-node 2 tools/bench_logprobs.py --tp --device cpu --tiny
 
 Every method runs forward + backward of an objective: sum(c * logp) for the log-prob methods,
-sum(c * logp + u * entropy) for the entropy variants, the GRPO loss for the GRPO methods. The
+sum(c * logp + u * entropy) for the entropy variants, the GRPO loss for the GRPO methods, the
+GSPO loss (``ratio_level="sequence"``; fused: the plan's path) for fused_gspo / unfused_gspo. The
 fp32 reference is the fp32 GEMM of the same bf16 inputs (TF32 off), chunked, with autograd.
 Peak extra memory = max_memory_allocated during one step minus what was allocated before it
 (inputs, no gradients), so it includes the gradients themselves ("over_grads" subtracts them).
@@ -26,8 +27,9 @@ Each of our methods prints the LM-head plan it ran with (``megatron_grpo/ops/pla
 kernels, tiles or single-pass chunks, backward loop order, d_weight mode, memory budget; a short
 label in the tables). fused_grpo's token-ratio path is the plan's choice (single pass when a
 full-width chunk of >= 4096 rows fits the tile and d_weight has an fp32 buffer); ``--fused-path``
-names one (``fused_single_pass`` / ``fused_tiled``) to measure both at one size, and
-``--memory-budget-gib`` sets the plan's memory budget (default 1 GiB: 256 MiB tiles).
+names one (``fused_single_pass`` / ``fused_tiled``) to measure both at one size (fused_gspo
+ignores it: its plan's path, "fused_tiled"), and ``--memory-budget-gib`` sets the plan's memory
+budget (default 1 GiB: 256 MiB tiles).
 
 This file is the harness (CLI, problems, the fp32 reference, measurement, reports); the methods,
 the GEMM floor and the GEMM options are in ``tools/bench_methods.py``.
@@ -45,7 +47,8 @@ from pathlib import Path
 TARGETS = {"fused_ratio": 1.10, "op_ratio": 1.40, "over_grads_gib": 0.5, "logp": 1e-4, "grad": 2e-3}
 TP_TARGETS = {2: 0.97, 4: 0.93}
 SINGLE = ["floor", "torch", "triton", "torch_entropy", "triton_entropy", "fused_grpo",
-          "unfused_grpo", "megatron_fused_ce", "cce_exact", "cce"]  # fmt: skip
+          "unfused_grpo", "fused_gspo", "unfused_gspo", "megatron_fused_ce", "cce_exact",
+          "cce"]  # fmt: skip
 PEERS = ("megatron_fused_ce", "cce_exact", "cce")
 TP_METHODS = ["floor", "triton", "triton_sp", "fused_grpo", "fused_grpo_sp", "megatron_fused_ce"]
 
@@ -108,6 +111,7 @@ if ARGS is not None and ARGS.device == "cpu":
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from bench_methods import (  # noqa: E402
+    LOSSES,
     METHODS,
     SOLO_GROUP,
     Problem,
@@ -123,17 +127,17 @@ from bench_methods import (  # noqa: E402
     weight_grad,
 )
 
-from megatron_grpo.loss import GRPOLossConfig, grpo_loss  # noqa: E402
+from megatron_grpo.loss import grpo_loss  # noqa: E402
 from megatron_grpo.ops import vocab_parallel_logprobs  # noqa: E402
 
 # ----------------------------------------------------------------------------- objectives
 
 
-def grpo_grads(p: Problem, logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, d loss / d logp) of the GRPO loss at `logp` ([T] fp32)."""
+def grpo_grads(p: Problem, logp: torch.Tensor, loss_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, d loss / d logp) of the loss ``LOSSES[loss_name]`` at `logp` ([T] fp32)."""
     with torch.enable_grad():
         lp = logp.detach().float().requires_grad_()
-        loss, _ = grpo_loss(GRPOLossConfig(), logprobs=lp, **p.grpo)
+        loss, _ = grpo_loss(LOSSES[loss_name], logprobs=lp, **p.grpo)
         return loss.detach(), torch.autograd.grad(loss, lp)[0]
 
 
@@ -152,8 +156,8 @@ def ref_forward(p: Problem, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
 def reference(p: Problem, objective: str, logp: torch.Tensor, ent: torch.Tensor, chunk: int):
     """The objective's value and its fp32 d h, d w (recomputed chunk by chunk with autograd)."""
     g_ent = p.ent_coef if objective == "logp_entropy" else None
-    if objective == "grpo":
-        value, g_logp = grpo_grads(p, logp)
+    if objective in LOSSES:
+        value, g_logp = grpo_grads(p, logp, objective)
     else:
         g_logp = p.coef
         value = (p.coef * logp).sum() + ((g_ent * ent).sum() if g_ent is not None else 0.0)
@@ -268,7 +272,7 @@ def run_single(args, dev, methods: list[str]) -> dict:
         if "floor" in methods:
             res["floor"] = floor_ms(p.h, p.w, args, dev)
             _print_row(T, "floor", res["floor"], None)
-        for objective in ("logp", "logp_entropy", "grpo"):
+        for objective in ("logp", "logp_entropy", *LOSSES):
             names = [m for m in methods if m in METHODS and METHODS[m][1] == objective]
             if not names:
                 continue

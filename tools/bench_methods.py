@@ -1,4 +1,4 @@
-"""The methods of tools/bench_logprobs.py: ours (the log-prob op, the fused GRPO loss), the
+"""The methods of tools/bench_logprobs.py: ours (the log-prob op, the fused GRPO / GSPO loss), the
 peers (Megatron's fused cross entropy, Apple's Cut Cross-Entropy), the 3-GEMM floor and the
 GEMM options, plus the problem they run on and the timer they share.
 
@@ -113,25 +113,32 @@ def _ours(impl: str, entropy: bool, gemm: str = "auto"):
     return step
 
 
-# fused_grpo variants: name -> (path override or None = --fused-path / the plan's, gemm)
+# The loss objectives: name -> config (GSPO: sequence ratio, the rest default).
+LOSSES = {"grpo": GRPOLossConfig(), "gspo": GRPOLossConfig(ratio_level="sequence")}
+
+# fused_grpo_loss variants: name -> (path override or None = --fused-path / the plan's, gemm,
+# loss). GSPO: "fused" = the plan's path whatever --fused-path says (the single pass refuses it).
 _FUSED = {
-    "fused_grpo": (None, "auto"),
-    "fused_grpo_sp": (None, "auto"),
-    "fused_grpo_tiled": ("fused_tiled", "auto"),
-    "fused_grpo_separate": (None, "separate"),
+    "fused_grpo": (None, "auto", "grpo"),
+    "fused_grpo_sp": (None, "auto", "grpo"),
+    "fused_grpo_tiled": ("fused_tiled", "auto", "grpo"),
+    "fused_grpo_separate": (None, "separate", "grpo"),
+    "fused_gspo": ("fused", "auto", "gspo"),
 }
+# vocab_parallel_logprobs + grpo_loss: name -> loss
+_UNFUSED = {"unfused_grpo": "grpo", "unfused_gspo": "gspo"}
 
 
 def _fused_args(name: str, p: Problem) -> dict:
-    path, gemm = _FUSED[name]
+    path, gemm, _ = _FUSED[name]
     return dict(**p.grpo, impl="auto", path=path or p.fused_path, gemm=gemm, **p.op_args())
 
 
 def _fused_grpo(name: str):
+    cfg = LOSSES[_FUSED[name][2]]
+
     def step(p: Problem):
-        loss, _, logp = fused_grpo_loss(
-            p.h, p.w, p.targets, GRPOLossConfig(), **_fused_args(name, p)
-        )
+        loss, _, logp = fused_grpo_loss(p.h, p.w, p.targets, cfg, **_fused_args(name, p))
         loss.backward()
         return logp.detach(), None, loss.detach()
 
@@ -141,8 +148,9 @@ def _fused_grpo(name: str):
 def method_plan(name: str, p: Problem) -> LMHeadPlan | None:
     """The LM-head plan method ``name`` runs on this problem (None: a peer or the floor)."""
     if name in _FUSED:
-        return fused_grpo_loss_plan(p.h, p.w, p.targets, GRPOLossConfig(), **_fused_args(name, p))
-    if name == "unfused_grpo":
+        cfg = LOSSES[_FUSED[name][2]]
+        return fused_grpo_loss_plan(p.h, p.w, p.targets, cfg, **_fused_args(name, p))
+    if name in _UNFUSED:
         return logprobs_plan(p.h, p.w, p.targets, rows=p.grpo["loss_mask"], impl="auto",
                              **p.op_args())  # fmt: skip
     if name.split("_")[0] in ("torch", "triton"):
@@ -160,13 +168,18 @@ def plan_label(plan: LMHeadPlan) -> str:
     return f"{plan.path} {gemm} {plan.tile_rows}x{plan.tile_cols} {plan.loop_order}"
 
 
-def _unfused_grpo(p: Problem):
-    logp = vocab_parallel_logprobs(
-        p.h, p.w, p.targets, rows=p.grpo["loss_mask"], impl="auto", **p.op_args()
-    )
-    loss, _ = grpo_loss(GRPOLossConfig(), logprobs=logp, **p.grpo)
-    loss.backward()
-    return logp.detach(), None, loss.detach()
+def _unfused_grpo(name: str):
+    cfg = LOSSES[_UNFUSED[name]]
+
+    def step(p: Problem):
+        logp = vocab_parallel_logprobs(
+            p.h, p.w, p.targets, rows=p.grpo["loss_mask"], impl="auto", **p.op_args()
+        )
+        loss, _ = grpo_loss(cfg, logprobs=logp, **p.grpo)
+        loss.backward()
+        return logp.detach(), None, loss.detach()
+
+    return step
 
 
 def _megatron(p: Problem):
@@ -197,7 +210,7 @@ def _cce(filter_eps):
     return step
 
 
-# name -> (step, objective of its gradients)
+# name -> (step, objective of its gradients: "logp", "logp_entropy" or a LOSSES key)
 METHODS: dict[str, tuple[Callable, str]] = {
     "torch": (_ours("torch", False), "logp"),
     "triton": (_ours("triton", False), "logp"),
@@ -205,8 +218,8 @@ METHODS: dict[str, tuple[Callable, str]] = {
     "triton_sp": (_ours("triton", False), "logp"),
     "torch_entropy": (_ours("torch", True), "logp_entropy"),
     "triton_entropy": (_ours("triton", True), "logp_entropy"),
-    **{name: (_fused_grpo(name), "grpo") for name in _FUSED},
-    "unfused_grpo": (_unfused_grpo, "grpo"),
+    **{name: (_fused_grpo(name), loss) for name, (_, _, loss) in _FUSED.items()},
+    **{name: (_unfused_grpo(name), loss) for name, loss in _UNFUSED.items()},
     "megatron_fused_ce": (_megatron, "logp"),
     "cce_exact": (_cce(None), "logp"),
     "cce": (_cce("auto"), "logp"),

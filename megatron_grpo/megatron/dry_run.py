@@ -152,7 +152,8 @@ def dry_run(train_cfg: Any, world_size: int, *, file: TextIO | None = None) -> D
     ``training`` (micro-batching, ``use_reference_model``, ``logprob_path`` and
     ``lm_head_memory_budget`` where the trainer has them: GRPOStep's defaults otherwise) and
     ``optimizer`` (``optimizer``, ``use_distributed_optimizer``). The LM-head plan (which path
-    the last stage runs, e.g. "op" for GSPO under "fused", and why) is printed with the plan.
+    the last stage runs, e.g. "fused_tiled" for GSPO under "fused", and why) is printed with the
+    plan.
     """
     model, par = train_cfg.model, train_cfg.parallel
     dp = check_layout(model, par, world_size)

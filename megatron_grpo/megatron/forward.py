@@ -18,7 +18,8 @@ order, d_weight mode), is the LM-head plan of each call (:mod:`megatron_grpo.ops
 * ``"fused"``: ``fused_grpo_loss``: by default the op's tiled stats pass, the loss on all rows
   and the tiled recompute in backward ("fused_tiled"); a single 3-GEMM pass with the loss per
   full-width chunk ("fused_single_pass") only where the plan's rule allows (narrow vocab shards,
-  small batches). Either can be asked for by name. GSPO runs the "op" path;
+  small batches). Either can be asked for by name. GSPO (a sequence ratio) runs "fused_tiled":
+  its loss needs all of a sequence's log-probs first, so "fused_single_pass" is refused;
 * ``"op"``: ``vocab_parallel_logprobs`` (tiled, recomputed in backward) then ``grpo_loss``;
 * ``"megatron"``: Megatron's standard path, the baseline of our comparisons: the GPTModel's
   ``output_layer`` materializes vocab-parallel logits ``[s, b, V/TP]``, then
@@ -337,7 +338,7 @@ class GRPOStep:
         if self.logprob_path == "megatron":
             logp = self._megatron_logprobs(output_layer, weight, hidden, targets)
             loss, metrics = grpo_loss(self.loss_cfg, logprobs=logp, **args)
-        else:  # the plan picks "op" or a fused path (GSPO: "op") from the request
+        else:  # the plan picks "op" or a fused path (GSPO: "fused_tiled") from the request
             op = self._op_args(tp_group, sequence_parallel)
             loss, metrics, _ = fused_grpo_loss(
                 hidden, weight, targets, self.loss_cfg, **args, **op, path=self.logprob_path

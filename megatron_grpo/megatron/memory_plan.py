@@ -401,7 +401,7 @@ def memory_plan(
     ``logprob_path`` (a ``GRPOStep`` path) picks which loss working set enters the last stage's
     total; "fused", "op" and "megatron" are all in ``loss_paths`` for comparison. ``loss_cfg``
     (None = defaults: token ratio) and ``memory_budget`` (bytes, None = the default) go to the
-    LM-head plan (``lm_head``; "fused" with GSPO runs path "op").
+    LM-head plan (``lm_head``; "fused" with GSPO runs path "fused_tiled").
     """
     if micro_batch_tokens <= 0 or dp_size <= 0:
         raise ValueError(f"micro_batch_tokens and dp_size must be positive, got "

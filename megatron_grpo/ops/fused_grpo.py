@@ -1,8 +1,8 @@
 """``fused_grpo_loss``: the GRPO loss straight from hidden states and the LM-head shard.
 
-ratio_level "token" builds the loss context (``loss.math.build_context``) once and runs one of
-two paths, chosen by the call's plan (:func:`megatron_grpo.ops.plan.plan_lm_head`; ``path=``
-picks one explicitly, :func:`fused_grpo_loss_plan` shows it):
+The loss context (``loss.math.build_context``) is built once, then one of two paths runs,
+chosen by the call's plan (:func:`megatron_grpo.ops.plan.plan_lm_head`; ``path=`` picks one
+explicitly, :func:`fused_grpo_loss_plan` shows it); (a) serves ratio_level "token" only:
 
 (a) single pass, 3 GEMMs, no recompute (:mod:`megatron_grpo.ops.single_pass`): per full-width
     row chunk [C, V_local] of the loss's rows: logits (bf16 shifted logits and block stats from
@@ -12,9 +12,10 @@ picks one explicitly, :func:`fused_grpo_loss_plan` shows it):
     ``d_weight += dlogits^T @ h`` into an fp32 ``main_grad`` when there is one, else into an fp32
     [V_local, H] buffer. Backward only scales by grad_output (see "grad_output" below).
 (b) tiled recompute, 4 GEMMs: the op's tiled stats pass over the loss rows
-    (:func:`ops.passes.forward_stats`), the objective of all rows at once, and in backward the
-    op's recompute pass (:func:`ops.passes.backward_grads`); one logits tile, d_weight straight
-    into an fp32 ``main_grad``.
+    (:func:`ops.passes.forward_stats`), the objective of all rows at once (d loss / d logp,
+    d loss / d entropy by autograd: ``single_pass.objective_grads``), and in backward the op's
+    recompute pass (:func:`ops.passes.backward_grads`) with those row gradients; one logits
+    tile, d_weight straight into an fp32 ``main_grad``.
 
 The rule (``ops.plan``). (a) keeps complete rows of one chunk (a row's loss needs its
 full-vocabulary statistics). With the fused-epilogue GEMM (``kernels.head_gemm``, the default
@@ -49,8 +50,13 @@ gradients enabled whose loss is never backpropagated leaves d_weight in ``main_g
 under ``torch.no_grad()``. A second backward (``retain_graph``) recomputes like (b).
 
 ratio_level "sequence" (GSPO): a token's ratio depends on every token of its sequence (across
-CP ranks too), so the plan runs path "op": ``vocab_parallel_logprobs`` (rows = loss mask), then
-``grpo_loss``, and autograd through the op (``path="op"`` runs it for a token ratio too).
+CP ranks too), so no gradient exists before all of a sequence's log-probs do. (b) has them: its
+objective sees every loss row of every sequence, its autograd runs through the differentiable
+CP all-reduce of the sequence sums (``loss.segments``), and its backward needs only the row
+gradients. So the plan runs (b) (``path=None`` / "fused" / "fused_tiled"); an explicit
+"fused_single_pass" raises (its objective runs chunk by chunk, on incomplete sequences).
+``path="op"`` (``vocab_parallel_logprobs``, then ``grpo_loss``, autograd through the op) runs
+either ratio.
 
 ``chunk_size`` means rows per logits tile on every path: full-width [chunk_size, V_local] in (a)
 (chosen only when that fits the tile budget), [chunk_size, Vc] tiles in (b). Prompt tokens
@@ -117,8 +123,9 @@ def _outputs(ctx, logp: Tensor, ent: Tensor | None, idx: Tensor | None, total: i
 
 
 class _TiledTokenGRPO(torch.autograd.Function):
-    """Path "fused_tiled". Forward: stats pass + loss + d loss / d logp -> (loss, logp [T],
-    entropy [T] or [0], metrics); backward: the recompute pass."""
+    """Path "fused_tiled" (either ratio level: the loss sees all rows at once). Forward: stats
+    pass + loss + d loss / d logp -> (loss, logp [T], entropy [T] or [0], metrics); backward:
+    the recompute pass."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, head: LMHead, lctx: LossContext, call: _LossCall):
@@ -229,9 +236,10 @@ def fused_grpo_loss(
     hidden / weight / targets / TP arguments: as :func:`vocab_parallel_logprobs`; the loss
     arguments (all [T], ``cu_seqlens`` [S+1]): as :func:`megatron_grpo.loss.grpo_loss`.
     Entropy is computed only when ``cfg.entropy_coef != 0`` or ``return_entropy``.
-    ``chunk_size``: rows per logits tile on either token path (None = automatic).
-    ``path``: None / "fused" = the plan's choice (:mod:`megatron_grpo.ops.plan`), or
-    "fused_tiled", "fused_single_pass", "op" (log-probs, then ``grpo_loss``).
+    ``chunk_size``: rows per logits tile on either fused path (None = automatic).
+    ``path``: None / "fused" = the plan's choice (:mod:`megatron_grpo.ops.plan`; "fused_tiled"
+    for a sequence ratio), or "fused_tiled", "fused_single_pass" (token ratio only), "op"
+    (log-probs, then ``grpo_loss``).
     ``memory_budget``: bytes, trading memory for speed (``ops.plan``; None = 1 GiB). On the
     single pass an fp32 ``weight.main_grad`` receives d_weight during the forward (module doc);
     :func:`fused_grpo_loss_plan` returns the plan a call runs. ``gemm``: how the logits GEMM
@@ -302,7 +310,7 @@ def _wants(hidden: Tensor, weight: Tensor) -> tuple[bool, bool]:
 
 
 def _fused_setup(hidden, weight, targets, cfg, loss_args: dict, op_args: dict, path):
-    """(the head bound to its plan, the loss context) of a fused token-ratio call."""
+    """(the head bound to its plan, the loss context) of a fused call."""
     head_args = {k: op_args[k] for k in ("sequence_parallel", "temperature", "vocab_size")}
     tp = TPInfo.of(op_args["tp_group"])
     head = build_lm_head(hidden, weight, targets, tp=tp, **head_args)
@@ -318,7 +326,7 @@ def _fused_setup(hidden, weight, targets, cfg, loss_args: dict, op_args: dict, p
 
 
 def _op_path(hidden, weight, targets, cfg, need_ent, return_entropy, loss_args, op_args):
-    """Path "op" (GSPO's): log-probs first (op with recompute), then the loss, then autograd."""
+    """Path "op": log-probs first (op with recompute), then the loss, then autograd."""
     out = vocab_parallel_logprobs(
         hidden,
         weight,

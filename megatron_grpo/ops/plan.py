@@ -12,8 +12,10 @@ The decisions, each a field of the plan:
   loss, recompute in backward: 4 GEMMs), "fused_single_pass" (3 GEMMs per full-width chunk, the
   loss inside) or "megatron" (Megatron's output layer + ``vocab_parallel_cross_entropy``, only
   run by ``GRPOStep``). Requests: ``"fused"`` (or None with a loss) picks between the fused paths
-  by the single-pass rule below, and runs "op" for GSPO (``ratio_level == "sequence"``: a
-  token's ratio needs its whole sequence); log-probs alone (no loss) run "op".
+  by the single-pass rule below; log-probs alone (no loss) run "op". GSPO (``ratio_level ==
+  "sequence"``): a token's ratio is its sequence's mean log-ratio, so every log-prob of a
+  sequence comes before any gradient: ``"fused"`` runs "fused_tiled" (all rows' stats, the loss
+  at once, the recompute backward), "fused_single_pass" (the loss chunk by chunk) raises.
 * ``impl``: the kernel seam, "torch" or "triton" (``ops.dispatch.resolve_impl``).
 * ``gemm``: how the logits GEMM meets the softmax work. "fused_epilogue": the GEMM reduces its
   fp32 accumulator in registers (``kernels.head_gemm``): the stats pass writes no logits at all,
@@ -74,6 +76,9 @@ SINGLE_PASS_MIN_ROWS = {"separate": 4096, "fused_epilogue": 1024}
 ACCUMULATOR_TILES = 1  # the single pass's extra fp32 [V_local, H] d_weight, in tiles
 _MIN_BUDGET = TILE_FRACTION * 4  # a tile of one fp32 element
 _GIB, _MIB = 2**30, 2**20
+_SEQUENCE_REASON = (  # why a sequence ratio's automatic request runs "fused_tiled"
+    "loss.ratio_level 'sequence' (GSPO): all rows' log-probs, the loss, then the recompute backward"
+)
 
 
 @dataclass(frozen=True)
@@ -186,7 +191,9 @@ def weight_grad_mode(shape: HeadShape) -> str:
 def resolve_request(path: str | None, loss: GRPOLossConfig | None) -> tuple[str, str]:
     """(``"op"`` | ``"fused"`` | an explicit path, why) of a request; raises on impossible ones.
 
-    ``"fused"`` here still has to pick between the fused paths (:func:`plan_lm_head`).
+    ``"fused"`` here still has to pick between the fused paths (:func:`plan_lm_head`); a
+    sequence ratio's automatic request is already "fused_tiled", so the single pass, which runs
+    the loss chunk by chunk, never serves one.
     """
     if path is not None and path not in REQUESTS:
         raise ValueError(f"path must be one of {list(REQUESTS)} or None, got {path!r}")
@@ -202,12 +209,14 @@ def resolve_request(path: str | None, loss: GRPOLossConfig | None) -> tuple[str,
             raise ValueError(f"path {path!r} fuses the loss: it needs a loss config")
         return "op", "log-probs only"
     if loss.ratio_level == "sequence":
-        if path in ("fused_tiled", "fused_single_pass"):
+        if path == "fused_single_pass":
             raise ValueError(
-                f"path {path!r} needs loss.ratio_level 'token': a sequence ratio (GSPO) couples "
-                "a sequence's tokens, so its log-probs come first (path 'op' or 'fused')"
+                "path 'fused_single_pass' runs the loss chunk by chunk, but loss.ratio_level "
+                "'sequence' (GSPO) needs all of a sequence's log-probs before any gradient: use "
+                "path 'fused' / 'fused_tiled' or 'op'"
             )
-        return "op", "loss.ratio_level 'sequence' (GSPO): log-probs of all rows first"
+        if path in (None, "fused"):
+            return "fused_tiled", _SEQUENCE_REASON
     return ("fused", "auto") if path in (None, "fused") else (path, "requested")
 
 
@@ -253,7 +262,7 @@ def plan_lm_head(
             else single_pass_min_rows
         )
         request, chunk_rows, reason = _fused_path(
-            request, shape, weight_grad, chunk_size, budget, gemm_name, min_rows
+            request, reason, shape, weight_grad, chunk_size, budget, gemm_name, min_rows
         )
     loop = "rows_outer" if weight_grad in ("none", "accumulate_fp32") else "vocab_outer"
     return LMHeadPlan(request, reason, impl_name, gemm_name, weight_grad, loop, shape.rows,
@@ -288,16 +297,17 @@ def _is_int(x: object) -> bool:
 
 
 def _fused_path(
-    request: str, shape: HeadShape, weight_grad: str, chunk_size: int | None, budget: int,
-    gemm: str, min_rows: int,
+    request: str, reason: str, shape: HeadShape, weight_grad: str, chunk_size: int | None,
+    budget: int, gemm: str, min_rows: int,
 ) -> tuple[str, int | None, str]:  # fmt: skip
-    """(path, single-pass chunk rows or None, why) of a fused request."""
+    """(path, single-pass chunk rows or None, why) of a fused request of :func:`resolve_request`
+    (with its ``reason``): "fused_tiled" stays tiled (a sequence ratio's request is that)."""
     if not (shape.want_dh or shape.want_dw):
         return "fused_tiled", None, "no gradient wanted: the stats pass"
     if shape.rows == 0:
         return "fused_tiled", None, "no loss rows"
     if request == "fused_tiled":
-        return "fused_tiled", None, "requested"
+        return "fused_tiled", None, reason
     if gemm == "fused_epilogue":
         rows, why_not = _epilogue_chunk(shape, weight_grad, chunk_size, budget)
     else:

@@ -252,7 +252,8 @@ class TrainingConfig:
             ``fused`` (LM head + GRPO loss in one vocab pass), ``op`` (vocab_parallel_logprobs,
             then grpo_loss) or ``megatron`` (Megatron's output_layer + vocab_parallel_cross_entropy
             on materialized [T, V/TP] logits: the baseline for comparisons); ``fused_tiled`` /
-            ``fused_single_pass`` name one fused path instead of the plan's choice.
+            ``fused_single_pass`` (token ratio only) name one fused path instead of the plan's
+            choice.
         lm_head_memory_budget: bytes of the LM head's working set (``GRPOStep.memory_budget``,
             ``megatron_grpo.ops.plan``): larger = larger logits tiles, faster; None = 1 GiB.
         log_mismatch_without_replay: with ``model.moe_enable_routing_replay``, also run the
