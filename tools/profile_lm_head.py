@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -40,6 +41,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--memory-budget-gib", type=float, default=None)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--profiled-steps", type=int, default=3, help="steps under the profiler")
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a dry run")
     ap.add_argument("--out", default=os.environ.get("OUT", "profile_out"))
@@ -94,19 +96,27 @@ def _gemms(prof) -> list[dict]:
 
 
 def profile_method(name: str, p: Problem, args, dev, out: Path) -> dict:
+    """Timed median, then ``args.profiled_steps`` steps under the profiler run as the timer runs
+    them (setup, sync, step, sync): per step the wall (host clock) and the GPU busy time."""
     step = METHODS[name][0]
     plan = method_plan(name, p)
     ms = median_ms(lambda: step(p), dev, args.warmup, args.reps, setup=lambda: clear_grads(p))
-    clear_grads(p)
-    sync(dev)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    windows = []
     with profile(activities=acts, record_shapes=True) as prof:
-        step(p)
-        sync(dev)
+        for _ in range(args.profiled_steps):
+            clear_grads(p)
+            sync(dev)
+            t0 = time.perf_counter()
+            step(p)
+            sync(dev)
+            windows.append((t0, time.perf_counter()))
     prof.export_chrome_trace(str(out / f"trace_{name}_T{args.T}.json"))
     kernels = _kernels(prof)
-    res = dict(plan=None if plan is None else str(plan), ms=ms, busy_ms=busy_ms(kernels),
-               kernels=_by_name(kernels), gemms=_gemms(prof))  # fmt: skip
+    walls = [(b - a) * 1e3 for a, b in windows]
+    busy = busy_ms(kernels) / len(windows)  # setup kernels (zeroing) are tiny next to a step
+    res = dict(plan=None if plan is None else str(plan), ms=ms, busy_ms=busy,
+               profiled_wall_ms=walls, kernels=_by_name(kernels), gemms=_gemms(prof))  # fmt: skip
     res["gap_ms"] = ms - res["busy_ms"]
     clear_grads(p)
     return res
@@ -131,7 +141,8 @@ def chunk_sweep(p: Problem, sizes: list[int], args, dev) -> dict:
 
 def _print(name: str, r: dict, floor: float) -> None:
     print(f"\n== {name}: {r['ms']:.2f} ms ({r['ms'] / floor:.3f}x floor), GPU busy "
-          f"{r['busy_ms']:.2f} ms, gaps {r['gap_ms']:.2f} ms\n   plan: {r['plan']}")  # fmt: skip
+          f"{r['busy_ms']:.2f} ms a step, gaps {r['gap_ms']:.2f} ms; profiled steps "
+          f"{', '.join(f'{w:.2f}' for w in r['profiled_wall_ms'])} ms\n   plan: {r['plan']}")  # fmt: skip
     for k in r["kernels"][:14]:
         print(f"   {k['ms']:8.2f} ms {k['calls']:4d}x  {k['name']}")
     for g in r["gemms"]:
