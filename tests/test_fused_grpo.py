@@ -425,7 +425,8 @@ def test_gpu_single_pass_host_syncs_do_not_grow_with_chunks():
                                      path="fused_single_pass", **batch)  # fmt: skip
         assert ran_path(loss) == "single"
 
-    run(512), run(128)  # compile and allocate first
+    for chunk in (512, 128):  # compile and allocate first
+        run(chunk)
     few, many = _host_syncs(lambda: run(512)), _host_syncs(lambda: run(128))
     assert sorted(few) == sorted(many), f"2 chunks: {few}\n7 chunks: {many}"
 
