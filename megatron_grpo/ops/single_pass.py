@@ -138,16 +138,15 @@ class TokenSinglePass:
         for r0 in range(0, n, rows):
             r1 = min(r0 + rows, n)
             h = take_rows(h_full, idx, r0, r1)
-            loss, met = self._chunk(h, t_local[r0:r1], r0, r1, out, buf, dh, dw)
+            loss, met = self._chunk(h, t_local[r0:r1], r0, r1, out, buf, dh, dw, r1 == n)
             losses.append(loss)
             metrics.append(met)
-        # One finiteness check (host sync) for all chunks: a sync per chunk would idle the GPU
-        # while the next chunk is launched. On a raise, main_grad holds part of this step.
-        raise_on_nonfinite(self.cfg, out.logp, out.ent)
         total = torch.stack(losses).sum()
         return SinglePassResult(total, metrics, out, None if dh is None else dh.finish())
 
-    def _chunk(self, h, t_rows, r0, r1, out: PassRows, buf, dh, dw) -> tuple[Tensor, MetricDict]:
+    def _chunk(
+        self, h, t_rows, r0, r1, out: PassRows, buf, dh, dw, last: bool
+    ) -> tuple[Tensor, MetricDict]:
         """Stats, loss and gradients of rows r0:r1, written into ``out``."""
         head = self.head
         local, shift = self._local_stats(h, t_rows, buf)
@@ -164,6 +163,12 @@ class TokenSinglePass:
         out.g_logp[r0:r1] = g_lp
         if g_ent is not None:
             out.g_ent[r0:r1] = g_ent
+        if last:
+            # One finiteness check (host sync) for all rows, before the last chunk's gradient
+            # GEMMs are queued: the pass's tail then runs on the host while they run (a sync per
+            # chunk would idle the GPU while the next is launched). A raise leaves main_grad
+            # with the earlier chunks' part of this step.
+            raise_on_nonfinite(self.cfg, out.logp, out.ent)
         if head.n_valid == 0:  # all-padded shard: no logits, zero local gradients
             if dh is not None:
                 dh.put(r0, r1, h.new_zeros(h.shape, dtype=torch.float32))
