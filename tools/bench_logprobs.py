@@ -26,10 +26,15 @@ methods support it (the peers are skipped).
 Each of our methods prints the LM-head plan it ran with (``megatron_grpo/ops/plan.py``: path,
 kernels, tiles or single-pass chunks, backward loop order, d_weight mode, memory budget; a short
 label in the tables). fused_grpo's token-ratio path is the plan's choice (single pass when a
-full-width chunk of >= 4096 rows fits the tile and d_weight has an fp32 buffer); ``--fused-path``
+full-width chunk of >= 1024 rows fits the budget, ``ops.plan``); ``--fused-path``
 names one (``fused_single_pass`` / ``fused_tiled``) to measure both at one size (fused_gspo
 ignores it: its plan's path, "fused_tiled"), and ``--memory-budget-gib`` sets the plan's memory
 budget (default 1 GiB: 256 MiB tiles).
+
+Timing: the median of ``--reps`` steps after ``--warmup``, gradient buffers zeroed before each
+step outside the timed region. "x floor" is a method's time over the cuBLAS 3-GEMM floor timed
+right before and right after it (single-GPU runs): the GPU's clock drifts under sustained load
+by several percent within a run, more than the differences measured here.
 
 This file is the harness (CLI, problems, the fp32 reference, measurement, reports); the methods,
 the GEMM floor and the GEMM options are in ``tools/bench_methods.py``.

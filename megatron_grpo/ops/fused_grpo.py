@@ -25,17 +25,20 @@ statistics, so the 1 GiB default budget holds C = 3200 rows of a 152k shard; wit
 [V_local, H] d_weight once per chunk, ``8 V_local H`` bytes against ``6 C V_local H`` GEMM flops,
 so it wins from a few thousand rows. Measured on one H200 (2026-11-23, H = 4096, V = 151936,
 bf16, fp32 ``main_grad``, ``tools/bench_logprobs.py --main-grad``; x = time over the 3-GEMM
-floor, T = 8192 / 32768):
+floor timed around each method, T = 8192 / 32768; docs/benchmarks.md has the runs):
 
-    (a) fused epilogue, C = 3200 (1 GiB)    1.230x / 1.173x  over 0.96 GiB
-    (a) fused epilogue, C = 6464 (2 GiB)    1.210x / 1.173x  over 1.94 GiB
-    (a) fused epilogue, C = 8192/12992 (4 GiB)  1.127x / 1.103x
-    (b) tiled, fused epilogue               1.564x / 1.406x  over 0.38 / 0.42 GiB
-    Megatron's fused CE (same day)          1.264x / 1.283x  over 12.7 / 54 GiB
+    (a) fused epilogue, C = 3200 (1 GiB)    1.14-1.16x / 1.13-1.14x  over 0.96 GiB
+    (a) fused epilogue, C = 6464 (2 GiB)    1.17x / 1.10x (start floor)  over 1.94 GiB
+    (a) fused epilogue, C = 8192/12992 (4 GiB)  1.13x / 1.06x (start floor)
+    (b) tiled, fused epilogue               1.40x / 1.41x  over 0.38 / 0.42 GiB
+    Megatron's fused CE (no main_grad)      1.27x / 1.28x  over 12.7 / 54 GiB
+
+(a) queues every chunk without a host sync (its one finiteness check runs before the last
+chunk's gradient GEMMs): a sync per chunk idled the GPU while the next chunk was launched.
 
 So the automatic threshold is ``ops.plan.SINGLE_PASS_MIN_ROWS["fused_epilogue"] = 1024`` rows.
 Without an fp32 ``main_grad`` (bf16 weight) (a) needs an extra fp32 [V_local, H] d_weight
-(2.3 GiB at V_local = 151936, H = 4096) out of the budget: at 1 GiB (b) runs (1.42x / 1.40x),
+(2.3 GiB at V_local = 151936, H = 4096) out of the budget: at 1 GiB (b) runs (1.48x / 1.42x),
 at 4 GiB (a) runs with C = 5440 (1.235x / 1.171x). The "separate" GEMM keeps the older rule
 (``SINGLE_PASS_MIN_ROWS["separate"] = 4096`` rows of fp32 logits; its measurements:
 ``x = 1.16 + 266 / C`` at TP = 1, and at TP = 4 each chunk's TP all-reduce and host sync made
