@@ -48,10 +48,9 @@ except ImportError:  # the launchers raise a clear error on use
 # accumulator in 8 warps, 64-deep K steps, 4 stages of shared memory (the fastest of
 # ``_configs()`` on an H200, tools/bench_head_gemm.py).
 CONFIG = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
-# The persistent TMA kernel's default: 3 stages, flattened tile loop (warp specialization is an
-# option to measure: tools/bench_head_gemm.py).
-TMA_CONFIG = dict(BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, FLATTEN=True,
-                  WARP_SPECIALIZE=False)  # fmt: skip
+# The persistent TMA kernel's default: 3 stages (faster than 2 or 4 and than 128-deep K steps on
+# an H200; Triton's warp specialization of the tile loop measured no faster: docs/benchmarks.md).
+TMA_CONFIG = dict(BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 STATS_BLOCK_N = CONFIG["BLOCK_N"]  # the vocab block of the stats partials (fixed: see _configs)
 _GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -111,19 +110,14 @@ def _head_gemm_tma_kernel(
     GRAD: tl.constexpr, HAS_ENTROPY: tl.constexpr, STORE_SHIFTED: tl.constexpr,
     DOT_F32: tl.constexpr, NUM_SMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):  # fmt: skip
     """The same GEMM + epilogues, persistent (one program per SM) with TMA loads (Hopper+):
-    the flattened tile loop (FLATTEN) lets the next tile's loads overlap this tile's epilogue;
-    WARP_SPECIALIZE (Triton's automatic warp specialization, not flattened) gives the loads
-    their own warps instead."""
+    the flattened tile loop lets the next tile's loads overlap this tile's epilogue."""
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     per_group = GROUP_M * num_n
-    for tile in tl.range(
-        tl.program_id(0), num_m * num_n, NUM_SMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE
-    ):
+    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_SMS, flatten=True):
         first_m = (tile // per_group) * GROUP_M
         group_m = min(num_m - first_m, GROUP_M)
         pid_m = first_m + (tile % per_group) % group_m
