@@ -240,11 +240,11 @@ def test_single_pass_second_backward_and_no_grad():
     close(lp, expected[2])
 
 
-def rule(n_rows, v_local, hidden, chunk_size=None, extra_accumulator=False, **kw) -> int | None:
-    """Rows per single-pass chunk the plan picks for a bf16 shard with an fp32 main_grad (or,
-    ``extra_accumulator``, without one: d_weight needs an fp32 buffer), None = tiled path."""
-    shape = HeadShape(n_rows, v_local, v_local, hidden, torch.bfloat16,
-                      None if extra_accumulator else torch.float32, "cuda")  # fmt: skip
+def rule(n_rows, v_local, hidden, chunk_size=None, main_grad=torch.float32, **kw) -> int | None:
+    """Rows per single-pass chunk the plan picks for a bf16 shard with a ``main_grad`` of that
+    dtype (None: d_weight summed as bf16 + int8 residual; bf16: in an fp32 buffer), None =
+    tiled path."""
+    shape = HeadShape(n_rows, v_local, v_local, hidden, torch.bfloat16, main_grad, "cuda")
     plan = plan_lm_head(shape, loss=GRPOLossConfig(), impl="torch", chunk_size=chunk_size, **kw)
     assert (plan.path == "fused_single_pass") == (plan.chunk_rows is not None)
     return plan.chunk_rows
@@ -259,17 +259,22 @@ def test_single_pass_default_threshold_follows_the_measurements():
 
 
 def test_single_pass_rule():
-    """The documented rule at V = 151936, H = 4096 (an fp32 main_grad, or an extra fp32
-    d_weight buffer of at most one tile); explicit chunk_size; the threshold; small batches."""
+    """The documented rule at V = 151936, H = 4096 (an fp32 main_grad; without one the int8
+    residual, with a bf16 one an fp32 buffer, of at most one tile); explicit chunk_size; the
+    threshold; small batches."""
     low = dict(single_pass_min_rows=1024)
     tile_rows = {1: 384, 2: 832, 4: 1728, 8: 3520}  # full-width 256 MiB rows, 64-aligned
     for tp, rows in tile_rows.items():
         v_local = 151936 // tp
         assert rows * v_local * 4 <= tiling_mod.TILE_BYTES < (rows + 64) * v_local * 4
         assert rule(8192, v_local, 4096, **low) == (rows if rows >= 1024 else None)
-        assert rule(8192, v_local, 4096, extra_accumulator=True, **low) is None
+        residual_fits = v_local * 4096 <= tiling_mod.TILE_BYTES  # TP >= 4
+        assert rule(8192, v_local, 4096, main_grad=None, **low) == (
+            rows if residual_fits and rows >= 1024 else None
+        )
+        assert rule(8192, v_local, 4096, main_grad=torch.bfloat16, **low) is None
         assert rule(300, v_local, 4096, **low) == (300 if rows >= 300 else None)
-    assert rule(8192, 151936 // 8, 2048, extra_accumulator=True, **low) == 3520
+    assert rule(8192, 151936 // 8, 2048, main_grad=torch.bfloat16, **low) == 3520
     assert rule(8192, 18992, 4096, 2048, **low) == 2048
     assert rule(8192, 18992, 4096, 1000, **low) is None  # below the threshold
     assert rule(8192, 18992, 4096, 4096, **low) is None  # does not fit a tile
@@ -286,14 +291,14 @@ def test_single_pass_rule():
 
 @pytest.mark.parametrize(
     ("w_dtype", "mg_dtype", "weight_grad", "expected"),
-    [(torch.bfloat16, None, True, "tiled"), (torch.bfloat16, torch.bfloat16, True, "tiled"),
+    [(torch.bfloat16, None, True, "single"), (torch.bfloat16, torch.bfloat16, True, "tiled"),
      (torch.bfloat16, torch.float32, True, "single"), (torch.float32, None, True, "single"),
      (torch.bfloat16, None, False, "single")],
 )  # fmt: skip
 def test_rule_picks_path_from_gradient_buffers(w_dtype, mg_dtype, weight_grad, expected):
     """Default threshold and chunking, a budget of one full-width chunk of all loss rows: the
-    single pass runs unless d_weight needs an fp32 buffer (bf16 gradient, no fp32 main_grad)
-    larger than a tile; a frozen weight needs none."""
+    single pass runs unless d_weight needs an fp32 buffer (a bf16 main_grad) larger than a tile;
+    a bf16 gradient's int8 residual fits; a frozen weight needs neither."""
     wide = 3 * H  # 4 * V * wide > 4 * V * N_ROWS: the buffer exceeds the tile
     hidden, weight, _ = make_inputs(T, wide, V, dtype=w_dtype)
     targets, batch = loss_batch(hidden, weight, 1.0)

@@ -26,6 +26,7 @@ from megatron_grpo.ops import (
 )
 from megatron_grpo.ops.plan import (
     ACCUMULATOR_TILES,
+    ACCUMULATORS,
     LOOP_ORDERS,
     PATHS,
     REQUESTS,
@@ -65,7 +66,7 @@ def _plans():
 
 
 def test_plan_is_deterministic_and_explained_by_its_fields():
-    seen = {"path": set(), "loop_order": set(), "weight_grad": set()}
+    seen = {"path": set(), "loop_order": set(), "weight_grad": set(), "accumulator": set()}
     for shape, request, opts, plan in _plans():
         if isinstance(plan, ValueError):  # only an explicit single pass that cannot fit
             assert request == "fused_single_pass" and "memory_budget" in str(plan)
@@ -78,6 +79,7 @@ def test_plan_is_deterministic_and_explained_by_its_fields():
     assert seen["path"] == set(PATHS) - {"megatron"}  # "megatron" only when asked for
     assert seen["loop_order"] == set(LOOP_ORDERS)
     assert seen["weight_grad"] == set(WEIGHT_GRADS)
+    assert seen["accumulator"] == {None, *ACCUMULATORS}
 
 
 def test_sequence_ratio_never_runs_the_single_pass():
@@ -112,15 +114,22 @@ def _check_fields(shape: HeadShape, request: str | None, plan) -> None:
     assert plan.tile_rows * plan.tile_cols * 4 <= max(plan.tile_bytes, 4 * plan.tile_rows)
     assert plan.rows == shape.rows and plan.n_valid == shape.n_valid
     if plan.path != "fused_single_pass":
-        assert plan.chunk_rows is None and not plan.extra_accumulator
+        assert plan.chunk_rows is None and plan.accumulator is None
+        assert plan.accumulator_bytes == 0
         if request is None and shape.rows and (shape.want_dh or shape.want_dw):
             assert plan.reason.startswith("auto: ")
         return
     assert f"{plan.chunk_rows}-row full-width chunks" in text
     assert 1 <= plan.chunk_rows <= shape.rows
     assert plan.chunk_rows * shape.v_local * 4 <= plan.tile_bytes
-    if plan.extra_accumulator:
-        assert 4 * shape.v_local * shape.hidden <= ACCUMULATOR_TILES * plan.tile_bytes
+    kind = {"none": None, "accumulate_fp32": "in_place"}.get(plan.weight_grad)
+    if plan.weight_grad in ("write_tiles", "add_tiles"):  # beyond the gradient: int8 or fp32
+        split = plan.weight_grad == "write_tiles" and shape.dtype == torch.bfloat16
+        kind = "split" if split else "fp32"
+    per_elem = {None: 0, "in_place": 0, "split": 1, "fp32": 4}[kind]
+    assert plan.accumulator == kind
+    assert plan.accumulator_bytes == per_elem * shape.v_local * shape.hidden
+    assert plan.accumulator_bytes <= ACCUMULATOR_TILES * plan.tile_bytes
     if request is None:  # the automatic rule's threshold
         assert plan.chunk_rows >= min(4096, shape.rows)
 
@@ -146,14 +155,18 @@ def test_default_budget_and_the_knob():
     assert wide.path == "fused_single_pass" and wide.chunk_rows == 7040
     # The fused epilogue keeps bf16 shifted logits: 2 bytes + block stats + an fp32 d_hidden a
     # row, so the default budget holds 3200 full-width rows of a 152k shard (>= 1024: single
-    # pass); without an fp32 buffer for d_weight its 2.3 GiB accumulator needs a larger budget.
+    # pass); without an fp32 buffer for d_weight its int8 residual (0.58 GiB) leaves 1344 rows,
+    # a bf16 main_grad's fp32 buffer (2.3 GiB) needs a larger budget.
     full = HeadShape(8192, 151936, 151936, 4096, torch.bfloat16, torch.float32, "cuda")
     epi = dict(loss=cfg, impl="torch", gemm="fused_epilogue")
     plan = plan_lm_head(full, **epi)
     assert (plan.path, plan.chunk_rows) == ("fused_single_pass", 3200)
-    no_main_grad = replace(full, main_grad_dtype=None)
-    assert plan_lm_head(no_main_grad, **epi).path == "fused_tiled"
-    assert plan_lm_head(no_main_grad, memory_budget=4 * GIB, **epi).chunk_rows == 5440
+    no_main_grad = plan_lm_head(replace(full, main_grad_dtype=None), **epi)
+    assert (no_main_grad.path, no_main_grad.chunk_rows) == ("fused_single_pass", 1344)
+    assert no_main_grad.accumulator == "split" and no_main_grad.accumulator_bytes == 151936 * 4096
+    bf16_main_grad = replace(full, main_grad_dtype=torch.bfloat16)
+    assert plan_lm_head(bf16_main_grad, **epi).path == "fused_tiled"
+    assert plan_lm_head(bf16_main_grad, memory_budget=4 * GIB, **epi).chunk_rows == 5440
 
 
 def test_requests_and_errors():

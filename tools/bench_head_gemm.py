@@ -3,9 +3,12 @@
 One GPU, ``h [T, H] @ w[V, H]^T`` in bf16 (T = 8192, H = 4096, V = 151936 by default). For each
 kernel config (``head_gemm._configs()`` plus the default) it times the stats epilogue without and
 with the shifted-logits store and the gradient epilogue, next to cuBLAS writing bf16 and fp32
-logits (``torch.mm``). Ratios are against cuBLAS bf16 in the same run::
+logits (``torch.mm``). Ratios are against cuBLAS bf16 in the same run. Then the single pass's
+d_weight GEMM of one ``--wgrad-rows`` chunk (``dlogits^T [V, C] @ h [C, H]``): the split
+accumulator (``kernels/split_accumulator.py``, a few tile configs) against cuBLAS adding into an
+fp32 buffer (the ``main_grad`` path) and cuBLAS writing bf16 (ratios against the latter)::
 
-    python tools/bench_head_gemm.py [--T 8192] [--out DIR]
+    python tools/bench_head_gemm.py [--T 8192] [--wgrad-rows 1344] [--out DIR]
 """
 
 from __future__ import annotations
@@ -17,7 +20,14 @@ from pathlib import Path
 
 import torch
 import triton
-from megatron_grpo.kernels import head_gemm
+from megatron_grpo.kernels import head_gemm, split_accumulator
+
+from megatron_grpo.ops.gemm import mm_f32
+
+SPLIT_CONFIGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages
+    (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3),
+    (64, 256, 64, 8, 3), (128, 128, 128, 8, 2),
+]  # fmt: skip
 
 
 def _time(fn, reps: int = 10, warmup: int = 3) -> float:
@@ -54,11 +64,53 @@ def _time_kind(res: dict, label: str, h, w, t, lse, g, out16, kind: str | None =
         res[f"error {label}"] = f"{type(e).__name__}: {e}"[:300]
 
 
+def _time_wgrad(args, dev) -> dict:
+    """ms of one chunk's d_weight GEMM, the split accumulator against cuBLAS."""
+    c, v, hd = args.wgrad_rows, args.V, args.H
+    dl = (torch.randn(c, v, device=dev) * 1e-3).to(torch.bfloat16)
+    h = torch.randn(c, hd, device=dev, dtype=torch.bfloat16)
+    hi = torch.empty(v, hd, device=dev, dtype=torch.bfloat16)
+    lo = torch.zeros(v, hd, device=dev, dtype=torch.int8)
+    acc32 = torch.zeros(v, hd, device=dev)
+    res = {
+        "wgrad cublas_bf16": _time(lambda: torch.mm(dl.t(), h, out=hi)),
+        "wgrad cublas_fp32_acc": _time(lambda: mm_f32(dl.t(), h, acc=acc32)),
+    }
+    for bm, bn, bk, warps, stages in SPLIT_CONFIGS:
+        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+        for kind in ("tma", "pointer"):
+            label = f"wgrad split {kind} {bm}x{bn} BK{bk} w{warps} s{stages}"
+            try:
+                split_accumulator.split_acc_addmm(dl, h, hi, lo, True, kind, cfg)
+                res[label] = _time(
+                    lambda k=kind, c=cfg: split_accumulator.split_acc_addmm(
+                        dl, h, hi, lo, False, k, c
+                    )  # fmt: skip
+                )
+            except Exception as e:  # noqa: BLE001 - report and go on
+                res[f"error {label}"] = f"{type(e).__name__}: {e}"[:300]
+    res["wgrad split resolve"] = _time(
+        lambda: split_accumulator.split_acc_resolve(hi, lo, torch.ones(1, device=dev))
+    )
+    return res
+
+
+def _print(res: dict, base_key: str, flops: int) -> None:
+    base = res[base_key]
+    for name, ms in res.items():
+        if isinstance(ms, float):
+            tf = flops / ms / 1e9
+            print(f"{name:44s} {ms:8.3f} ms  {ms / base:5.3f}x {base_key}  {tf:6.0f} TFLOP/s")
+        else:
+            print(f"{name:44s} {ms}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--T", type=int, default=8192)
     ap.add_argument("--H", type=int, default=4096)
     ap.add_argument("--V", type=int, default=151936)
+    ap.add_argument("--wgrad-rows", type=int, default=1344, help="0: skip the d_weight GEMM")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -104,13 +156,12 @@ def main() -> int:
             )
         except (triton.runtime.errors.OutOfResources, RuntimeError) as e:
             res[f"error {label}"] = str(e)[:200]
-    base = res["cublas_bf16"]
-    for name, ms in res.items():
-        if isinstance(ms, float):
-            tf = flops / ms / 1e9
-            print(f"{name:40s} {ms:8.2f} ms  {ms / base:5.3f}x cuBLAS bf16  {tf:6.0f} TFLOP/s")
-        else:
-            print(f"{name:40s} {ms}")
+    _print(res, "cublas_bf16", flops)
+    if args.wgrad_rows:
+        del out32, out16
+        wgrad = _time_wgrad(args, dev)
+        _print(wgrad, "wgrad cublas_bf16", 2 * args.wgrad_rows * args.V * args.H)
+        res.update(wgrad)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     info = {"T": args.T, "H": args.H, "V": args.V, "gpu": torch.cuda.get_device_name()}

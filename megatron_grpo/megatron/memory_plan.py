@@ -279,12 +279,12 @@ def _single_pass_bytes(plan: LMHeadPlan, hidden: int, v_local: int, tp: int) -> 
     """([C, V_local] chunk: fp32 logits, or shifted logits in the GEMM dtype with the fused
     epilogue; buffers) of the fused single pass (``ops.single_pass``): the chunk's fp32 [C, H]
     d_hidden and block statistics, the d_hidden kept for backward (fp32 [T, H] under TP, else
-    in the hidden dtype: the gradient itself) and the plan's extra fp32 [V_local, H] d_weight,
-    if any."""
+    in the hidden dtype: the gradient itself) and what the plan's d_weight accumulator holds
+    beyond the gradient (an int8 residual, an fp32 buffer or nothing)."""
     n, chunk = plan.rows, min(plan.chunk_rows, plan.rows)
     blocks = -(-v_local // STATS_BLOCK)
     other = chunk * hidden * 4 + chunk * blocks * 16 + (n * hidden * 4 if tp > 1 else 0)
-    other += v_local * hidden * 4 if plan.extra_accumulator else 0
+    other += plan.accumulator_bytes
     return chunk * v_local * _size(plan.tile_dtype), other
 
 

@@ -15,13 +15,16 @@ IMPLS = ("auto", "torch", "triton")
 
 class Kernels(NamedTuple):
     """The seam functions (see ``megatron_grpo.ops.reference`` for the contract): softmax
-    statistics and gradient of a logits chunk, and the LM-head GEMM with those as epilogues."""
+    statistics and gradient of a logits chunk, the LM-head GEMM with those as epilogues, and
+    the split (bf16 + int8 residual) d_weight accumulator of the single pass."""
 
     name: str
     logits_row_stats: Callable
     logits_grad: Callable
     head_gemm_stats: Callable
     head_gemm_grad: Callable
+    split_acc_addmm: Callable
+    split_acc_resolve: Callable
 
 
 _NAMES = Kernels._fields[1:]

@@ -165,8 +165,7 @@ class _SinglePassTokenGRPO(torch.autograd.Function):
         total = targets.shape[0]
         idx = None if lctx.num_rows == total else lctx.index
         t_local = local_targets(targets, idx, head)
-        mode = head.plan.weight_grad
-        dw = ForwardWeightGrad(weight, head.n_valid, mode) if call.want_dw else None
+        dw = ForwardWeightGrad(head) if call.want_dw else None
         run = TokenSinglePass(head, lctx, call.cfg, call.need_entropy)
         res = run.run(gather_hidden(hidden, head), idx, t_local, call.want_dh, dw)
         ctx.head, ctx.call = head, call
@@ -200,11 +199,11 @@ def _deliver_weight_grad(ctx, acc: ForwardWeightGrad, scale: Tensor) -> Tensor |
         if bool(scale != 1):  # one host sync; the correction also marks main_grad done
             return _recompute(ctx, scale - 1, want_dh=False, want_dw=True)[1]
         return main_grad_done(weight)
-    grad = acc.acc.mul_(scale)
+    grad = acc.scaled(scale)
     if ctx.head.plan.weight_grad == "add_tiles":  # a low-precision main_grad: rounded once
         weight.main_grad.add_(grad)
         return main_grad_done(weight)
-    return grad.to(weight.dtype)  # the fp32 gradient itself, or rounded once (write_tiles)
+    return grad.to(weight.dtype)  # the gradient itself, or rounded once (write_tiles, "fp32")
 
 
 def fused_grpo_loss(

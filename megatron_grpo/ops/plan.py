@@ -26,6 +26,10 @@ The decisions, each a field of the plan:
   the gradient: an fp32 ``main_grad``, or the fp32 gradient of an fp32 weight), "write_tiles" (a
   new gradient in the weight's dtype: each vocab tile summed in fp32, written once), "add_tiles"
   (a ``main_grad`` that is not fp32: each tile summed in fp32, added once) or "none".
+* ``accumulator`` (single pass only): where the chunks' d_weight sums run: "in_place" (the
+  "accumulate_fp32" buffer), "split" (a bf16 weight's new gradient with an int8 residual,
+  ``kernels.split_accumulator``: fp32-grade sums for 1 byte per element over the gradient) or
+  "fp32" (an extra fp32 [V_local, H] buffer: other dtypes, a low-precision ``main_grad``).
 * ``loop_order`` of the tiled backward: "rows_outer" where d_weight accumulates in place
   ("accumulate_fp32" / "none"), else "vocab_outer" (see ``ops.passes``).
 * chunk sizes: ``tile_rows x tile_cols`` tiles of the tiled passes (fp32 logits, or d logits
@@ -35,16 +39,17 @@ The decisions, each a field of the plan:
 The memory budget (``memory_budget`` bytes, default 1 GiB) is the knob that trades memory for
 speed: one fp32 logits tile gets ``memory_budget / TILE_FRACTION`` (256 MiB by default), the rest
 covers what grows with it (the fp32 d_hidden block / d_weight tile of the tiled backward; on the
-single pass an extra fp32 [V_local, H] d_weight buffer of at most ``ACCUMULATOR_TILES`` tiles).
+single pass the accumulator's bytes beyond the gradient, then the chunks).
 A larger budget means larger tiles (less accumulator traffic, ``8 T V H (1/R + 1/Vc)`` bytes)
 and makes the single pass possible on wider shards; a smaller one less memory. At the default,
 V_local = 151936, H = 4096, bf16, the peak beyond the gradients measured on an H200 is 0.38 GiB
 (T = 8192) and 0.88 GiB (T = 32768 without an fp32 main_grad): within 1 GiB.
 
-The single-pass rule (measurements: ``ops/fused_grpo.py``): a full-width fp32 [C, V_local] chunk
-must fit the tile (C = ``chunk_size``, or as many 64-aligned rows as fit), C >=
-min(``single_pass_min_rows``, rows), and an extra fp32 d_weight buffer ("write_tiles" /
-"add_tiles") must fit ``ACCUMULATOR_TILES`` tiles. It reads only values equal on all TP ranks
+The single-pass rule (measurements: ``ops/fused_grpo.py``): the accumulator's extra bytes
+(:func:`accumulator_bytes`) come out of the budget first (with the "separate" GEMM: they must
+fit ``ACCUMULATOR_TILES`` tiles), a full-width chunk must fit the rest (the fused epilogue: bf16
+shifted logits; "separate": an fp32 [C, V_local] chunk in the tile; C = ``chunk_size``, or as
+many 64-aligned rows as fit), and C >= min(``single_pass_min_rows``, rows). It reads only values equal on all TP ranks
 (V_local, not the rank's valid columns), so every rank takes the same path. An explicit
 ``path="fused_single_pass"`` skips the row threshold but not the memory checks (ValueError).
 Without gradients or loss rows both fused paths are the same stats pass: "fused_tiled" runs.
@@ -68,12 +73,13 @@ GEMMS = ("separate", "fused_epilogue")
 REQUESTS = ("fused", *PATHS)
 WEIGHT_GRADS = ("none", "accumulate_fp32", "write_tiles", "add_tiles")
 LOOP_ORDERS = ("rows_outer", "vocab_outer")
+ACCUMULATORS = ("in_place", "split", "fp32")
 
 TILE_FRACTION = 4  # one fp32 logits tile = memory_budget / TILE_FRACTION
 DEFAULT_MEMORY_BUDGET = TILE_FRACTION * TILE_BYTES  # 1 GiB
 # Smallest full-width chunk worth the single pass (auto), per GEMM mode (ops/fused_grpo.py).
 SINGLE_PASS_MIN_ROWS = {"separate": 4096, "fused_epilogue": 1024}
-ACCUMULATOR_TILES = 1  # the single pass's extra fp32 [V_local, H] d_weight, in tiles
+ACCUMULATOR_TILES = 1  # with the "separate" GEMM: the accumulator's extra bytes, in tiles
 _MIN_BUDGET = TILE_FRACTION * 4  # a tile of one fp32 element
 _GIB, _MIB = 2**30, 2**20
 _SEQUENCE_REASON = (  # why a sequence ratio's automatic request runs "fused_tiled"
@@ -136,15 +142,12 @@ class LMHeadPlan:
     chunk_rows: int | None
     memory_budget: int
     dtype: torch.dtype = torch.float32  # the GEMM dtype (the weight's)
+    accumulator: str | None = None  # the single pass's d_weight sums (module docstring)
+    accumulator_bytes: int = 0  # what that accumulator holds beyond the gradient
 
     @property
     def tile_bytes(self) -> int:
         return self.memory_budget // TILE_FRACTION
-
-    @property
-    def extra_accumulator(self) -> bool:
-        """Whether the single pass keeps an fp32 [V_local, H] d_weight beyond the gradient."""
-        return self.path == "fused_single_pass" and self.weight_grad in ("write_tiles", "add_tiles")
 
     def tiling(self) -> Tiling:
         """The tiles of the tiled passes over ``rows`` x ``n_valid``."""
@@ -170,12 +173,31 @@ class LMHeadPlan:
             parts.append(f"{self.rows} rows in {self.tile_rows} x {self.tile_cols} {what}")
             parts.append(f"backward {self.loop_order.replace('_', ' ')}")
         if self.weight_grad is not None:
-            extra = ", extra fp32 [V_local, H] buffer" if self.extra_accumulator else ""
+            extra = _ACCUMULATOR_WORDS.get(self.accumulator, "")
             parts.append(f"d_weight {self.weight_grad}{extra}")
         budget = f"memory budget {self.memory_budget / _GIB:.3g} GiB"
         return "; ".join(parts + [f"{budget} (tile {self.tile_bytes / _MIB:.4g} MiB)"])
 
     __str__ = describe
+
+
+_ACCUMULATOR_WORDS = {
+    "in_place": " (summed in place)",
+    "split": " (summed as bf16 + int8 residual)",
+    "fp32": " (summed in an extra fp32 [V_local, H] buffer)",
+}
+
+
+def accumulator_of(shape: HeadShape, weight_grad: str) -> tuple[str | None, int]:
+    """(the single pass's d_weight accumulator, its bytes beyond the gradient) for a plan's
+    ``weight_grad`` (module docstring)."""
+    if weight_grad == "none":
+        return None, 0
+    if weight_grad == "accumulate_fp32":
+        return "in_place", 0
+    if weight_grad == "write_tiles" and shape.dtype == torch.bfloat16:
+        return "split", shape.v_local * shape.hidden
+    return "fp32", 4 * shape.v_local * shape.hidden
 
 
 def weight_grad_mode(shape: HeadShape) -> str:
@@ -265,9 +287,12 @@ def plan_lm_head(
             request, reason, shape, weight_grad, chunk_size, budget, gemm_name, min_rows
         )
     loop = "rows_outer" if weight_grad in ("none", "accumulate_fp32") else "vocab_outer"
+    acc, acc_bytes = None, 0
+    if request == "fused_single_pass":
+        acc, acc_bytes = accumulator_of(shape, weight_grad)
     return LMHeadPlan(request, reason, impl_name, gemm_name, weight_grad, loop, shape.rows,
                       shape.n_valid, tiling.rows, tiling.cols, chunk_rows, budget,
-                      shape.dtype)  # fmt: skip
+                      shape.dtype, acc, acc_bytes)  # fmt: skip
 
 
 def resolve_gemm(gemm: str, impl: str) -> str:
@@ -332,18 +357,17 @@ def _epilogue_chunk(
 ) -> tuple[int, str | None]:
     """(rows per full-width chunk, None) when the fused-epilogue single pass fits ``budget``
     bytes, else (rows, why not). Per chunk row it keeps the shifted logits (GEMM dtype), the
-    block statistics and an fp32 d_hidden row; the extra fp32 [V_local, H] d_weight, when
-    there is no fp32 buffer to accumulate into, comes out of the budget first."""
-    extra = 4 * shape.v_local * shape.hidden
-    extra = extra if weight_grad in ("write_tiles", "add_tiles") else 0
+    block statistics and an fp32 d_hidden row; the d_weight accumulator's bytes beyond the
+    gradient (:func:`accumulator_of`) come out of the budget first."""
+    kind, extra = accumulator_of(shape, weight_grad)
     elem = torch.empty((), dtype=shape.dtype).element_size()
     blocks = -(-shape.v_local // STATS_BLOCK)
     per_row = elem * shape.v_local + 16 * blocks + 4 * shape.hidden
     fit = max(budget - extra, 0) // per_row
     rows = round_down(fit, ROW_ALIGN) if chunk_size is None else chunk_size
     if extra and fit < ROW_ALIGN:
-        return rows, (f"its extra fp32 [V_local, H] d_weight ({extra} bytes) leaves no room for "
-                      f"a chunk in the {budget}-byte budget")  # fmt: skip
+        return rows, (f"its {kind} d_weight accumulator ({extra} bytes beyond the gradient) "
+                      f"leaves no room for a chunk in the {budget}-byte budget")  # fmt: skip
     if not 1 <= rows <= fit:
         return rows, (f"a full-width chunk of {max(rows, 1)} x {shape.v_local} "
                       f"({per_row} bytes a row) exceeds the {budget}-byte budget")  # fmt: skip
@@ -360,8 +384,8 @@ def _single_pass_chunk(
     if not 1 <= rows <= fit:
         return rows, (f"a full-width fp32 chunk of {max(rows, 1)} x {shape.v_local} exceeds the "
                       f"{tile}-byte tile")  # fmt: skip
-    extra = 4 * shape.v_local * shape.hidden
-    if weight_grad in ("write_tiles", "add_tiles") and extra > ACCUMULATOR_TILES * tile:
-        return rows, (f"its extra fp32 [V_local, H] d_weight ({extra} bytes) exceeds "
-                      f"{ACCUMULATOR_TILES} tile of {tile} bytes")  # fmt: skip
+    kind, extra = accumulator_of(shape, weight_grad)
+    if extra > ACCUMULATOR_TILES * tile:
+        return rows, (f"its {kind} d_weight accumulator ({extra} bytes beyond the gradient) "
+                      f"exceeds {ACCUMULATOR_TILES} tile of {tile} bytes")  # fmt: skip
     return rows, None

@@ -173,3 +173,42 @@ def head_gemm_grad(
     return logits_grad(
         logits, targets_local, n, inv_temperature, lse, grad_logp, grad_entropy, entropy_pz, out
     )
+
+
+# The split accumulator (``kernels.split_accumulator``): scale(hi) = 2^(e - SPLIT_BITS).
+SPLIT_BITS = 14
+_SPLIT_SLICE_BYTES = 64 * 2**20  # fp32 scratch per slice of rows: bounded, like the kernel's
+
+
+def split_scale(hi: Tensor) -> Tensor:
+    """``2^(e - SPLIT_BITS)`` of fp32 ``hi`` (``2^e`` its power of two, floored to a normal)."""
+    field = (hi.view(torch.int32) & 0x7F800000).clamp(min=(SPLIT_BITS + 1) << 23)
+    return (field - (SPLIT_BITS << 23)).view(torch.float32)
+
+
+def _split_slices(hi: Tensor):
+    step = max(1, _SPLIT_SLICE_BYTES // (4 * max(hi.shape[1], 1)))
+    return (slice(m0, min(m0 + step, hi.shape[0])) for m0 in range(0, hi.shape[0], step))
+
+
+def split_acc_addmm(a: Tensor, b: Tensor, hi: Tensor, lo: Tensor, first: bool) -> None:
+    """``hi, lo <- split(hi + lo * scale(hi) + a^T @ b)`` in place (``kernels.split_accumulator``):
+    a [K, M], b [K, N], hi [M, N] bf16, lo [M, N] int8; ``first``: the pair is only written."""
+    for rows in _split_slices(hi):
+        acc = mm_f32(a[:, rows].t(), b)
+        if not first:
+            old = hi[rows].float()
+            acc += old + lo[rows].float() * split_scale(old)
+        new = acc.to(torch.bfloat16)
+        q = ((acc - new.float()) / split_scale(new.float())).round_().clamp_(-127, 127)
+        hi[rows] = new
+        lo[rows] = q.to(torch.int8)
+
+
+def split_acc_resolve(hi: Tensor, lo: Tensor, scale: Tensor) -> Tensor:
+    """``hi <- round(scale * (hi + lo * scale(hi)))`` in place; ``scale`` a one-element fp32
+    tensor. Returns ``hi``."""
+    for rows in _split_slices(hi):
+        old = hi[rows].float()
+        hi[rows] = ((old + lo[rows].float() * split_scale(old)) * scale).to(hi.dtype)
+    return hi

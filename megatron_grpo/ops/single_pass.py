@@ -51,34 +51,53 @@ def objective_grads(
 
 
 class ForwardWeightGrad:
-    """d_weight of the single pass for grad_output 1, accumulated in fp32 during the forward.
+    """d_weight of the single pass for grad_output 1, summed over the chunks during the forward
+    in the plan's ``accumulator`` (``ops.plan``).
 
-    ``in_main_grad``: straight into an fp32 ``weight.main_grad`` (Megatron's DDP buffer: no
-    [V_local, H] buffer of our own), which then already holds it before backward. Otherwise into
-    ``acc``, an fp32 [V_local, H] buffer (padded rows 0): the fp32 weight's gradient itself, or
-    an extra buffer (``LMHeadPlan.extra_accumulator``) rounded into the gradient in backward.
-    ``mode``: the plan's ``weight_grad``.
+    "in_place": straight into an fp32 ``weight.main_grad`` (Megatron's DDP buffer:
+    ``in_main_grad``, which then already holds it before backward) or the fp32 gradient of an
+    fp32 weight (``acc``). "split": ``acc`` is the bf16 weight's new gradient and ``lo`` its int8
+    residual (``kernels.split_accumulator``). "fp32": ``acc`` is an extra fp32 [V_local, H]
+    buffer rounded into the gradient in backward. Padded vocabulary rows stay 0.
     """
 
-    def __init__(self, weight: Tensor, n_valid: int, mode: str):
-        self.n_valid = n_valid
+    def __init__(self, head: LMHead):
+        weight, self.n_valid, self.kernels = head.weight, head.n_valid, head.kernels
+        self.kind = head.plan.accumulator
         main_grad = main_grad_of(weight)
-        self.in_main_grad = mode == "accumulate_fp32" and main_grad is not None
+        self.in_main_grad = self.kind == "in_place" and main_grad is not None
+        self.lo = None
         if self.in_main_grad:
             self.acc = main_grad
         else:  # every valid row is written by the first chunk's GEMM: no zero fill
-            self.acc = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
-            self.acc[n_valid:].zero_()
+            dtype = torch.bfloat16 if self.kind == "split" else torch.float32
+            self.acc = torch.empty(weight.shape, dtype=dtype, device=weight.device)
+            self.acc[self.n_valid :].zero_()
+            if self.kind == "split":
+                self.lo = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+                self.lo[self.n_valid :].zero_()
         self._started = self.in_main_grad
 
     def add(self, dlogits: Tensor, h: Tensor) -> None:
         """``d_weight[:n_valid] += dlogits^T @ h`` (dlogits [C, n_valid], h [C, H])."""
         dst = self.acc[: self.n_valid]
-        if self._started:
+        if self.lo is not None:
+            self.kernels.split_acc_addmm(dlogits, h, dst, self.lo[: self.n_valid],
+                                         not self._started)  # fmt: skip
+        elif self._started:
             mm_f32(dlogits.t(), h, acc=dst)
         else:
             mm_f32(dlogits.t(), h, out=dst)
-            self._started = True
+        self._started = True
+
+    def scaled(self, scale: Tensor) -> Tensor:
+        """The sum times grad_output ``scale`` (0-dim fp32), rounded once: the "split" pair
+        resolved into the bf16 gradient, else the fp32 buffer scaled in place."""
+        if self.lo is None:
+            return self.acc.mul_(scale)
+        grad = self.kernels.split_acc_resolve(self.acc, self.lo, scale.reshape(1))
+        self.lo = None
+        return grad
 
 
 @dataclass
