@@ -222,10 +222,10 @@ def test_op_working_set_follows_the_tiling(tokens, v_local):
 def test_fused_working_set_follows_the_single_pass_rule():
     """The fused path's buffers are the single pass's exactly where the plan picks it
     (full-width chunk in the plan's tile dtype, the chunk's fp32 [C, H] d_hidden and block
-    statistics, an fp32 [V_local, H] d_weight when there is no fp32 main_grad), else the op's
-    tiled passes; within the memory budget either way."""
-    h, seen = 4096, set()
-    for v_local in (4096, 16384, 37984, 151936):
+    statistics, the int8 [V_local, H] d_weight residual when there is no fp32 main_grad), else
+    the op's tiled passes; within the memory budget either way."""
+    seen = set()  # the int8 residual of a 152k x 16384 shard exceeds the budget: tiled
+    for h, v_local in [(4096, 4096), (4096, 16384), (4096, 37984), (4096, 151936), (16384, 151936)]:
         for tokens in (1000, 4096, 32768):
             for main_grad in (4, None):
                 fused = _ws("fused", tokens, v_local, h, main_grad_bytes=main_grad)
@@ -238,7 +238,7 @@ def test_fused_working_set_follows_the_single_pass_rule():
                     continue
                 chunk = min(plan.chunk_rows, tokens)
                 assert fused.logits == chunk * v_local * plan.tile_dtype.itemsize
-                acc = 0 if main_grad == 4 else v_local * h * 4
+                acc = 0 if main_grad == 4 else v_local * h  # the int8 residual
                 stats = chunk * -(-v_local // STATS_BLOCK) * 16
                 assert fused.other == chunk * h * 4 + stats + acc + ROW_BYTES * tokens
                 assert fused.total - ROW_BYTES * tokens <= DEFAULT_MEMORY_BUDGET
@@ -251,7 +251,7 @@ def test_plan_predicts_the_path_fused_grpo_loss_takes():
     t, h, v = 16, 64, 32
     cases = {  # (main_grad bytes, tile budget) -> path
         (4, 4 * v * t): "Single",
-        (None, 4 * v * t): "Tiled",  # the fp32 [V, H] d_weight would exceed one tile
+        (None, v * t): "Tiled",  # the int8 [V, H] d_weight residual exceeds one tile
         (None, 4 * v * h): "Single",
         (4, 4 * v * t // 2): "Tiled",  # a full-width chunk of all rows does not fit
     }
