@@ -50,8 +50,22 @@ def _scale_of(hi):
     """``2^(e - RESIDUAL_BITS)`` of fp32 values ``hi`` (their exponent field, floored so the
     scale stays a normal fp32 number: zeros and tiny values get the smallest one)."""
     field = hi.to(tl.int32, bitcast=True) & 0x7F800000
-    field = tl.maximum(field, (RESIDUAL_BITS + 1) << 23)
-    return (field - (RESIDUAL_BITS << 23)).to(tl.float32, bitcast=True)
+    field = tl.maximum(field, 15 << 23)  # literals: jit code reads no plain globals (14 = BITS)
+    return (field - (14 << 23)).to(tl.float32, bitcast=True)
+
+
+def _split(acc, old, res, FIRST: tl.constexpr, ROUND: tl.constexpr):
+    """(hi bf16, lo int8) of ``old + res * scale(old) + acc`` (``old``/``res``: the pair as
+    fp32, unread when ``FIRST``)."""
+    if not FIRST:
+        acc += old + res * _scale_of(old)
+    if ROUND:
+        new = round_to(acc, tl.bfloat16)
+    else:
+        new = acc.to(tl.bfloat16).to(tl.float32)
+    q = _rint((acc - new) / _scale_of(new))  # exact: the residual of a rounding, a power of 2
+    q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+    return new.to(tl.bfloat16), q.to(tl.int8)
 
 
 def _split_epilogue(acc, pid_m, pid_n, M, N, hi_ptr, lo_ptr, stride, FIRST: tl.constexpr,
@@ -61,18 +75,14 @@ def _split_epilogue(acc, pid_m, pid_n, M, N, hi_ptr, lo_ptr, stride, FIRST: tl.c
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     at = offs_m.to(tl.int64)[:, None] * stride + offs_n[None, :]
+    old = acc
+    res = acc
     if not FIRST:
         old = tl.load(hi_ptr + at, mask=ok, other=0.0).to(tl.float32)
         res = tl.load(lo_ptr + at, mask=ok, other=0).to(tl.float32)
-        acc += old + res * _scale_of(old)
-    if ROUND:
-        new = round_to(acc, tl.bfloat16)
-    else:
-        new = acc.to(tl.bfloat16).to(tl.float32)
-    q = _rint((acc - new) / _scale_of(new))  # exact: the residual of a rounding, a power of 2
-    q = tl.minimum(tl.maximum(q, -127.0), 127.0)
-    tl.store(hi_ptr + at, new.to(tl.bfloat16), mask=ok)
-    tl.store(lo_ptr + at, q.to(tl.int8), mask=ok)
+    hi, lo = _split(acc, old, res, FIRST, ROUND)
+    tl.store(hi_ptr + at, hi, mask=ok)
+    tl.store(lo_ptr + at, lo, mask=ok)
 
 
 def _rint(x):
@@ -109,10 +119,11 @@ def _addmm_kernel(a_ptr, b_ptr, hi_ptr, lo_ptr, M, N, K, stride_a, stride_b, str
                     BLOCK_N)  # fmt: skip
 
 
-def _addmm_tma_kernel(a_desc, b_desc, hi_ptr, lo_ptr, M, N, K, stride_o, FIRST: tl.constexpr,
+def _addmm_tma_kernel(a_desc, b_desc, hi_desc, lo_desc, M, N, K, FIRST: tl.constexpr,
                       DOT_F32: tl.constexpr, NUM_SMS: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """Persistent (one program per SM), TMA loads; N blocks of one M block are consecutive."""
+    """Persistent (one program per SM), TMA loads and stores (the pair's tiles too: no
+    per-element pointers in registers); N blocks of one M block are consecutive."""
     num_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * num_n, NUM_SMS, flatten=True):
@@ -126,8 +137,15 @@ def _addmm_tma_kernel(a_desc, b_desc, hi_ptr, lo_ptr, M, N, K, stride_o, FIRST: 
                 acc = tl.dot(a.to(tl.float32).T, b.to(tl.float32), acc, input_precision="ieee")
             else:
                 acc = tl.dot(a.T, b, acc)
-        _split_epilogue(acc, pid_m, pid_n, M, N, hi_ptr, lo_ptr, stride_o, FIRST, DOT_F32,
-                        BLOCK_M, BLOCK_N)  # fmt: skip
+        at = [pid_m * BLOCK_M, pid_n * BLOCK_N]  # TMA clips the stores at the edges
+        old = acc
+        res = acc
+        if not FIRST:
+            old = hi_desc.load(at).to(tl.float32)
+            res = lo_desc.load(at).to(tl.float32)
+        hi, lo = _split(acc, old, res, FIRST, DOT_F32)
+        hi_desc.store(at, hi)
+        lo_desc.store(at, lo)
 
 
 def _resolve_kernel(hi_ptr, lo_ptr, scale_ptr, n, ROUND: tl.constexpr, BLOCK: tl.constexpr):
@@ -143,6 +161,7 @@ def _resolve_kernel(hi_ptr, lo_ptr, scale_ptr, n, ROUND: tl.constexpr, BLOCK: tl
 if triton is not None:  # helpers are jitted at import, like _rounding.round_to
     _scale_of = triton.jit(_scale_of)
     _rint = triton.jit(_rint)
+    _split = triton.jit(_split)
     _split_epilogue = triton.jit(_split_epilogue)
 
 
@@ -153,18 +172,19 @@ def _build(name: str):
     return triton.jit(fn)
 
 
-def kernel_kind(a: torch.Tensor, b: torch.Tensor, kernel: str | None = None) -> str:
+def kernel_kind(tensors: tuple[torch.Tensor, ...], kernel: str | None = None) -> str:
     """Which kernel runs (one place): ``kernel`` when given, else "tma" on Hopper and newer
-    GPUs when both operands' rows are 16-byte aligned, else "pointer"."""
+    GPUs when the rows of all ``tensors`` (a, b, hi, lo) are 16-byte aligned, else "pointer"."""
     if kernel is not None:
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS} or None, got {kernel!r}")
         return kernel
-    if interpret_mode() or a.device.type != "cuda":
+    dev = tensors[0].device
+    if interpret_mode() or dev.type != "cuda":
         return "pointer"
     aligned = all(x.data_ptr() % 16 == 0 and x.stride(0) * x.element_size() % 16 == 0
-                  for x in (a, b))  # fmt: skip
-    return "tma" if aligned and torch.cuda.get_device_capability(a.device)[0] >= 9 else "pointer"
+                  for x in tensors)  # fmt: skip
+    return "tma" if aligned and torch.cuda.get_device_capability(dev)[0] >= 9 else "pointer"
 
 
 def check_pair(hi: torch.Tensor, lo: torch.Tensor) -> None:
@@ -218,7 +238,7 @@ def split_acc_addmm(
     cfg = {**CONFIG, **(config or {})}
     dot_f32 = interpret_mode() or a.dtype == torch.float32
     tiles = triton.cdiv(m_rows, cfg["BLOCK_M"]) * triton.cdiv(n_cols, cfg["BLOCK_N"])
-    if kernel_kind(a, b, kernel) == "pointer":
+    if kernel_kind((a, b, hi, lo), kernel) == "pointer":
         _build("pointer")[(tiles,)](
             a, b, hi, lo, m_rows, n_cols, k_dim, a.stride(0), b.stride(0), hi.stride(0),
             FIRST=first, DOT_F32=dot_f32, **cfg,
@@ -228,10 +248,12 @@ def split_acc_addmm(
 
     a_desc = TensorDescriptor.from_tensor(a, [cfg["BLOCK_K"], cfg["BLOCK_M"]])
     b_desc = TensorDescriptor.from_tensor(b, [cfg["BLOCK_K"], cfg["BLOCK_N"]])
+    hi_desc, lo_desc = (TensorDescriptor.from_tensor(x, [cfg["BLOCK_M"], cfg["BLOCK_N"]])
+                        for x in (hi, lo))  # fmt: skip
     on_gpu = a.device.type == "cuda"
     sms = torch.cuda.get_device_properties(a.device).multi_processor_count if on_gpu else 4
     _build("tma")[(min(sms, tiles),)](
-        a_desc, b_desc, hi, lo, m_rows, n_cols, k_dim, hi.stride(0), FIRST=first,
+        a_desc, b_desc, hi_desc, lo_desc, m_rows, n_cols, k_dim, FIRST=first,
         DOT_F32=dot_f32, NUM_SMS=sms, **cfg,
     )  # fmt: skip
 
