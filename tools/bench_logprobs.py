@@ -36,22 +36,20 @@ step outside the timed region. "x floor" is a method's time over the cuBLAS 3-GE
 right before and right after it (single-GPU runs): the GPU's clock drifts under sustained load
 by several percent within a run, more than the differences measured here.
 
-This file is the harness (CLI, problems, the fp32 reference, measurement, reports); the methods,
-the GEMM floor and the GEMM options are in ``tools/bench_methods.py``.
+This file is the harness (CLI, problems, the fp32 reference, measurement); the methods, the GEMM
+floor and the GEMM options are in ``tools/bench_methods.py``, the targets, the tables and the JSON
+in ``tools/bench_report.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 from datetime import timedelta
 from pathlib import Path
 
-TARGETS = {"fused_ratio": 1.10, "op_ratio": 1.40, "over_grads_gib": 0.5, "logp": 1e-4, "grad": 2e-3}
-TP_TARGETS = {2: 0.97, 4: 0.93}
 SINGLE = ["floor", "torch", "triton", "torch_entropy", "triton_entropy", "fused_grpo",
           "unfused_grpo", "fused_gspo", "unfused_gspo", "megatron_fused_ce", "cce_exact",
           "cce"]  # fmt: skip
@@ -131,6 +129,15 @@ from bench_methods import (  # noqa: E402
     rel_err,
     sync,
     weight_grad,
+)
+from bench_report import (  # noqa: E402
+    annotate,
+    print_row,
+    print_summary,
+    print_tp,
+    run_info,
+    write_single,
+    write_tp,
 )
 
 from megatron_grpo.loss import grpo_loss  # noqa: E402
@@ -285,7 +292,7 @@ def run_single(args, dev, methods: list[str]) -> dict:
         floor_fn = None
         if "floor" in methods:
             res["floor"] = floor_ms(p.h, p.w, args, dev)
-            _print_row(T, "floor", res["floor"], None)
+            print_row(T, "floor", res["floor"], None)
             if dev.type == "cuda":
                 floor_fn = functools.partial(_floor_probe, p, args, dev)
         for objective in ("logp", "logp_entropy", *LOSSES):
@@ -295,86 +302,20 @@ def run_single(args, dev, methods: list[str]) -> dict:
             ref = reference(p, objective, logp_ref, ent_ref, ref_chunk)
             for name in names:
                 res[name] = run_method(name, p, ref, args, dev, floor_fn=floor_fn)
-                _print_row(T, name, res[name], res.get("floor"))
+                print_row(T, name, res[name], res.get("floor"))
             del ref
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
         if "gemm_options" in methods:
             res["gemm_options"] = gemm_options(p, args, dev)
         del p, logp_ref, ent_ref
-    _annotate(results)
+    annotate(results)
     return results
 
 
 def _floor_probe(p: Problem, args, dev) -> float:
     """The floor's ms now (3 timed reps after 1 warm-up)."""
     return floor_ms(p.h, p.w, argparse.Namespace(reps=3, warmup=1), dev)["ms"]
-
-
-def _annotate(results: dict) -> None:
-    """Ratio to the floor and the issue's targets (PASS / MISS by how much)."""
-    for res in results.values():
-        run_floor = res.get("floor", {}).get("ms")
-        for name, r in res.items():
-            if name in ("floor", "gemm_options") or "ms" not in r:
-                continue
-            checks = []
-            floor = r.get("floor_ms", run_floor)  # the floor timed around this method
-            if floor:
-                r["x_floor"] = r["ms"] / floor
-                lim = TARGETS["fused_ratio"] if name.startswith("fused") else TARGETS["op_ratio"]
-                if name in ("triton", "torch", "fused_grpo", "triton_entropy"):
-                    checks.append(("x_floor", r["x_floor"], lim))
-            if name in ("triton", "fused_grpo", "triton_entropy", "torch"):
-                checks += [("over_grads_gib", r.get("over_grads_gib"), TARGETS["over_grads_gib"]),
-                           ("logp_max_abs", r.get("logp_max_abs"), TARGETS["logp"]),
-                           ("dh_rel", r.get("dh_rel"), TARGETS["grad"]),
-                           ("dw_rel", r.get("dw_rel"), TARGETS["grad"])]  # fmt: skip
-            r["targets"] = {
-                k: ("PASS" if v <= lim else f"MISS by {v / lim:.2f}x") + f" ({v:.3g} vs {lim:g})"
-                for k, v, lim in checks
-                if v is not None
-            }
-
-
-def _fmt(v, spec=".3g") -> str:
-    return "-" if v is None else format(v, spec)
-
-
-def _print_row(T, name: str, r: dict, floor: dict | None) -> None:
-    if "error" in r:
-        print(f"T={T:<6} {name:<20} ERROR {r['error']}", flush=True)
-        return
-    base = r.get("floor_ms", floor.get("ms") if floor else None)
-    x = r["ms"] / base if base else None
-    print(
-        f"T={T:<6} {name:<20} {r['ms']:9.2f} ms  x{_fmt(x, '.3f'):>6}  "
-        f"peak {_fmt(r.get('peak_extra_gib'), '.2f'):>6} GiB (over grads "
-        f"{_fmt(r.get('over_grads_gib'), '.2f')})  logp {_fmt(r.get('logp_max_abs'))}  "
-        f"dh {_fmt(r.get('dh_rel'))}  dw {_fmt(r.get('dw_rel'))}"
-        + (f"  [{r['path']}]" if "path" in r else ""),
-        flush=True,
-    )
-    if "plan" in r:
-        print(f"{'':<28}plan: {r['plan']}", flush=True)
-
-
-def _print_summary(results: dict, main_grad: bool) -> None:
-    counted = "h.grad; fp32 w.main_grad preallocated" if main_grad else "h.grad + w.grad"
-    print("\n== summary (ms fwd+bwd; x floor; peak extra GiB incl. grads; errors vs fp32 ref)")
-    print(f"== gradients counted in 'over grads': {counted}")
-    for T, res in results.items():
-        for name, r in res.items():
-            if name != "gemm_options":
-                _print_row(T, name, r, res.get("floor"))
-                for k, v in r.get("targets", {}).items():
-                    print(f"{'':<28}target {k}: {v}")
-        for name, r in res.get("gemm_options", {}).items():
-            line = (
-                r.get("error")
-                or f"{r['ms']:8.3f} ms {r['tflops']:6.0f} TF/s  rel_err {r['rel_err']:.2e}"
-            )
-            print(f"T={T:<6} gemm {name:<48} {line}")
 
 
 # ----------------------------------------------------------------------------- tensor parallel
@@ -432,54 +373,7 @@ def run_tp(args, dev, methods: list[str]) -> list[dict]:
     return [r for rank_rows in gathered for r in rank_rows]
 
 
-_CMP_KEYS = ("logp_vs_tp1", "dh_vs_tp1", "dw_vs_tp1")
-
-
-def _print_tp(rows: list[dict]) -> None:
-    print(f"{'T':>6} {'TP':>3} {'method':<16} {'TP1 ms':>9} {'per-GPU ms':>11} {'TP1/TP':>8} "
-          f"{'eff (min rank)':>14}  target  logp/dh/dw vs TP1")  # fmt: skip
-    keys = sorted({(r["T"], r["method"]) for r in rows}, key=lambda k: (k[0], k[1]))
-    for T, name in keys:
-        rs = [r for r in rows if r["T"] == T and r["method"] == name]
-        errs = [r["tpn"].get("error") or r["tp1"].get("error") for r in rs]
-        if any(errs):
-            print(f"{T:>6} {rs[0]['tp']:>3} {name:<16} ERROR {next(e for e in errs if e)}")
-            continue
-        tp = rs[0]["tp"]
-        ms1 = max(r["tp1"]["ms"] for r in rs)
-        msn = max(r["tpn"]["ms"] for r in rs)  # a TP step is as slow as its slowest rank
-        eff = ms1 / tp / msn
-        lim = TP_TARGETS.get(tp)
-        verdict = "-" if lim is None else ("PASS" if eff >= lim else f"MISS({lim:.0%})")
-        cmp = [max(r["tpn"].get(k, -1.0) for r in rs) for k in _CMP_KEYS]
-        path = rs[0]["tpn"].get("path")
-        paths = "" if path is None else f"  [TP1 {rs[0]['tp1']['path']}; TP{tp} {path}]"
-        print(f"{T:>6} {tp:>3} {name:<16} {ms1:9.2f} {msn:11.2f} {ms1 / tp:8.2f} {eff:14.1%}  "
-              f"{verdict:<6}  {'/'.join('-' if c < 0 else f'{c:.2g}' for c in cmp)}{paths}")  # fmt: skip
-
-
 # ----------------------------------------------------------------------------- main
-
-
-def _info(args, dev) -> dict:
-    info = {"args": vars(args), "torch": torch.__version__, "device": str(dev)}
-    if dev.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name()
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
-    return info
-
-
-def _jsonable(obj):
-    if isinstance(obj, dict):
-        return {k: _jsonable(v) for k, v in obj.items() if not k.startswith("_")}
-    if isinstance(obj, list):
-        return [_jsonable(v) for v in obj]
-    return obj
 
 
 def main() -> int:
@@ -510,19 +404,17 @@ def main() -> int:
         dist.init_process_group(backend, rank=0, world_size=1)
     world, rank = dist.get_world_size(), dist.get_rank()
     SOLO_GROUP.append([dist.new_group([r]) for r in range(world)][rank])
-    info = _info(args, dev)
+    info = run_info(args, dev)
     tag = "-".join(map(str, args.T)) + ("_main_grad" if args.main_grad else "")
     if args.tp:
         rows = run_tp(args, dev, methods)
         if rank == 0:
-            _print_tp(rows)
-            doc = {"info": info, "tp_targets": TP_TARGETS, "rows": _jsonable(rows)}
-            (out / f"bench_tp{world}_T{tag}.json").write_text(json.dumps(doc, indent=1))
+            print_tp(rows)
+            write_tp(out / f"bench_tp{world}_T{tag}.json", info, rows)
     else:
         results = run_single(args, dev, methods)
-        _print_summary(results, args.main_grad)
-        doc = {"info": info, "targets": TARGETS, "results": _jsonable(results)}
-        (out / f"bench_single_T{tag}.json").write_text(json.dumps(doc, indent=1))
+        print_summary(results, args.main_grad)
+        write_single(out / f"bench_single_T{tag}.json", info, results)
     dist.barrier()
     dist.destroy_process_group()
     return 0
