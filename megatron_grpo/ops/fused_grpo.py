@@ -9,8 +9,9 @@ explicitly, :func:`fused_grpo_loss_plan` shows it); (a) serves ratio_level "toke
     the fused-epilogue GEMM, or fp32 logits), row stats, TP combine of those rows,
     logp / entropy, ``loss.math.objective`` on the chunk under autograd (metrics merged),
     d logits in place, ``dh_chunk = dlogits @ W`` (fp32, TP-reduced at the end) and
-    ``d_weight += dlogits^T @ h`` into an fp32 ``main_grad`` when there is one, else into an fp32
-    [V_local, H] buffer. Backward only scales by grad_output (see "grad_output" below).
+    ``d_weight += dlogits^T @ h`` into an fp32 ``main_grad`` when there is one, else into the
+    plan's accumulator (a bf16 weight's gradient + int8 residual, or an fp32 buffer). Backward
+    only scales by grad_output (see "grad_output" below).
 (b) tiled recompute, 4 GEMMs: the op's tiled stats pass over the loss rows
     (:func:`ops.passes.forward_stats`), the objective of all rows at once (d loss / d logp,
     d loss / d entropy by autograd: ``single_pass.objective_grads``), and in backward the op's
@@ -37,9 +38,15 @@ floor timed around each method, T = 8192 / 32768; docs/benchmarks.md has the run
 chunk's gradient GEMMs): a sync per chunk idled the GPU while the next chunk was launched.
 
 So the automatic threshold is ``ops.plan.SINGLE_PASS_MIN_ROWS["fused_epilogue"] = 1024`` rows.
-Without an fp32 ``main_grad`` (bf16 weight) (a) needs an extra fp32 [V_local, H] d_weight
-(2.3 GiB at V_local = 151936, H = 4096) out of the budget: at 1 GiB (b) runs (1.48x / 1.42x),
-at 4 GiB (a) runs with C = 5440 (1.235x / 1.171x). The "separate" GEMM keeps the older rule
+Without an fp32 ``main_grad`` (bf16 weight) (a) sums d_weight in the bf16 gradient itself
+plus an int8 [V_local, H] residual (``kernels.split_accumulator``: fp32-grade sums, the gradient
+rounded once; 0.58 GiB at V_local = 151936, H = 4096), so the 1 GiB budget holds C = 1344-row
+chunks, each adding one read + write of 3 bytes a weight element (the fp32 ``main_grad``: 8) to
+its d_weight GEMM. Before it, that case needed an extra fp32 buffer (2.3 GiB): (b) ran at 1 GiB
+(1.48x / 1.42x), (a) at 4 GiB with C = 5440 (1.235x / 1.171x). The split accumulator has not
+been timed on a GPU yet (none was lent the session it landed); it compiles for sm_90 without
+spills (tests/test_kernels_compile.py). A bf16 ``main_grad`` still needs the fp32 buffer. The
+"separate" GEMM keeps the older rule
 (``SINGLE_PASS_MIN_ROWS["separate"] = 4096`` rows of fp32 logits; its measurements:
 ``x = 1.16 + 266 / C`` at TP = 1, and at TP = 4 each chunk's TP all-reduce and host sync made
 C = 1728 slower than (b)). Without gradients (no_grad / frozen) (b)'s stats pass runs. A larger

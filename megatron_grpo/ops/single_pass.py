@@ -8,7 +8,8 @@ Per full-width row chunk of the loss's valid rows: logits ``[C, n_valid]`` (plan
 (kernel seam) -> TP combine of those rows -> logp / entropy -> ``loss.math.objective`` of the
 chunk under autograd (d loss / d logp, d loss / d entropy) -> d logits (kernel seam, in place in
 the GEMM dtype) -> ``dh_chunk = dlogits @ W`` and ``d_weight += dlogits^T @ h``, both with fp32
-accumulation. The gradients are those of grad_output 1; the autograd Function in
+accumulation, d_weight summed over the chunks in the plan's accumulator (``ForwardWeightGrad``).
+The gradients are those of grad_output 1; the autograd Function in
 :mod:`megatron_grpo.ops.fused_grpo` applies the real grad_output in backward. Why and when this
 beats the tiled path: see that module's docstring.
 """
