@@ -401,6 +401,18 @@ def _gpu_run(path, cfg, hidden, weight, targets, batch, gemm="auto"):
     return loss.detach(), h.grad, w.main_grad, torch.cuda.max_memory_allocated() - base
 
 
+def fp64_grads(cfg, hidden, weight, targets, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 (d_hidden, d_weight) of grpo_loss over the full logits (ground truth)."""
+    z = (hidden.double() @ weight.double().t()).requires_grad_()
+    lp64 = z.log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
+    ent64 = -(z.softmax(-1) * z.log_softmax(-1)).sum(-1)
+    rows = batch["loss_mask"]
+    loss64, _ = grpo_loss(cfg, logprobs=torch.where(rows, lp64, 0.0),
+                          entropy=torch.where(rows, ent64, 0.0), **batch)  # fmt: skip
+    loss64.backward()
+    return z.grad @ weight.double(), z.grad.t() @ hidden.double()
+
+
 def _host_syncs(fn) -> list[str]:
     """The synchronizing CUDA calls ``fn()`` makes (torch's sync debug mode warns once per
     call), as the ``file:line`` that made each."""
@@ -464,14 +476,7 @@ def test_gpu_single_pass_accuracy_and_memory(gemm):
     assert single[3] <= bound, (single[3] / 2**20, bound / 2**20)
     close(single[0], tiled[0], rtol=1e-5, atol=1e-6)
 
-    z = (hidden.double() @ weight.double().t()).requires_grad_()
-    lp64 = z.log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
-    ent64 = -(z.softmax(-1) * z.log_softmax(-1)).sum(-1)
-    rows = batch["loss_mask"]
-    loss64, _ = grpo_loss(cfg, logprobs=torch.where(rows, lp64, 0.0),
-                          entropy=torch.where(rows, ent64, 0.0), **batch)  # fmt: skip
-    loss64.backward()
-    dh64, dw64 = z.grad @ weight.double(), z.grad.t() @ hidden.double()
+    dh64, dw64 = fp64_grads(cfg, hidden, weight, targets, batch)
 
     def rel(x, ref):
         return ((x.double() - ref).norm() / ref.norm()).item()

@@ -237,8 +237,7 @@ def test_gpu_single_pass_without_main_grad():
     """The TP = 8 shard of a 151936 vocabulary, bf16 weight, no main_grad, a budget of several
     chunks: the single pass runs with the split accumulator, its d_weight error against fp64
     is within the tiled path's (one fp32 sum per tile, rounded once)."""
-    from megatron_grpo.loss import grpo_loss
-    from tests.test_fused_grpo import CONFIGS, _gpu_problem
+    from tests.test_fused_grpo import CONFIGS, _gpu_problem, fp64_grads
 
     t, h, v = 4096, 1024, 18992
     cfg = GRPOLossConfig(**CONFIGS["token_full"])
@@ -253,14 +252,7 @@ def test_gpu_single_pass_without_main_grad():
         grads[path] = (plan, hh.grad, ww.grad)
     plan = grads["fused_single_pass"][0]
     assert plan.accumulator == "split" and plan.chunk_rows == 576, str(plan)
-    z = (hidden.double() @ weight.double().t()).requires_grad_()
-    lp64 = z.log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
-    ent64 = -(z.softmax(-1) * z.log_softmax(-1)).sum(-1)
-    rows = batch["loss_mask"]
-    loss64, _ = grpo_loss(cfg, logprobs=torch.where(rows, lp64, 0.0),
-                          entropy=torch.where(rows, ent64, 0.0), **batch)  # fmt: skip
-    loss64.backward()
-    dh64, dw64 = z.grad @ weight.double(), z.grad.t() @ hidden.double()
+    dh64, dw64 = fp64_grads(cfg, hidden, weight, targets, batch)
     errs = {p: (_rel(g[1], dh64), _rel(g[2], dw64)) for p, g in grads.items()}
     print(f"(dh, dw) rel err {errs}")
     for single, tiled in zip(errs["fused_single_pass"], errs["fused_tiled"], strict=True):
