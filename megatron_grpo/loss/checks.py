@@ -1,6 +1,17 @@
-"""Input validation for the loss: errors name the offending tensor or argument."""
+"""Input validation for the loss: errors name the offending tensor or argument.
+
+A check of tensor *values* reads them on the host, which on a GPU waits for the GPU to drain.
+So value checks are also written as a :class:`DeviceCheck` (a device-side count of violations):
+a caller fetches all of them with :func:`fetch` in one copy, and only a failed check re-runs its
+host-side version, for the exact error.
+"""
 
 from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -8,6 +19,31 @@ from torch import Tensor
 from megatron_grpo.loss.config import GRPOLossConfig
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class DeviceCheck:
+    """A value check still on the device: ``bad`` an integer scalar tensor (0 = passed),
+    ``explain()`` the host-side check, which raises the error (run only on a failure)."""
+
+    bad: Tensor
+    explain: Callable[[], None]
+
+
+# a caller's check of its inputs at the valid rows (bool [T]) of the loss
+RowCheck = Callable[[Tensor], DeviceCheck]
+
+
+def fetch(found: Sequence[DeviceCheck], *values: Tensor) -> list[int]:
+    """The one host sync: every check's count and ``values`` (integer scalars on one device) in
+    one copy. Raises the first failed check's error, else returns ``values`` as ints."""
+    device = values[0].device
+    out = torch.stack([x.to(device) for x in (*(c.bad for c in found), *values)]).tolist()
+    for check, bad in zip(found, out[: len(found)], strict=True):
+        if bad:
+            check.explain()
+            raise RuntimeError(f"{check.explain} passed where its device-side count did not")
+    return out[len(found) :]
 
 
 def check_config(cfg: object) -> GRPOLossConfig:
@@ -75,6 +111,21 @@ def check_denominator(denominator: float | Tensor | None) -> None:
         raise ValueError(f"denominator must be a finite count > 0, got {value}")
 
 
+def denominator_checks(
+    denominator: float | Tensor | None, device: torch.device
+) -> list[DeviceCheck]:
+    """:func:`check_denominator`, with the value of a tensor on ``device`` left to the caller's
+    :func:`fetch` (reading it now would sync); returns the deferred checks."""
+    if not (isinstance(denominator, Tensor) and denominator.device == device):
+        check_denominator(denominator)
+        return []
+    if denominator.numel() != 1:
+        check_denominator(denominator)  # raises its shape error
+    d = denominator.detach().reshape(())
+    bad = ((d > 0) & (d != math.inf)).logical_not().long()
+    return [DeviceCheck(bad, partial(check_denominator, denominator))]
+
+
 def nonfinite_rows(named: dict[str, Tensor], valid: Tensor, raise_: bool) -> Tensor:
     """Bool mask of ``valid`` positions where any tensor of ``named`` is non-finite.
 
@@ -95,3 +146,9 @@ def nonfinite_rows(named: dict[str, Tensor], valid: Tensor, raise_: bool) -> Ten
     for b in bad.values():
         out |= b
     return out
+
+
+def nonfinite_check(named: dict[str, Tensor], valid: Tensor) -> DeviceCheck:
+    """``nonfinite_rows(named, valid, raise_=True)`` as a count for the caller's :func:`fetch`."""
+    bad = torch.stack([(valid & ~torch.isfinite(x)).sum() for x in named.values()]).sum()
+    return DeviceCheck(bad, partial(nonfinite_rows, named, valid, True))

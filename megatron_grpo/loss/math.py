@@ -66,6 +66,7 @@ but stays in a ``denominator=None`` count, which is fixed before the policy forw
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -75,7 +76,7 @@ from torch import Tensor
 from megatron_grpo.loss import checks
 from megatron_grpo.loss.config import GRPOLossConfig
 from megatron_grpo.loss.metrics import MaxMetric, MeanMetric, MetricDict, MinMetric, SumMetric
-from megatron_grpo.loss.segments import check_cu_seqlens, segment_ids, segment_sum
+from megatron_grpo.loss.segments import cu_seqlens_checks, segment_ids, segment_sum
 
 
 @dataclass
@@ -220,7 +221,10 @@ def agg_coefficients(
         else:
             count = seq_len.sum()  # CP-global per-sequence counts sum to the token count
         denominator = count.clamp(min=1.0)
-    denom = torch.as_tensor(denominator, dtype=torch.float32, device=inv_len.device)
+    if isinstance(denominator, Tensor) and denominator.device == inv_len.device:
+        denom = denominator.to(torch.float32)
+    else:  # a host number: filled on the device (a host-to-device copy would sync the stream)
+        denom = torch.full((), float(denominator), dtype=torch.float32, device=inv_len.device)
     if cfg.loss_agg == "seq_mean_token_mean":
         return inv_len / denom
     if cfg.loss_agg == "seq_mean_token_sum_norm":
@@ -228,13 +232,34 @@ def agg_coefficients(
     return torch.ones_like(inv_len) / denom
 
 
+def _input_checks(
+    cfg: GRPOLossConfig, loss_mask: Tensor, cu_seqlens: Tensor, named: dict[str, Tensor],
+    denominator: float | Tensor | None,
+) -> list[checks.DeviceCheck]:  # fmt: skip
+    """Checks what the host sees now (types, shapes, devices, options); the value checks that
+    would read the device are returned, for the one fetch."""
+    checks.check_mask(loss_mask)
+    total, device = loss_mask.numel(), loss_mask.device
+    for name, x in named.items():
+        checks.check_float(name, x, total, device)
+    found = cu_seqlens_checks(cu_seqlens, total, device)
+    checks.check_required(cfg, named.get("ref_logprobs"), named.get("rollout_logprobs"))
+    return found + checks.denominator_checks(denominator, device)
+
+
 def _valid_rows(cfg: GRPOLossConfig, loss_mask: Tensor, named: dict[str, Tensor]):
-    """Valid positions after the non-finite policy; returns (valid [T], metrics)."""
-    raise_ = cfg.nonfinite == "raise"
-    bad = checks.nonfinite_rows(named, loss_mask, raise_)
-    if raise_:
-        return loss_mask, {}
-    return loss_mask & ~bad, {"loss/nonfinite_count": SumMetric(bad.sum().float())}
+    """Valid positions after the non-finite policy: (valid [T], metrics, its deferred checks)."""
+    if cfg.nonfinite == "raise":
+        return loss_mask, {}, [checks.nonfinite_check(named, loss_mask)]
+    bad = checks.nonfinite_rows(named, loss_mask, raise_=False)
+    return loss_mask & ~bad, {"loss/nonfinite_count": SumMetric(bad.sum().float())}, []
+
+
+def true_positions(mask: Tensor, n: int) -> Tensor:
+    """``mask.nonzero().squeeze(1)`` of a bool ``[T]`` mask with ``n`` True entries, without its
+    host sync (the output size is known): the k-th True is where the running count reaches k."""
+    want = torch.arange(1, n + 1, device=mask.device)
+    return torch.searchsorted(mask.cumsum(0), want)
 
 
 def build_context(
@@ -248,26 +273,29 @@ def build_context(
     rollout_logprobs: Tensor | None = None,
     denominator: float | Tensor | None = None,
     cp_group: dist.ProcessGroup | None = None,
+    row_checks: Sequence[checks.RowCheck] = (),
 ) -> LossContext:
     """Validate the policy-independent inputs (``[T]``; ``cu_seqlens`` ``[S+1]``) and build
-    the :class:`LossContext` of their valid rows. See the module docstring."""
+    the :class:`LossContext` of their valid rows. See the module docstring.
+
+    One host sync: the checks of input values (device-side counts) and the number of valid rows
+    are fetched together; a failure re-checks on the host, raising its error. ``row_checks``:
+    the caller's checks of its own inputs, ``check(valid) -> checks.DeviceCheck`` of the final
+    valid-row mask ``[T]``, fetched in the same copy.
+    """
     checks.check_config(cfg)
-    checks.check_mask(loss_mask)
-    total, device = loss_mask.numel(), loss_mask.device
     named = {"old_logprobs": old_logprobs, "advantages": advantages}
     named |= {"ref_logprobs": ref_logprobs, "rollout_logprobs": rollout_logprobs}
     named = {k: v for k, v in named.items() if v is not None}
-    for name, x in named.items():
-        checks.check_float(name, x, total, device)
-    check_cu_seqlens(cu_seqlens, total)
-    checks.check_required(cfg, ref_logprobs, rollout_logprobs)
-    checks.check_denominator(denominator)
-
-    valid, metrics = _valid_rows(cfg, loss_mask, named)
-    index = valid.nonzero().squeeze(1)
+    found = _input_checks(cfg, loss_mask, cu_seqlens, named, denominator)
+    valid, metrics, nonfinite = _valid_rows(cfg, loss_mask, named)
+    found += nonfinite + [check(valid) for check in row_checks]
+    (n,) = checks.fetch(found, valid.sum())
+    index = true_positions(valid, n)
     sel = {k: v.index_select(0, index).float() for k, v in named.items()}
     num_seqs = cu_seqlens.numel() - 1
-    seg = segment_ids(cu_seqlens.to(device), total).index_select(0, index)
+    cu = _on_device(cu_seqlens, index.device)
+    seg = segment_ids(cu, loss_mask.numel()).index_select(0, index)
     seq_len = segment_sum(torch.ones_like(sel["old_logprobs"]), seg, num_seqs, cp_group)
     inv_len = 1.0 / seq_len.clamp(min=1.0)[seg]
     ctx = LossContext(
@@ -287,6 +315,16 @@ def build_context(
         if cfg.is_correction_level is not None:
             apply_is_correction(cfg, ctx, sel["rollout_logprobs"])
     return ctx
+
+
+def _on_device(cu_seqlens: Tensor, device: torch.device) -> Tensor:
+    """``cu_seqlens`` on ``device``: from pageable host memory without waiting for the GPU (the
+    async copy returns once its source is staged); otherwise as usual (a pinned source could be
+    overwritten before an async copy ran)."""
+    if cu_seqlens.device == device:
+        return cu_seqlens
+    staged = cu_seqlens.device.type == "cpu" and not cu_seqlens.is_pinned()
+    return cu_seqlens.to(device, non_blocking=staged)
 
 
 def policy_log_ratio(cfg: GRPOLossConfig, ctx: LossContext, logprobs: Tensor) -> Tensor:

@@ -9,19 +9,28 @@ backward all-reduces the gradient), which is what a CP-split GSPO ratio needs.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatron_grpo.loss.checks import DeviceCheck
 
-def check_cu_seqlens(cu_seqlens: Tensor, total: int) -> None:
-    """Validate ``cu_seqlens`` ``[S+1]``: int32/int64, first 0, non-decreasing, last == total."""
+
+def _check_cu_seqlens_form(cu_seqlens: Tensor) -> None:
+    """What :func:`check_cu_seqlens` checks without reading the values."""
     if not isinstance(cu_seqlens, Tensor):
         raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
         raise ValueError(f"cu_seqlens must have shape [S+1], got {list(cu_seqlens.shape)}")
+
+
+def check_cu_seqlens(cu_seqlens: Tensor, total: int) -> None:
+    """Validate ``cu_seqlens`` ``[S+1]``: int32/int64, first 0, non-decreasing, last == total."""
+    _check_cu_seqlens_form(cu_seqlens)
     values = cu_seqlens.tolist()
     if values[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {values[0]}")
@@ -29,6 +38,24 @@ def check_cu_seqlens(cu_seqlens: Tensor, total: int) -> None:
         raise ValueError(f"cu_seqlens must be non-decreasing, got {values}")
     if values[-1] != total:
         raise ValueError(f"cu_seqlens must end at T={total}, got {values[-1]}")
+
+
+def cu_seqlens_violations(cu_seqlens: Tensor, total: int) -> Tensor:
+    """How many of :func:`check_cu_seqlens`'s value rules a well-formed ``cu_seqlens`` breaks:
+    an int64 scalar on its device (0 = valid), computed without reading it on the host."""
+    decreasing = (cu_seqlens[1:] < cu_seqlens[:-1]).sum()
+    return decreasing + (cu_seqlens[0] != 0) + (cu_seqlens[-1] != total)
+
+
+def cu_seqlens_checks(cu_seqlens: Tensor, total: int, device: torch.device) -> list[DeviceCheck]:
+    """:func:`check_cu_seqlens` without a host sync: on ``device`` (the loss's) its values are
+    left to the caller's ``checks.fetch`` (returned); elsewhere (the host) checked now."""
+    _check_cu_seqlens_form(cu_seqlens)
+    if cu_seqlens.device != device:
+        check_cu_seqlens(cu_seqlens, total)
+        return []
+    bad = cu_seqlens_violations(cu_seqlens, total)
+    return [DeviceCheck(bad, partial(check_cu_seqlens, cu_seqlens, total))]
 
 
 def segment_ids(cu_seqlens: Tensor, total: int) -> Tensor:

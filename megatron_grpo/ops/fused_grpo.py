@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -86,7 +87,7 @@ from megatron_grpo.loss import GRPOLossConfig, grpo_loss
 from megatron_grpo.loss.math import LossContext, build_context, raise_on_nonfinite
 from megatron_grpo.loss.metrics import MetricDict, merge_metrics
 from megatron_grpo.ops.comm import TPInfo
-from megatron_grpo.ops.lm_head import LMHead, build_lm_head, check_targets
+from megatron_grpo.ops.lm_head import LMHead, build_lm_head, targets_check
 from megatron_grpo.ops.logprobs import logprobs_plan, vocab_parallel_logprobs
 from megatron_grpo.ops.passes import (
     backward_grads,
@@ -323,8 +324,9 @@ def _fused_setup(hidden, weight, targets, cfg, loss_args: dict, op_args: dict, p
     head_args = {k: op_args[k] for k in ("sequence_parallel", "temperature", "vocab_size")}
     tp = TPInfo.of(op_args["tp_group"])
     head = build_lm_head(hidden, weight, targets, tp=tp, **head_args)
-    lctx = build_context(cfg, **loss_args)
-    check_targets(targets, lctx.index, head.vocab_size)
+    # the target check joins the context's checks: one host sync for all of them
+    check = partial(targets_check, targets, vocab_size=head.vocab_size)
+    lctx = build_context(cfg, **loss_args, row_checks=[check])
     want_dh, want_dw = _wants(hidden, weight)
     shape = HeadShape.of(weight, rows=lctx.num_rows, n_valid=head.n_valid, want_dh=want_dh,
                          want_dw=want_dw)  # fmt: skip

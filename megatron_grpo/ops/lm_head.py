@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from megatron_grpo.loss.checks import DeviceCheck
 from megatron_grpo.ops.comm import TPInfo
 from megatron_grpo.ops.dispatch import Kernels, kernels_named
 from megatron_grpo.ops.gemm import mm_f32
@@ -225,6 +226,15 @@ def check_targets(targets: Tensor, idx: Tensor | None, vocab_size: int) -> None:
             f"targets[{pos}] = {int(t_sel[first])} is outside [0, vocab_size={vocab_size}) at an "
             "active row (mask such rows out with `rows`)"
         )
+
+
+def targets_check(targets: Tensor, rows: Tensor, vocab_size: int) -> DeviceCheck:
+    """:func:`check_targets` at the True positions of the bool [T] ``rows``, as a device-side
+    count for the caller's single host fetch (``loss.checks.fetch``); a failure raises
+    :func:`check_targets`'s error."""
+    rows = rows.to(targets.device)
+    bad = (((targets < 0) | (targets >= vocab_size)) & rows).sum()
+    return DeviceCheck(bad, lambda: check_targets(targets, rows.nonzero().squeeze(1), vocab_size))
 
 
 def take_rows(x: Tensor, idx: Tensor | None, start: int, stop: int) -> Tensor:
