@@ -229,3 +229,25 @@ def test_gpu_fused_setup_errors_keep_their_messages(what):
         message = "denominator must be a finite count > 0, got -1.0"
     with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
         fused_grpo_loss(hidden, weight, targets, GRPOLossConfig(), **batch)
+
+
+@pytest.mark.parametrize("rows", ["none", "all", "some", "empty"])
+def test_op_select_rows_reads_the_device_once(monkeypatch, rows):
+    """The op's row selection (vocab_parallel_logprobs ``rows=``): the row count and the target
+    check in one fetch; the indices are those of ``rows.nonzero()`` (None: every row); a bad
+    target at an active row still raises its error, one at an inactive row does not."""
+    from megatron_grpo.ops.lm_head import select_rows
+
+    t = torch.tensor([3, 0, -100, 7, 2, -100, 5])
+    mask = {"none": None, "all": torch.ones(7, dtype=torch.bool), "some": t >= 0,
+            "empty": torch.zeros(7, dtype=torch.bool)}[rows]  # fmt: skip
+    out = []
+    reads = count_host_reads(monkeypatch, lambda: out.append(select_rows(mask, t.clamp(min=0), 8)))
+    assert reads == ["tolist"]
+    want = None if mask is None or bool(mask.all()) else mask.nonzero().squeeze(1)
+    assert (out[0] is None) == (want is None)
+    if want is not None:
+        assert torch.equal(out[0], want)
+    assert select_rows(t >= 0, t, 8) is not None  # -100 only at inactive rows
+    with pytest.raises(ValueError, match=r"targets\[2\] = -100 is outside \[0, vocab_size=8\)"):
+        select_rows(None, t, 8)

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from megatron_grpo.loss.checks import DeviceCheck
+from megatron_grpo.loss.checks import DeviceCheck, fetch
+from megatron_grpo.loss.math import true_positions
 from megatron_grpo.ops.comm import TPInfo
 from megatron_grpo.ops.dispatch import Kernels, kernels_named
 from megatron_grpo.ops.gemm import mm_f32
@@ -199,20 +200,21 @@ def _check_shapes(
 
 
 def select_rows(rows: Tensor | None, targets: Tensor, vocab_size: int) -> Tensor | None:
-    """Indices [R] of the active rows of a bool ``rows`` [T] (None = all T), targets checked."""
+    """Indices [R] of the active rows of a bool ``rows`` [T] (None = all T; also None when every
+    row is active), targets checked. One host sync: the row count and the target check are
+    fetched together."""
     t_total = targets.shape[0]
-    idx = None
-    if rows is not None:
-        if rows.dtype != torch.bool or rows.shape != (t_total,) or rows.device != targets.device:
-            raise ValueError(
-                f"rows must be a bool [T={t_total}] tensor on {targets.device}, got {rows.dtype} "
-                f"{list(rows.shape)} on {rows.device}"
-            )
-        idx = rows.nonzero().squeeze(1)
-        if idx.numel() == t_total:  # every row: plain slices instead of gathers
-            idx = None
-    check_targets(targets, idx, vocab_size)
-    return idx
+    if rows is not None and (
+        rows.dtype != torch.bool or rows.shape != (t_total,) or rows.device != targets.device
+    ):
+        raise ValueError(
+            f"rows must be a bool [T={t_total}] tensor on {targets.device}, got {rows.dtype} "
+            f"{list(rows.shape)} on {rows.device}"
+        )
+    mask = torch.ones(t_total, dtype=torch.bool, device=targets.device) if rows is None else rows
+    (n,) = fetch([targets_check(targets, mask, vocab_size)], mask.sum())
+    # every row: plain slices instead of gathers
+    return None if n == t_total else true_positions(mask, n)
 
 
 def check_targets(targets: Tensor, idx: Tensor | None, vocab_size: int) -> None:
