@@ -513,8 +513,30 @@ def _tp2_case(rank, world, group, name, path, vocab, main_grad):
         close(fused[5], single[5][rank * v_local : (rank + 1) * v_local], rtol=1e-4, atol=1e-6)
 
 
+def _tp2_bf16_split_case(rank, world, group, vocab):
+    """bf16 weight without main_grad: the single pass sums d_weight as bf16 + int8 residual on
+    each rank (vocab 18: rank 1's shard is all padding); equal to the op path's within bf16."""
+    hidden, weight, _ = make_inputs(T, H, V, dtype=torch.bfloat16)
+    weight[vocab:] = 50.0
+    targets, batch = loss_batch(hidden, weight, 0.9, vocab)
+    v_local = V // world
+    w_loc = weight[rank * v_local : (rank + 1) * v_local]
+    cfg = GRPOLossConfig(**CONFIGS["token_full"])
+    op = dict(tp_group=group, temperature=0.9, vocab_size=vocab, chunk_size=6, impl="torch")
+    plan = fused_grpo_loss_plan(hidden, w_loc.requires_grad_(), targets, cfg, **batch, **op,
+                                path="fused_single_pass")  # fmt: skip
+    assert plan.accumulator == "split"
+    fused, ref = run_both(cfg, hidden, w_loc, targets, batch, scale=2.0, path="single", **op)
+    assert fused[6] == "single" and fused[5].dtype == torch.bfloat16
+    assert_bf16_grads(fused, ref)
+    if rank * v_local >= vocab:
+        assert not fused[5].any()
+
+
 def _tp2_body(rank: int, world_size: int) -> None:
     group = dist.new_group(list(range(world_size)))
+    for vocab in (VOCAB, 18):
+        _tp2_bf16_split_case(rank, world_size, group, vocab)
     for path in PATHS:
         _tp2_case(rank, world_size, group, "token_full", path, VOCAB, None)
     _tp2_case(rank, world_size, group, "token_plain", "single", VOCAB, torch.float32)
