@@ -251,3 +251,21 @@ def test_op_select_rows_reads_the_device_once(monkeypatch, rows):
     assert select_rows(t >= 0, t, 8) is not None  # -100 only at inactive rows
     with pytest.raises(ValueError, match=r"targets\[2\] = -100 is outside \[0, vocab_size=8\)"):
         select_rows(None, t, 8)
+
+
+@pytest.mark.gpu
+def test_gpu_denominator_and_host_copies_do_not_sync():
+    """GRPOStep's loss function moves the batch with ``host_to_device`` (a pageable source: an
+    async staged copy) and counts the denominator from the host ``cu_seqlens``: no host sync."""
+    from megatron_grpo.loss import local_denominator
+    from megatron_grpo.loss.segments import host_to_device
+
+    dev = torch.device("cuda")
+    cu = torch.tensor([0, 3, 7, 12])
+    mask = host_to_device(torch.arange(12) % 3 > 0, dev)
+    cfg = GRPOLossConfig(loss_agg="seq_mean_token_mean")
+    _host_syncs(lambda: None)  # the first switch into debug mode reports one more
+    found = _host_syncs(lambda: (host_to_device(torch.arange(12), dev),
+                                 local_denominator(cfg, mask, cu)))  # fmt: skip
+    assert found == [], found
+    assert local_denominator(cfg, mask, cu).item() == 3

@@ -76,7 +76,12 @@ from torch import Tensor
 from megatron_grpo.loss import checks
 from megatron_grpo.loss.config import GRPOLossConfig
 from megatron_grpo.loss.metrics import MaxMetric, MeanMetric, MetricDict, MinMetric, SumMetric
-from megatron_grpo.loss.segments import cu_seqlens_checks, segment_ids, segment_sum
+from megatron_grpo.loss.segments import (
+    cu_seqlens_checks,
+    host_to_device,
+    segment_ids,
+    segment_sum,
+)
 
 
 @dataclass
@@ -294,7 +299,7 @@ def build_context(
     index = true_positions(valid, n)
     sel = {k: v.index_select(0, index).float() for k, v in named.items()}
     num_seqs = cu_seqlens.numel() - 1
-    cu = _on_device(cu_seqlens, index.device)
+    cu = host_to_device(cu_seqlens, index.device)
     seg = segment_ids(cu, loss_mask.numel()).index_select(0, index)
     seq_len = segment_sum(torch.ones_like(sel["old_logprobs"]), seg, num_seqs, cp_group)
     inv_len = 1.0 / seq_len.clamp(min=1.0)[seg]
@@ -315,16 +320,6 @@ def build_context(
         if cfg.is_correction_level is not None:
             apply_is_correction(cfg, ctx, sel["rollout_logprobs"])
     return ctx
-
-
-def _on_device(cu_seqlens: Tensor, device: torch.device) -> Tensor:
-    """``cu_seqlens`` on ``device``: from pageable host memory without waiting for the GPU (the
-    async copy returns once its source is staged); otherwise as usual (a pinned source could be
-    overwritten before an async copy ran)."""
-    if cu_seqlens.device == device:
-        return cu_seqlens
-    staged = cu_seqlens.device.type == "cpu" and not cu_seqlens.is_pinned()
-    return cu_seqlens.to(device, non_blocking=staged)
 
 
 def policy_log_ratio(cfg: GRPOLossConfig, ctx: LossContext, logprobs: Tensor) -> Tensor:

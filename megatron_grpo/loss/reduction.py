@@ -35,7 +35,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_grpo.loss.config import GRPOLossConfig
-from megatron_grpo.loss.segments import check_cu_seqlens, segment_ids, segment_sum
+from megatron_grpo.loss.segments import (
+    check_cu_seqlens,
+    host_to_device,
+    segment_ids,
+    segment_sum,
+)
 
 
 @dataclass(frozen=True)
@@ -60,7 +65,7 @@ def sequence_token_counts(
         )
     total = loss_mask.numel()
     check_cu_seqlens(cu_seqlens, total)
-    seg = segment_ids(cu_seqlens.to(loss_mask.device), total)
+    seg = segment_ids(host_to_device(cu_seqlens, loss_mask.device), total)
     return segment_sum(loss_mask.float(), seg, cu_seqlens.numel() - 1, cp_group)
 
 

@@ -58,6 +58,17 @@ def cu_seqlens_checks(cu_seqlens: Tensor, total: int, device: torch.device) -> l
     return [DeviceCheck(bad, partial(check_cu_seqlens, cu_seqlens, total))]
 
 
+def host_to_device(x: Tensor, device: torch.device) -> Tensor:
+    """``x`` on ``device`` without waiting for the GPU when it comes from pageable host memory
+    (an async copy returns once its source is staged; a blocking one first waits for the
+    stream to drain); otherwise as usual (a pinned source could be overwritten before an async
+    copy ran)."""
+    if x.device == device:
+        return x
+    staged = x.device.type == "cpu" and not x.is_pinned()
+    return x.to(device, non_blocking=staged)
+
+
 def segment_ids(cu_seqlens: Tensor, total: int) -> Tensor:
     """Sequence index of every packed position: ``[T]`` int64 in ``[0, S)``."""
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()

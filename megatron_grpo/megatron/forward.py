@@ -59,6 +59,7 @@ from torch import Tensor
 
 from megatron_grpo.loss import GRPOLossConfig, grpo_loss, local_denominator
 from megatron_grpo.loss.metrics import MeanMetric
+from megatron_grpo.loss.segments import host_to_device
 from megatron_grpo.megatron.batch import (
     PackedBatch,
     packed_seq_params,
@@ -190,8 +191,8 @@ def run_model(model: torch.nn.Module, batch: PackedBatch, params: PackedSeqParam
     """
     gpt = unwrap(model)
     device = next(gpt.parameters()).device
-    tokens = batch.tokens.to(device)[None]
-    positions = batch.position_ids.to(device)[None]
+    tokens = host_to_device(batch.tokens, device)[None]
+    positions = host_to_device(batch.position_ids, device)[None]
     params = _params_to(params, device)
     if not gpt.post_process:
         return model(tokens, positions, None, packed_seq_params=params)
@@ -234,7 +235,10 @@ def megatron_logprobs(
 
 
 def _params_to(params: PackedSeqParams, device: torch.device) -> PackedSeqParams:
-    moved = {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in vars(params).items()}
+    moved = {
+        k: (host_to_device(v, device) if isinstance(v, Tensor) else v)
+        for k, v in vars(params).items()
+    }
     return PackedSeqParams(**moved)
 
 
@@ -325,16 +329,16 @@ class GRPOStep:
         tp_group, cp_group = _groups()
         dev = hidden.device
         args = dict(
-            old_logprobs=_req(batch, "old_logprobs").to(dev),
-            advantages=_req(batch, "advantages").to(dev),
-            loss_mask=batch.loss_mask.to(dev),
-            cu_seqlens=batch.cu_seqlens.to(dev),
+            old_logprobs=host_to_device(_req(batch, "old_logprobs"), dev),
+            advantages=host_to_device(_req(batch, "advantages"), dev),
+            loss_mask=host_to_device(batch.loss_mask, dev),
+            cu_seqlens=batch.cu_seqlens,  # host: checked there for free, moved by the loss
             ref_logprobs=_opt(batch.ref_logprobs, dev),
             rollout_logprobs=_opt(batch.rollout_logprobs, dev),
             denominator=1.0,
             cp_group=cp_group,
         )
-        targets = batch.targets.to(dev)
+        targets = host_to_device(batch.targets, dev)
         if self.logprob_path == "megatron":
             logp = self._megatron_logprobs(output_layer, weight, hidden, targets)
             loss, metrics = grpo_loss(self.loss_cfg, logprobs=logp, **args)
@@ -377,8 +381,8 @@ class GRPOStep:
     ):
         tp_group, _ = _groups()
         dev = hidden.device
-        rows = batch.loss_mask.to(dev)
-        targets = batch.targets.to(dev)
+        rows = host_to_device(batch.loss_mask, dev)
+        targets = host_to_device(batch.targets, dev)
         if self.logprob_path == "megatron":
             logp = self._megatron_logprobs(output_layer, weight, hidden, targets) * rows
         else:
@@ -460,4 +464,4 @@ def _req(batch: PackedBatch, name: str) -> Tensor:
 
 
 def _opt(x: Tensor | None, device: torch.device) -> Tensor | None:
-    return None if x is None else x.to(device)
+    return None if x is None else host_to_device(x, device)
