@@ -214,22 +214,12 @@ def run_method(
         grads = [t.grad for t in (p.h, p.w) if t.grad is not None]
         res["grad_gib"] = sum(g.numel() * g.element_size() for g in grads) / 2**30
         if ref is not None:
-            res["logp_max_abs"] = (logp - ref["logp"]).abs().max().item()
-            if ent is not None:
-                res["ent_max_abs"] = (ent - ref["ent"]).abs().max().item()
-            res["value_rel"] = abs(value.item() - ref["value"]) / max(abs(ref["value"]), 1e-30)
-            res["dh_rel"] = rel_err(p.h.grad, ref["dh"])
-            res["dw_rel"] = rel_err(weight_grad(p), ref["dw"])
+            res.update(_errors(p, ref, logp, ent, value))
         if keep:
             res["_out"] = (logp, p.h.grad, weight_grad(p).clone())
         clear_grads(p)
         if dev.type == "cuda":
-            torch.cuda.empty_cache()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            step(p)
-            sync(dev)
-            res["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+            res["peak_extra_gib"] = _peak_extra_gib(step, p, dev)
             res["over_grads_gib"] = res["peak_extra_gib"] - res["grad_gib"]
         before = None if floor_fn is None else floor_fn()
         res["ms"] = median_ms(
@@ -243,6 +233,27 @@ def run_method(
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return res
+
+
+def _errors(p: Problem, ref: dict, logp, ent, value) -> dict:
+    """A method's first step against the fp32 reference ``ref``."""
+    out = {"logp_max_abs": (logp - ref["logp"]).abs().max().item()}
+    if ent is not None:
+        out["ent_max_abs"] = (ent - ref["ent"]).abs().max().item()
+    out["value_rel"] = abs(value.item() - ref["value"]) / max(abs(ref["value"]), 1e-30)
+    out["dh_rel"] = rel_err(p.h.grad, ref["dh"])
+    out["dw_rel"] = rel_err(weight_grad(p), ref["dw"])
+    return out
+
+
+def _peak_extra_gib(step, p: Problem, dev) -> float:
+    """Peak memory of one step beyond what was allocated before it, in GiB."""
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step(p)
+    sync(dev)
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
 # ----------------------------------------------------------------------------- problems
@@ -376,12 +387,9 @@ def run_tp(args, dev, methods: list[str]) -> list[dict]:
 # ----------------------------------------------------------------------------- main
 
 
-def main() -> int:
-    args = ARGS or parse_args()
-    dev = torch.device(args.device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: use --device cpu --tiny for a dry run", file=sys.stderr)
-        return 2
+def _methods(args) -> list[str]:
+    """The methods to run: ``--methods`` checked, or the defaults; peers dropped under
+    ``--main-grad``."""
     methods = args.methods or (TP_METHODS if args.tp else SINGLE + ["gemm_options"])
     unknown = set(methods) - set(METHODS) - {"floor", "gemm_options"}
     if unknown:
@@ -391,8 +399,11 @@ def main() -> int:
         if peers:
             print(f"--main-grad: skipping {peers} (they write w.grad, not main_grad)")
         methods = [m for m in methods if m not in PEERS]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    return methods
+
+
+def _init_distributed(args, dev) -> None:
+    """torchrun's group with --tp, else a one-rank group (the ops take a TP group)."""
     backend = "nccl" if dev.type == "cuda" else "gloo"
     if args.tp:  # torchrun sets the rendezvous variables
         if dev.type == "cuda":
@@ -402,6 +413,18 @@ def main() -> int:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29533")
         dist.init_process_group(backend, rank=0, world_size=1)
+
+
+def main() -> int:
+    args = ARGS or parse_args()
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: use --device cpu --tiny for a dry run", file=sys.stderr)
+        return 2
+    methods = _methods(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _init_distributed(args, dev)
     world, rank = dist.get_world_size(), dist.get_rank()
     SOLO_GROUP.append([dist.new_group([r]) for r in range(world)][rank])
     info = run_info(args, dev)
