@@ -102,3 +102,29 @@ def check_scalars(n_valid: int, v_local: int, inv_temperature: float) -> None:
     inv_t = float(inv_temperature)
     if not (inv_t > 0.0 and inv_t < float("inf")):
         raise ValueError(f"inv_temperature must be finite and > 0, got {inv_temperature}")
+
+
+KERNEL_KINDS = ("tma", "pointer")
+
+
+def num_sms(device: torch.device) -> int:
+    """Programs of a persistent kernel: the device's SMs (4 under the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def tma_kind(tensors: tuple[torch.Tensor, ...], kernel: str | None) -> str:
+    """Which of a GEMM's two kernels runs (:data:`KERNEL_KINDS`): ``kernel`` when given, else
+    "tma" (persistent, TMA loads) on Hopper and newer GPUs when the rows of every tensor of
+    ``tensors`` are 16-byte aligned, else "pointer"."""
+    if kernel is not None:
+        if kernel not in KERNEL_KINDS:
+            raise ValueError(f"kernel must be one of {KERNEL_KINDS} or None, got {kernel!r}")
+        return kernel
+    dev = tensors[0].device
+    if interpret_mode() or dev.type != "cuda":
+        return "pointer"
+    aligned = all(x.data_ptr() % 16 == 0 and x.stride(0) * x.element_size() % 16 == 0
+                  for x in tensors)  # fmt: skip
+    return "tma" if aligned and torch.cuda.get_device_capability(dev)[0] >= 9 else "pointer"

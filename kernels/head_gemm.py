@@ -34,7 +34,9 @@ from ._runtime import (
     check_row_vector,
     check_scalars,
     interpret_mode,
+    num_sms,
     require_triton,
+    tma_kind,
 )
 
 try:
@@ -217,29 +219,13 @@ def _build_tma():
     return triton.jit(_head_gemm_tma_kernel)
 
 
-def _num_sms(device: torch.device) -> int:
-    """Programs of the persistent kernel: the device's SMs (4 under the interpreter)."""
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-KERNELS = ("tma", "pointer")
-
-
 def kernel_kind(h: torch.Tensor, w: torch.Tensor, kernel: str | None = None) -> str:
     """Which kernel runs (one place): ``kernel`` when given, else "tma" (persistent, TMA
     loads) on Hopper and newer GPUs for 16-bit operands whose rows are 16-byte aligned, else
-    "pointer"."""
-    if kernel is not None:
-        if kernel not in KERNELS:
-            raise ValueError(f"kernel must be one of {KERNELS} or None, got {kernel!r}")
-        return kernel
-    if interpret_mode() or h.device.type != "cuda" or h.dtype == torch.float32:
+    "pointer" (``_runtime.tma_kind``)."""
+    if kernel is None and h.dtype == torch.float32:
         return "pointer"
-    aligned = all(x.data_ptr() % 16 == 0 and x.stride(0) * x.element_size() % 16 == 0
-                  for x in (h, w))  # fmt: skip
-    return "tma" if aligned and torch.cuda.get_device_capability(h.device)[0] >= 9 else "pointer"
+    return tma_kind((h, w), kernel)
 
 
 @functools.cache
@@ -276,7 +262,7 @@ def _launch_tma(h, w, targets, inv_t, ptrs, *, grad, entropy, shifted, out_strid
     h_desc = TensorDescriptor.from_tensor(h, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
     w_desc = TensorDescriptor.from_tensor(w, [STATS_BLOCK_N, cfg["BLOCK_K"]])
     tiles = triton.cdiv(m_rows, cfg["BLOCK_M"]) * triton.cdiv(n_cols, STATS_BLOCK_N)
-    sms = _num_sms(h.device)
+    sms = num_sms(h.device)
     _build_tma()[(min(sms, tiles),)](
         h_desc, w_desc, targets, *ptrs, m_rows, n_cols, k_dim, out_stride, float(inv_t),
         GRAD=grad, HAS_ENTROPY=entropy, STORE_SHIFTED=shifted,

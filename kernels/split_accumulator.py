@@ -30,7 +30,7 @@ import functools
 import torch
 
 from ._rounding import round_to
-from ._runtime import check_device, interpret_mode, require_triton
+from ._runtime import check_device, interpret_mode, num_sms, require_triton, tma_kind
 
 try:
     import triton
@@ -43,15 +43,15 @@ except ImportError:  # the launchers raise a clear error on use
 # tiles at once; 128 x 256 spills), 64-deep K steps, 3 stages: tools/bench_head_gemm.py.
 CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 RESIDUAL_BITS = 14  # scale(hi) = 2^(e - 14): 1/128 of a bf16 ulp (7 stored mantissa bits)
-KERNELS = ("tma", "pointer")
+_BITS = None if tl is None else tl.constexpr(RESIDUAL_BITS)  # what jit code may read
 
 
 def _scale_of(hi):
     """``2^(e - RESIDUAL_BITS)`` of fp32 values ``hi`` (their exponent field, floored so the
     scale stays a normal fp32 number: zeros and tiny values get the smallest one)."""
     field = hi.to(tl.int32, bitcast=True) & 0x7F800000
-    field = tl.maximum(field, 15 << 23)  # literals: jit code reads no plain globals (14 = BITS)
-    return (field - (14 << 23)).to(tl.float32, bitcast=True)
+    field = tl.maximum(field, (_BITS + 1) << 23)
+    return (field - (_BITS << 23)).to(tl.float32, bitcast=True)
 
 
 def _split(acc, old, res, FIRST: tl.constexpr, ROUND: tl.constexpr):
@@ -172,21 +172,6 @@ def _build(name: str):
     return triton.jit(fn)
 
 
-def kernel_kind(tensors: tuple[torch.Tensor, ...], kernel: str | None = None) -> str:
-    """Which kernel runs (one place): ``kernel`` when given, else "tma" on Hopper and newer
-    GPUs when the rows of all ``tensors`` (a, b, hi, lo) are 16-byte aligned, else "pointer"."""
-    if kernel is not None:
-        if kernel not in KERNELS:
-            raise ValueError(f"kernel must be one of {KERNELS} or None, got {kernel!r}")
-        return kernel
-    dev = tensors[0].device
-    if interpret_mode() or dev.type != "cuda":
-        return "pointer"
-    aligned = all(x.data_ptr() % 16 == 0 and x.stride(0) * x.element_size() % 16 == 0
-                  for x in tensors)  # fmt: skip
-    return "tma" if aligned and torch.cuda.get_device_capability(dev)[0] >= 9 else "pointer"
-
-
 def check_pair(hi: torch.Tensor, lo: torch.Tensor) -> None:
     """``hi`` bf16 and ``lo`` int8 of one shape, contiguous, on one device."""
     if not isinstance(hi, torch.Tensor) or hi.dtype != torch.bfloat16 or hi.dim() != 2:
@@ -215,7 +200,7 @@ def split_acc_addmm(
             16-bit or fp32 dtype, last dims contiguous.
         hi: [M, N] bfloat16, lo: [M, N] int8, contiguous (rows of a larger pair may be given).
         first: the pair holds nothing yet (it is written, not read).
-        kernel: None (:func:`kernel_kind` decides), "tma" or "pointer".
+        kernel: None (``_runtime.tma_kind`` decides), "tma" or "pointer".
         config: tile sizes, warps and stages (default :data:`CONFIG`).
     """
     require_triton()
@@ -238,7 +223,7 @@ def split_acc_addmm(
     cfg = {**CONFIG, **(config or {})}
     dot_f32 = interpret_mode() or a.dtype == torch.float32
     tiles = triton.cdiv(m_rows, cfg["BLOCK_M"]) * triton.cdiv(n_cols, cfg["BLOCK_N"])
-    if kernel_kind((a, b, hi, lo), kernel) == "pointer":
+    if tma_kind((a, b, hi, lo), kernel) == "pointer":
         _build("pointer")[(tiles,)](
             a, b, hi, lo, m_rows, n_cols, k_dim, a.stride(0), b.stride(0), hi.stride(0),
             FIRST=first, DOT_F32=dot_f32, **cfg,
@@ -250,8 +235,7 @@ def split_acc_addmm(
     b_desc = TensorDescriptor.from_tensor(b, [cfg["BLOCK_K"], cfg["BLOCK_N"]])
     hi_desc, lo_desc = (TensorDescriptor.from_tensor(x, [cfg["BLOCK_M"], cfg["BLOCK_N"]])
                         for x in (hi, lo))  # fmt: skip
-    on_gpu = a.device.type == "cuda"
-    sms = torch.cuda.get_device_properties(a.device).multi_processor_count if on_gpu else 4
+    sms = num_sms(a.device)
     _build("tma")[(min(sms, tiles),)](
         a_desc, b_desc, hi_desc, lo_desc, m_rows, n_cols, k_dim, FIRST=first,
         DOT_F32=dot_f32, NUM_SMS=sms, **cfg,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from megatron_grpo.kernels.split_accumulator import RESIDUAL_BITS
 from megatron_grpo.ops.gemm import mm_f32
 
 
@@ -176,7 +177,7 @@ def head_gemm_grad(
 
 
 # The split accumulator (``kernels.split_accumulator``): scale(hi) = 2^(e - SPLIT_BITS).
-SPLIT_BITS = 14
+SPLIT_BITS = RESIDUAL_BITS
 _SPLIT_SLICE_BYTES = 64 * 2**20  # fp32 scratch per slice of rows: bounded, like the kernel's
 
 

@@ -64,17 +64,17 @@ class ForwardWeightGrad:
 
     def __init__(self, head: LMHead):
         weight, self.n_valid, self.kernels = head.weight, head.n_valid, head.kernels
-        self.kind = head.plan.accumulator
+        kind = head.plan.accumulator
         main_grad = main_grad_of(weight)
-        self.in_main_grad = self.kind == "in_place" and main_grad is not None
+        self.in_main_grad = kind == "in_place" and main_grad is not None
         self.lo = None
         if self.in_main_grad:
             self.acc = main_grad
         else:  # every valid row is written by the first chunk's GEMM: no zero fill
-            dtype = torch.bfloat16 if self.kind == "split" else torch.float32
+            dtype = torch.bfloat16 if kind == "split" else torch.float32
             self.acc = torch.empty(weight.shape, dtype=dtype, device=weight.device)
             self.acc[self.n_valid :].zero_()
-            if self.kind == "split":
+            if kind == "split":
                 self.lo = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
                 self.lo[self.n_valid :].zero_()
         self._started = self.in_main_grad
