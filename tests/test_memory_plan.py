@@ -173,10 +173,10 @@ def test_megatron_logits_working_set_is_larger():
 H200_OVER_GRADS_GIB = {(8192, 4): 0.38, (32768, 4): 0.42, (8192, None): 0.38,
                        (32768, None): 0.92}  # fmt: skip
 # Same measurement for fused_grpo_loss: its fused-epilogue single pass with an fp32 main_grad
-# (3200-row chunks of bf16 shifted logits). Without a main_grad the single pass now sums d_weight
-# as bf16 + an int8 residual (1344-row chunks): not yet measured on a GPU (no GPU was lent when
-# it landed), so only its structure is checked (test_fused_working_set_follows_...).
-H200_FUSED_OVER_GRADS_GIB = {(8192, 4): 0.96, (32768, 4): 0.96}
+# (3200-row chunks of bf16 shifted logits), its tiled path without (the split accumulator's
+# 1344-row chunks are below SPLIT_MIN_ROWS; re-measured 2026-11-23, third session).
+H200_FUSED_OVER_GRADS_GIB = {(8192, 4): 0.96, (32768, 4): 0.96, (8192, None): 0.38,
+                             (32768, None): 0.92}  # fmt: skip
 
 
 def _ws(path, tokens, v_local=151936, hidden=4096, tp=1, sp=False, main_grad_bytes=4, **kw):

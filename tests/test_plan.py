@@ -30,6 +30,7 @@ from megatron_grpo.ops.plan import (
     LOOP_ORDERS,
     PATHS,
     REQUESTS,
+    SPLIT_MIN_ROWS,
     TILE_FRACTION,
     WEIGHT_GRADS,
 )
@@ -156,14 +157,20 @@ def test_default_budget_and_the_knob():
     # The fused epilogue keeps bf16 shifted logits: 2 bytes + block stats + an fp32 d_hidden a
     # row, so the default budget holds 3200 full-width rows of a 152k shard (>= 1024: single
     # pass); without an fp32 buffer for d_weight its int8 residual (0.58 GiB) leaves 1344 rows,
+    # below SPLIT_MIN_ROWS (tiled; explicit: the single pass), and 4 GiB leave 11136 rows;
     # a bf16 main_grad's fp32 buffer (2.3 GiB) needs a larger budget.
     full = HeadShape(8192, 151936, 151936, 4096, torch.bfloat16, torch.float32, "cuda")
     epi = dict(loss=cfg, impl="torch", gemm="fused_epilogue")
     plan = plan_lm_head(full, **epi)
     assert (plan.path, plan.chunk_rows) == ("fused_single_pass", 3200)
-    no_main_grad = plan_lm_head(replace(full, main_grad_dtype=None), **epi)
+    bf16_grad = replace(full, main_grad_dtype=None)
+    assert plan_lm_head(bf16_grad, **epi).path == "fused_tiled"
+    no_main_grad = plan_lm_head(bf16_grad, path="fused_single_pass", **epi)
     assert (no_main_grad.path, no_main_grad.chunk_rows) == ("fused_single_pass", 1344)
     assert no_main_grad.accumulator == "split" and no_main_grad.accumulator_bytes == 151936 * 4096
+    wide = plan_lm_head(replace(bf16_grad, rows=32768), memory_budget=4 * GIB, **epi)
+    assert (wide.path, wide.chunk_rows, wide.accumulator) == ("fused_single_pass", 11136, "split")
+    assert SPLIT_MIN_ROWS == 4096
     bf16_main_grad = replace(full, main_grad_dtype=torch.bfloat16)
     assert plan_lm_head(bf16_main_grad, **epi).path == "fused_tiled"
     assert plan_lm_head(bf16_main_grad, memory_budget=4 * GIB, **epi).chunk_rows == 5440

@@ -46,11 +46,13 @@ V_local = 151936, H = 4096, bf16, the peak beyond the gradients measured on an H
 (T = 8192) and 0.88 GiB (T = 32768 without an fp32 main_grad): within 1 GiB.
 
 The single-pass rule (measurements: ``ops/fused_grpo.py``): the accumulator's extra bytes
-(:func:`accumulator_bytes`) come out of the budget first (with the "separate" GEMM: they must
-fit ``ACCUMULATOR_TILES`` tiles), a full-width chunk must fit the rest (the fused epilogue: bf16
+(:func:`accumulator_of`) come out of the budget first (with the "separate" GEMM: they must fit
+``ACCUMULATOR_TILES`` tiles), a full-width chunk must fit the rest (the fused epilogue: bf16
 shifted logits; "separate": an fp32 [C, V_local] chunk in the tile; C = ``chunk_size``, or as
-many 64-aligned rows as fit), and C >= min(``single_pass_min_rows``, rows). It reads only values equal on all TP ranks
-(V_local, not the rank's valid columns), so every rank takes the same path. An explicit
+many 64-aligned rows as fit), and C >= min(``single_pass_min_rows``, rows) (automatic:
+:data:`SINGLE_PASS_MIN_ROWS` of the GEMM mode, at least :data:`SPLIT_MIN_ROWS` with the split
+accumulator). It reads only values equal on all TP ranks (V_local, not the rank's valid
+columns), so every rank takes the same path. An explicit
 ``path="fused_single_pass"`` skips the row threshold but not the memory checks (ValueError).
 Without gradients or loss rows both fused paths are the same stats pass: "fused_tiled" runs.
 """
@@ -79,6 +81,11 @@ TILE_FRACTION = 4  # one fp32 logits tile = memory_budget / TILE_FRACTION
 DEFAULT_MEMORY_BUDGET = TILE_FRACTION * TILE_BYTES  # 1 GiB
 # Smallest full-width chunk worth the single pass (auto), per GEMM mode (ops/fused_grpo.py).
 SINGLE_PASS_MIN_ROWS = {"separate": 4096, "fused_epilogue": 1024}
+# ... and with the split accumulator, whose pair is read + written once per chunk (measured on
+# an H200, bf16 weight, no main_grad, x = time over the floor at T = 8192 / 32768: 1344-row
+# chunks (1 GiB) 1.46x / 1.45x against the tiled path's 1.32x / 1.42x; 8192 / 11136-row chunks
+# (4 GiB) 1.23x / 1.21x).
+SPLIT_MIN_ROWS = 4096
 ACCUMULATOR_TILES = 1  # with the "separate" GEMM: the accumulator's extra bytes, in tiles
 _MIN_BUDGET = TILE_FRACTION * 4  # a tile of one fp32 element
 _GIB, _MIB = 2**30, 2**20
@@ -278,11 +285,11 @@ def plan_lm_head(
     tiling = Tiling.plan(shape.rows, shape.n_valid, chunk_size, budget // TILE_FRACTION, tile_dtype)
     chunk_rows = None
     if request != "op":
-        min_rows = (
-            SINGLE_PASS_MIN_ROWS[gemm_name]
-            if single_pass_min_rows is None
-            else single_pass_min_rows
-        )
+        min_rows = single_pass_min_rows
+        if min_rows is None:
+            min_rows = SINGLE_PASS_MIN_ROWS[gemm_name]
+            if accumulator_of(shape, weight_grad)[0] == "split":  # pays per chunk: big ones
+                min_rows = max(min_rows, SPLIT_MIN_ROWS)
         request, chunk_rows, reason = _fused_path(
             request, reason, shape, weight_grad, chunk_size, budget, gemm_name, min_rows
         )
