@@ -40,12 +40,14 @@ chunk's gradient GEMMs): a sync per chunk idled the GPU while the next chunk was
 So the automatic threshold is ``ops.plan.SINGLE_PASS_MIN_ROWS["fused_epilogue"] = 1024`` rows.
 Without an fp32 ``main_grad`` (bf16 weight) (a) sums d_weight in the bf16 gradient itself
 plus an int8 [V_local, H] residual (``kernels.split_accumulator``: fp32-grade sums, the gradient
-rounded once; 0.58 GiB at V_local = 151936, H = 4096), so the 1 GiB budget holds C = 1344-row
-chunks, each adding one read + write of 3 bytes a weight element (the fp32 ``main_grad``: 8) to
-its d_weight GEMM. Before it, that case needed an extra fp32 buffer (2.3 GiB): (b) ran at 1 GiB
-(1.48x / 1.42x), (a) at 4 GiB with C = 5440 (1.235x / 1.171x). The split accumulator has not
-been timed on a GPU yet (none was lent the session it landed); it compiles for sm_90 without
-spills (tests/test_kernels_compile.py). A bf16 ``main_grad`` still needs the fp32 buffer. The
+rounded once; 0.58 GiB at V_local = 151936, H = 4096), each chunk reading + writing the pair (3 +
+3 bytes a weight element) in its d_weight GEMM's epilogue. Measured on one H200 (2026-11-23,
+third session, no main_grad, adj. floor, T = 8192 / 32768): at 1 GiB (C = 1344) 1.46x / 1.45x,
+the tiled path (b) 1.32x / 1.42x; at 4 GiB (C = 8192 / 11136) 1.23x / 1.21x. The split GEMM
+takes 4.1 ms a 1344-row chunk against cuBLAS's 2.2 (bf16 out) / 2.8 (fp32 accumulate): its
+main loop alone 2.5 ms, the pair's read + write not overlapped. So the split accumulator runs
+only for chunks of at least ``ops.plan.SPLIT_MIN_ROWS = 4096`` rows (a budget of ~2.5 GiB and
+up); at the 1 GiB default (b) runs. A bf16 ``main_grad`` needs an fp32 buffer instead. The
 "separate" GEMM keeps the older rule
 (``SINGLE_PASS_MIN_ROWS["separate"] = 4096`` rows of fp32 logits; its measurements:
 ``x = 1.16 + 266 / C`` at TP = 1, and at TP = 4 each chunk's TP all-reduce and host sync made
