@@ -89,6 +89,8 @@ def _head_gemm_specs() -> list[KernelSpec]:
     modes = {"stats": (False, False, False), "stats+shifted": (False, False, True),
              "stats+entropy+shifted": (False, True, True), "grad": (True, False, False),
              "grad+entropy": (True, True, False)}  # fmt: skip
+    tile = f"tensordesc<bf16[{bm}, {bn}]>"  # the output tile, stored by TMA
+    sig |= {"shifted_ptr": tile, "out_ptr": tile}
     return [
         KernelSpec(
             f"head_gemm tma {mode}",
@@ -101,6 +103,7 @@ def _head_gemm_specs() -> list[KernelSpec]:
                 DOT_F32=False,
                 NUM_SMS=132,
                 BLOCK_N=bn,
+                TMA_STORE=True,
                 **cfg,
             ),
             warps,
