@@ -170,15 +170,16 @@ def _stats_epilogue(
     stride_o, HAS_ENTROPY: tl.constexpr, STORE_SHIFTED: tl.constexpr, ROUND: tl.constexpr,
     TMA_STORE: tl.constexpr, row0,
 ):  # fmt: skip
+    part = pid_n.to(tl.int64) * M + offs_m
+    # zt first: z is then needed only for z - m (fewer tiles live at once)
+    tl.store(zt_ptr + part, tl.sum(tl.where(hit, z, 0.0), axis=1), mask=row_ok)
     z = tl.where(col_ok[None, :], z, float("-inf"))
     m = tl.max(z, axis=1)  # finite: every block has a valid column
     d = tl.where(col_ok[None, :], z - m[:, None], 0.0)
     e = tl.where(col_ok[None, :], tl.exp(d), 0.0)
     s = tl.sum(e, axis=1)
-    part = pid_n.to(tl.int64) * M + offs_m
     tl.store(m_ptr + part, m, mask=row_ok)
     tl.store(s_ptr + part, s, mask=row_ok)
-    tl.store(zt_ptr + part, tl.sum(tl.where(hit, z, 0.0), axis=1), mask=row_ok)
     if HAS_ENTROPY:
         # sum e z = sum e (z - m) + m s: the shifted form keeps the products small.
         tl.store(b_ptr + part, tl.sum(e * d, axis=1) + m * s, mask=row_ok)
