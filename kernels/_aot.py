@@ -117,7 +117,7 @@ def _split_specs() -> list[KernelSpec]:
     from . import split_accumulator as sa
 
     cfg = dict(sa.CONFIG)
-    warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+    warps, stages, ctas = cfg.pop("num_warps"), cfg.pop("num_stages"), cfg.pop("CTAS_PER_SM")
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     tma = {"a_desc": f"tensordesc<bf16[{bk}, {bm}]>", "b_desc": f"tensordesc<bf16[{bk}, {bn}]>",
            "hi_desc": f"tensordesc<bf16[{bm}, {bn}]>", "lo_desc": f"tensordesc<i8[{bm}, {bn}]>",
@@ -128,13 +128,18 @@ def _split_specs() -> list[KernelSpec]:
     flags = dict(FIRST=False, DOT_F32=False, **cfg)
     return [
         KernelSpec(
-            "split_acc tma", lambda: sa._build("tma"), tma, {**flags, "NUM_SMS": 132}, warps, stages
+            "split_acc tma",
+            lambda: sa._build("tma"),
+            tma,
+            {**flags, "NUM_PROGRAMS": 132 * ctas},
+            warps,
+            stages,
         ),  # fmt: skip
         KernelSpec(
             "split_acc tma first",
             lambda: sa._build("tma"),
             tma,
-            {**flags, "FIRST": True, "NUM_SMS": 132},
+            {**flags, "FIRST": True, "NUM_PROGRAMS": 132 * ctas},
             warps,
             stages,
         ),  # fmt: skip
