@@ -80,6 +80,7 @@ def _head_gemm_specs() -> list[KernelSpec]:
 
     cfg = dict(hg.TMA_CONFIG)
     warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+    store = cfg.pop("TMA_STORE")
     bm, bk, bn = cfg["BLOCK_M"], cfg["BLOCK_K"], hg.STATS_BLOCK_N
     sig = {"h_desc": f"tensordesc<bf16[{bm}, {bk}]>", "w_desc": f"tensordesc<bf16[{bn}, {bk}]>",
            "t_ptr": "*i64", "m_ptr": _F32, "s_ptr": _F32, "zt_ptr": _F32, "b_ptr": _F32,
@@ -89,8 +90,9 @@ def _head_gemm_specs() -> list[KernelSpec]:
     modes = {"stats": (False, False, False), "stats+shifted": (False, False, True),
              "stats+entropy+shifted": (False, True, True), "grad": (True, False, False),
              "grad+entropy": (True, True, False)}  # fmt: skip
-    tile = f"tensordesc<bf16[{bm}, {bn}]>"  # the output tile, stored by TMA
-    sig |= {"shifted_ptr": tile, "out_ptr": tile}
+    if store:
+        tile = f"tensordesc<bf16[{bm}, {bn}]>"  # the output tile, stored by TMA
+        sig |= {"shifted_ptr": tile, "out_ptr": tile}
     return [
         KernelSpec(
             f"head_gemm tma {mode}",
@@ -103,7 +105,7 @@ def _head_gemm_specs() -> list[KernelSpec]:
                 DOT_F32=False,
                 NUM_SMS=132,
                 BLOCK_N=bn,
-                TMA_STORE=True,
+                TMA_STORE=store,
                 **cfg,
             ),
             warps,

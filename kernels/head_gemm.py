@@ -52,7 +52,9 @@ except ImportError:  # the launchers raise a clear error on use
 CONFIG = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
 # The persistent TMA kernel's default: 3 stages (faster than 2 or 4 and than 128-deep K steps on
 # an H200; Triton's warp specialization of the tile loop measured no faster: docs/benchmarks.md).
-TMA_CONFIG = dict(BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+# TMA_STORE: the output tile (shifted logits / d logits) leaves by a TMA store when its rows are
+# 16-byte aligned (else by pointers): the pointer tile spilled 0.4-2.5 KB a thread (triton 3.6).
+TMA_CONFIG = dict(BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, TMA_STORE=True)
 STATS_BLOCK_N = CONFIG["BLOCK_N"]  # the vocab block of the stats partials (fixed: see _configs)
 _GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -277,15 +279,14 @@ def _check_inputs(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor) -> No
 def _launch_tma(h, w, targets, inv_t, ptrs, *, grad, entropy, shifted, out_stride) -> None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    cfg = TMA_CONFIG
+    cfg = dict(TMA_CONFIG)
+    store = cfg.pop("TMA_STORE")
     m_rows, n_cols, k_dim = h.shape[0], w.shape[0], h.shape[1]
     h_desc = TensorDescriptor.from_tensor(h, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
     w_desc = TensorDescriptor.from_tensor(w, [STATS_BLOCK_N, cfg["BLOCK_K"]])
     tiles = triton.cdiv(m_rows, cfg["BLOCK_M"]) * triton.cdiv(n_cols, STATS_BLOCK_N)
     sms = num_sms(h.device)
-    # The output tile (shifted logits or d logits) by a TMA store when its rows allow one: no
-    # 2-D pointer tile in registers (the pointer store spills: kernels/_aot.py).
-    ptrs, tma_store = _store_descriptors(ptrs, cfg["BLOCK_M"])
+    ptrs, tma_store = _store_descriptors(ptrs, cfg["BLOCK_M"]) if store else (ptrs, False)
     _build_tma()[(min(sms, tiles),)](
         h_desc, w_desc, targets, *ptrs, m_rows, n_cols, k_dim, out_stride, float(inv_t),
         GRAD=grad, HAS_ENTROPY=entropy, STORE_SHIFTED=shifted,

@@ -128,8 +128,7 @@ def _addmm_tma_kernel(a_desc, b_desc, hi_desc, lo_desc, M, N, K, FIRST: tl.const
     tiles too: no per-element pointers in registers); N blocks of one M block are consecutive."""
     num_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * num_n, NUM_PROGRAMS,
-                         flatten=True):
+    for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * num_n, NUM_PROGRAMS, flatten=True):
         pid_m = tile // num_n
         pid_n = tile % num_n
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

@@ -134,9 +134,11 @@ def main() -> int:
     for kind in ("tma", "pointer"):
         _time_kind(res, kind, h, w, t, lse, g, out16)
     default_tma = dict(head_gemm.TMA_CONFIG)
-    for bk, warps, stages in [(64, 8, 4), (128, 8, 2), (128, 8, 3)]:
-        head_gemm.TMA_CONFIG.update(BLOCK_K=bk, num_warps=warps, num_stages=stages)
-        _time_kind(res, f"tma BK{bk} w{warps} s{stages}", h, w, t, lse, g, out16, "tma")
+    for bk, warps, stages, store in [(64, 8, 3, False), (64, 8, 4, True), (128, 8, 2, True)]:
+        head_gemm.TMA_CONFIG.update(BLOCK_K=bk, num_warps=warps, num_stages=stages,
+                                    TMA_STORE=store)  # fmt: skip
+        label = f"tma BK{bk} w{warps} s{stages}" + ("" if store else " pointer-store")
+        _time_kind(res, label, h, w, t, lse, g, out16, "tma")
     head_gemm.TMA_CONFIG.update(default_tma)
     configs = [dict(head_gemm.CONFIG)] + [
         {**c.kwargs, "BLOCK_N": head_gemm.STATS_BLOCK_N, "num_warps": c.num_warps,
