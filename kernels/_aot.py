@@ -80,6 +80,7 @@ def _head_gemm_specs() -> list[KernelSpec]:
 
     cfg = dict(hg.TMA_CONFIG)
     warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+    store = cfg.pop("TMA_STORE")
     bm, bk, bn = cfg["BLOCK_M"], cfg["BLOCK_K"], hg.STATS_BLOCK_N
     sig = {"h_desc": f"tensordesc<bf16[{bm}, {bk}]>", "w_desc": f"tensordesc<bf16[{bn}, {bk}]>",
            "t_ptr": "*i64", "m_ptr": _F32, "s_ptr": _F32, "zt_ptr": _F32, "b_ptr": _F32,
@@ -89,6 +90,9 @@ def _head_gemm_specs() -> list[KernelSpec]:
     modes = {"stats": (False, False, False), "stats+shifted": (False, False, True),
              "stats+entropy+shifted": (False, True, True), "grad": (True, False, False),
              "grad+entropy": (True, True, False)}  # fmt: skip
+    if store:
+        tile = f"tensordesc<bf16[{bm}, {bn}]>"  # the output tile, stored by TMA
+        sig |= {"shifted_ptr": tile, "out_ptr": tile}
     return [
         KernelSpec(
             f"head_gemm tma {mode}",
@@ -101,6 +105,7 @@ def _head_gemm_specs() -> list[KernelSpec]:
                 DOT_F32=False,
                 NUM_SMS=132,
                 BLOCK_N=bn,
+                TMA_STORE=store,
                 **cfg,
             ),
             warps,
@@ -114,7 +119,7 @@ def _split_specs() -> list[KernelSpec]:
     from . import split_accumulator as sa
 
     cfg = dict(sa.CONFIG)
-    warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+    warps, stages, ctas = cfg.pop("num_warps"), cfg.pop("num_stages"), cfg.pop("CTAS_PER_SM")
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     tma = {"a_desc": f"tensordesc<bf16[{bk}, {bm}]>", "b_desc": f"tensordesc<bf16[{bk}, {bn}]>",
            "hi_desc": f"tensordesc<bf16[{bm}, {bn}]>", "lo_desc": f"tensordesc<i8[{bm}, {bn}]>",
@@ -125,13 +130,18 @@ def _split_specs() -> list[KernelSpec]:
     flags = dict(FIRST=False, DOT_F32=False, **cfg)
     return [
         KernelSpec(
-            "split_acc tma", lambda: sa._build("tma"), tma, {**flags, "NUM_SMS": 132}, warps, stages
+            "split_acc tma",
+            lambda: sa._build("tma"),
+            tma,
+            {**flags, "NUM_PROGRAMS": 132 * ctas},
+            warps,
+            stages,
         ),  # fmt: skip
         KernelSpec(
             "split_acc tma first",
             lambda: sa._build("tma"),
             tma,
-            {**flags, "FIRST": True, "NUM_SMS": 132},
+            {**flags, "FIRST": True, "NUM_PROGRAMS": 132 * ctas},
             warps,
             stages,
         ),  # fmt: skip

@@ -52,7 +52,9 @@ except ImportError:  # the launchers raise a clear error on use
 CONFIG = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
 # The persistent TMA kernel's default: 3 stages (faster than 2 or 4 and than 128-deep K steps on
 # an H200; Triton's warp specialization of the tile loop measured no faster: docs/benchmarks.md).
-TMA_CONFIG = dict(BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+# TMA_STORE: the output tile (shifted logits / d logits) leaves by a TMA store when its rows are
+# 16-byte aligned (else by pointers): the pointer tile spilled 0.4-2.5 KB a thread (triton 3.6).
+TMA_CONFIG = dict(BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, TMA_STORE=True)
 STATS_BLOCK_N = CONFIG["BLOCK_N"]  # the vocab block of the stats partials (fixed: see _configs)
 _GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -101,7 +103,7 @@ def _head_gemm_kernel(
 
     _tile_epilogue(acc, pid_m, pid_n, M, N, inv_t, t_ptr, m_ptr, s_ptr, zt_ptr, b_ptr,
                    shifted_ptr, lse_ptr, glp_ptr, gent_ptr, pz_ptr, out_ptr, stride_o, GRAD,
-                   HAS_ENTROPY, STORE_SHIFTED, DOT_F32, BLOCK_M, BLOCK_N)  # fmt: skip
+                   HAS_ENTROPY, STORE_SHIFTED, DOT_F32, BLOCK_M, BLOCK_N, False)  # fmt: skip
 
 
 def _head_gemm_tma_kernel(
@@ -112,6 +114,7 @@ def _head_gemm_tma_kernel(
     GRAD: tl.constexpr, HAS_ENTROPY: tl.constexpr, STORE_SHIFTED: tl.constexpr,
     DOT_F32: tl.constexpr, NUM_SMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    TMA_STORE: tl.constexpr,
 ):  # fmt: skip
     """The same GEMM + epilogues, persistent (one program per SM) with TMA loads (Hopper+):
     the flattened tile loop lets the next tile's loads overlap this tile's epilogue."""
@@ -134,16 +137,19 @@ def _head_gemm_tma_kernel(
                 acc = tl.dot(a, b.T, acc)
         _tile_epilogue(acc, pid_m, pid_n, M, N, inv_t, t_ptr, m_ptr, s_ptr, zt_ptr, b_ptr,
                        shifted_ptr, lse_ptr, glp_ptr, gent_ptr, pz_ptr, out_ptr, stride_o, GRAD,
-                       HAS_ENTROPY, STORE_SHIFTED, DOT_F32, BLOCK_M, BLOCK_N)  # fmt: skip
+                       HAS_ENTROPY, STORE_SHIFTED, DOT_F32, BLOCK_M, BLOCK_N,
+                       TMA_STORE)  # fmt: skip
 
 
 def _tile_epilogue(
     acc, pid_m, pid_n, M, N, inv_t, t_ptr, m_ptr, s_ptr, zt_ptr, b_ptr, shifted_ptr,
     lse_ptr, glp_ptr, gent_ptr, pz_ptr, out_ptr, stride_o,
     GRAD: tl.constexpr, HAS_ENTROPY: tl.constexpr, STORE_SHIFTED: tl.constexpr,
-    ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA_STORE: tl.constexpr,
 ):  # fmt: skip
-    """Both kernels' epilogue of output tile (pid_m, pid_n): the stats or the gradient."""
+    """Both kernels' epilogue of output tile (pid_m, pid_n): the stats or the gradient.
+    ``TMA_STORE``: ``shifted_ptr`` / ``out_ptr`` are tensor descriptors of [BLOCK_M, BLOCK_N]
+    blocks (no per-element pointers in registers)."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = offs_m < M
@@ -153,37 +159,41 @@ def _tile_epilogue(
     hit = (offs_n[None, :] == target[:, None]) & col_ok[None, :]
     if GRAD:
         _grad_epilogue(z, hit, col_ok, row_ok, offs_m, offs_n, lse_ptr, glp_ptr, gent_ptr, pz_ptr,
-                       out_ptr, stride_o, inv_t, HAS_ENTROPY, ROUND)  # fmt: skip
+                       out_ptr, stride_o, inv_t, HAS_ENTROPY, ROUND, TMA_STORE, pid_m * BLOCK_M,
+                       pid_n * BLOCK_N)  # fmt: skip
     else:
         _stats_epilogue(z, hit, col_ok, row_ok, offs_m, offs_n, pid_n, M, m_ptr, s_ptr, zt_ptr,
-                        b_ptr, shifted_ptr, stride_o, HAS_ENTROPY, STORE_SHIFTED, ROUND)  # fmt: skip
+                        b_ptr, shifted_ptr, stride_o, HAS_ENTROPY, STORE_SHIFTED, ROUND,
+                        TMA_STORE, pid_m * BLOCK_M)  # fmt: skip
 
 
 def _stats_epilogue(
     z, hit, col_ok, row_ok, offs_m, offs_n, pid_n, M, m_ptr, s_ptr, zt_ptr, b_ptr, shifted_ptr,
     stride_o, HAS_ENTROPY: tl.constexpr, STORE_SHIFTED: tl.constexpr, ROUND: tl.constexpr,
+    TMA_STORE: tl.constexpr, row0,
 ):  # fmt: skip
+    part = pid_n.to(tl.int64) * M + offs_m
+    # zt first: z is then needed only for z - m (fewer tiles live at once)
+    tl.store(zt_ptr + part, tl.sum(tl.where(hit, z, 0.0), axis=1), mask=row_ok)
     z = tl.where(col_ok[None, :], z, float("-inf"))
     m = tl.max(z, axis=1)  # finite: every block has a valid column
     d = tl.where(col_ok[None, :], z - m[:, None], 0.0)
     e = tl.where(col_ok[None, :], tl.exp(d), 0.0)
     s = tl.sum(e, axis=1)
-    part = pid_n.to(tl.int64) * M + offs_m
     tl.store(m_ptr + part, m, mask=row_ok)
     tl.store(s_ptr + part, s, mask=row_ok)
-    tl.store(zt_ptr + part, tl.sum(tl.where(hit, z, 0.0), axis=1), mask=row_ok)
     if HAS_ENTROPY:
         # sum e z = sum e (z - m) + m s: the shifted form keeps the products small.
         tl.store(b_ptr + part, tl.sum(e * d, axis=1) + m * s, mask=row_ok)
     if STORE_SHIFTED:
-        dst = shifted_ptr + offs_m.to(tl.int64)[:, None] * stride_o + offs_n[None, :]
-        val = round_to(d, shifted_ptr.dtype.element_ty) if ROUND else d
-        tl.store(dst, val.to(shifted_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        _store_tile(shifted_ptr, d, offs_m, offs_n, row_ok, col_ok, stride_o, ROUND, TMA_STORE,
+                    row0, pid_n * d.shape[1])  # fmt: skip
 
 
 def _grad_epilogue(
     z, hit, col_ok, row_ok, offs_m, offs_n, lse_ptr, glp_ptr, gent_ptr, pz_ptr, out_ptr,
-    stride_o, inv_t, HAS_ENTROPY: tl.constexpr, ROUND: tl.constexpr,
+    stride_o, inv_t, HAS_ENTROPY: tl.constexpr, ROUND: tl.constexpr, TMA_STORE: tl.constexpr,
+    row0, col0,
 ):  # fmt: skip
     lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0)
     g = tl.load(glp_ptr + offs_m, mask=row_ok, other=0.0)
@@ -193,13 +203,25 @@ def _grad_epilogue(
         ge = tl.load(gent_ptr + offs_m, mask=row_ok, other=0.0)
         pz = tl.load(pz_ptr + offs_m, mask=row_ok, other=0.0)
         dz -= ge[:, None] * p * tl.where(col_ok[None, :], z - pz[:, None], 0.0)
-    dl = dz * inv_t
-    dst = out_ptr + offs_m.to(tl.int64)[:, None] * stride_o + offs_n[None, :]
-    val = round_to(dl, out_ptr.dtype.element_ty) if ROUND else dl
-    tl.store(dst, val.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    _store_tile(out_ptr, dz * inv_t, offs_m, offs_n, row_ok, col_ok, stride_o, ROUND, TMA_STORE,
+                row0, col0)  # fmt: skip
+
+
+def _store_tile(dst, val, offs_m, offs_n, row_ok, col_ok, stride_o, ROUND: tl.constexpr,
+                TMA_STORE: tl.constexpr, row0, col0):  # fmt: skip
+    """fp32 ``val`` rounded into the output tile: by a tensor descriptor (TMA clips the edges)
+    or by pointers."""
+    if TMA_STORE:
+        out = round_to(val, dst.dtype) if ROUND else val
+        dst.store([row0, col0], out.to(dst.dtype))
+    else:
+        ptrs = dst + offs_m.to(tl.int64)[:, None] * stride_o + offs_n[None, :]
+        out = round_to(val, dst.dtype.element_ty) if ROUND else val
+        tl.store(ptrs, out.to(dst.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 if triton is not None:  # helpers are jitted at import, like _rounding.round_to
+    _store_tile = triton.jit(_store_tile)
     _stats_epilogue = triton.jit(_stats_epilogue)
     _grad_epilogue = triton.jit(_grad_epilogue)
     _tile_epilogue = triton.jit(_tile_epilogue)
@@ -257,19 +279,34 @@ def _check_inputs(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor) -> No
 def _launch_tma(h, w, targets, inv_t, ptrs, *, grad, entropy, shifted, out_stride) -> None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    cfg = TMA_CONFIG
+    cfg = dict(TMA_CONFIG)
+    store = cfg.pop("TMA_STORE")
     m_rows, n_cols, k_dim = h.shape[0], w.shape[0], h.shape[1]
     h_desc = TensorDescriptor.from_tensor(h, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
     w_desc = TensorDescriptor.from_tensor(w, [STATS_BLOCK_N, cfg["BLOCK_K"]])
     tiles = triton.cdiv(m_rows, cfg["BLOCK_M"]) * triton.cdiv(n_cols, STATS_BLOCK_N)
     sms = num_sms(h.device)
+    ptrs, tma_store = _store_descriptors(ptrs, cfg["BLOCK_M"]) if store else (ptrs, False)
     _build_tma()[(min(sms, tiles),)](
         h_desc, w_desc, targets, *ptrs, m_rows, n_cols, k_dim, out_stride, float(inv_t),
         GRAD=grad, HAS_ENTROPY=entropy, STORE_SHIFTED=shifted,
         DOT_F32=interpret_mode() or h.dtype == torch.float32,
         NUM_SMS=sms,
-        BLOCK_N=STATS_BLOCK_N, **cfg,
+        BLOCK_N=STATS_BLOCK_N, TMA_STORE=tma_store, **cfg,
     )  # fmt: skip
+
+
+def _store_descriptors(ptrs: tuple, block_m: int) -> tuple[tuple, bool]:
+    """``ptrs`` with the output tensor (``shifted``: index 4, ``out``: 9) as a tensor descriptor
+    of [block_m, STATS_BLOCK_N] blocks, when it exists and its rows are 16-byte aligned."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    at = 9 if ptrs[9] is not None else 4
+    out = ptrs[at]
+    if out is None or out.data_ptr() % 16 or (out.stride(0) * out.element_size()) % 16:
+        return ptrs, False
+    desc = TensorDescriptor.from_tensor(out, [block_m, STATS_BLOCK_N])
+    return (*ptrs[:at], desc, *ptrs[at + 1 :]), True
 
 
 def _launch(h, w, targets, inv_t, ptrs, *, grad, entropy, shifted, out_stride, kernel) -> None:

@@ -41,7 +41,10 @@ except ImportError:  # the launchers raise a clear error on use
 
 # 128 x 128 output tiles in 8 warps (128 x 256 exceeds the shared memory), 64-deep K steps, 4
 # stages: 4.10 ms a 1344-row chunk on an H200 (3 stages 4.54; tools/bench_head_gemm.py).
-CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4)
+# CTAS_PER_SM: persistent programs per SM (the TMA kernel). With 2, one program's epilogue (the
+# pair's read and write) can run beside the other's main loop if both fit an SM, which takes
+# smaller tiles: measured slower (best 4.51 ms, 128 x 64 tiles in 4 warps, 3 stages).
+CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, CTAS_PER_SM=1)
 RESIDUAL_BITS = 14  # scale(hi) = 2^(e - 14): 1/128 of a bf16 ulp (7 stored mantissa bits)
 _BITS = None if tl is None else tl.constexpr(RESIDUAL_BITS)  # what jit code may read
 
@@ -120,13 +123,13 @@ def _addmm_kernel(a_ptr, b_ptr, hi_ptr, lo_ptr, M, N, K, stride_a, stride_b, str
 
 
 def _addmm_tma_kernel(a_desc, b_desc, hi_desc, lo_desc, M, N, K, FIRST: tl.constexpr,
-                      DOT_F32: tl.constexpr, NUM_SMS: tl.constexpr, BLOCK_M: tl.constexpr,
+                      DOT_F32: tl.constexpr, NUM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """Persistent (one program per SM), TMA loads and stores (the pair's tiles too: no
-    per-element pointers in registers); N blocks of one M block are consecutive."""
+    """Persistent (``NUM_PROGRAMS``: CTAS_PER_SM per SM), TMA loads and stores (the pair's
+    tiles too: no per-element pointers in registers); N blocks of one M block are consecutive."""
     num_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * num_n, NUM_SMS, flatten=True):
+    for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * num_n, NUM_PROGRAMS, flatten=True):
         pid_m = tile // num_n
         pid_n = tile % num_n
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -201,7 +204,7 @@ def split_acc_addmm(
         hi: [M, N] bfloat16, lo: [M, N] int8, contiguous (rows of a larger pair may be given).
         first: the pair holds nothing yet (it is written, not read).
         kernel: None (``_runtime.tma_kind`` decides), "tma" or "pointer".
-        config: tile sizes, warps and stages (default :data:`CONFIG`).
+        config: tile sizes, warps, stages and programs per SM (default :data:`CONFIG`).
     """
     require_triton()
     check_pair(hi, lo)
@@ -221,6 +224,9 @@ def split_acc_addmm(
             lo.zero_()
         return
     cfg = {**CONFIG, **(config or {})}
+    ctas = cfg.pop("CTAS_PER_SM")
+    if not isinstance(ctas, int) or ctas < 1:
+        raise ValueError(f"config CTAS_PER_SM must be a positive int, got {ctas!r}")
     dot_f32 = interpret_mode() or a.dtype == torch.float32
     tiles = triton.cdiv(m_rows, cfg["BLOCK_M"]) * triton.cdiv(n_cols, cfg["BLOCK_N"])
     if tma_kind((a, b, hi, lo), kernel) == "pointer":
@@ -235,10 +241,10 @@ def split_acc_addmm(
     b_desc = TensorDescriptor.from_tensor(b, [cfg["BLOCK_K"], cfg["BLOCK_N"]])
     hi_desc, lo_desc = (TensorDescriptor.from_tensor(x, [cfg["BLOCK_M"], cfg["BLOCK_N"]])
                         for x in (hi, lo))  # fmt: skip
-    sms = num_sms(a.device)
-    _build("tma")[(min(sms, tiles),)](
+    programs = min(ctas * num_sms(a.device), tiles)
+    _build("tma")[(programs,)](
         a_desc, b_desc, hi_desc, lo_desc, m_rows, n_cols, k_dim, FIRST=first,
-        DOT_F32=dot_f32, NUM_SMS=sms, **cfg,
+        DOT_F32=dot_f32, NUM_PROGRAMS=programs, **cfg,
     )  # fmt: skip
 
 

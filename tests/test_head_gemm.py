@@ -128,6 +128,26 @@ def test_grad_interpreter(kernel, dtype, entropy):
 
 
 @interpreter_only
+def test_tma_kernel_output_rows_not_16_byte_aligned_interpreter():
+    """An output whose rows are not 16-byte aligned (601 bf16 columns) cannot be a TMA store's
+    tensor: the TMA kernel stores it by pointers, with the same values as the aligned store."""
+    from megatron_grpo.kernels import head_gemm_grad, head_gemm_stats
+
+    h, w, t = _inputs(torch.bfloat16, n=601)
+    g = torch.Generator().manual_seed(6)
+    lse, g_lp = torch.randn(M, generator=g) + 8.0, torch.randn(M, generator=g)
+    got = head_gemm_grad(h, w, t, INV_T, lse, g_lp, kernel="tma")
+    torch.testing.assert_close(got, head_gemm_grad(h, w, t, INV_T, lse, g_lp, kernel="pointer"))
+    shifted = {k: torch.empty(M, 601, dtype=torch.bfloat16) for k in ("tma", "pointer")}
+    for kind, out in shifted.items():
+        head_gemm_stats(h, w, t, INV_T, False, shifted=out, kernel=kind)
+    torch.testing.assert_close(shifted["tma"], shifted["pointer"])
+    padded = torch.empty(M, 608, dtype=torch.bfloat16)[:, :601]  # rows aligned: a TMA store
+    head_gemm_stats(h, w, t, INV_T, False, shifted=padded, kernel="tma")
+    torch.testing.assert_close(padded, shifted["pointer"])
+
+
+@interpreter_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_shifted_logits_grad_interpreter(dtype):
     """logits_grad on the stored shifted logits (block_shift) gives the gradient of the exact

@@ -112,15 +112,17 @@ def test_reference_resolve_applies_the_scale_once():
 
 
 @interpreter_only
-@pytest.mark.parametrize(  # the TMA kernel serves 16-bit operands
-    ("kernel", "dtype"),
-    [("pointer", torch.float32), ("pointer", torch.bfloat16), ("tma", torch.bfloat16)],
-)
-def test_addmm_interpreter(kernel, dtype):
+@pytest.mark.parametrize(  # the TMA kernel serves 16-bit operands; 2 programs per "SM"
+    ("kernel", "dtype", "ctas"),
+    [("pointer", torch.float32, 1), ("pointer", torch.bfloat16, 1), ("tma", torch.bfloat16, 1),
+     ("tma", torch.bfloat16, 2)],
+)  # fmt: skip
+def test_addmm_interpreter(kernel, dtype, ctas):
     from megatron_grpo.kernels import split_acc_addmm, split_acc_resolve
 
     chunks = _chunks(dtype)
-    hi, lo = _run(split_acc_addmm, chunks, kernel=kernel, config=dict(BLOCK_M=64, BLOCK_N=32))
+    cfg = dict(BLOCK_M=64, BLOCK_N=32, CTAS_PER_SM=ctas)
+    hi, lo = _run(split_acc_addmm, chunks, kernel=kernel, config=cfg)
     _check_pair(hi, lo, chunks)  # (the reference may round a tie the other way: equal bounds)
     _check_resolved(split_acc_resolve(hi, lo, torch.tensor([0.37])), chunks, 0.37)
 

@@ -24,9 +24,12 @@ from megatron_grpo.kernels import head_gemm, split_accumulator
 
 from megatron_grpo.ops.gemm import mm_f32
 
-SPLIT_CONFIGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages (each within 227 KiB of smem)
-    (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 2), (64, 256, 64, 8, 3),
-    (64, 128, 64, 4, 4),
+# BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, programs per SM (the TMA kernel; each fits: the
+# sm_90 compile's shared memory and registers, tools/kernel_resources.py)
+SPLIT_CONFIGS = [
+    (128, 128, 64, 8, 4, 1), (128, 128, 64, 8, 3, 1), (64, 128, 64, 4, 4, 1),
+    (128, 64, 64, 8, 3, 1), (128, 64, 64, 8, 3, 2), (128, 64, 64, 4, 3, 2),
+    (64, 128, 64, 4, 3, 2), (128, 64, 32, 4, 4, 2), (128, 64, 64, 4, 2, 2), (64, 64, 64, 4, 4, 2),
 ]  # fmt: skip
 
 
@@ -76,10 +79,11 @@ def _time_wgrad(args, dev) -> dict:
         "wgrad cublas_bf16": _time(lambda: torch.mm(dl.t(), h, out=hi)),
         "wgrad cublas_fp32_acc": _time(lambda: mm_f32(dl.t(), h, acc=acc32)),
     }
-    for bm, bn, bk, warps, stages in SPLIT_CONFIGS:
-        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-        for kind in ("tma", "pointer"):
-            label = f"wgrad split {kind} {bm}x{bn} BK{bk} w{warps} s{stages}"
+    for bm, bn, bk, warps, stages, ctas in SPLIT_CONFIGS:
+        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+                   CTAS_PER_SM=ctas)  # fmt: skip
+        for kind in ("tma", "pointer") if ctas == 1 else ("tma",):
+            label = f"wgrad split {kind} {bm}x{bn} BK{bk} w{warps} s{stages} c{ctas}"
             try:
                 split_accumulator.split_acc_addmm(dl, h, hi, lo, True, kind, cfg)
                 res[label] = _time(
@@ -130,9 +134,11 @@ def main() -> int:
     for kind in ("tma", "pointer"):
         _time_kind(res, kind, h, w, t, lse, g, out16)
     default_tma = dict(head_gemm.TMA_CONFIG)
-    for bk, warps, stages in [(64, 8, 4), (128, 8, 2), (128, 8, 3)]:
-        head_gemm.TMA_CONFIG.update(BLOCK_K=bk, num_warps=warps, num_stages=stages)
-        _time_kind(res, f"tma BK{bk} w{warps} s{stages}", h, w, t, lse, g, out16, "tma")
+    for bk, warps, stages, store in [(64, 8, 3, False), (64, 8, 4, True), (128, 8, 2, True)]:
+        head_gemm.TMA_CONFIG.update(BLOCK_K=bk, num_warps=warps, num_stages=stages,
+                                    TMA_STORE=store)  # fmt: skip
+        label = f"tma BK{bk} w{warps} s{stages}" + ("" if store else " pointer-store")
+        _time_kind(res, label, h, w, t, lse, g, out16, "tma")
     head_gemm.TMA_CONFIG.update(default_tma)
     configs = [dict(head_gemm.CONFIG)] + [
         {**c.kwargs, "BLOCK_N": head_gemm.STATS_BLOCK_N, "num_warps": c.num_warps,
