@@ -53,7 +53,8 @@ CONFIG = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_
 # The persistent TMA kernel's default: 3 stages (faster than 2 or 4 and than 128-deep K steps on
 # an H200; Triton's warp specialization of the tile loop measured no faster: docs/benchmarks.md).
 # TMA_STORE: the output tile (shifted logits / d logits) leaves by a TMA store when its rows are
-# 16-byte aligned (else by pointers): the pointer tile spilled 0.4-2.5 KB a thread (triton 3.6).
+# 16-byte aligned (else by pointers): the pointer tile spilled 0.4-2.5 KB a thread (triton 3.6);
+# on an H200 stats + shifted logits went from 1.16x to 1.095x cuBLAS (docs/benchmarks.md).
 TMA_CONFIG = dict(BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, TMA_STORE=True)
 STATS_BLOCK_N = CONFIG["BLOCK_N"]  # the vocab block of the stats partials (fixed: see _configs)
 _GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
