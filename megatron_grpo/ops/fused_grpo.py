@@ -28,7 +28,7 @@ so it wins from a few thousand rows. Measured on one H200 (2026-11-23, H = 4096,
 bf16, fp32 ``main_grad``, ``tools/bench_logprobs.py --main-grad``; x = time over the 3-GEMM
 floor timed around each method, T = 8192 / 32768; docs/benchmarks.md has the runs):
 
-    (a) fused epilogue, C = 3200 (1 GiB)    1.14-1.16x / 1.13-1.14x  over 0.96 GiB
+    (a) fused epilogue, C = 3200 (1 GiB)    1.13-1.16x / 1.11-1.14x  over 0.96 GiB
     (a) fused epilogue, C = 6464 (2 GiB)    1.17x / 1.10x (start floor)  over 1.94 GiB
     (a) fused epilogue, C = 8192/12992 (4 GiB)  1.13x / 1.06x (start floor)
     (b) tiled, fused epilogue               1.40x / 1.41x  over 0.38 / 0.42 GiB
