@@ -114,6 +114,12 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def tma_aligned(x: torch.Tensor) -> bool:
+    """Whether a TMA descriptor can address ``x``: its start and row stride are 16-byte
+    aligned."""
+    return x.data_ptr() % 16 == 0 and x.stride(0) * x.element_size() % 16 == 0
+
+
 def tma_kind(tensors: tuple[torch.Tensor, ...], kernel: str | None) -> str:
     """Which of a GEMM's two kernels runs (:data:`KERNEL_KINDS`): ``kernel`` when given, else
     "tma" (persistent, TMA loads) on Hopper and newer GPUs when the rows of every tensor of
@@ -125,6 +131,5 @@ def tma_kind(tensors: tuple[torch.Tensor, ...], kernel: str | None) -> str:
     dev = tensors[0].device
     if interpret_mode() or dev.type != "cuda":
         return "pointer"
-    aligned = all(x.data_ptr() % 16 == 0 and x.stride(0) * x.element_size() % 16 == 0
-                  for x in tensors)  # fmt: skip
+    aligned = all(tma_aligned(x) for x in tensors)
     return "tma" if aligned and torch.cuda.get_device_capability(dev)[0] >= 9 else "pointer"

@@ -36,6 +36,7 @@ from ._runtime import (
     interpret_mode,
     num_sms,
     require_triton,
+    tma_aligned,
     tma_kind,
 )
 
@@ -165,13 +166,13 @@ def _tile_epilogue(
     else:
         _stats_epilogue(z, hit, col_ok, row_ok, offs_m, offs_n, pid_n, M, m_ptr, s_ptr, zt_ptr,
                         b_ptr, shifted_ptr, stride_o, HAS_ENTROPY, STORE_SHIFTED, ROUND,
-                        TMA_STORE, pid_m * BLOCK_M)  # fmt: skip
+                        TMA_STORE, pid_m * BLOCK_M, pid_n * BLOCK_N)  # fmt: skip
 
 
 def _stats_epilogue(
     z, hit, col_ok, row_ok, offs_m, offs_n, pid_n, M, m_ptr, s_ptr, zt_ptr, b_ptr, shifted_ptr,
     stride_o, HAS_ENTROPY: tl.constexpr, STORE_SHIFTED: tl.constexpr, ROUND: tl.constexpr,
-    TMA_STORE: tl.constexpr, row0,
+    TMA_STORE: tl.constexpr, row0, col0,
 ):  # fmt: skip
     part = pid_n.to(tl.int64) * M + offs_m
     # zt first: z is then needed only for z - m (fewer tiles live at once)
@@ -188,7 +189,7 @@ def _stats_epilogue(
         tl.store(b_ptr + part, tl.sum(e * d, axis=1) + m * s, mask=row_ok)
     if STORE_SHIFTED:
         _store_tile(shifted_ptr, d, offs_m, offs_n, row_ok, col_ok, stride_o, ROUND, TMA_STORE,
-                    row0, pid_n * d.shape[1])  # fmt: skip
+                    row0, col0)  # fmt: skip
 
 
 def _grad_epilogue(
@@ -304,7 +305,7 @@ def _store_descriptors(ptrs: tuple, block_m: int) -> tuple[tuple, bool]:
 
     at = 9 if ptrs[9] is not None else 4
     out = ptrs[at]
-    if out is None or out.data_ptr() % 16 or (out.stride(0) * out.element_size()) % 16:
+    if out is None or not tma_aligned(out):
         return ptrs, False
     desc = TensorDescriptor.from_tensor(out, [block_m, STATS_BLOCK_N])
     return (*ptrs[:at], desc, *ptrs[at + 1 :]), True
