@@ -8,7 +8,7 @@ d_weight GEMM of one ``--wgrad-rows`` chunk (``dlogits^T [V, C] @ h [C, H]``): t
 accumulator (``kernels/split_accumulator.py``, a few tile configs) against cuBLAS adding into an
 fp32 buffer (the ``main_grad`` path) and cuBLAS writing bf16 (ratios against the latter)::
 
-    python tools/bench_head_gemm.py [--T 8192] [--wgrad-rows 1344] [--out DIR]
+    python tools/bench_head_gemm.py [--T 8192] [--wgrad-rows 1344] [--wgrad-only] [--out DIR]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from megatron_grpo.ops.gemm import mm_f32
 
 # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, programs per SM (the TMA kernel; each fits: the
 # sm_90 compile's shared memory and registers, tools/kernel_resources.py)
-SPLIT_CONFIGS = [
+SPLIT_CONFIGS = [  # M x N tile, K step, warps, stages, programs per SM
     (128, 128, 64, 8, 4, 1), (128, 128, 64, 8, 3, 1), (64, 128, 64, 4, 4, 1),
     (128, 64, 64, 8, 3, 1), (128, 64, 64, 8, 3, 2), (128, 64, 64, 4, 3, 2),
     (64, 128, 64, 4, 3, 2), (128, 64, 32, 4, 4, 2), (128, 64, 64, 4, 2, 2), (64, 64, 64, 4, 4, 2),
@@ -109,16 +109,8 @@ def _print(res: dict, base_key: str, flops: int) -> None:
             print(f"{name:44s} {ms}")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--T", type=int, default=8192)
-    ap.add_argument("--H", type=int, default=4096)
-    ap.add_argument("--V", type=int, default=151936)
-    ap.add_argument("--wgrad-rows", type=int, default=1344, help="0: skip the d_weight GEMM")
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
-    args = ap.parse_args()
-    dev = torch.device("cuda")
-    torch.manual_seed(0)
+def _time_head(args, dev) -> dict:
+    """ms of the head GEMM's kernels and configs against cuBLAS (printed)."""
     h = torch.randn(args.T, args.H, device=dev, dtype=torch.bfloat16)
     w = (torch.randn(args.V, args.H, device=dev) * 0.02).to(torch.bfloat16)
     t = torch.randint(0, args.V, (args.T,), device=dev)
@@ -164,8 +156,22 @@ def main() -> int:
         except (triton.runtime.errors.OutOfResources, RuntimeError) as e:
             res[f"error {label}"] = str(e)[:200]
     _print(res, "cublas_bf16", flops)
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--T", type=int, default=8192)
+    ap.add_argument("--H", type=int, default=4096)
+    ap.add_argument("--V", type=int, default=151936)
+    ap.add_argument("--wgrad-rows", type=int, default=1344, help="0: skip the d_weight GEMM")
+    ap.add_argument("--wgrad-only", action="store_true", help="time only the d_weight GEMM")
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    res = {} if args.wgrad_only else _time_head(args, dev)
     if args.wgrad_rows:
-        del out32, out16
         wgrad = _time_wgrad(args, dev)
         _print(wgrad, "wgrad cublas_bf16", 2 * args.wgrad_rows * args.V * args.H)
         res.update(wgrad)
