@@ -7,7 +7,7 @@ GEMMs (aten::mm / addmm) grouped by input shape with their TFLOP/s. ``--chunk-si
 fused GRPO loss at explicit single-pass chunk sizes (rows per full-width chunk)::
 
     python tools/profile_lm_head.py [--T 8192] [--main-grad] [--methods fused_grpo triton]
-        [--chunk-sizes 2048 3072 3200 4096] [--out DIR]
+        [--fused-path fused_single_pass] [--chunk-sizes 2048 3072 3200 4096] [--out DIR]
 
 Prints tables and writes ``profile_T{T}.json`` (and one Chrome trace per method) under --out.
 """
@@ -38,6 +38,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--methods", nargs="+", default=["fused_grpo", "triton"])
     ap.add_argument("--chunk-sizes", type=int, nargs="*", default=[])
     ap.add_argument("--main-grad", action="store_true", help="fp32 weight.main_grad up front")
+    ap.add_argument(
+        "--fused-path",
+        choices=["fused_single_pass", "fused_tiled", "op"],
+        default=None,
+        help="fused_grpo_loss's path= (default: the plan's choice)",
+    )
     ap.add_argument("--memory-budget-gib", type=float, default=None)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
@@ -46,7 +52,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a dry run")
     ap.add_argument("--out", default=os.environ.get("OUT", "profile_out"))
     a = ap.parse_args()
-    a.vocab_size, a.chunk_size, a.fused_path = a.V, None, None
+    a.vocab_size, a.chunk_size = a.V, None
     gib = a.memory_budget_gib
     a.memory_budget = None if gib is None else int(gib * 2**30)
     return a
@@ -135,7 +141,7 @@ def chunk_sweep(p: Problem, sizes: list[int], args, dev) -> dict:
         except (ValueError, RuntimeError) as e:
             res[c] = f"{type(e).__name__}: {e}"[:200]
         clear_grads(p)
-    p.chunk_size, p.fused_path, p.memory_budget = None, None, budget
+    p.chunk_size, p.fused_path, p.memory_budget = None, args.fused_path, budget
     return res
 
 
