@@ -8,7 +8,7 @@ One GPU (T=8192 and 32768, H=4096, V=151936, bf16; a table on stdout, JSON under
 
 CPU dry run of the same logic at tiny sizes (Triton kernels in the interpreter)::
 
-    python tools/bench_logprobs.py --device cpu --tiny
+    python tools/bench_logprobs.py --device cpu --tiny   # (tests/test_tools.py runs it)
     torchrun --nproc-per-node 2 tools/bench_logprobs.py --tp --device cpu --tiny
 
 Every method runs forward + backward of an objective: sum(c * logp) for the log-prob methods,

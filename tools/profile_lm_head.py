@@ -10,6 +10,8 @@ fused GRPO loss at explicit single-pass chunk sizes (rows per full-width chunk):
         [--fused-path fused_single_pass] [--chunk-sizes 2048 3072 3200 4096] [--out DIR]
 
 Prints tables and writes ``profile_T{T}.json`` (and one Chrome trace per method) under --out.
+``--device cpu`` is a dry run of the same logic (Triton kernels in the interpreter; use tiny
+``--T --H --V``), run by ``tests/test_tools.py``.
 """
 
 from __future__ import annotations
@@ -19,13 +21,6 @@ import json
 import os
 import time
 from pathlib import Path
-
-import torch
-from bench_logprobs import make_grpo, make_problem
-from bench_methods import METHODS, Problem, clear_grads, floor_ms, median_ms, method_plan, sync
-from torch.profiler import ProfilerActivity, profile
-
-from megatron_grpo.ops import vocab_parallel_logprobs
 
 _GEMM_OPS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::_scaled_mm")
 
@@ -56,6 +51,27 @@ def parse_args() -> argparse.Namespace:
     gib = a.memory_budget_gib
     a.memory_budget = None if gib is None else int(gib * 2**30)
     return a
+
+
+ARGS = parse_args() if __name__ == "__main__" else None
+if ARGS is not None and ARGS.device == "cpu":
+    # Triton builds its library for the interpreter only if this is set before its first import.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+from bench_logprobs import make_grpo, make_problem  # noqa: E402
+from bench_methods import (  # noqa: E402
+    METHODS,
+    Problem,
+    clear_grads,
+    floor_ms,
+    median_ms,
+    method_plan,
+    sync,
+)
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from megatron_grpo.ops import vocab_parallel_logprobs  # noqa: E402
 
 
 def busy_ms(events) -> float:
@@ -157,7 +173,7 @@ def _print(name: str, r: dict, floor: float) -> None:
 
 
 def main() -> int:
-    args = parse_args()
+    args = ARGS or parse_args()
     dev = torch.device(args.device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,51 @@
+"""The benchmark and profiling tools' CPU dry runs (tiny shapes, Triton in its interpreter): the
+scripts behind docs/benchmarks.md must keep running and keep printing the plan each method ran."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+
+
+def run_tool(script: str, *args: str, out: Path) -> str:
+    """stdout of ``python tools/<script> --device cpu ... --out out``; fails on a non-zero exit.
+    TRITON_INTERPRET is left for the script to set (its ``--device cpu`` must)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, script, "--device", "cpu", *args, "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=TOOLS, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def test_bench_logprobs_dry_run(tmp_path):
+    methods = ["floor", "triton", "fused_grpo", "unfused_grpo", "fused_gspo"]
+    stdout = run_tool("bench_logprobs.py", "--tiny", "--T", "96", "--methods", *methods,
+                      out=tmp_path)  # fmt: skip
+    assert "plan: fused_single_pass (requested)" in stdout  # --tiny forces the single pass
+    assert "plan: fused_tiled (loss.ratio_level 'sequence'" in stdout  # GSPO's path
+    (result,) = tmp_path.glob("bench_single_*.json")
+    rows = json.loads(result.read_text())["results"]["96"]
+    for name in methods[1:]:  # bf16 inputs against the fp32 reference: Megatron's is 2.4e-3
+        assert rows[name]["logp_max_abs"] < 1e-4, (name, rows[name])
+        assert max(rows[name]["dh_rel"], rows[name]["dw_rel"]) < 5e-3, (name, rows[name])
+        assert rows[name]["plan"], name
+
+
+def test_profile_lm_head_dry_run(tmp_path):
+    stdout = run_tool(
+        "profile_lm_head.py", "--T", "96", "--H", "64", "--V", "1000", "--reps", "1",
+        "--warmup", "1", "--profiled-steps", "1", "--seq-len", "32",
+        "--methods", "fused_grpo", "triton", "--fused-path", "fused_single_pass",
+        "--chunk-sizes", "64", out=tmp_path,
+    )  # fmt: skip
+    assert "plan: fused_single_pass (requested)" in stdout
+    assert "plan: op (requested); triton kernels" in stdout
+    assert "fused single pass C=    64:" in stdout
+    profile = json.loads((tmp_path / "profile_T96.json").read_text())
+    assert set(profile["methods"]) == {"fused_grpo", "triton"}
+    assert (tmp_path / "trace_fused_grpo_T96.json").exists()
