@@ -12,11 +12,15 @@ from pathlib import Path
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
 
-def run_tool(script: str, *args: str, out: Path) -> str:
-    """stdout of ``python tools/<script> --device cpu ... --out out``; fails on a non-zero exit.
-    TRITON_INTERPRET is left for the script to set (its ``--device cpu`` must)."""
+def run_tool(script: str, *args: str, out: Path, nproc: int = 0) -> str:
+    """stdout of ``python tools/<script> --device cpu ... --out out`` (``nproc``: under torchrun
+    with that many processes); fails on a non-zero exit. TRITON_INTERPRET is left for the script
+    to set (its ``--device cpu`` must)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, script, "--device", "cpu", *args, "--out", str(out)]
+    launch = [sys.executable]
+    if nproc:
+        launch += ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    cmd = [*launch, script, "--device", "cpu", *args, "--out", str(out)]
     proc = subprocess.run(cmd, cwd=TOOLS, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
     return proc.stdout
@@ -34,6 +38,20 @@ def test_bench_logprobs_dry_run(tmp_path):
         assert rows[name]["logp_max_abs"] < 1e-4, (name, rows[name])
         assert max(rows[name]["dh_rel"], rows[name]["dw_rel"]) < 5e-3, (name, rows[name])
         assert rows[name]["plan"], name
+
+
+def test_bench_logprobs_tp_dry_run(tmp_path):
+    """TP 2 over gloo: each method's TP2 results against its TP1 run on the same rank."""
+    methods = ["floor", "triton", "fused_grpo_sp"]
+    run_tool("bench_logprobs.py", "--tp", "--tiny", "--T", "96", "--methods", *methods,
+             out=tmp_path, nproc=2)  # fmt: skip
+    rows = json.loads((tmp_path / "bench_tp2_T96.json").read_text())["rows"]
+    assert {r["method"] for r in rows} == set(methods)
+    for r in rows:
+        if r["method"] != "floor":
+            tpn = r["tpn"]
+            assert tpn["plan"] and tpn["logp_vs_tp1"] < 1e-5, r
+            assert max(tpn["dh_vs_tp1"], tpn["dw_vs_tp1"]) < 1e-3, r
 
 
 def test_profile_lm_head_dry_run(tmp_path):
