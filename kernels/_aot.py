@@ -87,9 +87,9 @@ def _head_gemm_specs() -> list[KernelSpec]:
            "shifted_ptr": "*bf16", "lse_ptr": _F32, "glp_ptr": _F32, "gent_ptr": _F32,
            "pz_ptr": _F32, "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
            "stride_o": "i32", "inv_t": "fp32"}  # fmt: skip
-    modes = {"stats": (False, False, False), "stats+shifted": (False, False, True),
-             "stats+entropy+shifted": (False, True, True), "grad": (True, False, False),
-             "grad+entropy": (True, True, False)}  # fmt: skip
+    modes = {"stats": (False, False, False), "stats+entropy": (False, True, False),
+             "stats+shifted": (False, False, True), "stats+entropy+shifted": (False, True, True),
+             "grad": (True, False, False), "grad+entropy": (True, True, False)}  # fmt: skip
     if store:
         tile = f"tensordesc<bf16[{bm}, {bn}]>"  # the output tile, stored by TMA
         sig |= {"shifted_ptr": tile, "out_ptr": tile}
