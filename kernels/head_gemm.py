@@ -288,7 +288,8 @@ def _launch_tma(h, w, targets, inv_t, ptrs, *, grad, entropy, shifted, out_strid
     w_desc = TensorDescriptor.from_tensor(w, [STATS_BLOCK_N, cfg["BLOCK_K"]])
     tiles = triton.cdiv(m_rows, cfg["BLOCK_M"]) * triton.cdiv(n_cols, STATS_BLOCK_N)
     sms = num_sms(h.device)
-    ptrs, tma_store = _store_descriptors(ptrs, cfg["BLOCK_M"]) if store else (ptrs, False)
+    at = _OUT_AT if grad else _SHIFTED_AT
+    ptrs, tma_store = _store_descriptor(ptrs, at, cfg["BLOCK_M"]) if store else (ptrs, False)
     _build_tma()[(min(sms, tiles),)](
         h_desc, w_desc, targets, *ptrs, m_rows, n_cols, k_dim, out_stride, float(inv_t),
         GRAD=grad, HAS_ENTROPY=entropy, STORE_SHIFTED=shifted,
@@ -298,12 +299,15 @@ def _launch_tma(h, w, targets, inv_t, ptrs, *, grad, entropy, shifted, out_strid
     )  # fmt: skip
 
 
-def _store_descriptors(ptrs: tuple, block_m: int) -> tuple[tuple, bool]:
-    """``ptrs`` with the output tensor (``shifted``: index 4, ``out``: 9) as a tensor descriptor
-    of [block_m, STATS_BLOCK_N] blocks, when it exists and its rows are 16-byte aligned."""
+# where the output tile's tensor sits in a launch's ``ptrs`` (the kernels' argument order)
+_SHIFTED_AT, _OUT_AT = 4, 9
+
+
+def _store_descriptor(ptrs: tuple, at: int, block_m: int) -> tuple[tuple, bool]:
+    """``ptrs`` with its output tensor ``ptrs[at]`` as a tensor descriptor of
+    [block_m, STATS_BLOCK_N] blocks, when it exists and its rows are 16-byte aligned."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    at = 9 if ptrs[9] is not None else 4
     out = ptrs[at]
     if out is None or not tma_aligned(out):
         return ptrs, False

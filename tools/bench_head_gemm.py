@@ -26,7 +26,7 @@ from megatron_grpo.ops.gemm import mm_f32
 
 # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, programs per SM (the TMA kernel; each fits: the
 # sm_90 compile's shared memory and registers, tools/kernel_resources.py)
-SPLIT_CONFIGS = [  # M x N tile, K step, warps, stages, programs per SM
+SPLIT_CONFIGS = [
     (128, 128, 64, 8, 4, 1), (128, 128, 64, 8, 3, 1), (64, 128, 64, 4, 4, 1),
     (128, 64, 64, 8, 3, 1), (128, 64, 64, 8, 3, 2), (128, 64, 64, 4, 3, 2),
     (64, 128, 64, 4, 3, 2), (128, 64, 32, 4, 4, 2), (128, 64, 64, 4, 2, 2), (64, 64, 64, 4, 4, 2),
