@@ -4,6 +4,9 @@ megatron-core's own "local" spec has two gaps off the TE path: its ``DotProductA
 materializes [b, heads, s, s] scores in a CUDA buffer and rejects packed (THD) sequences, and
 its torch norms (``WrappedTorchNorm``) refuse sequence parallelism. The portable spec closes both:
 
+* :class:`~megatron_grpo.megatron.packed_rope.PackedRopeSelfAttention`: megatron-core's
+  ``SelfAttention`` whose packed-sequence RoPE is one op per tensor (megatron-core loops over
+  the documents at every layer); :class:`SDPAttention` applies it before attending.
 * :class:`SDPAttention`: ``torch.nn.functional.scaled_dot_product_attention``, causal, GQA;
   packed sequences attend per document (``packed_attention``: a few length-bucketed SDPA calls,
   not one per document), so documents never see each other and no [T, T] mask or
@@ -31,7 +34,7 @@ from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -51,6 +54,7 @@ from megatron.core.transformer.transformer_layer import (
 
 from megatron_grpo.megatron.cp_attention import cp_causal_attention
 from megatron_grpo.megatron.packed_attention import packed_causal_attention
+from megatron_grpo.megatron.packed_rope import PackedRopeSelfAttention, RopedPackedSeqParams
 
 try:
     import transformer_engine  # noqa: F401
@@ -232,6 +236,8 @@ class SDPAttention(MegatronModule):
         ctx = rng() if dropout else contextlib.nullcontext()
         with ctx:
             thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+            if isinstance(packed_seq_params, RopedPackedSeqParams):  # RoPE left to us
+                query, key = packed_seq_params.rope.apply(query, key, packed_seq_params)
             if self.config.context_parallel_size > 1:
                 if not thd:
                     raise ValueError(
@@ -259,7 +265,7 @@ class SDPAttention(MegatronModule):
 
 def _attention_spec(qk_layernorm: bool) -> ModuleSpec:
     return ModuleSpec(
-        module=SelfAttention,
+        module=PackedRopeSelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=SelfAttentionSubmodules(
             linear_qkv=ColumnParallelLinear,
