@@ -67,3 +67,34 @@ def test_profile_lm_head_dry_run(tmp_path):
     profile = json.loads((tmp_path / "profile_T96.json").read_text())
     assert set(profile["methods"]) == {"fused_grpo", "triton"}
     assert (tmp_path / "trace_fused_grpo_T96.json").exists()
+
+
+def test_bench_train_passes_dry_run(tmp_path):
+    """The trainer's log-prob and fwd+bwd passes, megatron-core's packed RoPE against ours, on a
+    tiny model: a row per (L, rope), the before/after table, the profile's kernel tables."""
+    stdout = run_tool(
+        "bench_train_passes.py", "--tiny", "--rope", "megatron,auto", "--doc-lens", "256,32",
+        "--profile", out=tmp_path,
+    )  # fmt: skip
+    result = json.loads((tmp_path / "results.json").read_text())
+    rows = {(r["L"], r["rope"]): r for r in result["rows"]}
+    assert set(rows) == {(L, rope) for L in (256, 32) for rope in ("megatron", "auto")}
+    for (L, rope), r in rows.items():
+        assert f"| {L} | {256 // L} | {rope} |" in stdout  # the markdown table's row
+        for name in ("logprob", "train"):
+            p = r[name]
+            assert min(p["ms"], p["tokens_per_s"], p["mfu"], p["x_floor"]) > 0, (L, rope, p)
+        assert r["flops"]["total"] > r["flops"]["attention"] > 0
+        assert r["loss"] is not None and r["grad_norm"] > 0, r
+        assert r["logp_max_abs_vs_first"] < 1e-4, r  # same weights and batches
+    assert [(c["L"], c["pass_"]) for c in result["comparison"]] == [
+        (256, "logprob"), (256, "train"), (32, "logprob"), (32, "train"),
+    ]  # fmt: skip
+    assert all(c["ratio"] > 0 for c in result["comparison"])
+    assert "| L | pass | before | after |" in stdout
+    profile = result["profile"]
+    assert [(p["rope"], p["pass_"]) for p in profile] == [
+        ("megatron", "logprob"), ("megatron", "train"), ("auto", "logprob"), ("auto", "train"),
+    ]  # fmt: skip
+    for p in profile:
+        assert p["launches"] > 0 and p["top"] and (tmp_path / p["trace"]).exists()

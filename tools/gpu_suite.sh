@@ -2,7 +2,7 @@
 # GPU suite of the log-prob op: the gpu-marked tests and the benchmark, results under $OUT.
 #
 # On a machine with PyPI (once; the GPU machine has no network):
-#   bash tools/gpu_suite.sh wheels     # megatron-core 0.16.1 + cut-cross-entropy for python 3.12
+#   bash tools/gpu_suite.sh wheels     # megatron-core 0.19.2 + cut-cross-entropy for python 3.12
 #                                      # into wheels/ (keep it out of git; carry it to the GPU)
 # On the GPU machine, from the repository root, with wheels/ carried along:
 #   bash tools/gpu_suite.sh            # = tests + bench (one GPU)
@@ -10,6 +10,8 @@
 #   bash tools/gpu_suite.sh bench      # tools/bench_logprobs.py, T=8192 and 32768
 #   bash tools/gpu_suite.sh bench --main-grad   # same with an fp32 main_grad (own log)
 #   bash tools/gpu_suite.sh tp         # the --tp benchmark on every visible GPU (2 or 4)
+#   bash tools/gpu_suite.sh passes     # training passes on packed batches: bench_train_passes
+#                                      # (megatron's RoPE loop vs ours), packed attention backends
 # Extra arguments after the mode go to the benchmark (e.g. `bench --T 8192`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,7 +35,7 @@ download_wheels() {
     done
     python3 -m pip download --python-version 3.12 --implementation cp "${plats[@]}" \
         --only-binary=:all: --no-deps -d "$WHEELS" \
-        megatron-core==0.16.1 cut-cross-entropy==25.1.1
+        megatron-core==0.19.2 cut-cross-entropy==25.1.1
     ls -la "$WHEELS"
 }
 
@@ -82,19 +84,28 @@ run_tp() {
     return "${PIPESTATUS[0]}"
 }
 
+run_passes() {
+    python3 tools/bench_train_passes.py --rope megatron,auto --out "$OUT" "$@" 2>&1 |
+        tee "$OUT/bench_train_passes.log"
+    local s=${PIPESTATUS[0]}
+    python3 tools/bench_packed_attention.py --out "$OUT" 2>&1 | tee "$OUT/bench_attention.log"
+    return $((s | PIPESTATUS[0]))
+}
+
 status=0
 case "$MODE" in
     wheels) download_wheels || status=1 ;;
     tests) { setup && run_tests; } || status=1 ;;
     bench) { setup && run_bench "$@"; } || status=1 ;;
     tp) { setup && run_tp "$@"; } || status=1 ;;
+    passes) { setup && run_passes "$@"; } || status=1 ;;
     all)
         setup || exit 1
         run_tests || status=1
         run_bench "$@" || status=1
         ;;
     *)
-        echo "usage: $0 [all|tests|bench|tp|wheels] [benchmark args]"
+        echo "usage: $0 [all|tests|bench|tp|passes|wheels] [benchmark args]"
         exit 2
         ;;
 esac
