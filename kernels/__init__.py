@@ -5,7 +5,7 @@ The kernel seam of the vocab-parallel log-prob op (see docs/DESIGN.md): per row-
 valid columns) and ``logits_grad`` (the fused softmax-gradient epilogue). The GEMMs and the TP
 combine live in ``megatron_grpo.ops``. The decode step's element-wise kernels (``add_rms_norm``,
 ``qkv_rope_cache``, ``swiglu``), ``decode_attention`` and ``sample_rows`` serve the
-generation engine; ``rope`` (forward and backward) applies the RoPE of packed training batches;
+generation engine; ``rope`` and ``rms_norm_fwd`` / ``rms_norm_bwd`` serve the training passes;
 ``split_acc_addmm`` / ``split_acc_resolve`` keep the single pass's d_weight as a
 bf16 gradient with an int8 residual. Importing this package works without Triton installed;
 calling a kernel then raises a RuntimeError saying so.
@@ -18,6 +18,7 @@ from .head_gemm import head_gemm_grad, head_gemm_stats
 from .logits_grad import logits_grad
 from .logits_row_stats import logits_row_stats
 from .qkv_rope_cache import qkv_rope_cache
+from .rms_norm import rms_norm_bwd, rms_norm_fwd
 from .rope import rope
 from .sample_rows import sample_rows
 from .split_accumulator import split_acc_addmm, split_acc_resolve
@@ -32,6 +33,8 @@ __all__ = [
     "logits_grad",
     "logits_row_stats",
     "qkv_rope_cache",
+    "rms_norm_bwd",
+    "rms_norm_fwd",
     "rope",
     "sample_rows",
     "split_acc_addmm",

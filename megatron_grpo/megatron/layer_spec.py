@@ -12,7 +12,8 @@ its torch norms (``WrappedTorchNorm``) refuse sequence parallelism. The portable
   not one per document), so documents never see each other and no [T, T] mask or
   score matrix is built (on GPU SDPA picks a flash/memory-efficient kernel: O(s) memory).
   Context parallelism (Megatron's THD CP layout) all-gathers K and V (``cp_attention``).
-* :class:`Norm`: LayerNorm / RMSNorm whose parameters carry ``sequence_parallel`` so that
+* :class:`Norm`: LayerNorm / RMSNorm (fp32 math; RMSNorm as one Triton kernel each way on GPU)
+  whose parameters carry ``sequence_parallel`` so that
   Megatron's ``finalize_model_grads`` all-reduces their gradients across TP under SP
   (q/k norms are summed across TP by name, as Megatron does).
 
@@ -55,6 +56,8 @@ from megatron.core.transformer.transformer_layer import (
 from megatron_grpo.megatron.cp_attention import cp_causal_attention
 from megatron_grpo.megatron.packed_attention import packed_causal_attention
 from megatron_grpo.megatron.packed_rope import PackedRopeSelfAttention, RopedPackedSeqParams
+from megatron_grpo.ops.dispatch import IMPLS
+from megatron_grpo.ops.rms_norm import rms_norm, rms_norm_torch
 
 try:
     import transformer_engine  # noqa: F401
@@ -76,8 +79,12 @@ class Norm(torch.nn.Module):
 
     Parameters get ``sequence_parallel = config.sequence_parallel``: under SP each TP rank
     normalizes different tokens, so Megatron sums their gradients across the TP group.
-    Input ``[..., hidden_size]``; the output keeps the input dtype.
+    Input ``[..., hidden_size]``; the output keeps the input dtype. RMSNorm runs
+    :func:`megatron_grpo.ops.rms_norm.rms_norm` with ``impl`` (a class default, "auto": the
+    Triton kernels on CUDA; :func:`set_norm_impl` sets it per model).
     """
+
+    impl: str = "auto"
 
     def __init__(
         self,
@@ -107,15 +114,26 @@ class Norm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is None:
-            return rms_norm_f32(x, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps, impl=self.impl)
         shape = (self.hidden_size,)
         y = F.layer_norm(x.float(), shape, self.weight.float(), self.bias.float(), self.eps)
         return y.to(x.dtype)
 
 
-def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension computed in fp32, returned in ``x``'s dtype."""
-    return F.rms_norm(x.float(), (x.size(-1),), weight.float(), eps).to(x.dtype)
+# the fp32 RMSNorm reference (the decode step's references use it under this name)
+rms_norm_f32 = rms_norm_torch
+
+
+def set_norm_impl(model: torch.nn.Module | list[torch.nn.Module], impl: str) -> int:
+    """Set the RMSNorm implementation ("auto" | "torch" | "triton") of every portable-spec
+    :class:`Norm` of ``model`` (a module or the list of chunks); returns how many were set."""
+    if impl not in IMPLS:
+        raise ValueError(f"norm impl must be one of {IMPLS}, got {impl!r}")
+    chunks = model if isinstance(model, list) else [model]
+    norms = [m for c in chunks for m in c.modules() if isinstance(m, Norm)]
+    for norm in norms:
+        norm.impl = impl
+    return len(norms)
 
 
 _MASK_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.no_mask)
