@@ -22,7 +22,7 @@ from .rms_norm import rms_norm_bwd, rms_norm_fwd
 from .rope import rope
 from .sample_rows import sample_rows
 from .split_accumulator import split_acc_addmm, split_acc_resolve
-from .swiglu import swiglu
+from .swiglu import swiglu, swiglu_bwd
 
 __all__ = [
     "AUTOTUNE_ENV",
@@ -40,5 +40,6 @@ __all__ = [
     "split_acc_addmm",
     "split_acc_resolve",
     "swiglu",
+    "swiglu_bwd",
     "triton_available",
 ]

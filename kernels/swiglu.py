@@ -1,9 +1,10 @@
-"""SwiGLU of a decode step's fc1 output in one pass: ``[b, 2F] -> [b, F]``.
+"""SwiGLU of an fc1 output in one pass: ``[b, 2F] -> [b, F]``, and its gradient.
 
 ``y = x (+ bias)`` (rounded to the model dtype), ``gate, up = y[:, :F], y[:, F:]`` (megatron-core's
 ``chunk(2, -1)``), ``out = silu(gate) * up`` with ``silu(gate)`` and the product each rounded to
 the model dtype, as megatron-core's unfused path computes them. Programs tile (row, F block).
-The reference is ``megatron_grpo.rollout.decode_ops.swiglu_torch``.
+The reference is ``megatron_grpo.rollout.decode_ops.swiglu_torch``; ``swiglu_bwd`` is its
+gradient for the training passes (``megatron_grpo.ops.swiglu``).
 """
 
 from __future__ import annotations
@@ -62,3 +63,43 @@ def swiglu(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
             x, bias, out, f, HAS_BIAS=bias is not None, BLOCK=BLOCK, num_warps=4
         )
     return out
+
+
+def _swiglu_bwd_kernel(x_ptr, g_ptr, dx_ptr, F, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < F
+    dtype = dx_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + row * 2 * F + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * 2 * F + F + cols, mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * F + cols, mask=ok, other=0.0).to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-gate))
+    act = round_to(gate / (1.0 + tl.exp(-gate)), dtype)  # the forward's rounded silu(gate)
+    d_up = round_to(g * act, dtype)
+    d_act = round_to(g * up, dtype)
+    d_gate = round_to(d_act * sig * (1.0 + gate * (1.0 - sig)), dtype)  # torch's silu_backward
+    tl.store(dx_ptr + row * 2 * F + cols, d_gate.to(dtype), mask=ok)
+    tl.store(dx_ptr + row * 2 * F + F + cols, d_up.to(dtype), mask=ok)
+
+
+@functools.cache
+def _build_bwd(interpret: bool):
+    require_triton()
+    return triton.jit(_swiglu_bwd_kernel)
+
+
+def swiglu_bwd(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """Gradient of :func:`swiglu` (no bias) w.r.t. ``x [b, 2F]`` for ``grad [b, F]``, both
+    contiguous: megatron-core's unfused graph (``silu(gate) * up``) with its roundings."""
+    require_triton()
+    check_device("x", x)
+    b, f = x.size(0), x.size(1) // 2
+    if x.dim() != 2 or x.size(1) % 2 or not x.is_contiguous():
+        raise ValueError(f"x must be a contiguous [b, 2F] tensor, got {list(x.shape)}")
+    if grad.shape != (b, f) or not grad.is_contiguous() or grad.dtype != x.dtype:
+        raise ValueError(f"grad must be contiguous [b, F]=[{b}, {f}] in {x.dtype}")
+    dx = torch.empty_like(x)
+    if b and f:
+        grid = (b, triton.cdiv(f, BLOCK))
+        _build_bwd(interpret_mode())[grid](x, grad, dx, f, BLOCK=BLOCK, num_warps=4)
+    return dx

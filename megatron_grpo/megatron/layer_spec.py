@@ -18,7 +18,8 @@ its torch norms (``WrappedTorchNorm``) refuse sequence parallelism. The portable
   (q/k norms are summed across TP by name, as Megatron does).
 
 Linear layers, MLP and MoE (router, aux loss, token dispatcher, ``SequentialMLP`` experts) are
-megatron-core's own modules. Checkpoint keys match the TE spec (``sharded_state_dict_keys_map``),
+megatron-core's own modules; the dense MLP's SwiGLU (:class:`SwiGLUMLP`) and RMSNorm run as one
+kernel each way on GPU. Checkpoint keys match the TE spec (``sharded_state_dict_keys_map``),
 so a torch_dist checkpoint moves between the two specs.
 """
 
@@ -58,6 +59,7 @@ from megatron_grpo.megatron.packed_attention import packed_causal_attention
 from megatron_grpo.megatron.packed_rope import PackedRopeSelfAttention, RopedPackedSeqParams
 from megatron_grpo.ops.dispatch import IMPLS
 from megatron_grpo.ops.rms_norm import rms_norm, rms_norm_torch
+from megatron_grpo.ops.swiglu import swiglu
 
 try:
     import transformer_engine  # noqa: F401
@@ -81,7 +83,7 @@ class Norm(torch.nn.Module):
     normalizes different tokens, so Megatron sums their gradients across the TP group.
     Input ``[..., hidden_size]``; the output keeps the input dtype. RMSNorm runs
     :func:`megatron_grpo.ops.rms_norm.rms_norm` with ``impl`` (a class default, "auto": the
-    Triton kernels on CUDA; :func:`set_norm_impl` sets it per model).
+    Triton kernels on CUDA; :func:`set_layer_impl` sets it per model).
     """
 
     impl: str = "auto"
@@ -124,16 +126,51 @@ class Norm(torch.nn.Module):
 rms_norm_f32 = rms_norm_torch
 
 
-def set_norm_impl(model: torch.nn.Module | list[torch.nn.Module], impl: str) -> int:
-    """Set the RMSNorm implementation ("auto" | "torch" | "triton") of every portable-spec
-    :class:`Norm` of ``model`` (a module or the list of chunks); returns how many were set."""
+def fused_swiglu_applies(config: TransformerConfig) -> bool:
+    """Whether megatron-core's MLP computes plain SwiGLU on a bias-free fc1 output (gated SiLU,
+    no clamp, offset, fusion or FP8 storage): what :class:`SwiGLUMLP` replaces."""
+    return (
+        config.gated_linear_unit
+        and config.activation_func is F.silu
+        and not config.add_bias_linear
+        and not config.bias_activation_fusion
+        and not getattr(config, "use_te_activation_func", False)
+        and getattr(config, "activation_func_clamp_value", None) is None
+        and getattr(config, "glu_linear_offset", 0.0) == 0.0
+        and not getattr(config, "activation_func_fp8_input_store", False)
+        and config.fp8 is None
+    )
+
+
+class SwiGLUMLP(MLP):
+    """megatron-core's dense ``MLP`` whose SwiGLU is :func:`megatron_grpo.ops.swiglu.swiglu`
+    with ``impl`` (one Triton kernel each way on GPU instead of ~8 element-wise kernels); any
+    other activation, or extra forward arguments, take megatron-core's own forward."""
+
+    impl: str = "auto"
+
+    def __init__(self, config: TransformerConfig, submodules: MLPSubmodules, *args, **kwargs):
+        super().__init__(config, submodules, *args, **kwargs)
+        self.fused_swiglu = fused_swiglu_applies(config)
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        if not self.fused_swiglu or args or any(v is not None for v in kwargs.values()):
+            return super().forward(hidden_states, *args, **kwargs)
+        x, _ = self.linear_fc1(hidden_states)  # [s, b, 2F / TP]; no bias (fused_swiglu)
+        return self.linear_fc2(swiglu(x, impl=self.impl))
+
+
+def set_layer_impl(model: torch.nn.Module | list[torch.nn.Module], impl: str) -> int:
+    """Set the element-wise kernels ("auto" | "torch" | "triton") of every portable-spec
+    :class:`Norm` (RMSNorm) and :class:`SwiGLUMLP` of ``model`` (a module or the list of
+    chunks); returns how many modules were set."""
     if impl not in IMPLS:
-        raise ValueError(f"norm impl must be one of {IMPLS}, got {impl!r}")
+        raise ValueError(f"layer impl must be one of {IMPLS}, got {impl!r}")
     chunks = model if isinstance(model, list) else [model]
-    norms = [m for c in chunks for m in c.modules() if isinstance(m, Norm)]
-    for norm in norms:
-        norm.impl = impl
-    return len(norms)
+    modules = [m for c in chunks for m in c.modules() if isinstance(m, (Norm, SwiGLUMLP))]
+    for module in modules:
+        module.impl = impl
+    return len(modules)
 
 
 _MASK_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.no_mask)
@@ -307,7 +344,7 @@ def portable_layer_spec(config: TransformerConfig, moe: bool) -> ModuleSpec:
         keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
     else:
         mlp = ModuleSpec(
-            module=MLP,
+            module=SwiGLUMLP,
             submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
         )
         keys_map = {
