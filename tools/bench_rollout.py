@@ -38,7 +38,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=1024)
-    p.add_argument("--kv-cache-gib", type=float, default=60.0)
+    p.add_argument("--kv-cache-gib", type=float, default=None, help="default: auto (the engine's)")
+    p.add_argument("--kv-cache-fraction", type=float, default=0.9)
     p.add_argument(
         "--modes", default="graphs,graphs-modules,eager",
         help="comma list of graphs | eager, each optionally -fused | -modules (the decode path) "
@@ -90,7 +91,8 @@ def engine_options(args, mode: str):
         raise ValueError(f"--modes: {mode!r} is not graphs | eager [-fused | -modules "
                          "[-sdpa | -triton]]")  # fmt: skip
     return EngineOptions(
-        kv_cache_gib=args.kv_cache_gib, cuda_graphs=graphs == "graphs",
+        kv_cache_gib=args.kv_cache_gib, kv_cache_fraction=args.kv_cache_fraction,
+        cuda_graphs=graphs == "graphs",
         decode_path=path or "auto", decode_attention=attention or "auto",
     )  # fmt: skip
 

@@ -47,7 +47,7 @@ d weight), timed on random tensors of the model's dtype right before each row. P
 includes the weights, fp32 gradient buffers and inputs).
 
 ``--profile``: at L = ``--profile-len`` (default the smallest of ``--doc-lens``), one log-prob
-pass and one fwd+bwd pass per rope impl under ``torch.profiler``: the top 15 kernels (calls,
+pass and one fwd+bwd pass per rope impl under ``torch.profiler``: the top ``--top`` kernels (calls,
 total ms, % of GPU time), kernel launches per pass, GPU busy time (the union of kernel
 intervals) vs wall time; a gzipped Chrome trace each under ``--out``.
 
@@ -96,10 +96,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "(default 8192)")  # fmt: skip
     ap.add_argument("--doc-lens", default=None, help="comma list of document lengths L, one "
                     "row each (default 8192,1024,128,32)")  # fmt: skip
-    ap.add_argument("--rope", default="auto", help="comma list of packed RoPE impls (auto, "
-                    "torch, triton, megatron), e.g. megatron,auto for before/after")  # fmt: skip
+    ap.add_argument("--rope", default="auto", help="comma list of variants ROPE[/LAYER]: the "
+                    "packed RoPE impl (auto, torch, triton, megatron) and optionally the norm + "
+                    "SwiGLU kernels (auto, torch, triton; default auto), e.g. megatron/torch,auto "
+                    "for before/after")  # fmt: skip
     ap.add_argument("--logprob-path", default="fused", help="GRPOStep.logprob_path (the "
                     "trainer's training.logprob_path; default fused)")  # fmt: skip
+    ap.add_argument("--top", type=int, default=15, help="kernels listed per profile")
     ap.add_argument("--kl-coef", type=float, default=0.001, help="loss.kl_coef (uses the ref)")
     ap.add_argument("--warmup", type=int, default=None, help="default 2 (--tiny: 1)")
     ap.add_argument("--iters", type=int, default=None, help="default 3 (--tiny: 1)")
@@ -151,7 +154,9 @@ from megatron_grpo.megatron import (  # noqa: E402
     pack_sequences,
     unwrap,
 )
+from megatron_grpo.megatron.layer_spec import set_layer_impl  # noqa: E402
 from megatron_grpo.megatron.packed_rope import IMPLS, set_packed_rope  # noqa: E402
+from megatron_grpo.ops.dispatch import IMPLS as LAYER_IMPLS  # noqa: E402
 
 GIB = 2**30
 
@@ -312,7 +317,11 @@ class Passes:
         )
 
 
-def use_rope(chunks, impl: str) -> int:
+def use_rope(chunks, variant: str) -> int:
+    """Apply a ``ROPE[/LAYER]`` variant: the packed RoPE impl and the layer's element-wise
+    kernels (``set_layer_impl``, default "auto")."""
+    impl, _, layer = variant.partition("/")
+    set_layer_impl(chunks, layer or "auto")
     count = set_packed_rope(chunks, impl)
     if count == 0:
         raise SystemExit(f"set_packed_rope(chunks, {impl!r}) set no attention module: --rope "
@@ -406,7 +415,7 @@ def profile_pass(name: str, fn, setup, args, dev, out: Path, tag: str) -> dict:
     copies = sum(1 for e in events if e.name.startswith(("Memcpy", "Memset")))
     return dict(pass_=name, wall_ms=wall_ms, busy_ms=_busy_us(spans) / 1e3,
                 launches=len(events) - copies, memcpy_memset=copies, device_ms=total,
-                top=kernels[:15], trace=trace.name)  # fmt: skip
+                top=kernels[: args.top], trace=trace.name)  # fmt: skip
 
 
 def run_profile(passes: Passes, args, dev, out: Path) -> list[dict]:
@@ -418,7 +427,7 @@ def run_profile(passes: Passes, args, dev, out: Path) -> list[dict]:
         set_old_logprobs(batches, passes.logprob(batches), seed=args.seed + L + 1)
         passes.zero_grads()
         passes.train(batches)  # warm (compiles, caches) before the profiled passes
-        tag = f"L{L}_{impl}"
+        tag = f"L{L}_{impl.replace('/', '-')}"
         for name, fn in (("logprob", passes.logprob), ("train", passes.train)):
             r = profile_pass(name, partial(fn, batches), passes.zero_grads, args, dev, out, tag)
             r.update(L=L, rope=impl)
@@ -516,9 +525,10 @@ def main() -> int:
     if dev.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: use --device cpu --tiny for a dry run", file=sys.stderr)
         return 2
-    unknown = [r for r in args.rope if r not in IMPLS]
+    unknown = [r for r in args.rope if r.partition("/")[0] not in IMPLS
+               or r.partition("/")[2] not in ("", *LAYER_IMPLS)]  # fmt: skip
     if unknown or not args.rope:
-        raise SystemExit(f"--rope: {unknown or args.rope} not in {IMPLS}")
+        raise SystemExit(f"--rope: {unknown or args.rope}: ROPE in {IMPLS}, LAYER in {LAYER_IMPLS}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg, chunks = build(args, dev)

@@ -11,7 +11,7 @@
 #   bash tools/gpu_suite.sh bench --main-grad   # same with an fp32 main_grad (own log)
 #   bash tools/gpu_suite.sh tp         # the --tp benchmark on every visible GPU (2 or 4)
 #   bash tools/gpu_suite.sh passes     # training passes on packed batches: bench_train_passes
-#                                      # (megatron's RoPE loop vs ours), packed attention backends
+#                                      # (before / after), profiles at L=8192 and 128, attention
 # Extra arguments after the mode go to the benchmark (e.g. `bench --T 8192`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -85,11 +85,19 @@ run_tp() {
 }
 
 run_passes() {
-    python3 tools/bench_train_passes.py --rope megatron,auto --out "$OUT" "$@" 2>&1 |
-        tee "$OUT/bench_train_passes.log"
+    # before (megatron-core's RoPE loop, torch norms / SwiGLU), RoPE only, everything
+    python3 tools/bench_train_passes.py --rope megatron/torch,auto/torch,auto --out "$OUT/passes" \
+        "$@" 2>&1 | tee "$OUT/bench_train_passes.log"
     local s=${PIPESTATUS[0]}
-    python3 tools/bench_packed_attention.py --out "$OUT" 2>&1 | tee "$OUT/bench_attention.log"
-    return $((s | PIPESTATUS[0]))
+    for len in 8192 128; do
+        python3 tools/bench_train_passes.py --rope auto --doc-lens "$len" --profile \
+            --profile-len "$len" --top 30 --iters 2 --out "$OUT/profile_$len" 2>&1 |
+            tee "$OUT/profile_$len.log" || s=1
+        rm -f "$OUT/profile_$len"/trace_*  # the logs hold the tables; traces are large
+    done
+    python3 tools/bench_packed_attention.py --methods default,cudnn,flash,varlen \
+        --out "$OUT/attention" 2>&1 | tee "$OUT/bench_attention.log" || s=1
+    return "$s"
 }
 
 status=0
