@@ -26,6 +26,7 @@ so a torch_dist checkpoint moves between the two specs.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 
 import torch
@@ -126,6 +127,17 @@ class Norm(torch.nn.Module):
 rms_norm_f32 = rms_norm_torch
 
 
+class _QuietSubclassNotice(logging.Filter):
+    """megatron-core 0.14-0.16 log "Unknown MLP type ... Using default kwargs" once per layer for
+    any MLP subclass; for :class:`SwiGLUMLP` the defaults are right (the default TP group)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Unknown MLP type" not in record.getMessage()
+
+
+logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_QuietSubclassNotice())
+
+
 def fused_swiglu_applies(config: TransformerConfig) -> bool:
     """Whether megatron-core's MLP computes plain SwiGLU on a bias-free fc1 output (gated SiLU,
     no clamp, offset, fusion or FP8 storage): what :class:`SwiGLUMLP` replaces."""
@@ -149,7 +161,14 @@ class SwiGLUMLP(MLP):
 
     impl: str = "auto"
 
-    def __init__(self, config: TransformerConfig, submodules: MLPSubmodules, *args, **kwargs):
+    def __init__(
+        self, config: TransformerConfig, submodules: MLPSubmodules, *args,
+        pg_collection=None, is_mtp_layer: bool | None = None, **kwargs,
+    ) -> None:  # fmt: skip
+        # megatron-core 0.19 hands a subclass of MLP the layer's process groups (MLP itself
+        # gets them through ``as_mlp_submodule``); older versions pass none (the default TP group)
+        if pg_collection is not None:
+            kwargs.setdefault("tp_group", pg_collection.tp)
         super().__init__(config, submodules, *args, **kwargs)
         self.fused_swiglu = fused_swiglu_applies(config)
 
