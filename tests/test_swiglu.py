@@ -97,3 +97,18 @@ def _mlp_body(rank: int, world: int) -> None:
 
 def test_swiglu_mlp_equals_megatron_mlp():
     run_distributed(_mlp_body, 1)
+
+
+def _decode_support_body(rank: int, world: int) -> None:
+    from megatron_grpo.megatron import unwrap
+    from megatron_grpo.rollout.fused_decode import unsupported
+
+    for bias in (False, True):
+        chunks = build_layout(ParallelConfig(), tiny_model(add_bias_linear=bias))
+        assert unsupported(unwrap(chunks[0])) == "", "the fused decode step refuses the spec"
+
+
+def test_fused_decode_step_accepts_the_portable_spec():
+    """The portable spec's own subclasses (SwiGLUMLP, PackedRopeSelfAttention) keep the
+    generation engine's fused decode step (it checks the layer types)."""
+    run_distributed(_decode_support_body, 1)

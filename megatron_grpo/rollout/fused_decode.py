@@ -34,7 +34,8 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor
 
 from megatron_grpo.kernels import triton_available
-from megatron_grpo.megatron.layer_spec import Norm
+from megatron_grpo.megatron.layer_spec import Norm, SwiGLUMLP
+from megatron_grpo.megatron.packed_rope import PackedRopeSelfAttention
 from megatron_grpo.rollout import decode_ops
 from megatron_grpo.rollout.kv_cache import KVCache, decode_attention, softmax_scale
 
@@ -127,7 +128,10 @@ def _is_rms(norm: torch.nn.Module) -> bool:
 
 def _layer_unsupported(layer: torch.nn.Module) -> str:
     attn, mlp = getattr(layer, "self_attention", None), getattr(layer, "mlp", None)
-    if type(layer) is not TransformerLayer or type(attn) is not SelfAttention:
+    if type(layer) is not TransformerLayer or type(attn) not in (
+        SelfAttention,
+        PackedRopeSelfAttention,
+    ):
         return f"{type(layer).__name__} / {type(attn).__name__} is not the portable GPT layer"
     if not (_is_rms(layer.input_layernorm) and _is_rms(layer.pre_mlp_layernorm)):
         return "its norms are not the portable RMSNorm (Transformer Engine fuses them)"
@@ -140,7 +144,7 @@ def _layer_unsupported(layer: torch.nn.Module) -> str:
             return "its q/k norm is not the portable RMSNorm"
     if type(attn.q_layernorm) is not type(attn.k_layernorm):
         return "only one of q/k is normed"
-    if type(mlp) is not MLP or type(mlp.linear_fc1) is not ColumnParallelLinear:
+    if type(mlp) not in (MLP, SwiGLUMLP) or type(mlp.linear_fc1) is not ColumnParallelLinear:
         return "its MLP is not megatron-core's local MLP"
     if type(getattr(layer, "cross_attention", IdentityOp)) is not IdentityOp:
         return "cross attention"
