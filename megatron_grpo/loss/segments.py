@@ -31,6 +31,8 @@ def _check_cu_seqlens_form(cu_seqlens: Tensor) -> None:
 def check_cu_seqlens(cu_seqlens: Tensor, total: int) -> None:
     """Validate ``cu_seqlens`` ``[S+1]``: int32/int64, first 0, non-decreasing, last == total."""
     _check_cu_seqlens_form(cu_seqlens)
+    if not int(cu_seqlens_violations(cu_seqlens, total)):  # one vectorized check, no S loop
+        return
     values = cu_seqlens.tolist()
     if values[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {values[0]}")

@@ -110,21 +110,27 @@ def pack_sequences(
         raise ValueError("sequences and response_masks must be non-empty and of equal length")
     if pad_to_multiple_of < 1:
         raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
-    toks, targets, masks, pos, lens = [], [], [], [], []
     for i, (seq, rmask) in enumerate(zip(sequences, response_masks, strict=True)):
         if seq.dim() != 1 or rmask.shape != seq.shape or seq.numel() == 0:
             raise ValueError(f"sequence {i}: tokens and response mask must be equal [L_i], L_i > 0")
-        toks.append(seq.long())
-        targets.append(torch.cat([seq[1:].long(), seq.new_zeros(1, dtype=torch.long)]))
-        masks.append(torch.cat([rmask[1:].bool(), rmask.new_zeros(1, dtype=torch.bool)]))
-        pos.append(torch.arange(seq.numel()))
-        lens.append(seq.numel())
-    pad = -sum(lens) % pad_to_multiple_of
+    lens = [seq.numel() for seq in sequences]
+    n = sum(lens)
+    pad = -n % pad_to_multiple_of
+    # One concatenation per field, then the shift by one position: the last position of every
+    # sequence gets target 0 / loss_mask False (no per-sequence tensor ops).
+    toks = _cat_as(sequences, torch.long)
+    sizes = torch.tensor(lens)
+    ends = sizes.cumsum(0)
+    last = ends - 1
+    targets = torch.cat([toks[1:], toks.new_zeros(1)]).index_fill_(0, last.to(toks.device), 0)
+    masks = _cat_as(response_masks, torch.bool)
+    masks = torch.cat([masks[1:], masks.new_zeros(1)]).index_fill_(0, last.to(masks.device), False)
+    pos = torch.arange(n) - torch.repeat_interleave(ends - sizes, sizes, output_size=n)
     if pad:
-        toks.append(torch.zeros(pad, dtype=torch.long))
-        targets.append(torch.zeros(pad, dtype=torch.long))
-        masks.append(torch.zeros(pad, dtype=torch.bool))
-        pos.append(torch.arange(pad))
+        toks = torch.cat([toks, torch.zeros(pad, dtype=torch.long)])
+        targets = torch.cat([targets, torch.zeros(pad, dtype=torch.long)])
+        masks = torch.cat([masks, torch.zeros(pad, dtype=torch.bool)])
+        pos = torch.cat([pos, torch.arange(pad)])
         lens.append(pad)
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(lens).cumsum(0)
@@ -143,37 +149,42 @@ def pack_sequences(
             extra[name] = _shift_per_token(name, values, lens, pad)
     if routes is not None:
         extra["routes"] = _cat_routes(routes, lens, pad)
-    return PackedBatch(
-        torch.cat(toks), torch.cat(pos), torch.cat(targets), torch.cat(masks), cu, **extra
-    )
+    return PackedBatch(toks, pos, targets, masks, cu, **extra)
+
+
+def _cat_as(parts: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
+    """``torch.cat`` of ``parts`` converted to ``dtype``: one conversion after the cat when they
+    share a dtype (the values of converting each part first), else one per part."""
+    if len({p.dtype for p in parts}) == 1:
+        return torch.cat(list(parts)).to(dtype)
+    return torch.cat([p.to(dtype) for p in parts])
 
 
 def _cat_routes(routes: Sequence[Tensor], lens: list[int], pad: int) -> Tensor:
     if len(routes) != len(lens) - int(pad > 0):
         raise ValueError("routes must have one tensor per sequence")
-    out = []
     for i, r in enumerate(routes):
         if r.dim() != 3 or r.shape[0] != lens[i] or r.shape[1:] != routes[0].shape[1:]:
             raise ValueError(
                 f"routes[{i}] must have shape [{lens[i]}, L, k] like routes[0], got {list(r.shape)}"
             )
-        out.append(r.long())
+    out = _cat_as(routes, torch.long)
     if pad:
-        out.append(torch.full((pad, *routes[0].shape[1:]), -1, dtype=torch.long))
-    return torch.cat(out)
+        out = torch.cat([out, torch.full((pad, *routes[0].shape[1:]), -1, dtype=torch.long)])
+    return out
 
 
 def _shift_per_token(name: str, values: Sequence[Tensor], lens: list[int], pad: int) -> Tensor:
-    out = []
     for i, v in enumerate(values):
         if v.shape != (lens[i],):
             raise ValueError(f"{name}[{i}] must have shape [{lens[i]}], got {list(v.shape)}")
-        out.append(torch.cat([v[1:].float(), v.new_zeros(1, dtype=torch.float32)]))
-    if len(out) != len(lens) - int(pad > 0):
+    if len(values) != len(lens) - int(pad > 0):
         raise ValueError(f"{name} must have one tensor per sequence")
-    if pad:
-        out.append(torch.zeros(pad))
-    return torch.cat(out)
+    # entry j of sequence i moves to position j - 1; each sequence's last position gets 0
+    flat = _cat_as(values, torch.float32)
+    last = torch.tensor(lens[: len(values)]).cumsum(0) - 1
+    out = torch.cat([flat[1:], flat.new_zeros(1)]).index_fill_(0, last.to(flat.device), 0.0)
+    return torch.cat([out, torch.zeros(pad)]) if pad else out
 
 
 def packed_seq_params(batch: PackedBatch) -> PackedSeqParams:
@@ -197,15 +208,23 @@ def thd_partition_index(cu_seqlens_padded: Tensor, cp_size: int, cp_rank: int) -
     ``transformer_engine``'s ``thd_get_partitioned_indices`` and megatron-core's THD RoPE
     (``_get_thd_freqs_on_this_cp_rank``) expect. Returns int64 ``[T_padded / cp_size]``.
     """
-    bounds = cu_seqlens_padded.tolist()
-    parts = []
-    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-        if (end - start) % (2 * cp_size):
-            raise ValueError(f"padded sequence length {end - start} not divisible by 2*CP")
-        chunk = (end - start) // (2 * cp_size)
-        for c in (cp_rank, 2 * cp_size - 1 - cp_rank):
-            parts.append(torch.arange(start + c * chunk, start + (c + 1) * chunk))
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+    cu = cu_seqlens_padded.to(device="cpu", dtype=torch.long)
+    c2 = 2 * cp_size
+    lens = cu[1:] - cu[:-1]
+    bad = lens % c2 != 0
+    if bool(bad.any()):
+        raise ValueError(f"padded sequence length {int(lens[bad][0])} not divisible by 2*CP")
+    # Sequence i contributes 2 * chunk_i tokens: j < chunk_i from chunk cp_rank, the rest from
+    # chunk 2 * cp_size - 1 - cp_rank. No per-sequence loop: positions from index arithmetic.
+    chunk = lens // c2
+    count = 2 * chunk.clamp(min=0)
+    total = int(count.sum())
+    seg = torch.repeat_interleave(torch.arange(lens.numel()), count, output_size=total)
+    c = chunk[seg]
+    j = torch.arange(total) - (count.cumsum(0) - count)[seg]
+    second = j >= c
+    offset = torch.where(second, (c2 - 1 - cp_rank) * c + (j - c), cp_rank * c + j)
+    return cu[:-1][seg] + offset
 
 
 def padded_layout(batch: PackedBatch, cp_size: int, multiple: int = 1) -> tuple[Tensor, Tensor]:
@@ -219,7 +238,7 @@ def padded_layout(batch: PackedBatch, cp_size: int, multiple: int = 1) -> tuple[
     padded = (lens + step - 1) // step * step
     cu_pad = torch.zeros_like(batch.cu_seqlens)
     cu_pad[1:] = padded.cumsum(0)
-    seg = torch.repeat_interleave(torch.arange(lens.numel()), lens)
+    seg = torch.repeat_interleave(torch.arange(lens.numel()), lens, output_size=batch.num_tokens)
     start = batch.cu_seqlens[:-1].long()[seg]
     dest = torch.arange(batch.num_tokens) - start + cu_pad[:-1].long()[seg]
     return cu_pad, dest
@@ -251,7 +270,7 @@ def split_for_context_parallel(
         full = x.new_full((total, *x.shape[1:]), -1 if f.name == "routes" else 0)
         full[dest] = x
         if f.name == "position_ids":  # positions continue through the padding
-            seg = torch.repeat_interleave(torch.arange(lens.numel()), padded)
+            seg = torch.repeat_interleave(torch.arange(lens.numel()), padded, output_size=total)
             full = torch.arange(total) - cu_pad[:-1].long()[seg]
         local[f.name] = full[index]
     local_cu = (cu_pad // cp_size).to(torch.int32)

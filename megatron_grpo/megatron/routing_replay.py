@@ -44,6 +44,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from torch import Tensor
 
+from megatron_grpo.loss.segments import host_to_device
 from megatron_grpo.megatron.layer_spec import moe_layer_pattern
 
 TopK = Callable[..., tuple[Tensor, Tensor]]
@@ -265,9 +266,14 @@ def set_replay_routes(model, routes: Tensor) -> None:
     hooks = route_hooks(model)
     if any(h.mode != "replay" for h in hooks):
         raise RuntimeError("set_replay_routes needs an active replay_routes(model) block")
-    total = num_moe_layers(_gpt(_chunks(model)[0]).config)
+    gpt = _gpt(_chunks(model)[0])
+    total = num_moe_layers(gpt.config)
     if routes.dim() != 3 or routes.shape[1] != total:
         raise ValueError(f"routes must be [T, {total} MoE layers, top-k], got {list(routes.shape)}")
+    # One copy to the model's device per micro-batch, queued without a sync: a blocking copy of
+    # each layer's column from pageable host memory would wait for the GPU at every MoE layer.
+    device = next(gpt.parameters()).device
+    routes = host_to_device(routes, device)
     for h in hooks:
         h.routes = routes[:, h.layer]
 
