@@ -144,7 +144,7 @@ def test_rollout_engine_fields_default_and_override():
     cfg = load_train_config(RECIPE)
     r = cfg.rollout
     assert (r.engine, r.kv_cache_gib, r.cuda_graphs, r.top_k, r.stop_ids) == (
-        "kv_cache", 16.0, None, 0, []
+        "kv_cache", None, None, 0, []
     )  # fmt: skip
     sets = ["rollout.engine=recompute", "rollout.cuda_graphs=false", "rollout.stop_ids=[10]"]
     r = load_train_config(RECIPE, [*sets, "rollout.top_k=4", "rollout.kv_cache_gib=0.5"]).rollout

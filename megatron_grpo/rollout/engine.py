@@ -3,9 +3,11 @@
 A call packs the ragged prompts into THD prefill forwards that fill the KV cache (one slot per
 sequence), then runs decode steps: one token per unfinished sequence, attending to its slot.
 
-* Slots: the cache holds ``min(samples, kv_cache_gib / bytes per sequence)`` sequences. Waiting
-  samples are admitted (prefilled) into free slots as soon as enough are free, so generation
-  that does not fit runs as a stream rather than in lock-step waves.
+* Slots: the cache holds ``min(samples, budget / bytes per sequence)`` sequences; the budget is
+  ``kv_cache_gib`` when set, else sized from the GPU's memory at each call (see
+  ``EngineOptions.kv_cache_fraction``; the ranks of a TP / EP group agree on the smallest).
+  Waiting samples are admitted (prefilled) into free slots as soon as enough are free, so
+  generation that does not fit runs as a stream rather than in lock-step waves.
 * Finished sequences stop costing compute: their slot is refilled by moving the last active
   slot into it (compaction), so a decode step runs over exactly the unfinished rows (rounded up
   to a power of two when CUDA graphs are on) and a long tail of lengths does not keep the batch.
@@ -30,6 +32,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
 
 from megatron_grpo.rollout import fused_decode as fd
 from megatron_grpo.rollout import kv_cache as kvc
@@ -46,7 +50,17 @@ class EngineOptions:
     """Knobs of the KV-cached engine (``rollout.*`` in a recipe).
 
     Attributes:
-        kv_cache_gib: the KV cache budget per GPU; sequences beyond it wait for a free slot.
+        kv_cache_gib: the KV cache budget per GPU in GiB; sequences beyond it wait for a free
+            slot. None (default): sized from the GPU's memory at each call (``kv_cache_fraction``);
+            on CPU ``kv_cache.CPU_KV_CACHE_GIB`` (16).
+        kv_cache_fraction: with ``kv_cache_gib`` None on GPU, the cache may grow until this
+            fraction of the GPU's total memory is in use (vLLM's ``gpu_memory_utilization``):
+            ``slots = (fraction * total - in_use - headroom) // (bytes per sequence + per-slot
+            headroom)``, ``in_use`` being all but the driver's free memory and PyTorch's unused
+            cached blocks, the headroom the call's other working memory estimated from the
+            shapes (``kv_cache.Headroom``). The rest (``(1 - fraction) * total``) is left for
+            fragmentation, NCCL and other buffers allocated later. TP / EP ranks take their
+            group's minimum.
         cuda_graphs: replay decode steps as CUDA graphs; None = on for dense models on GPU
             (MoE routing has data-dependent shapes, so MoE always runs eagerly).
         max_prefill_tokens: tokens per prefill forward (bounds its activation memory).
@@ -63,7 +77,8 @@ class EngineOptions:
             row's keys), "sdpa" (masked SDPA over the context bucket) or "auto" (as the impl).
     """
 
-    kv_cache_gib: float = 16.0
+    kv_cache_gib: float | None = None
+    kv_cache_fraction: float = 0.9
     cuda_graphs: bool | None = None
     max_prefill_tokens: int = 32768
     context_bucket: int = 128
@@ -73,8 +88,10 @@ class EngineOptions:
     decode_attention: str = "auto"
 
     def __post_init__(self) -> None:
-        if not self.kv_cache_gib > 0:
-            raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
+            raise ValueError(f"kv_cache_gib must be > 0 (or None: auto), got {self.kv_cache_gib}")
+        if not 0.0 < self.kv_cache_fraction <= 1.0:
+            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
         for name in ("max_prefill_tokens", "context_bucket"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -104,6 +121,7 @@ class KVCacheEngine:
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self._static_key: tuple | None = None
         self._rows_moved, self._meta_rows = True, 0  # the host's rows vs the device's meta
+        self._reported_slots: int | None = None  # the fewest slots logged so far
         self.stats: dict[str, float] = {}
 
     # ------------------------------------------------------------------ public
@@ -166,26 +184,117 @@ class KVCacheEngine:
 
     def _allocate(self, run: Run) -> kvc.KVCache:
         shape = kvc.CacheShape.of(self.model)
-        kept = self.cache
         longest = max(len(p) for p in run.prompts) + run.params.max_new_tokens
         bucket = self.options.context_bucket
         seq_len = min(-(-longest // bucket) * bucket, self.model.max_sequence_length)
-        slots = min(
-            len(run.prompts), kvc.slots_for_budget(shape, self.options.kv_cache_gib, seq_len)
+        kept, self.cache = self.cache, None
+        cache = None
+        for cached in (True, False):  # False: again, from the driver's free memory alone
+            budget, sizing = self._budget_slots(run, shape, seq_len, kept, cached)
+            slots = min(len(run.prompts), budget)
+            group = io.expert_group(self.model)
+            if group is not None:  # equal slot counts: the group pads decode batches to its largest
+                slots = io.group_max([slots], group)[0]
+            if (
+                kept is not None
+                and (kept.shape, kept.seq_len) == (shape, seq_len)
+                and kept.slots >= slots
+            ):
+                cache = kept
+                break
+            kept = None  # the kept one, if any, is freed before the new one is allocated
+            cache = self._new_cache(shape, slots, seq_len, last=not cached)
+            if cache is not None:
+                break
+            torch.cuda.empty_cache()  # whole free segments back to the driver
+        self.stats["slots"] = cache.slots
+        self.stats["kv_cache_gib"] = cache.kv.numel() * cache.kv.element_size() / 2**30
+        self._report(cache, len(run.prompts), budget, sizing)
+        return cache
+
+    def _budget_slots(
+        self, run: Run, shape: kvc.CacheShape, seq_len: int, kept: kvc.KVCache | None,
+        cached: bool,
+    ) -> tuple[int, str]:  # fmt: skip
+        """Sequences of ``seq_len`` tokens the budget holds, and how it was set (for the log).
+        Sized from memory, every rank of the TP / EP groups takes the smallest count."""
+        o = self.options
+        device = io.model_device(self.model)
+        memory = None if o.kv_cache_gib is not None else kvc.device_memory(device, cached)
+        if memory is None:  # an explicit budget, or the CPU default: exactly as set
+            gib = kvc.CPU_KV_CACHE_GIB if o.kv_cache_gib is None else o.kv_cache_gib
+            default = " (the CPU default)" if o.kv_cache_gib is None else ""
+            return kvc.slots_for_budget(shape, gib, seq_len), f"kv_cache_gib={gib}{default}"
+        free, total = memory
+        if kept is not None:  # freed before a new cache is allocated
+            free += kept.kv.numel() * kept.kv.element_size()
+        lens = sorted(len(p) for p in run.prompts)
+        prefill = max(lens[-1], min(o.max_prefill_tokens, sum(lens)))
+        headroom = kvc.Headroom.of(self.model, shape, seq_len, prefill, self.use_graphs)
+        per_seq = shape.bytes_per_token * seq_len
+        local = kvc.memory_slots(free, total, per_seq, o.kv_cache_fraction, headroom)
+        slots = _agree_min(local, self._sizing_groups())
+        kvc.require_slots(slots, free, total, per_seq, o.kv_cache_fraction, headroom)
+        gib = 2**30
+        sizing = (
+            f"kv_cache_fraction={o.kv_cache_fraction} of {total / gib:.2f} GiB, "
+            f"{(total - free) / gib:.2f} GiB in use, headroom {headroom.fixed / gib:.2f} GiB + "
+            f"{headroom.per_slot / 2**20:.2f} MiB a slot"
         )
-        group = io.expert_group(self.model)
-        if group is not None:  # equal slot counts: the group pads decode batches to its largest
-            slots = io.group_max([slots], group)[0]
-        self.stats["slots"] = slots
-        if (
-            kept is not None
-            and (kept.shape, kept.seq_len) == (shape, seq_len)
-            and kept.slots >= slots
-        ):
-            self.stats["slots"] = kept.slots
-            return kept
-        self.cache = None  # the kept one, if any, is freed before the new one is allocated
-        return kvc.KVCache(shape, slots, seq_len, io.model_device(self.model))
+        if slots < local:
+            sizing += f"; {local} here, the fewest of the TP / EP group taken"
+        return slots, sizing
+
+    def _sizing_groups(self) -> list[dist.ProcessGroup]:
+        """The groups whose ranks must hold equal slot counts: TP (the same decode batches),
+        then EP's (every MoE forward is a collective; nested with TP in megatron's layouts)."""
+        groups = []
+        if self.model.config.tensor_model_parallel_size > 1:
+            groups.append(parallel_state.get_tensor_model_parallel_group())
+        expert = io.expert_group(self.model)
+        if expert is not None:
+            groups.append(expert)
+        return groups
+
+    def _new_cache(
+        self, shape: kvc.CacheShape, slots: int, seq_len: int, last: bool
+    ) -> kvc.KVCache | None:
+        """The cache, or None on every rank of the groups when it was sized from memory and
+        some rank's allocator could not place it in one piece (fragmentation): the caller sizes
+        it again from the driver's free memory alone (``last``: an error on every rank)."""
+        device = io.model_device(self.model)
+        if self.options.kv_cache_gib is not None or device.type != "cuda":
+            return kvc.KVCache(shape, slots, seq_len, device)
+        cache, error = None, None
+        try:
+            cache = kvc.KVCache(shape, slots, seq_len, device)
+        except torch.OutOfMemoryError as e:
+            error = e
+        if _agree_min(int(error is None), self._sizing_groups()) == 1:
+            return cache
+        cache = None
+        if last:
+            raise RuntimeError(
+                f"the KV cache ({slots} slots of {seq_len} tokens) did not fit on this GPU or "
+                "another of its TP / EP group; lower rollout.kv_cache_fraction or set "
+                "rollout.kv_cache_gib"
+            ) from error
+        return None
+
+    def _report(self, cache: kvc.KVCache, samples: int, budget: int, sizing: str) -> None:
+        """One log line (global rank 0) at the first call, and whenever the cache holds fewer
+        sequences than ever before."""
+        if self._reported_slots is not None and cache.slots >= self._reported_slots:
+            return
+        self._reported_slots = cache.slots
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        print(
+            f"rollout: KV cache {_size(cache.kv.numel() * cache.kv.element_size())}: "
+            f"{cache.slots} slots of {cache.seq_len} tokens for {samples} samples "
+            f"(room for {budget}: {sizing})",
+            flush=True,
+        )
 
     def _prepare_static(self, run: Run) -> None:
         """Static decode inputs/outputs, the RoPE table and the fused decoder's weights: what a
@@ -398,8 +507,9 @@ class KVCacheEngine:
         if not finished:
             return
         self._rows_moved = True
-        # One batched copy reads every slot before writing any, so a row moved twice (into a
-        # finished slot that is later the last one and moves on) is copied from its origin.
+        # Each destination is copied from its row's origin, so a row moved twice (into a
+        # finished slot that is later the last one and moves on) comes from where its cache is;
+        # origins lie past the new row count, so no copy reads a slot another one wrote.
         origin: dict[int, int] = {}  # destination slot -> the slot holding its row's cache now
         for r in reversed(finished):  # highest first: a moved row is never finished
             last = len(run.rows) - 1
@@ -409,6 +519,17 @@ class KVCacheEngine:
             run.rows.pop()
         dst = list(origin)
         self.cache.move_rows([origin[d] for d in dst], dst, ctx or self.cache.seq_len)
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
+
+
+def _agree_min(value: int, groups: list[dist.ProcessGroup]) -> int:
+    """The minimum of ``value`` over the ranks of each group in turn (one all-reduce each)."""
+    for group in groups:
+        value = -io.group_max([-value], group)[0]
+    return value
 
 
 def _bucket(rows: int, slots: int) -> int:

@@ -72,6 +72,109 @@ def slots_for_budget(shape: CacheShape, budget_gib: float, seq_len: int) -> int:
     return slots
 
 
+# ---------------------------------------------------------------------------- automatic sizing
+# With ``kv_cache_gib`` unset the cache is sized from the device's memory at each call, as
+# serving engines do (vLLM's ``gpu_memory_utilization``, SGLang's ``mem_fraction_static``): the
+# cache may grow until the GPU is ``kv_cache_fraction`` full, after what is in use and the
+# call's other working memory (:class:`Headroom`, estimated from the shapes).
+
+CPU_KV_CACHE_GIB = 16.0  # the budget when there is no device memory to size from (CPU)
+
+
+@dataclass(frozen=True)
+class Headroom:
+    """Device bytes a generation call needs besides its cache slots: ``fixed`` plus
+    ``per_slot`` for each slot. Rough upper estimates from the shapes (:meth:`of`)."""
+
+    fixed: int
+    per_slot: int
+
+    @classmethod
+    def of(
+        cls, model: torch.nn.Module, shape: CacheShape, seq_len: int, prefill_tokens: int,
+        graphs: bool,
+    ) -> Headroom:  # fmt: skip
+        """``fixed``: the scratch slot, the RoPE table, and one prefill forward of
+        ``prefill_tokens`` (:func:`activation_width` elements a token). ``per_slot`` (a decode
+        step over every slot, or the first tokens of as many prefilled prompts): fp32 logits
+        (the local ``[V / TP]`` head output, the ``[V]`` gathered over TP and ~5 sampling
+        temporaries of ``[V]``), the step's activations and static buffers; twice with CUDA
+        graphs (the graphs' memory pool and the eager warm-up before each capture)."""
+        cfg = model.config
+        itemsize = torch.finfo(shape.dtype).bits // 8
+        tp = cfg.tensor_model_parallel_size
+        width = activation_width(cfg, tp)
+        vocab_local = _output_rows(model)
+        rope = seq_len * (cfg.kv_channels or 0) * 16  # cos and sin, and their fp32 sources
+        fixed = shape.bytes_per_token * seq_len + rope + prefill_tokens * width * itemsize
+        step = 4 * (vocab_local + 6 * vocab_local * tp) + width * itemsize
+        return cls(int(fixed), int(step * (2 if graphs else 1) + 64))
+
+
+def activation_width(cfg, tp: int) -> int:
+    """Elements a token of one layer keeps live in a no-grad forward on this rank (rough): the
+    residual stream and the norm, attention and MLP outputs (4 H), QKV with its RoPE'd and
+    padded copies (3x), the MLP's fc1 output and activation (2x; MoE: the top-k experts' rows
+    of each token under balanced routing, its permuted copies and the tokens gathered over EP)."""
+    hidden = cfg.hidden_size
+    heads = cfg.num_attention_heads
+    qkv = (heads + 2 * (cfg.num_query_groups or heads)) * (cfg.kv_channels or 0) // tp
+    gate = 2 if cfg.gated_linear_unit else 1
+    extra = 0
+    if cfg.num_moe_experts:
+        topk = cfg.moe_router_topk
+        etp = cfg.expert_tensor_parallel_size or tp
+        ffn = topk * (cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size) // etp
+        ffn += (cfg.moe_shared_expert_intermediate_size or 0) // tp
+        extra = (2 * topk + cfg.expert_model_parallel_size) * hidden
+    else:
+        ffn = cfg.ffn_hidden_size // tp
+    return 4 * hidden + 3 * qkv + 2 * gate * ffn + extra
+
+
+def _output_rows(model: torch.nn.Module) -> int:
+    """Rows of this rank's output layer (``V_padded / TP``)."""
+    from megatron_grpo.megatron.forward import output_weight
+
+    return output_weight(model).size(0)
+
+
+def device_memory(device: torch.device, cached: bool = True) -> tuple[int, int] | None:
+    """``(free, total)`` bytes of ``device``, or None off CUDA. ``free``: what a new tensor can
+    take: the driver's free memory plus, with ``cached``, what PyTorch's caching allocator holds
+    unused (reserved - allocated; a large tensor needs it in one piece)."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    if cached:
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return free, total
+
+
+def memory_slots(free: int, total: int, per_seq: int, fraction: float, headroom: Headroom) -> int:
+    """Sequences of ``per_seq`` bytes the cache may hold (0 if none):
+    ``(fraction * total - in_use - headroom.fixed) // (per_seq + headroom.per_slot)``, with
+    ``in_use = total - free`` (this process's tensors, the CUDA context, other processes)."""
+    budget = fraction * total - (total - free) - headroom.fixed
+    return max(0, int(budget // (per_seq + headroom.per_slot)))
+
+
+def require_slots(
+    slots: int, free: int, total: int, per_seq: int, fraction: float, headroom: Headroom
+) -> int:
+    """``slots`` if >= 1, else an error naming the settings and this rank's numbers."""
+    if slots >= 1:
+        return slots
+    gib = 2**30
+    raise ValueError(
+        f"rollout.kv_cache_fraction={fraction} leaves no room for one sequence on this GPU or "
+        f"another of its TP/EP group: {fraction} x {total / gib:.2f} GiB - "
+        f"{(total - free) / gib:.2f} GiB in use - {headroom.fixed / gib:.2f} GiB headroom < "
+        f"{(per_seq + headroom.per_slot) / gib:.4f} GiB per sequence; raise "
+        "rollout.kv_cache_fraction, shorten the sequences or set rollout.kv_cache_gib"
+    )
+
+
 class KVCache:
     """The buffer plus the per-forward write/read plan that every layer's attention shares."""
 
@@ -113,12 +216,13 @@ class KVCache:
         return apply_rope(x, *self.rope, self.rotary_interleaved)
 
     def move_rows(self, src: list[int], dst: list[int], ctx: int) -> None:
-        """Copy slots ``src`` to ``dst`` (the first ``ctx`` positions): compaction."""
-        if not src:
-            return
-        s = torch.tensor(src, device=self.kv.device)
-        d = torch.tensor(dst, device=self.kv.device)
-        self.kv[:, :, d, :, :ctx] = self.kv[:, :, s, :, :ctx]
+        """Copy slots ``src`` to ``dst`` (the first ``ctx`` positions): compaction. One copy
+        per row between views, with no temporary: a gather of every moved row (up to half the
+        slots when many rows finish at once) could need half the cache again. Compaction's
+        sources (rows past the new active count) are never destinations, so the order is free.
+        """
+        for s, d in zip(src, dst, strict=True):
+            self.kv[:, :, d, :, :ctx].copy_(self.kv[:, :, s, :, :ctx])
 
 
 class CachedAttention(torch.nn.Module):

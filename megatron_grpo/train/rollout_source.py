@@ -121,7 +121,8 @@ class GeneratedRollouts:
         self.engine: KVCacheEngine | None = None
         if r.engine == "kv_cache":  # one per run: its CUDA graphs are reused across steps
             options = EngineOptions(
-                kv_cache_gib=r.kv_cache_gib, cuda_graphs=r.cuda_graphs,
+                kv_cache_gib=r.kv_cache_gib, kv_cache_fraction=r.kv_cache_fraction,
+                cuda_graphs=r.cuda_graphs,
                 max_prefill_tokens=r.max_prefill_tokens, context_bucket=r.context_bucket,
                 decode_path=r.decode_path,
             )  # fmt: skip
