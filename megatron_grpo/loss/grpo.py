@@ -15,7 +15,7 @@ def grpo_loss(
     cfg: GRPOLossConfig,
     *,
     logprobs: Tensor,
-    old_logprobs: Tensor,
+    old_logprobs: Tensor | None,
     advantages: Tensor,
     loss_mask: Tensor,
     cu_seqlens: Tensor,
@@ -31,7 +31,10 @@ def grpo_loss(
         cfg: the loss options (:class:`GRPOLossConfig`).
         logprobs: ``[T]`` current policy log-probs of the sampled tokens (differentiable).
         old_logprobs: ``[T]`` log-probs of the policy that produced the batch, under the
-            training engine.
+            training engine. None = on-policy (the update is the only optimizer step on these
+            rollouts): ``logprobs.detach()`` serves as the old log-probs, so the ratio is exactly
+            1 and no old-log-prob pass is needed; IS correction and the mismatch metrics then
+            compare the current log-probs with ``rollout_logprobs``.
         advantages: ``[T]`` per-token advantages (a sequence's value broadcast to its tokens).
         loss_mask: ``[T]`` bool, True at tokens that enter the loss.
         cu_seqlens: ``[S+1]`` int32/int64 sequence boundaries (0, ..., T).

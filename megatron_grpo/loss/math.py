@@ -32,6 +32,17 @@ The loss is split into two calls:
 
 ``grpo_loss`` = ``build_context`` + ``objective`` over all rows; nothing is scattered back.
 
+ON-POLICY (``old_logprobs=None``)
+---------------------------------
+When an update is the only optimizer step on its rollouts, the old policy *is* the current one,
+so ``old_logprobs=None`` means "the current log-probs, detached" (verl's on-policy shortcut): no
+separate no-grad pass is needed. ``build_context`` leaves ``ctx.old`` None and keeps the rollout
+log-probs in ``ctx.rollout``; ``objective`` fills ``old = sg(logp)`` (ratio exactly 1 in value,
+``d ratio / d logp = 1``: the gradient of a run whose old pass gave the same log-probs) and only
+then computes what depends on ``old``: the IS weights ``exp(old - rollout)`` (MIS drops included)
+and the mismatch metrics. Token-level IS works on any row slice; the sequence levels need the
+full context (a slice raises, as for GSPO), since the weight sums a sequence's current log-probs.
+
 THE KL TERM: value and gradient (``cfg.kl_gradient``)
 -----------------------------------------------------
 With ``x = clamp(ref - logp, +-kl_input_clamp)`` and ``kl = clamp(k(x), +-kl_output_clamp)``,
@@ -91,12 +102,13 @@ class LossContext:
     index: Tensor  # [N] int64: positions in the packed [T] inputs
     seg: Tensor  # [N] int64: sequence slot in [0, num_seqs)
     num_seqs: int
-    old: Tensor
+    old: Tensor | None  # None: on-policy, objective() uses the current log-probs detached
     adv: Tensor
     coef: Tensor  # aggregation coefficient incl. 1/denominator; 0 = dropped row
     inv_len: Tensor  # 1 / |y_i| of the row's sequence (CP-global)
     ref: Tensor | None = None
     is_weight: Tensor | None = None  # detached, truncated
+    rollout: Tensor | None = None  # on-policy only: IS weights / mismatch wait for objective()
     cp_group: dist.ProcessGroup | None = None
     complete: bool = True  # holds every valid row (GSPO needs that)
     metrics: MetricDict = field(default_factory=dict)
@@ -115,12 +127,13 @@ class LossContext:
             self,
             index=self.index[sel],
             seg=self.seg[sel],
-            old=self.old[sel],
+            old=take(self.old),
             adv=self.adv[sel],
             coef=self.coef[sel],
             inv_len=self.inv_len[sel],
             ref=take(self.ref),
             is_weight=take(self.is_weight),
+            rollout=take(self.rollout),
             complete=False,
             metrics={},
         )
@@ -208,6 +221,31 @@ def mismatch_metrics(cfg: GRPOLossConfig, old: Tensor, rollout: Tensor) -> Metri
     return {"mismatch/k1": MeanMetric.of(k1), "mismatch/k3": MeanMetric.of(k3)}
 
 
+def apply_rollout_terms(cfg: GRPOLossConfig, ctx: LossContext, rollout: Tensor) -> None:
+    """What ``ctx.old`` against the rollout log-probs gives: the mismatch metrics and, with
+    ``cfg.is_correction_level``, the IS weights (:func:`apply_is_correction`)."""
+    ctx.metrics.update(mismatch_metrics(cfg, ctx.old, rollout))
+    if cfg.is_correction_level is not None:
+        apply_is_correction(cfg, ctx, rollout)
+
+
+def on_policy_context(cfg: GRPOLossConfig, ctx: LossContext, logprobs: Tensor) -> LossContext:
+    """An on-policy context (``ctx.old`` None) completed with ``old = sg(logprobs)`` ``[n]``:
+    a new context (``ctx`` is left as it is) whose ``metrics`` hold only the rollout terms
+    computed here (mismatch, IS weights)."""
+    if ctx.rollout is not None and cfg.is_correction_level in ("sequence", "sequence_mean"):
+        if not ctx.complete:
+            raise ValueError(
+                f"is_correction_level={cfg.is_correction_level!r} with old_logprobs=None "
+                "(on-policy) weighs each sequence by its current log-probs, so it needs every "
+                "row of each sequence: call objective() on the full context, not on ctx.rows(...)"
+            )
+    out = replace(ctx, old=logprobs.detach(), rollout=None, metrics={})
+    if ctx.rollout is not None:
+        apply_rollout_terms(cfg, out, ctx.rollout)
+    return out
+
+
 def agg_coefficients(
     cfg: GRPOLossConfig,
     inv_len: Tensor,
@@ -282,6 +320,8 @@ def build_context(
 ) -> LossContext:
     """Validate the policy-independent inputs (``[T]``; ``cu_seqlens`` ``[S+1]``) and build
     the :class:`LossContext` of their valid rows. See the module docstring.
+    ``old_logprobs=None``: on-policy, ``objective`` takes the current log-probs, detached (the
+    module docstring's ON-POLICY).
 
     One host sync: the checks of input values (device-side counts) and the number of valid rows
     are fetched together; a failure re-checks on the host, raising its error. ``row_checks``:
@@ -301,13 +341,13 @@ def build_context(
     num_seqs = cu_seqlens.numel() - 1
     cu = host_to_device(cu_seqlens, index.device)
     seg = segment_ids(cu, loss_mask.numel()).index_select(0, index)
-    seq_len = segment_sum(torch.ones_like(sel["old_logprobs"]), seg, num_seqs, cp_group)
+    seq_len = segment_sum(torch.ones_like(sel["advantages"]), seg, num_seqs, cp_group)
     inv_len = 1.0 / seq_len.clamp(min=1.0)[seg]
     ctx = LossContext(
         index=index,
         seg=seg,
         num_seqs=num_seqs,
-        old=sel["old_logprobs"],
+        old=sel.get("old_logprobs"),
         adv=sel["advantages"],
         coef=agg_coefficients(cfg, inv_len, seq_len, denominator, cp_group),
         inv_len=inv_len,
@@ -316,9 +356,10 @@ def build_context(
         metrics=metrics,
     )
     if rollout_logprobs is not None:
-        ctx.metrics.update(mismatch_metrics(cfg, ctx.old, sel["rollout_logprobs"]))
-        if cfg.is_correction_level is not None:
-            apply_is_correction(cfg, ctx, sel["rollout_logprobs"])
+        if ctx.old is None:  # on-policy: old is known in objective()
+            ctx.rollout = sel["rollout_logprobs"]
+        else:
+            apply_rollout_terms(cfg, ctx, sel["rollout_logprobs"])
     return ctx
 
 
@@ -359,7 +400,9 @@ def _neutralise(
     everything = torch.ones_like(ctx.coef, dtype=torch.bool)
     named = {"logprobs": logprobs} | ({} if entropy is None else {"entropy": entropy})
     bad = checks.nonfinite_rows(named, everything, raise_=False)
-    logprobs = torch.where(bad, ctx.old, logprobs)
+    # on-policy (old None): a finite stand-in, the rollout's value (IS log-weight 0) or 0
+    fill = ctx.old if ctx.old is not None else ctx.rollout
+    logprobs = torch.where(bad, torch.zeros_like(logprobs) if fill is None else fill, logprobs)
     entropy = None if entropy is None else torch.where(bad, torch.zeros_like(entropy), entropy)
     coef = torch.where(bad, torch.zeros_like(ctx.coef), ctx.coef)
     return logprobs, entropy, coef, {"loss/nonfinite_count": SumMetric(bad.sum().float())}
@@ -399,14 +442,17 @@ def objective(
     :func:`raise_on_nonfinite` on these rows itself (the loss is NaN where they are not finite).
     """
     n = ctx.num_rows
-    checks.check_float("logprobs", logprobs, n, ctx.old.device)
-    checks.check_float("entropy", entropy, n, ctx.old.device)
+    checks.check_float("logprobs", logprobs, n, ctx.coef.device)
+    checks.check_float("entropy", entropy, n, ctx.coef.device)
     checks.check_entropy_needed(cfg, entropy)
     if cfg.kl_coef > 0 and ctx.ref is None:
         raise ValueError("ref_logprobs is required when kl_coef > 0")
     lp = logprobs.float()
     ent = None if entropy is None else entropy.float()
     lp, ent, coef, metrics = _neutralise(cfg, ctx, lp, ent, check_finite)
+    if ctx.old is None:  # on-policy: old = sg(logp), then the terms that need old
+        ctx = on_policy_context(cfg, replace(ctx, coef=coef), lp)
+        coef, metrics = ctx.coef, metrics | ctx.metrics
 
     ratio = torch.exp(policy_log_ratio(cfg, ctx, lp))
     per_row, pg_metrics = pg_term(cfg, ratio, ctx.adv)

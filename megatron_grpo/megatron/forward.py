@@ -260,6 +260,12 @@ class GRPOStep:
             ``fused``. "megatron" computes no entropy, so it needs ``loss_cfg.entropy_coef == 0``.
         memory_budget: bytes of the LM head's working set, trading memory for speed
             (:mod:`megatron_grpo.ops.plan`); None = its default (1 GiB).
+        on_policy: the training step is the only optimizer step on its rollouts, so a batch
+            without ``old_logprobs`` uses the current log-probs, detached (the loss's
+            ``old_logprobs=None``: ratio exactly 1, no old-log-prob pass). False: a batch
+            without ``old_logprobs`` is an error. With a sequence-level IS correction the
+            automatic fused request runs "fused_tiled" (the weight needs whole sequences of
+            current log-probs; "fused_single_pass" is refused).
     """
 
     loss_cfg: GRPOLossConfig
@@ -270,6 +276,7 @@ class GRPOStep:
     impl: str = "auto"
     logprob_path: LogprobPath | None = None
     memory_budget: int | None = None
+    on_policy: bool = False
 
     def __post_init__(self) -> None:
         if self.logprob_path is None:
@@ -284,6 +291,17 @@ class GRPOStep:
             )
         self.fused = self.logprob_path.startswith("fused")
         resolve_request(self.logprob_path, self.loss_cfg)  # the plan's checks (entropy, GSPO)
+        self._loss_path = self.logprob_path  # the path the training loss asks for
+        if self.on_policy and self.loss_cfg.is_correction_level in ("sequence", "sequence_mean"):
+            # on-policy sequence IS weights need each sequence's current log-probs first
+            if self.logprob_path == "fused_single_pass":
+                raise ValueError(
+                    "logprob_path 'fused_single_pass' runs the loss chunk by chunk, but on-policy "
+                    f"is_correction_level {self.loss_cfg.is_correction_level!r} weighs each "
+                    "sequence by all of its current log-probs: use 'fused' / 'fused_tiled' or 'op'"
+                )
+            if self.logprob_path == "fused":
+                self._loss_path = "fused_tiled"
 
     def forward_step(self, data_iterator: Iterator[PackedBatch], model: torch.nn.Module):
         """Training ``forward_step_func``: returns ``(output, loss_func)`` for the schedule.
@@ -326,10 +344,16 @@ class GRPOStep:
         the whole step (sum over micro-batches and ranks / global count). ``output_layer`` (the
         GPTModel's) is required by ``logprob_path="megatron"``.
         """
+        if batch.old_logprobs is None and not self.on_policy:
+            raise ValueError(
+                "PackedBatch.old_logprobs is required for the GRPO loss (it may be None only "
+                "with GRPOStep(on_policy=True): one optimizer step per rollout batch)"
+            )
         tp_group, cp_group = _groups()
         dev = hidden.device
         args = dict(
-            old_logprobs=host_to_device(_req(batch, "old_logprobs"), dev),
+            # None (on-policy): the loss uses the current log-probs, detached
+            old_logprobs=_opt(batch.old_logprobs, dev),
             advantages=host_to_device(_req(batch, "advantages"), dev),
             loss_mask=host_to_device(batch.loss_mask, dev),
             cu_seqlens=batch.cu_seqlens,  # host: checked there for free, moved by the loss
@@ -345,7 +369,7 @@ class GRPOStep:
         else:  # the plan picks "op" or a fused path (GSPO: "fused_tiled") from the request
             op = self._op_args(tp_group, sequence_parallel)
             loss, metrics, _ = fused_grpo_loss(
-                hidden, weight, targets, self.loss_cfg, **args, **op, path=self.logprob_path
+                hidden, weight, targets, self.loss_cfg, **args, **op, path=self._loss_path
             )
         count = local_denominator(self.loss_cfg, args["loss_mask"], args["cu_seqlens"], cp_group)
         count = count.round().to(torch.int)

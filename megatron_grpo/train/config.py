@@ -119,8 +119,15 @@ class RolloutConfig:
         engine: how the policy generates: ``kv_cache`` (the KV-cached engine of
             ``megatron_grpo.rollout``) or ``recompute`` (no cache: every token re-runs the whole
             sequence; the reference the engine is tested against).
-        kv_cache_gib: the per-GPU KV cache budget of the ``kv_cache`` engine; sequences beyond
-            it wait for a free slot (generation streams through the cache instead of failing).
+        kv_cache_gib: the per-GPU KV cache budget of the ``kv_cache`` engine in GiB; sequences
+            beyond it wait for a free slot (generation streams through the cache instead of
+            failing). null (default): sized from the GPU's memory at each call
+            (``kv_cache_fraction``); on CPU 16 GiB.
+        kv_cache_fraction: with ``kv_cache_gib: null`` on GPU, the cache may grow until this
+            fraction of the GPU's total memory is in use (as vLLM's ``gpu_memory_utilization``):
+            slots = (fraction * total - in use - headroom) / (bytes per sequence + per-slot
+            headroom), the headroom estimated from the shapes; TP / EP ranks take their
+            group's minimum. In (0, 1].
         cuda_graphs: replay the engine's decode steps as CUDA graphs; null = auto (on for dense
             models on GPU, off for MoE and on CPU); true on CPU or with MoE is an error.
         max_prefill_tokens: prompt tokens per prefill forward of the ``kv_cache`` engine (bounds
@@ -151,7 +158,8 @@ class RolloutConfig:
     top_k: int = 0
     stop_ids: list[int] = field(default_factory=list)
     engine: Literal["kv_cache", "recompute"] = "kv_cache"
-    kv_cache_gib: float = 16.0
+    kv_cache_gib: float | None = None
+    kv_cache_fraction: float = 0.9
     cuda_graphs: bool | None = None
     max_prefill_tokens: int = 32768
     context_bucket: int = 128
@@ -183,8 +191,10 @@ class RolloutConfig:
         bad = [i for i in self.stop_ids if i < 0]
         if bad:
             raise ValueError(f"stop_ids must be token ids >= 0, got {bad[0]}")
-        if not self.kv_cache_gib > 0:
-            raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
+            raise ValueError(f"kv_cache_gib must be > 0 (or null: auto), got {self.kv_cache_gib}")
+        if not 0.0 < self.kv_cache_fraction <= 1.0:
+            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
         if self.reward_fn is not None and ":" not in self.reward_fn:
             raise ValueError(
                 f"reward_fn must look like 'pkg.module:function', got {self.reward_fn!r}"
@@ -260,6 +270,14 @@ class TrainingConfig:
             old-log-prob pass with live routing (one more no-grad forward of the policy per
             step) and log ``mismatch/k1_no_replay`` / ``mismatch/k3_no_replay``: the rollout
             mismatch of the same rollouts without replay, next to ``mismatch/k1`` / ``k3``.
+        on_policy_shortcut: with ``mini_batches_per_step: 1`` the update is the only optimizer
+            step on its rollouts, so the old policy is the current one: the no-grad
+            old-log-prob pass is skipped and the loss uses the update's own log-probs, detached,
+            as ``old_logprobs`` (ratio exactly 1; the gradients of the run with the pass, which
+            computes the same log-probs). IS correction and ``mismatch/*`` then compare those
+            with the rollout log-probs. The reference pass still runs with a reference model.
+            Logged as ``perf/old_logprob_pass_skipped`` (1 or 0). False: always run the pass.
+            Ignored with ``mini_batches_per_step > 1``, where the pass is always needed.
     """
 
     steps: int = 100
@@ -273,6 +291,7 @@ class TrainingConfig:
     logprob_path: Literal["fused", "op", "megatron", "fused_tiled", "fused_single_pass"] = "fused"
     lm_head_memory_budget: int | None = None
     log_mismatch_without_replay: bool = False
+    on_policy_shortcut: bool = True
 
     def __post_init__(self) -> None:
         check_positive(self, "steps", "mini_batches_per_step", "max_consecutive_nonfinite_skips")

@@ -5,6 +5,11 @@ and scored by the task, or read from files) -> advantages -> old and reference l
 Megatron passes) -> policy update over mini-batches of micro-batches (Megatron schedule +
 optimizer) -> metrics (with the time of each stage) -> checkpoint.
 
+On-policy shortcut (``training.on_policy_shortcut`` with ``mini_batches_per_step: 1``, decided
+once in ``__init__``): the update is the only optimizer step on its rollouts, so the old-log-prob
+pass is skipped and the loss uses the update's own log-probs, detached (``GRPOStep(on_policy=
+True)``, ``old_logprobs`` None).
+
 Determinism: prompt ``i`` and the sampling generator of step ``s`` on DP rank ``d`` are pure
 functions of ``(seed, i)`` and ``(seed, s, d)``, so the data position is the step and a resumed
 run replays exactly what an uninterrupted one would have done.
@@ -77,12 +82,17 @@ class Trainer:
         )
         dp_group = parallel_state.get_data_parallel_group()
         self.source = maybe_filter(cfg, self.source, self.dp_size, dp_group)  # filter_groups
+        # One optimizer step per rollout batch: the old policy is the current one, so the
+        # update's own detached log-probs are the old log-probs (no old-log-prob pass).
+        t = cfg.training
+        self.on_policy = t.on_policy_shortcut and t.mini_batches_per_step == 1
         self.step_fn = GRPOStep(
             cfg.loss,
             vocab_size=cfg.model.vocab_size,
             temperature=cfg.rollout.temperature,
-            logprob_path=cfg.training.logprob_path,
-            memory_budget=cfg.training.lm_head_memory_budget,
+            logprob_path=t.logprob_path,
+            memory_budget=t.lm_head_memory_budget,
+            on_policy=self.on_policy,
         )
         self.start_step, self.skipped, self.consecutive_skips = 0, 0, 0
         self._load(resume)
@@ -217,12 +227,16 @@ class Trainer:
         return count, tokens
 
     def old_and_ref_logprobs(self, mini_batches: list[list[PackedBatch]]) -> None:
-        """No-grad passes of the current policy (old) and the frozen reference."""
+        """No-grad passes of the current policy (old) and the frozen reference. On-policy
+        (``self.on_policy``) the old pass is skipped: ``old_logprobs`` stay None and the loss
+        uses the update's own log-probs, detached."""
         flat = [mb for mini in mini_batches for mb in mini]
-        for mb, lp in zip(flat, self.step_fn.compute_logprobs(self.model, flat), strict=True):
-            mb.old_logprobs = lp
+        if not self.on_policy:
+            for mb, lp in zip(flat, self.step_fn.compute_logprobs(self.model, flat), strict=True):
+                mb.old_logprobs = lp
         if self.cfg.model.moe_enable_routing_replay:  # the policy's pass: same weights as rollout
-            self._replay_counts = replay_mismatch(self.model)
+            if not self.on_policy:
+                self._replay_counts = replay_mismatch(self.model)
             if self.cfg.training.log_mismatch_without_replay:
                 self._no_replay = self._mismatch_without_replay(flat)
         if self.ref_model is not None:
@@ -278,6 +292,7 @@ class Trainer:
         metrics["optim/lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["optim/skipped_steps_total"] = float(self.skipped)
         metrics["optim/skipped_steps"] = float(skipped_now)
+        metrics["perf/old_logprob_pass_skipped"] = float(self.on_policy)
         return metrics
 
     def rollout_metrics(self, batch: RolloutBatch, stages: dict[str, float]) -> dict[str, float]:
@@ -370,11 +385,14 @@ class Trainer:
         top-k differs from the replayed one in the old-log-prob pass (the policy the rollouts
         came from); ``moe/replay_mismatch_frac_update``: the same over this step's training
         forwards. All ranks (a sum over the world). With ``training.log_mismatch_without_replay``
-        also ``mismatch/k{1,3}_no_replay`` (:meth:`_mismatch_without_replay`)."""
+        also ``mismatch/k{1,3}_no_replay`` (:meth:`_mismatch_without_replay`). On-policy (no old
+        pass) the step's one update ran on the rollout policy's weights: its counts are both."""
         if not self.cfg.model.moe_enable_routing_replay:
             return {}
         old = self.__dict__.pop("_replay_counts", None)
         update = replay_mismatch(self.model)
+        if self.on_policy:
+            old = update
         counts = torch.cat([update, update if old is None else old]).tolist()
         sums = comm.all_reduce_sum(counts, None)
         out = {"moe/replay_mismatch_frac_update": sums[0] / max(sums[1], 1.0)}
