@@ -167,3 +167,26 @@ def test_context_parallel_attention_matches_the_full_sequence(world):
     from tests.dist_utils import run_distributed
 
     run_distributed(_cp_body, world)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_no_host_sync_after_the_first_layer():
+    """The layout (and the RoPE positions) are built once per micro-batch: later layers'
+    attention and RoPE run without a device-to-host sync."""
+    from megatron_grpo.megatron.packed_rope import PackedRope
+
+    lens = [5, 17, 3, 9, 33, 2]  # several length buckets
+    params = _params(lens)
+    params.cu_seqlens_q = params.cu_seqlens_kv = params.cu_seqlens_q.cuda()
+    q, k, v = _inputs(sum(lens), dtype=torch.bfloat16, dev="cuda")
+    freqs = torch.rand(max(lens), 1, 1, 16, device="cuda")
+    rope = PackedRope(freqs, freqs, 1.0, False, "auto", 1, 0)
+    for layer in range(2):
+        if layer:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            qr, kr = rope.apply(q, k, params)
+            pa.packed_causal_attention(qr, kr, v, params, sdpa=_sdpa).sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")

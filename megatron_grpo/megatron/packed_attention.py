@@ -29,7 +29,8 @@ SDPA = Callable[..., torch.Tensor]
 @dataclass
 class _Bucket:
     index: torch.Tensor  # [B, S] token positions; padding -1 (reads an appended zero row)
-    valid: torch.Tensor  # [B, S] bool, real tokens
+    dest: torch.Tensor  # [n] the real tokens' positions, in [B, S] row-major order
+    flat: torch.Tensor  # [n] where they are in the flattened [B * S] batch
 
 
 @dataclass
@@ -84,7 +85,9 @@ def _buckets(starts: torch.Tensor, lens: torch.Tensor, device) -> list[_Bucket]:
         offsets = torch.arange(int(lens[d].max()))
         valid = offsets[None, :] < lens[d, None]
         index = torch.where(valid, starts[d, None] + offsets[None, :], -1)
-        buckets.append(_Bucket(index.to(device), valid.to(device)))
+        # host-side selections: a boolean mask on the device would sync at every layer
+        flat = valid.flatten().nonzero().flatten()
+        buckets.append(_Bucket(index.to(device), index.flatten()[flat].to(device), flat.to(device)))
     return buckets
 
 
@@ -117,5 +120,5 @@ def packed_causal_attention(
         # [B, S, n, d] -> [B, n, S, d]
         qb, kb, vb = (x[b.index].transpose(1, 2) for x in ext)
         ob = sdpa(qb, kb, vb).transpose(1, 2)  # [B, S, n_q, d]
-        out = out.index_put((b.index[b.valid],), ob[b.valid])
+        out = out.index_put((b.dest,), ob.flatten(0, 1).index_select(0, b.flat))
     return out
