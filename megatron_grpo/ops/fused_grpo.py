@@ -222,7 +222,7 @@ def fused_grpo_loss(
     targets: Tensor,
     cfg: GRPOLossConfig,
     *,
-    old_logprobs: Tensor,
+    old_logprobs: Tensor | None,
     advantages: Tensor,
     loss_mask: Tensor,
     cu_seqlens: Tensor,
@@ -246,7 +246,8 @@ def fused_grpo_loss(
     log-prob gradients computed inside the op (see the module docstring).
 
     hidden / weight / targets / TP arguments: as :func:`vocab_parallel_logprobs`; the loss
-    arguments (all [T], ``cu_seqlens`` [S+1]): as :func:`megatron_grpo.loss.grpo_loss`.
+    arguments (all [T], ``cu_seqlens`` [S+1]): as :func:`megatron_grpo.loss.grpo_loss`
+    (``old_logprobs=None``: on-policy, the current log-probs detached).
     Entropy is computed only when ``cfg.entropy_coef != 0`` or ``return_entropy``.
     ``chunk_size``: rows per logits tile on either fused path (None = automatic).
     ``path``: None / "fused" = the plan's choice (:mod:`megatron_grpo.ops.plan`; "fused_tiled"
