@@ -57,6 +57,16 @@ def test_second_concurrent_writer_is_refused_and_a_dead_ones_lock_is_taken_over(
     assert acquire_lock(tmp_path) is None  # re-entrant in one process
 
 
+def test_a_clean_release_leaves_no_stale_notice(tmp_path):
+    """A run that ends cleanly empties its owner record: the next run takes the lock silently
+    (the stale notice is for writers that died)."""
+    assert acquire_lock(tmp_path) is None
+    rundir.release_locks()
+    assert (tmp_path / rundir.LOCK_NAME).read_text() == ""
+    assert acquire_lock(tmp_path) is None
+    rundir.release_locks()
+
+
 def _previous_run(tmp: Path) -> tuple[Path, Path]:
     metrics = tmp / "metrics.jsonl"
     metrics.write_text('{"step": 1}\n{"step": 2}\n')

@@ -82,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _train(cfg, resume: bool, overwrite: bool) -> int:
     # Imported after the config is valid: Megatron's import is slow and noisy.
     from megatron_grpo.train.checkpoint import CheckpointError
-    from megatron_grpo.train.rundir import RunDirError
+    from megatron_grpo.train.rundir import RunDirError, release_locks
     from megatron_grpo.train.trainer import Trainer
 
     t0 = time.perf_counter()
@@ -90,6 +90,7 @@ def _train(cfg, resume: bool, overwrite: bool) -> int:
         trainer = Trainer(cfg, resume=resume, overwrite=overwrite)
         start = trainer.start_step
         trainer.train()
+        release_locks()  # a clean end: the next run gets no stale-lock notice
         trainer.monitor.message(_summary(cfg, start, time.perf_counter() - t0))
     except (RunDirError, CheckpointError) as e:
         if not dist.is_initialized() or dist.get_rank() == 0:

@@ -6,7 +6,9 @@ A run writes into ``logging.dir`` (``config.yaml``, ``metrics.jsonl``), ``checkp
 * ``logging.dir`` and ``checkpoint.dir`` get a lock file, ``.megatron_grpo.lock`` holding the
   writer's pid and host, locked with ``flock`` for the writer's lifetime. The kernel drops the lock when the
   process dies (even under ``kill -9``), so a lock file left behind is stale by construction: it
-  is taken over, and the dead writer's pid is reported. A live writer makes a second run refuse.
+  is taken over, and the dead writer's pid is reported. A run that ends cleanly empties its record
+  (:func:`release_locks`), so the next one starts without that notice. A live writer makes a
+  second run refuse.
 * a fresh run (no ``--resume``) refuses to start over a previous run's outputs (non-empty
   ``metrics.jsonl``, checkpoints, rollout files) unless ``--overwrite`` is given; only then are
   exactly those files deleted (never the directories, never anything we did not write).
@@ -78,8 +80,12 @@ def _read_owner(path: Path) -> str:
 
 
 def release_locks() -> None:
-    """Drop every lock this process holds (the kernel does this at exit too)."""
+    """Release every lock this process holds at a clean end of its run: the owner record is
+    emptied first, so the next run starts without a stale-lock notice (a killed or crashed run
+    keeps its record: the kernel drops the flock, and the next run reports whose it was)."""
     for f in _HELD.values():
+        f.seek(0)  # type: ignore[attr-defined]
+        f.truncate()  # type: ignore[attr-defined]
         f.close()  # type: ignore[attr-defined]
     _HELD.clear()
 
