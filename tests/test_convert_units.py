@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -429,3 +430,16 @@ def test_atomic_output_dir_leaves_nothing_on_error(tmp_path: Path):
     assert (out / "done").read_text() == "ok" and sorted(tmp_path.iterdir()) == [out]
     with pytest.raises(ConversionError, match="not empty"), atomic_output_dir(out):
         pass
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_atomic_output_dir_honours_the_umask(tmp_path: Path, umask: int):
+    """The output directory gets the mode mkdir would give it (mkdtemp alone makes it 0700:
+    unreadable for the rest of a shared cluster)."""
+    old = os.umask(umask)
+    try:
+        with atomic_output_dir(tmp_path / "out") as tmp:
+            (tmp / "f").write_text("x")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o777 & ~umask

@@ -20,6 +20,13 @@ def check_output_dir(out_dir: str | Path) -> Path:
     return out
 
 
+def _umask() -> int:
+    """The process's umask (reading it means setting it: set it straight back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_output_dir(out_dir: str | Path) -> Iterator[Path]:
     """Yield a temporary directory next to ``out_dir``; on success it becomes ``out_dir``.
@@ -30,6 +37,8 @@ def atomic_output_dir(out_dir: str | Path) -> Iterator[Path]:
     out = check_output_dir(out_dir).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    # mkdtemp makes it 0700; the output is an ordinary directory: the mode umask gives mkdir
+    tmp.chmod(0o777 & ~_umask())
     try:
         yield tmp
         if out.exists():
