@@ -207,6 +207,10 @@ def test_bfloat16_checkpoint(converted, tmp_path: Path):
     hf, _ = converted["qwen2"]
     ckpt = hf_to_mcore(hf, tmp_path / "bf16", dtype="bfloat16")
     assert verify_conversion(hf, ckpt) < 0.1  # bf16-rounded weights vs fp32 ones
+    # against transformers with its weights rounded the same way: the conversion alone
+    assert verify_conversion(hf, ckpt, weight_dtype=torch.bfloat16) <= TOL
+    # --verify at the default tolerance passes for an fp32 source written as bf16
+    hf_to_mcore(hf, tmp_path / "bf16_verified", dtype="bfloat16", verify=True)
     out = mcore_to_hf(ckpt, tmp_path / "hf", dtype="float32")
     src, got = load_file(hf / "model.safetensors"), load_file(out / "model.safetensors")
     for name, t in src.items():

@@ -165,8 +165,9 @@ def hf_to_mcore(
         dtype: tensor dtype in the checkpoint ("float32", "bfloat16", "float16"); default: keep
             each HF tensor's dtype.
         verify: compare logits of transformers and of the converted Megatron model (at
-            tensor-parallel size ``verify_tp``, fp32) before publishing ``out_dir``; a max
-            absolute difference above ``verify_tol`` is an error.
+            tensor-parallel size ``verify_tp``, fp32; with ``dtype``, the transformers weights
+            rounded to it) before publishing ``out_dir``; a max absolute difference above
+            ``verify_tol`` is an error.
 
     Returns the output directory. On any error nothing is left at ``out_dir``.
     """
@@ -191,7 +192,10 @@ def hf_to_mcore(
         if verify:
             from megatron_grpo.convert.verify import verify_conversion
 
-            diff = verify_conversion(hf_dir, tmp, tp=verify_tp)
+            # against transformers with the weights as the checkpoint holds them (--dtype)
+            diff = verify_conversion(
+                hf_dir, tmp, tp=verify_tp, weight_dtype=DTYPES.get(dtype or "")
+            )
             print(
                 f"verify: max |logit difference| transformers vs Megatron (TP={verify_tp}): {diff:.3e}"
             )

@@ -1,7 +1,9 @@
 """``--verify``: logits of transformers vs the converted Megatron model, fp32, same prompts.
 
 Both sides run in float32 whatever the checkpoint dtype (bf16 weights upcast exactly), so the
-difference measures the conversion, not the precision. Prompts come from the checkpoint's
+difference measures the conversion, not the precision. When the checkpoint was written in
+another dtype than the HF weights (``hf-to-mcore --dtype``), the transformers side gets its
+weights rounded to that dtype first: both sides then hold the same values. Prompts come from the checkpoint's
 tokenizer when it has one, else fixed random token ids.
 """
 
@@ -45,8 +47,11 @@ def prompt_ids(hf_dir: str | Path, vocab_size: int, seq_len: int = 16) -> list[t
     return [torch.randint(0, vocab_size, (seq_len,), generator=gen) for _ in PROMPTS]
 
 
-def hf_logits(hf_dir: str | Path, ids: list[torch.Tensor]) -> list[torch.Tensor]:
-    """transformers forward, fp32, eager attention: ``[S, V]`` logits per prompt."""
+def hf_logits(
+    hf_dir: str | Path, ids: list[torch.Tensor], weight_dtype: torch.dtype | None = None
+) -> list[torch.Tensor]:
+    """transformers forward, fp32, eager attention: ``[S, V]`` logits per prompt;
+    ``weight_dtype``: the weights rounded to it first (the checkpoint's dtype)."""
     import transformers
     from transformers import AutoModelForCausalLM
 
@@ -56,6 +61,9 @@ def hf_logits(hf_dir: str | Path, ids: list[torch.Tensor]) -> list[torch.Tensor]
         str(hf_dir), attn_implementation="eager", local_files_only=True, **dtype_kw
     ).eval()
     with torch.no_grad():
+        if weight_dtype is not None:
+            for p in model.parameters():
+                p.copy_(p.to(weight_dtype).float())
         return [model(t[None]).logits[0].float() for t in ids]
 
 
@@ -157,8 +165,11 @@ def spawn_megatron_logits(ckpt_dir: str | Path, ids: list[torch.Tensor], tp: int
     return [torch.from_numpy(a) for a in payload]
 
 
-def verify_conversion(hf_dir: str | Path, ckpt_dir: str | Path, tp: int = 1) -> float:
-    """Max absolute logit difference between transformers (``hf_dir``) and the Megatron
+def verify_conversion(
+    hf_dir: str | Path, ckpt_dir: str | Path, tp: int = 1, weight_dtype: torch.dtype | None = None
+) -> float:
+    """Max absolute logit difference between transformers (``hf_dir``, its weights rounded to
+    ``weight_dtype`` when given: the dtype the checkpoint was written in) and the Megatron
     checkpoint ``ckpt_dir`` loaded at tensor-parallel size ``tp``."""
     from megatron_grpo.megatron.config import ParallelConfig, check_parallel
 
@@ -168,7 +179,7 @@ def verify_conversion(hf_dir: str | Path, ckpt_dir: str | Path, tp: int = 1) -> 
     except ValueError as e:
         raise ConversionError(f"cannot verify at TP={tp}: {e}") from e
     ids = prompt_ids(hf_dir, model_cfg.vocab_size)
-    ref = hf_logits(hf_dir, ids)
+    ref = hf_logits(hf_dir, ids, weight_dtype)
     if tp == 1:
         with single_process_megatron():
             got = megatron_logits(ckpt_dir, ids)
