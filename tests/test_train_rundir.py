@@ -271,3 +271,13 @@ def test_checkpoint_writer_queue_process_dies_with_a_killed_worker():
     while _alive(manager) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(manager), f"the writer queue's manager (pid {manager}) outlived its worker"
+
+
+def test_summary_of_a_resumed_finished_run_says_it_is_complete():
+    from megatron_grpo.train.__main__ import _summary
+    from megatron_grpo.train.config import load_train_config
+
+    cfg = load_train_config(RECIPE, ["training.steps=60", "checkpoint.dir=null"])
+    assert _summary(cfg, 20, 3.0).startswith("done: steps 21..60 in 3 s")
+    done = _summary(cfg, 60, 1.0)
+    assert "already complete at step 60 of training.steps=60" in done and "61" not in done

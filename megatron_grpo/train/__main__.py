@@ -104,8 +104,15 @@ def _train(cfg, resume: bool, overwrite: bool) -> int:
 
 def _summary(cfg, start: int, seconds: float) -> str:
     """The end-of-run line: what ran, how long, where its outputs are."""
+    steps = cfg.training.steps
+    ran = (
+        f"done: steps {start + 1}..{steps} in {seconds:.0f} s"
+        if start < steps
+        else f"done: the run was already complete at step {start} of training.steps={steps} "
+        f"(raise training.steps to train further)"
+    )
     lines = [
-        f"done: steps {start + 1}..{cfg.training.steps} in {seconds:.0f} s",
+        ran,
         f"  metrics:     {cfg.logging.metrics_path}",
         f"  config:      {cfg.logging.dir}/config.yaml",
     ]
