@@ -9,6 +9,7 @@ Runs under ``torchrun`` (single node or multi-node rendezvous) or as a plain ``p
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -54,8 +55,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--world-size",
         type=int,
-        default=int(os.environ.get("WORLD_SIZE", "1")),
-        help="ranks assumed by --dry-run (default: $WORLD_SIZE or 1)",
+        default=None,
+        help="ranks assumed by --dry-run (default: $WORLD_SIZE, else the smallest world the "
+        "recipe's layout fits)",
     )
     return parser.parse_args(argv)
 
@@ -70,13 +72,47 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run:
         from megatron_grpo.megatron.dry_run import dry_run
 
+        world = args.world_size
+        if world is None:
+            world = int(os.environ.get("WORLD_SIZE", smallest_world_size(cfg.parallel)))
         try:
-            dry_run(cfg, args.world_size)
+            dry_run(cfg, world)
         except ValueError as e:
             print(f"config error: {e}", file=sys.stderr)
             return 2
         return 0
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world % smallest_world_size(cfg.parallel):
+        print(f"config error: {world_size_hint(cfg.parallel, world)}", file=sys.stderr)
+        return 2
     return _train(cfg, args.resume, args.overwrite)
+
+
+def smallest_world_size(parallel) -> int:
+    """The fewest ranks the layout fits: a multiple of TP * PP * CP and of the expert layout's
+    expert-TP * EP * PP."""
+    etp = parallel.expert_tensor_parallel_size or parallel.tensor_model_parallel_size
+    expert = etp * parallel.expert_model_parallel_size * parallel.pipeline_model_parallel_size
+    return math.lcm(parallel.model_parallel_size, expert)
+
+
+def world_size_hint(parallel, world: int) -> str:
+    """One line: why ``world`` ranks do not fit the layout, and the two ways out."""
+    need = smallest_world_size(parallel)
+    sizes = {
+        "tensor_model_parallel_size": parallel.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": parallel.pipeline_model_parallel_size,
+        "context_parallel_size": parallel.context_parallel_size,
+        "expert_model_parallel_size": parallel.expert_model_parallel_size,
+    }
+    layout = ", ".join(f"parallel.{k}={v}" for k, v in sizes.items() if v > 1)
+    sets = " ".join(f"--set parallel.{k}=1" for k, v in sizes.items() if v > 1)
+    how = "torchrun --nproc-per-node" if world == 1 else "a world size that is a multiple of"
+    return (
+        f"{world} rank(s), but the recipe's layout ({layout}) needs a multiple of {need}: "
+        f"launch with `{how} {need} -m megatron_grpo.train ...`, or change the layout "
+        f"(e.g. {sets})"
+    )
 
 
 def _train(cfg, resume: bool, overwrite: bool) -> int:

@@ -1,0 +1,37 @@
+"""The trainer's command line: a world size that does not fit the recipe is one line with the
+fix (exit 2, no traceback); the dry run defaults to the smallest world the layout fits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron_grpo.megatron.config import ParallelConfig
+from megatron_grpo.train.__main__ import main, smallest_world_size, world_size_hint
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny.yaml"
+
+
+def test_forgetting_torchrun_names_the_fix(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    argv = ["--config", str(RECIPE), "--set", f"logging.dir={tmp_path}"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("config error: 1 rank(s)") and "Traceback" not in err
+    assert "torchrun --nproc-per-node 2" in err
+    assert "--set parallel.tensor_model_parallel_size=1" in err
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_dry_run_defaults_to_the_recipes_smallest_world(monkeypatch, capsys):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["--config", str(RECIPE), "--dry-run"]) == 0
+    assert "config error" not in capsys.readouterr().err
+
+
+def test_smallest_world_size_counts_the_expert_layout():
+    assert smallest_world_size(ParallelConfig(tensor_model_parallel_size=2)) == 2
+    moe = ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=4)
+    assert smallest_world_size(moe) == 8
+    cp = ParallelConfig(tensor_model_parallel_size=2, context_parallel_size=3)
+    hint = world_size_hint(cp, 4)
+    assert "needs a multiple of 6" in hint and "a world size that is a multiple of 6" in hint
