@@ -80,6 +80,16 @@ def _claim(tmp: Path, ckpt: Path | str | None, **kw) -> None:
     claim_run_dirs(tmp / "metrics.jsonl", str(tmp), None if ckpt is None else str(ckpt), None, **kw)
 
 
+def test_no_resume_suggestion_without_a_checkpoint(tmp_path):
+    """A run without checkpoint.dir cannot be resumed: the refusal offers --overwrite only."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(RunDirError, match="already holds a run") as err:
+        _claim(tmp_path, None, resume=False, overwrite=False)
+    assert "--resume" not in str(err.value) and "--overwrite" in str(err.value)
+    assert "checkpoint.dir" not in str(err.value)
+    rundir.release_locks()
+
+
 def test_fresh_run_over_a_previous_run_refuses_unless_overwrite(tmp_path):
     metrics, ckpt = _previous_run(tmp_path)
     (tmp_path / "notes.txt").write_text("mine")

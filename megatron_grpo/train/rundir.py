@@ -170,10 +170,16 @@ def _claim(
         return notes
     previous = run_outputs(metrics_path, ckpt_dir, rollout_dir)
     if previous and not overwrite:
+        # --resume only where there is a checkpoint to resume from
+        can_resume = ckpt_dir is not None and any(p.parent == Path(ckpt_dir) for p in previous)
+        resume_hint = (
+            "Pass --resume to continue it, --overwrite" if can_resume else "Pass --overwrite"
+        )
+        new_dirs = "logging.dir and checkpoint.dir (--set logging.dir=... --set checkpoint.dir=...)"
         raise RunDirError(
-            f"{log_dir} already holds a run ({_describe(previous)}). Pass --resume to continue "
-            "it, --overwrite to delete those files and start over, or choose a new logging.dir "
-            "and checkpoint.dir (--set logging.dir=... --set checkpoint.dir=...)"
+            f"{log_dir} already holds a run ({_describe(previous)}). {resume_hint} to delete "
+            f"those files and start over, or choose a new "
+            f"{new_dirs if ckpt_dir is not None else 'logging.dir (--set logging.dir=...)'}"
         )
     if previous:
         _remove(previous)
