@@ -38,6 +38,7 @@ setup(
             "tensorboard",
         ],
         "te": ["transformer-engine[pytorch]>=2.0"],
+        "data": ["pyarrow"],  # Parquet datasets and rollout files
         "tools": ["transformers>=4.51"],
     },
     entry_points={"console_scripts": ["megatron-grpo-train=megatron_grpo.train.__main__:main"]},

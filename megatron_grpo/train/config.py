@@ -30,7 +30,9 @@ from megatron_grpo.convert.layout import MODEL_CONFIG_NAME, read_model_config
 from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.megatron.config import ModelConfig, ParallelConfig
 
-TaskName = Literal["reverse_digits", "math"]
+TaskName = Literal["reverse_digits", "math", "dataset"]
+# rollout.reward_fn names usable without a module (tasks/verifiers.py's VERIFIERS).
+BUILTIN_VERIFIERS = ("exact_match", "math")
 
 
 @dataclass
@@ -59,6 +61,56 @@ class MathTaskConfig:
     data_path: str = ""
     tokenizer_dir: str = ""
     prompt_template: str = "{prompt}"
+
+
+DATASET_SUFFIXES = (".jsonl", ".parquet")
+
+
+@dataclass
+class DatasetConfig:
+    """Prompts from ``.jsonl`` / ``.parquet`` files in verl's layout (``tasks/dataset.py``).
+
+    A row holds ``prompt`` (a string, or a list of ``{"role", "content"}`` messages) and its
+    ground truth, ``reward_model.ground_truth`` (verl) or ``answer`` (plain JSONL), with optional
+    ``data_source`` (a string) and ``extra_info`` (a JSON object). Everything is read, templated,
+    tokenized and checked at start-up; errors name the file, row and column.
+
+    Attributes:
+        train_files: the training prompts (files in this order; visited in a seeded
+            permutation per epoch).
+        val_files: validation prompts, loaded and checked the same way (``task.val_prompts()``).
+        prompt_key: the column holding the prompt.
+        tokenizer_dir: HF tokenizer files (``AutoTokenizer.from_pretrained``, local only); a
+            ``generation_config.json`` there adds its ``eos_token_id`` (an id or a list) to the
+            ids that end a response.
+        chat_template: ``auto`` (apply the tokenizer's template when it has one; a message-list
+            prompt without one is an error), ``true`` (always; a string prompt becomes one user
+            message) or ``false`` (raw text; message-list prompts are an error).
+        add_generation_prompt: end the templated prompt with the assistant turn's header.
+        filter_overlong_prompts: drop prompts longer than ``rollout.max_prompt_length`` tokens
+            (after the template) at load, reported once with their files and rows; false: such
+            a prompt is a start-up error.
+    """
+
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    tokenizer_dir: str = ""
+    chat_template: bool | str = "auto"  # "auto", true or false (checked below)
+    add_generation_prompt: bool = True
+    filter_overlong_prompts: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("train_files", "val_files"):
+            for i, path in enumerate(getattr(self, name)):
+                if not path.endswith(DATASET_SUFFIXES):
+                    raise ValueError(f"{name}[{i}]: {path!r} must end in .jsonl or .parquet")
+        if not self.prompt_key:
+            raise ValueError("prompt_key must not be empty")
+        if self.chat_template not in ("auto", True, False):
+            raise ValueError(
+                f"chat_template must be auto, true or false, got {self.chat_template!r}"
+            )
 
 
 # Extra rounds of a step draw prompts from a block of this many rounds (see dynamic_sampling).
@@ -109,7 +161,8 @@ class RolloutConfig:
     Attributes:
         num_prompts: prompts per training step, over all data-parallel ranks.
         group_size: G samples per prompt (one advantage group).
-        max_prompt_length / max_response_length: in tokens; longer prompts are an error, responses
+        max_prompt_length / max_response_length: in tokens; longer prompts are an error (task
+            ``dataset``: dropped at load, see ``dataset.filter_overlong_prompts``), responses
             stop at ``<eos>`` or at ``max_response_length``.
         temperature / top_p / top_k: sampling; the recorded rollout log-probs are those of the
             sampled token under ``softmax(logits / temperature)`` before top-k / top-p truncation.
@@ -139,9 +192,23 @@ class RolloutConfig:
             step of ~9 kernels a layer: ``megatron_grpo.rollout.fused_decode``), ``modules``
             (megatron-core's layer modules) or ``auto`` (fused wherever it covers the model:
             dense portable-spec GPT layers; the choice and its reason are logged).
-        task: ``reverse_digits`` (toy, built-in tokenizer) or ``math`` (local JSONL + HF tokenizer).
-        reward_fn: optional ``"pkg.module:function"`` replacing the task's reward; called as
-            ``fn(prompt: str, response: str, answer: str) -> float``.
+        task: ``reverse_digits`` (toy, built-in tokenizer), ``math`` (local JSONL + HF tokenizer)
+            or ``dataset`` (``.jsonl`` / ``.parquet`` files in verl's layout, chat templates:
+            :class:`DatasetConfig`, the ``dataset`` section).
+        reward_fn: optional reward replacing the task's: ``"pkg.module:function"``,
+            ``"path/to/file.py:function"`` or a built-in verifier, ``exact_match`` or ``math``
+            (``tasks/verifiers.py``). Called with verl's keywords when it takes them
+            (``data_source``, ``solution_str``, ``ground_truth``, ``extra_info``), else as
+            ``fn(prompt, response, answer)`` with strings; returns a number, a bool or a dict
+            with ``score`` plus extra numbers (logged as ``reward/<key>``). Rewards are scored
+            once per sample, on one rank of each model replica (``train/scoring.py``).
+        reward_workers: 0 = score in the trainer's process; N = in a pool of N spawned worker
+            processes (created once, on the scoring ranks).
+        reward_timeout_s: seconds one reward call may take (null = no limit); needs
+            ``reward_workers`` >= 1 (code running in the trainer's process cannot be
+            interrupted). A call past it scores ``reward_on_timeout`` and counts in
+            ``reward/timeouts``.
+        reward_on_timeout: the reward of a sample whose call timed out.
         input_path: train on rollouts from a file (``.jsonl`` / ``.parquet``) or a directory of
             them instead of generating; each step consumes the next ``num_prompts`` groups (the
             sampling and engine fields are then unused; the files must carry ``reward``).
@@ -167,7 +234,11 @@ class RolloutConfig:
     task: TaskName = "reverse_digits"
     reverse_digits: ReverseDigitsConfig = field(default_factory=ReverseDigitsConfig)
     math: MathTaskConfig = field(default_factory=MathTaskConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
     reward_fn: str | None = None
+    reward_workers: int = 0
+    reward_timeout_s: float | None = None
+    reward_on_timeout: float = 0.0
     input_path: str | None = None
     output_dir: str | None = None
     output_format: Literal["jsonl", "parquet"] = "jsonl"
@@ -195,14 +266,39 @@ class RolloutConfig:
             raise ValueError(f"kv_cache_gib must be > 0 (or null: auto), got {self.kv_cache_gib}")
         if not 0.0 < self.kv_cache_fraction <= 1.0:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
-        if self.reward_fn is not None and ":" not in self.reward_fn:
+        if (
+            self.reward_fn is not None
+            and ":" not in self.reward_fn
+            and self.reward_fn not in BUILTIN_VERIFIERS
+        ):
             raise ValueError(
-                f"reward_fn must look like 'pkg.module:function', got {self.reward_fn!r}"
+                "reward_fn must look like 'pkg.module:function', 'path/to/file.py:function' or "
+                f"name a built-in verifier ({', '.join(BUILTIN_VERIFIERS)}), got {self.reward_fn!r}"
             )
+        if self.reward_workers < 0:
+            raise ValueError(
+                f"reward_workers must be >= 0 (0 = in-process), got {self.reward_workers}"
+            )
+        if self.reward_timeout_s is not None:
+            if not self.reward_timeout_s > 0:
+                raise ValueError(
+                    f"reward_timeout_s must be > 0 (or null: no limit), got {self.reward_timeout_s}"
+                )
+            if self.reward_workers == 0:
+                raise ValueError(
+                    f"reward_timeout_s={self.reward_timeout_s} needs reward_workers >= 1: a reward "
+                    "running in the trainer's process (reward_workers: 0) cannot be interrupted"
+                )
+        if not float("-inf") < self.reward_on_timeout < float("inf"):  # not NaN or inf
+            raise ValueError(f"reward_on_timeout must be finite, got {self.reward_on_timeout}")
         if self.task == "math" and self.input_path is None:
             for name in ("data_path", "tokenizer_dir"):
                 if not getattr(self.math, name):
                     raise ValueError(f"math.{name} is required when task is 'math'")
+        if self.task == "dataset" and self.input_path is None:
+            for name in ("train_files", "tokenizer_dir"):
+                if not getattr(self.dataset, name):
+                    raise ValueError(f"dataset.{name} is required when task is 'dataset'")
         if self.filter_groups.enabled and self.input_path is not None:
             raise ValueError(
                 "filter_groups.enabled needs generated rollouts (dropped groups are replaced by "

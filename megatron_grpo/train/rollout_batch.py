@@ -23,6 +23,10 @@ class RolloutBatch:
             input) in each of the L MoE layers; rows of -1 have no recorded route (replayed
             with live routing). ``None`` when not recorded.
         origins: where each sample came from (``"file:line"``), for error messages.
+        reward_extras: per-sample numbers that came with the rewards, by name (one list per
+            name, NaN where a sample has none): a dict reward's keys besides ``score`` and
+            ``timeouts`` (1.0 where the reward call timed out), logged as ``reward/<name>``.
+            ``None`` when there are none.
     """
 
     prompt_ids: list[list[int]]
@@ -33,6 +37,7 @@ class RolloutBatch:
     # Not in ==: tensors have no single truth value; origins are provenance, not data.
     routed_experts: list[Tensor] | None = field(default=None, compare=False)
     origins: list[str] | None = field(default=None, compare=False)
+    reward_extras: dict[str, list[float]] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.prompt_ids)
@@ -40,6 +45,11 @@ class RolloutBatch:
             value = getattr(self, name)
             if value is not None and len(value) != n:
                 raise ValueError(f"{name} has {len(value)} entries, prompt_ids has {n}")
+        for name, value in (self.reward_extras or {}).items():
+            if len(value) != n:
+                raise ValueError(
+                    f"reward_extras[{name!r}] has {len(value)} entries, prompt_ids has {n}"
+                )
         for i, (p, r) in enumerate(zip(self.prompt_ids, self.response_ids, strict=True)):
             if not p or not r:
                 raise ValueError(f"sample {i}: prompt_ids and response_ids must be non-empty")
@@ -78,6 +88,7 @@ class RolloutBatch:
         def pick(xs):
             return None if xs is None else [xs[i] for i in idx]
 
+        extras = self.reward_extras
         return RolloutBatch(
             prompt_ids=pick(self.prompt_ids),
             response_ids=pick(self.response_ids),
@@ -86,6 +97,7 @@ class RolloutBatch:
             rewards=pick(self.rewards),
             routed_experts=pick(self.routed_experts),
             origins=pick(self.origins),
+            reward_extras=None if extras is None else {k: pick(v) for k, v in extras.items()},
         )
 
     @staticmethod
@@ -104,7 +116,19 @@ class RolloutBatch:
             rewards=cat("rewards"),
             routed_experts=cat("routed_experts"),
             origins=cat("origins"),
+            reward_extras=_concat_extras(batches),
         )
+
+
+def _concat_extras(batches: list[RolloutBatch]) -> dict[str, list[float]] | None:
+    """The batches' ``reward_extras`` one after the other; NaN where a batch lacks a name."""
+    if all(b.reward_extras is None for b in batches):
+        return None
+    names = list(dict.fromkeys(k for b in batches for k in (b.reward_extras or {})))
+    return {
+        k: [x for b in batches for x in (b.reward_extras or {}).get(k, [math.nan] * len(b))]
+        for k in names
+    }
 
 
 _EXTRA = ("routed_experts", "origins")

@@ -15,6 +15,7 @@ to implement ``next`` (and ``generated`` / ``metrics``), not touch the loop.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -24,6 +25,7 @@ from megatron_grpo.train.config import TrainConfig
 from megatron_grpo.train.dynamic_sampling import extra_round_first_prompt
 from megatron_grpo.train.rollout_batch import RolloutBatch
 from megatron_grpo.train.rollout_io import RolloutFileSource
+from megatron_grpo.train.scoring import RewardScorer
 from megatron_grpo.train.tasks import Task, build_task
 
 
@@ -89,20 +91,28 @@ def build_checked_task(cfg: TrainConfig) -> Task:
     return task
 
 
-def sampling_params(cfg: TrainConfig, eos_id: int) -> SamplingParams:
+def sampling_params(
+    cfg: TrainConfig, eos_id: int, task_stop_ids: Sequence[int] = ()
+) -> SamplingParams:
+    """``task_stop_ids``: the task's own ids that end a response (``Task.stop_ids``, e.g. the
+    ``eos_token_id`` list of the dataset task's ``generation_config.json``), added to
+    ``rollout.stop_ids``."""
     r = cfg.rollout
+    stop_ids = tuple(dict.fromkeys([*r.stop_ids, *task_stop_ids]))
     try:
         return SamplingParams(
             temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_response_length,
             eos_id=eos_id, vocab_size=cfg.model.vocab_size, top_k=r.top_k,
-            stop_ids=tuple(r.stop_ids),
+            stop_ids=stop_ids,
         )  # fmt: skip
     except ValueError as e:  # name the recipe's section (e.g. a stop id beyond the vocabulary)
-        raise ValueError(f"rollout: {e}") from e
+        origin = f" (the task adds stop ids {list(task_stop_ids)})" if task_stop_ids else ""
+        raise ValueError(f"rollout: {e}{origin}") from e
 
 
 class GeneratedRollouts:
-    """The policy generates ``group_size`` responses per prompt; the task scores them.
+    """The policy generates ``group_size`` responses per prompt; the task's reward scores them
+    once per model replica (:class:`~megatron_grpo.train.scoring.RewardScorer`).
 
     Step ``s`` on DP rank ``d`` samples with a generator seeded from ``(seed, s, d)`` (extra
     round ``k``: ``(seed, s, d, k)``), so a resumed run draws what an uninterrupted one would
@@ -116,7 +126,8 @@ class GeneratedRollouts:
     ) -> None:
         self.cfg, self.task, self.model, self.dp_rank = cfg, task, model, dp_rank
         self.per_rank = cfg.rollout.num_prompts // dp_size
-        self.params = sampling_params(cfg, task.tokenizer.eos_id)
+        self.params = sampling_params(cfg, task.tokenizer.eos_id, getattr(task, "stop_ids", ()))
+        self.scorer = RewardScorer(task, cfg.rollout)  # once per replica (train/scoring.py)
         r = cfg.rollout
         self.engine: KVCacheEngine | None = None
         if r.engine == "kv_cache":  # one per run: its CUDA graphs are reused across steps
@@ -163,9 +174,12 @@ class GeneratedRollouts:
         expanded = [p for p in prompts for _ in range(r.group_size)]
         samples = [list(p.ids) for p in expanded]
         responses, logprobs, routes = self._generate(samples, step, round)
-        rewards = [self.task.reward(p, ids) for p, ids in zip(expanded, responses, strict=True)]
         group_ids = [start + i for i in range(len(prompts)) for _ in range(r.group_size)]
-        return RolloutBatch(samples, responses, group_ids, logprobs, rewards, routed_experts=routes)
+        scores = self.scorer.score(expanded, responses, group_ids)
+        return RolloutBatch(
+            samples, responses, group_ids, logprobs, scores.rewards, routed_experts=routes,
+            reward_extras=scores.extras or None,
+        )  # fmt: skip
 
     def _generate(
         self, samples: list[list[int]], step: int, round: int

@@ -52,6 +52,7 @@ from megatron_grpo.train.rollout_source import (
     build_checked_task,
 )
 from megatron_grpo.train.rundir import RunDirError, claim_run_dirs
+from megatron_grpo.train.scoring import TIMEOUTS
 
 
 class NonFiniteError(RuntimeError):
@@ -310,6 +311,7 @@ class Trainer:
             "reward/std": max(sq / n - mean * mean, 0.0) ** 0.5,
             "response/length_mean": resp_tokens / n,
         }
+        metrics.update(self._reward_extra_metrics(batch))
         metrics.update(self._perf_metrics(stages, tokens, resp_tokens))
         if torch.cuda.is_available():
             # this step's peak (reset below for the next one), the max over all ranks
@@ -318,6 +320,35 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats()
             metrics["perf/peak_memory_gib"] = peak.item()
         return metrics
+
+    def _reward_extra_metrics(self, batch: RolloutBatch) -> dict[str, float]:
+        """``reward/<name>`` of the batch's ``reward_extras`` (a dict reward's other keys) over
+        DP: the mean over the samples that have the key; ``reward/timeouts``: the number of
+        samples whose reward timed out. The names are the union over the DP ranks."""
+        if self.cfg.rollout.input_path is not None:  # rollout files carry no extras
+            return {}
+        extras = batch.reward_extras or {}
+        names = sorted(extras)
+        group = parallel_state.get_data_parallel_group()
+        if self.dp_size > 1:  # a rank's samples may lack a key the others have
+            gathered: list[Any] = [None] * self.dp_size
+            torch.distributed.all_gather_object(gathered, names, group=group)
+            names = sorted(set().union(*gathered))
+        if not names:
+            return {}
+        sums = []
+        for name in names:
+            values = [v for v in extras.get(name, []) if v == v]  # NaN: this sample has none
+            sums += [sum(values), len(values)]
+        totals = comm.all_reduce_sum(sums, group)
+        out = {}
+        for j, name in enumerate(names):
+            total, count = totals[2 * j], totals[2 * j + 1]
+            if name == TIMEOUTS:
+                out[f"reward/{TIMEOUTS}"] = total
+            elif count:
+                out[f"reward/{name}"] = total / count
+        return out
 
     def _perf_metrics(
         self, stages: dict[str, float], tokens: float, new_tokens: float

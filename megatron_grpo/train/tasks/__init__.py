@@ -1,9 +1,11 @@
-"""Tasks: the toy ``reverse_digits`` task, the local-JSONL ``math`` task, reward plug-ins."""
+"""Tasks: the toy ``reverse_digits`` task, the local-JSONL ``math`` task, the ``dataset`` task
+(``.jsonl`` / ``.parquet`` in verl's layout, chat templates), reward plug-ins."""
 
 from __future__ import annotations
 
 from megatron_grpo.train.config import RolloutConfig
 from megatron_grpo.train.tasks.base import Prompt, Task, Tokenizer
+from megatron_grpo.train.tasks.dataset import DatasetTask
 from megatron_grpo.train.tasks.math import HFTokenizer, MathTask
 from megatron_grpo.train.tasks.reverse_digits import DigitTokenizer, ReverseDigitsTask
 from megatron_grpo.train.tasks.reward import PluginReward, load_reward_fn
@@ -13,6 +15,8 @@ def build_task(cfg: RolloutConfig, seed: int) -> Task:
     """The task named by ``cfg.task``; ``cfg.reward_fn`` (if set) replaces its reward."""
     if cfg.task == "reverse_digits":
         task: Task = ReverseDigitsTask(cfg.reverse_digits.num_digits, seed)
+    elif cfg.task == "dataset":
+        task = DatasetTask(cfg.dataset, cfg.max_prompt_length, seed)
     else:
         m = cfg.math
         task = MathTask(m.data_path, m.tokenizer_dir, m.prompt_template, seed)
@@ -22,6 +26,7 @@ def build_task(cfg: RolloutConfig, seed: int) -> Task:
 
 
 __all__ = [
+    "DatasetTask",
     "DigitTokenizer",
     "HFTokenizer",
     "MathTask",

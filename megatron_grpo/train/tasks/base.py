@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 
@@ -22,16 +22,28 @@ class Tokenizer(Protocol):
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt: its token ids, its text and the reference answer the reward checks."""
+    """One prompt: its token ids, its text and the reference answer the reward checks.
+
+    The optional fields come from datasets in verl's layout (``tasks/dataset.py``):
+    ``data_source`` (which dataset / reward family the row belongs to), ``extra_info`` (the
+    row's free-form JSON object, passed to rewards; not part of equality or hashing) and
+    ``source`` (where the prompt came from, ``"path:row"``, for error messages).
+    """
 
     ids: tuple[int, ...]
     text: str
     answer: str
+    data_source: str = ""
+    extra_info: dict | None = field(default=None, hash=False, compare=False)
+    source: str = ""
 
 
 class Task(Protocol):
     """A verifiable task. ``prompts(start, n)`` is a pure function of the indices (and the task's
-    seed), so the data position of a run is just the number of prompts consumed."""
+    seed), so the data position of a run is just the number of prompts consumed.
+
+    Optional: ``stop_ids`` (a tuple of token ids that end a response besides
+    ``tokenizer.eos_id``; the generation adds them to ``rollout.stop_ids``)."""
 
     tokenizer: Tokenizer
 

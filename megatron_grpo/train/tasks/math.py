@@ -32,10 +32,13 @@ def last_number(text: str) -> float | None:
 class HFTokenizer:
     """A local Hugging Face tokenizer behind the trainer's ``Tokenizer`` protocol."""
 
-    def __init__(self, tokenizer_dir: str) -> None:
+    def __init__(self, tokenizer_dir: str, field: str = "math.tokenizer_dir") -> None:
+        """``field``: the config field named in errors."""
         if not Path(tokenizer_dir).is_dir():
-            raise ValueError(f"math.tokenizer_dir {tokenizer_dir!r} is not a directory")
+            raise ValueError(f"{field} {tokenizer_dir!r} is not a directory")
         from transformers import AutoTokenizer
+
+        self.dir = Path(tokenizer_dir)
 
         self.hf = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
         if self.hf.eos_token_id is None:
@@ -54,6 +57,49 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids, skip_special_tokens=True)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """``encode`` of each text, in one call of the fast tokenizer."""
+        return [list(ids) for ids in self.hf(texts, add_special_tokens=False)["input_ids"]]
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def render_chat(
+        self, conversations: list[list[dict]], add_generation_prompt: bool = True
+    ) -> list[str]:
+        """The chat template's text of each message list (``tokenize=False``)."""
+        return list(
+            self.hf.apply_chat_template(
+                conversations, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        )
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """``apply_chat_template(messages, add_generation_prompt=..., tokenize=True)``: the same
+        ids as ``encode_batch(render_chat([messages]))[0]`` (the template's text is tokenized
+        without added special tokens)."""
+        out = self.hf.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+        )
+        return [int(i) for i in (out["input_ids"] if hasattr(out, "keys") else out)]
+
+    def generation_eos_ids(self) -> tuple[int, ...]:
+        """``eos_token_id`` (an int or a list) of ``generation_config.json`` in the tokenizer
+        directory, or () without that file or key: the ids that end the model's turns (e.g.
+        ``<|im_end|>`` and ``<|endoftext|>``)."""
+        path = self.dir / "generation_config.json"
+        if not path.is_file():
+            return ()
+        try:
+            value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+        except (ValueError, AttributeError) as e:
+            raise ValueError(f"{path}: not a JSON object ({e})") from None
+        ids = value if isinstance(value, list) else [] if value is None else [value]
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise ValueError(f"{path}: eos_token_id must be an id or a list of ids, got {value!r}")
+        return tuple(ids)
 
 
 def read_jsonl_rows(path: str) -> list[tuple[str, str]]:

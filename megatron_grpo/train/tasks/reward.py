@@ -1,43 +1,227 @@
-"""Reward plug-ins by import path: ``"pkg.module:function"``."""
+"""Reward plug-ins: ``rollout.reward_fn`` names a function by import path
+(``"pkg.module:function"``), by file (``"path/to/file.py:function"``) or a built-in verifier
+(``exact_match``, ``math``: :mod:`megatron_grpo.train.tasks.verifiers`).
+
+Calling convention, decided once from the function's signature:
+
+* verl's: when it has a parameter named ``data_source``, ``solution_str``, ``ground_truth`` or
+  ``extra_info`` (or ``**kwargs``), it is called with those keywords (the ones it accepts; all
+  four with ``**kwargs``): ``solution_str`` is the decoded response, ``ground_truth`` the
+  prompt's answer, ``data_source`` / ``extra_info`` the dataset row's (``extra_info`` ``{}``
+  when the row has none).
+* otherwise ``fn(prompt, response, answer)`` with the prompt's text, the decoded response and
+  the answer.
+
+It returns a number or a bool (1.0 / 0.0), or a dict with ``score`` (a number or bool) and any
+other keys: the numeric ones are logged as ``reward/<key>`` (mean over the samples that have
+it); others (e.g. verl's ``pred`` strings) are ignored. :func:`reward_value` checks it.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import importlib
-from collections.abc import Callable
+import importlib.util
+import inspect
+import math
+import numbers
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from megatron_grpo.train.tasks.base import Prompt, Tokenizer
+from megatron_grpo.train.tasks.verifiers import VERIFIERS
 
-RewardFn = Callable[[str, str, str], float]
+VERL_KEYWORDS = ("data_source", "solution_str", "ground_truth", "extra_info")
+# Metric names the trainer logs itself under reward/: a dict reward may not use them as keys.
+RESERVED_EXTRAS = ("mean", "std", "timeouts")
+
+_SPEC_FORMS = (
+    "'pkg.module:function', 'path/to/file.py:function' or a built-in verifier "
+    f"({', '.join(VERIFIERS)})"
+)
 
 
-def load_reward_fn(spec: str) -> RewardFn:
-    """Import ``fn`` from ``"pkg.module:fn"``; it is called as ``fn(prompt, response, answer)``
-    with decoded strings and must return a float."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"rollout.reward_fn must look like 'pkg.module:function', got {spec!r}")
+class RewardError(RuntimeError):
+    """A reward function failed or returned something that is not a reward; the message names
+    the function and the sample (``path:row`` of its prompt, else the prompt's index)."""
+
+
+def _load_file(path: str) -> Any:
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"rollout.reward_fn: no file {path!r} (relative to the working directory)")
+    digest = hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:12]
+    name = f"_megatron_grpo_reward_{file.stem}_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, file)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"rollout.reward_fn: cannot load {path!r} as a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # so that classes / pickling inside the file find their module
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"rollout.reward_fn: cannot import module {module_name!r}: {e}") from e
+        spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[name]
+        raise ValueError(
+            f"rollout.reward_fn: loading {path!r} failed: {type(e).__name__}: {e}"
+        ) from e
+    return module
+
+
+def _resolve(spec: str) -> Callable[..., Any]:
+    if spec in VERIFIERS:
+        return VERIFIERS[spec]
+    where, sep, attr = spec.rpartition(":")
+    if not sep or not where or not attr:
+        raise ValueError(f"rollout.reward_fn must look like {_SPEC_FORMS}, got {spec!r}")
+    if where.endswith(".py") or "/" in where or "\\" in where:
+        module = _load_file(where)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as e:
+            raise ValueError(f"rollout.reward_fn: cannot import module {where!r}: {e}") from e
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"rollout.reward_fn: {module_name!r} has no callable {attr!r}")
+        raise ValueError(f"rollout.reward_fn: {where!r} has no callable {attr!r}")
     return fn
 
 
-class PluginReward:
-    """Adapts a ``fn(prompt, response, answer)`` plug-in to ``Task.reward``'s signature."""
+def _verl_keywords(fn: Callable[..., Any], spec: str) -> tuple[str, ...] | None:
+    """The verl keywords ``fn`` takes, or None for the ``fn(prompt, response, answer)`` form."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins have no signature: the positional form
+        return None
+    params = sig.parameters
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        names = VERL_KEYWORDS
+    else:
+        names = tuple(k for k in VERL_KEYWORDS if k in params and params[k].kind in named)
+    if not names:
+        try:
+            sig.bind("", "", "")
+        except TypeError as e:
+            raise ValueError(
+                f"rollout.reward_fn {spec!r} must take verl's keywords ({', '.join(VERL_KEYWORDS)})"
+                f" or (prompt, response, answer): {e}"
+            ) from None
+        return None
+    required = [
+        p.name
+        for p in params.values()
+        if p.kind in named and p.default is inspect.Parameter.empty and p.name not in names
+    ]
+    if required:
+        raise ValueError(
+            f"rollout.reward_fn {spec!r} takes verl's keywords but also requires {required}, "
+            "which are never passed"
+        )
+    return names
 
-    def __init__(self, fn: RewardFn, tokenizer: Tokenizer) -> None:
+
+class RewardFunction:
+    """A loaded ``rollout.reward_fn``. ``keywords``: the verl keywords it is called with (None:
+    the positional ``(prompt, response, answer)`` form). Pickles as its spec, so a function from
+    a file is loaded again in a reward worker process."""
+
+    def __init__(self, spec: str) -> None:
+        self.spec = spec
+        self.fn = _resolve(spec)
+        self.keywords = _verl_keywords(self.fn, spec)
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (RewardFunction, (self.spec,))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+
+def load_reward_fn(spec: str) -> RewardFunction:
+    """The function named by ``spec`` (see the module docstring); errors name
+    ``rollout.reward_fn``."""
+    return RewardFunction(spec)
+
+
+def _as_number(value: Any) -> float | None:
+    if isinstance(value, (bool, np.bool_)):
+        return float(bool(value))
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return None
+
+
+def reward_value(value: Any, name: str, where: str) -> tuple[float, dict[str, float]]:
+    """``(score, extras)`` of a reward function's return ``value``; :class:`RewardError` naming
+    the function (``name``, e.g. ``rollout.reward_fn 'pkg.mod:fn'``) and the sample ``where``
+    for anything but a finite number, a bool or a dict with such a ``score``."""
+    extras: dict[str, float] = {}
+    raw = value
+    if isinstance(value, Mapping):
+        if "score" not in value:
+            raise RewardError(
+                f"{name} returned a dict without 'score' for {where} "
+                f"(keys: {sorted(map(str, value))})"
+            )
+        for key, v in value.items():
+            if key == "score":
+                continue
+            if key in RESERVED_EXTRAS:
+                raise RewardError(
+                    f"{name} returned the key {key!r} for {where}: reward/{key} is the "
+                    f"trainer's own metric (reserved: {', '.join(RESERVED_EXTRAS)})"
+                )
+            number = _as_number(v)
+            if number is not None:
+                extras[str(key)] = number
+        raw = value["score"]
+    score = _as_number(raw)
+    if score is None:
+        what = "a dict whose 'score' is " if raw is not value else ""
+        raise RewardError(
+            f"{name} returned {what}{type(raw).__name__} for {where}; expected a number, "
+            "a bool or a dict with a numeric 'score'"
+        )
+    if not math.isfinite(score):
+        raise RewardError(f"{name} returned the non-finite score {score} for {where}")
+    return score, extras
+
+
+class PluginReward:
+    """Adapts a :class:`RewardFunction` to ``Task.reward``: decodes the response (its final eos
+    stripped) and calls the function in its convention.
+
+    The scoring helper (``train/scoring.py``) uses :meth:`call_args` and ``fn`` separately (the
+    call may run in a worker process); calling the object returns the checked score."""
+
+    def __init__(self, fn: RewardFunction, tokenizer: Tokenizer) -> None:
         self.fn = fn
         self.tokenizer = tokenizer
+        self.name = f"rollout.reward_fn {fn.spec!r}"
 
-    def __call__(self, prompt: Prompt, response_ids: list[int]) -> float:
+    def call_args(self, prompt: Prompt, response_ids: list[int]) -> tuple[tuple, dict[str, Any]]:
+        """``(args, kwargs)`` of ``fn`` for this sample."""
         ids = list(response_ids)
         if ids and ids[-1] == self.tokenizer.eos_id:
             ids = ids[:-1]
-        value = self.fn(prompt.text, self.tokenizer.decode(ids), prompt.answer)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"reward_fn returned {type(value).__name__}, expected a float")
-        return float(value)
+        response = self.tokenizer.decode(ids)
+        if self.fn.keywords is None:
+            return (prompt.text, response, prompt.answer), {}
+        values = {
+            "data_source": prompt.data_source,
+            "solution_str": response,
+            "ground_truth": prompt.answer,
+            "extra_info": dict(prompt.extra_info or {}),
+        }
+        return (), {k: values[k] for k in self.fn.keywords}
+
+    def __call__(self, prompt: Prompt, response_ids: list[int]) -> float:
+        args, kwargs = self.call_args(prompt, response_ids)
+        where = prompt.source or "a prompt"
+        return reward_value(self.fn(*args, **kwargs), self.name, where)[0]
