@@ -4,6 +4,10 @@
 
 Runs under ``torchrun`` (single node or multi-node rendezvous) or as a plain ``python`` process
 (a world of one). On a CPU-only host the backend is gloo.
+
+A signal (``training.exit_signals``: SIGTERM, SIGINT, SIGUSR1) or ``training.max_wall_minutes``
+stops the run after the current step: it saves a checkpoint and prints the command that resumes.
+Exit codes: 0 done, 1 run-directory or checkpoint error, 2 config error, 3 stopped.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch.distributed as dist
 
 from megatron_grpo.config import ConfigError
 from megatron_grpo.train.config import load_train_config
+from megatron_grpo.train.stop import STOP_EXIT_CODE, StopRequest
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -63,6 +68,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     try:
         cfg = load_train_config(args.config, args.overrides)
@@ -85,7 +91,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if world % smallest_world_size(cfg.parallel):
         print(f"config error: {world_size_hint(cfg.parallel, world)}", file=sys.stderr)
         return 2
-    return _train(cfg, args.resume, args.overwrite)
+    # Handlers first: a signal during the (slow) set-up stops the run before its first step.
+    stop = StopRequest.from_config(cfg.training)
+    stop.install()
+    try:
+        return _train(cfg, args.resume, args.overwrite, stop, argv)
+    finally:
+        stop.uninstall()  # the previous handlers again (after a stop: the signals stay ignored)
 
 
 def smallest_world_size(parallel) -> int:
@@ -115,7 +127,7 @@ def world_size_hint(parallel, world: int) -> str:
     )
 
 
-def _train(cfg, resume: bool, overwrite: bool) -> int:
+def _train(cfg, resume: bool, overwrite: bool, stop: StopRequest, argv: list[str]) -> int:
     # Imported after the config is valid: Megatron's import is slow and noisy.
     from megatron_grpo.train.checkpoint import CheckpointError
     from megatron_grpo.train.rundir import RunDirError, release_locks
@@ -123,10 +135,14 @@ def _train(cfg, resume: bool, overwrite: bool) -> int:
 
     t0 = time.perf_counter()
     try:
-        trainer = Trainer(cfg, resume=resume, overwrite=overwrite)
+        trainer = Trainer(cfg, resume=resume, overwrite=overwrite, stop=stop)
         start = trainer.start_step
         trainer.train()
         release_locks()  # a clean end: the next run gets no stale-lock notice
+        if trainer.stopped is not None:  # a signal or the time limit: saved, see train/stop.py
+            trainer.monitor.message(trainer.stopped.message(argv))
+            stop.exiting()
+            return STOP_EXIT_CODE
         trainer.monitor.message(_summary(cfg, start, time.perf_counter() - t0))
     except (RunDirError, CheckpointError) as e:
         if not dist.is_initialized() or dist.get_rank() == 0:

@@ -113,6 +113,8 @@ class DatasetConfig:
             )
 
 
+# rollout.source values besides "module:Class" / "path/to/file.py:Class".
+ROLLOUT_SOURCES = ("generate", "files")
 # Extra rounds of a step draw prompts from a block of this many rounds (see dynamic_sampling).
 MAX_EXTRA_ROUNDS = 1024
 
@@ -209,6 +211,13 @@ class RolloutConfig:
             interrupted). A call past it scores ``reward_on_timeout`` and counts in
             ``reward/timeouts``.
         reward_on_timeout: the reward of a sample whose call timed out.
+        source: where each step's scored rollouts come from (``train/rollout_source.py``):
+            ``generate`` (the policy samples the task's prompts, the reward scores them),
+            ``files`` (read from ``input_path``) or a class implementing the ``RolloutSource``
+            protocol, ``"pkg.module:Class"`` or ``"path/to/file.py:Class"``, constructed once as
+            ``Class(cfg, task, model, dp_rank, dp_size)`` (multi-turn / tool-calling
+            environments, external engines). null (default): ``files`` when ``input_path`` is
+            set, else ``generate``; a source that contradicts ``input_path`` is an error.
         input_path: train on rollouts from a file (``.jsonl`` / ``.parquet``) or a directory of
             them instead of generating; each step consumes the next ``num_prompts`` groups (the
             sampling and engine fields are then unused; the files must carry ``reward``).
@@ -239,6 +248,7 @@ class RolloutConfig:
     reward_workers: int = 0
     reward_timeout_s: float | None = None
     reward_on_timeout: float = 0.0
+    source: str | None = None  # generate | files | "module:Class"; null: from input_path
     input_path: str | None = None
     output_dir: str | None = None
     output_format: Literal["jsonl", "parquet"] = "jsonl"
@@ -299,11 +309,72 @@ class RolloutConfig:
             for name in ("train_files", "tokenizer_dir"):
                 if not getattr(self.dataset, name):
                     raise ValueError(f"dataset.{name} is required when task is 'dataset'")
+        self._check_source()
         if self.filter_groups.enabled and self.input_path is not None:
             raise ValueError(
                 "filter_groups.enabled needs generated rollouts (dropped groups are replaced by "
                 "new generations); with input_path, filter the files when writing them"
             )
+
+    def _check_source(self) -> None:
+        """Resolve ``source: null`` from ``input_path``; a contradiction names both fields."""
+        if self.source is None:
+            self.source = "files" if self.input_path is not None else "generate"
+        if self.source not in ROLLOUT_SOURCES and ":" not in self.source:
+            raise ValueError(
+                "source must be generate, files, 'pkg.module:Class' or 'path/to/file.py:Class', "
+                f"got {self.source!r}"
+            )
+        if self.source == "files" and self.input_path is None:
+            raise ValueError("source: files needs input_path (the rollout files to read)")
+        if self.source != "files" and self.input_path is not None:
+            raise ValueError(
+                f"source: {self.source} contradicts input_path={self.input_path!r} (rollout files "
+                "are read by source: files; drop one of the two)"
+            )
+
+
+@dataclass
+class EvaluationConfig:
+    """Validation during training (``train/evaluation.py``): the policy answers the validation
+    prompts (``task.val_prompts()``: ``rollout.dataset.val_files``), scored by the same reward
+    as training (once per model replica), the prompts spread over the DP ranks.
+
+    Evaluates before the first step (logged as step 0), after every ``interval`` steps and after
+    the last step. Logs ``eval/reward_mean``, ``eval/pass_at_1``, ``eval/pass_at_{n}`` (with
+    ``n_samples`` > 1), ``eval/response_length`` and, per ``data_source``, the same under
+    ``eval/<data_source>/``; a sample passes when its reward is >= 1.0.
+
+    Attributes:
+        interval: evaluate every this many steps; 0 = off.
+        n_samples: responses per prompt (``pass_at_1`` is the mean fraction that pass,
+            ``pass_at_{n}`` the fraction of prompts with at least one that passes).
+        temperature: sampling temperature of the responses; 0 = greedy (top-k 1). Otherwise
+            plain sampling (no top-p / top-k). ``max_response_length`` and the stop ids are
+            ``rollout``'s.
+        max_prompts: evaluate on the first this many validation prompts (file order); null = all.
+    """
+
+    interval: int = 0
+    n_samples: int = 1
+    temperature: float = 0.0
+    max_prompts: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.interval < 0:
+            raise ValueError(f"interval must be >= 0 (0 = off), got {self.interval}")
+        check_positive(self, "n_samples", "max_prompts")
+        if not 0.0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.temperature == 0.0 and self.n_samples > 1:
+            raise ValueError(
+                f"n_samples={self.n_samples} needs temperature > 0: temperature 0 is greedy, "
+                "every sample of a prompt would be the same response"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.interval > 0
 
 
 @dataclass
@@ -374,6 +445,12 @@ class TrainingConfig:
             with the rollout log-probs. The reference pass still runs with a reference model.
             Logged as ``perf/old_logprob_pass_skipped`` (1 or 0). False: always run the pass.
             Ignored with ``mini_batches_per_step > 1``, where the pass is always needed.
+        exit_signals: signals that stop the run cleanly (``train/stop.py``): every rank
+            finishes the current step, saves a checkpoint (with ``checkpoint.dir``) and exits
+            with code 3; a second signal exits at once. ``[]``: the signals' default actions.
+        max_wall_minutes: stop the same way once the time since the process started plus the
+            slowest step so far would exceed this many minutes (set it below the scheduler's
+            limit by one checkpoint save); null = no limit.
     """
 
     steps: int = 100
@@ -388,10 +465,17 @@ class TrainingConfig:
     lm_head_memory_budget: int | None = None
     log_mismatch_without_replay: bool = False
     on_policy_shortcut: bool = True
+    exit_signals: list[
+        Literal["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGXCPU"]
+    ] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"])
+    max_wall_minutes: float | None = None
 
     def __post_init__(self) -> None:
         check_positive(self, "steps", "mini_batches_per_step", "max_consecutive_nonfinite_skips")
-        check_positive(self, "lm_head_memory_budget")
+        check_positive(self, "lm_head_memory_budget", "max_wall_minutes")
+        repeated = sorted({s for s in self.exit_signals if self.exit_signals.count(s) > 1})
+        if repeated:
+            raise ValueError(f"exit_signals lists {', '.join(repeated)} more than once")
         check_positive(self, "micro_batch_size", "max_tokens_per_micro_batch")
         if (self.micro_batch_size is None) == (self.max_tokens_per_micro_batch is None):
             raise ValueError(
@@ -466,13 +550,14 @@ def _default_model() -> ModelConfig:
 
 @dataclass
 class TrainConfig:
-    """Root of a recipe: ``model, parallel, loss, rollout, optimizer, training, checkpoint,
-    logging``."""
+    """Root of a recipe: ``model, parallel, loss, rollout, evaluation, optimizer, training,
+    checkpoint, logging``."""
 
     model: ModelConfig = field(default_factory=_default_model)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -496,6 +581,30 @@ class TrainConfig:
             raise ValueError(
                 f"rollout.max_prompt_length + rollout.max_response_length = {total} exceeds "
                 f"model.max_sequence_length = {self.model.max_sequence_length}"
+            )
+        self._check_evaluation()
+
+    def _check_evaluation(self) -> None:
+        """Evaluation generates with the policy from the dataset task's validation prompts."""
+        e, r = self.evaluation, self.rollout
+        if not e.enabled:
+            return
+        on = f"evaluation.interval={e.interval}"
+        if r.task != "dataset":
+            raise ValueError(
+                f"{on} evaluates on validation prompts: it needs rollout.task: dataset with "
+                f"rollout.dataset.val_files (rollout.task is {r.task!r})"
+            )
+        if not r.dataset.val_files:
+            raise ValueError(
+                f"{on} needs validation prompts: rollout.dataset.val_files is empty (or set "
+                "evaluation.interval: 0)"
+            )
+        p = self.parallel
+        if p.pipeline_model_parallel_size > 1 or p.context_parallel_size > 1:
+            raise ValueError(
+                f"{on} generates with the policy, which needs "
+                "parallel.pipeline_model_parallel_size = 1 and parallel.context_parallel_size = 1"
             )
 
     @property

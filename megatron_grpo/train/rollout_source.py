@@ -1,27 +1,35 @@
 """Where each step's scored rollouts come from: ``source.next(step) -> RolloutBatch``.
 
 The trainer loop only calls :meth:`RolloutSource.next`, which returns this DP rank's share of
-step ``step`` with rewards filled in. Two implementations:
+step ``step`` with rewards filled in. ``rollout.source`` picks the implementation:
 
-* :class:`GeneratedRollouts`: the policy samples ``group_size`` responses per task prompt with
-  ``megatron_grpo.rollout`` (one :class:`KVCacheEngine` for the whole run, so its CUDA graphs
-  are captured once), then the task scores them.
-* :class:`FileRollouts`: the next groups of ``rollout.input_path`` (rewards come with them).
-
-A third, e.g. a client of an OpenAI-compatible vLLM / SGLang server with weight sync, only has
-to implement ``next`` (and ``generated`` / ``metrics``), not touch the loop.
+* ``generate``: :class:`GeneratedRollouts`, the policy samples ``group_size`` responses per task
+  prompt with ``megatron_grpo.rollout`` (one :class:`KVCacheEngine` for the whole run, so its
+  CUDA graphs are captured once), then the task's reward scores them.
+* ``files``: :class:`FileRollouts`, the next groups of ``rollout.input_path`` (rewards come with
+  them).
+* ``"pkg.module:Class"`` / ``"path/to/file.py:Class"``: a user class implementing
+  :class:`RolloutSource` (:func:`source_class`), e.g. a multi-turn or tool-calling environment,
+  or a client of an OpenAI-compatible vLLM / SGLang server with weight sync; the loop is
+  untouched.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import importlib.util
+import inspect
 import random
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from megatron_grpo.rollout import EngineOptions, KVCacheEngine, SamplingParams, generate
-from megatron_grpo.train.config import TrainConfig
+from megatron_grpo.train.config import ROLLOUT_SOURCES, TrainConfig
 from megatron_grpo.train.dynamic_sampling import extra_round_first_prompt
 from megatron_grpo.train.rollout_batch import RolloutBatch
 from megatron_grpo.train.rollout_io import RolloutFileSource
@@ -30,11 +38,37 @@ from megatron_grpo.train.tasks import Task, build_task
 
 
 class RolloutSource(Protocol):
-    """Scored rollouts of one DP rank, step by step.
+    """Scored rollouts of one DP rank, step by step: what the trainer loop needs.
 
-    ``generated``: the responses are sampled while ``next`` runs (their tokens count towards
-    ``perf/generation_tokens_per_s``). ``metrics()``: metrics of the last ``next`` call on this
-    rank, by name (the trainer logs the max over ranks); the same names on every rank."""
+    Implemented by :class:`GeneratedRollouts` and :class:`FileRollouts`; a class named by
+    ``rollout.source: "pkg.module:Class"`` (or ``"path/to/file.py:Class"``) is constructed once,
+    after the model is built, as ``Class(cfg, task, model, dp_rank, dp_size)``:
+
+    * ``cfg``: the run's :class:`~megatron_grpo.train.config.TrainConfig`;
+    * ``task``: the task of ``rollout.task`` (prompts by index, tokenizer, reward; built and
+      checked before the model). :class:`~megatron_grpo.train.scoring.RewardScorer`
+      ``(task, cfg.rollout)`` scores with it (or ``rollout.reward_fn``) once per model replica;
+    * ``model``: the policy, unwrapped, its first model chunk (a ``GPTModel``; its weights are
+      the current policy at every ``next`` call: generate with :func:`megatron_grpo.rollout.
+      generate`, or push them to an external engine);
+    * ``dp_rank`` / ``dp_size``: this rank's data-parallel coordinates (data is sharded over DP
+      only; the TP / CP / PP ranks of a replica construct and call the source identically and
+      must return the same batch).
+
+    Members:
+
+    * ``next(step)``: this DP rank's rollouts of step ``step`` (0-based), scored: a
+      :class:`RolloutBatch` with ``rewards`` set (``None`` is an error naming the class).
+      Samples of one prompt share a ``group_id`` (one advantage group), ``num_prompts / DP``
+      groups of ``group_size`` samples by convention; ``rollout_logprobs`` are optional (needed
+      by IS correction / ``mismatch/*``). A pure function of ``step`` (and the weights) keeps
+      ``--resume`` exact. With ``rollout.filter_groups`` the trainer calls
+      ``next(step, round, count)`` instead (dynamic sampling's ``RoundSource``).
+    * ``generated``: whether ``next`` sampled the responses (then
+      ``perf/generation_tokens_per_s`` is logged).
+    * ``metrics()``: the source's own metrics of the last ``next`` call, by name (the trainer
+      logs the max over ranks); the same names on every rank.
+    """
 
     generated: bool
 
@@ -110,6 +144,24 @@ def sampling_params(
         raise ValueError(f"rollout: {e}{origin}") from e
 
 
+def build_engine(cfg: TrainConfig, model: torch.nn.Module) -> KVCacheEngine | None:
+    """The :class:`KVCacheEngine` of ``rollout.engine: kv_cache`` (its options from
+    ``rollout``), or None for ``recompute``; pass ``engine or "recompute"`` to ``generate``."""
+    r = cfg.rollout
+    if r.engine != "kv_cache":
+        return None
+    options = EngineOptions(
+        kv_cache_gib=r.kv_cache_gib, kv_cache_fraction=r.kv_cache_fraction,
+        cuda_graphs=r.cuda_graphs,
+        max_prefill_tokens=r.max_prefill_tokens, context_bucket=r.context_bucket,
+        decode_path=r.decode_path,
+    )  # fmt: skip
+    engine = KVCacheEngine(model, options)
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(f"rollout: decode steps run {engine.decode}", flush=True)
+    return engine
+
+
 class GeneratedRollouts:
     """The policy generates ``group_size`` responses per prompt; the task's reward scores them
     once per model replica (:class:`~megatron_grpo.train.scoring.RewardScorer`).
@@ -128,18 +180,7 @@ class GeneratedRollouts:
         self.per_rank = cfg.rollout.num_prompts // dp_size
         self.params = sampling_params(cfg, task.tokenizer.eos_id, getattr(task, "stop_ids", ()))
         self.scorer = RewardScorer(task, cfg.rollout)  # once per replica (train/scoring.py)
-        r = cfg.rollout
-        self.engine: KVCacheEngine | None = None
-        if r.engine == "kv_cache":  # one per run: its CUDA graphs are reused across steps
-            options = EngineOptions(
-                kv_cache_gib=r.kv_cache_gib, kv_cache_fraction=r.kv_cache_fraction,
-                cuda_graphs=r.cuda_graphs,
-                max_prefill_tokens=r.max_prefill_tokens, context_bucket=r.context_bucket,
-                decode_path=r.decode_path,
-            )  # fmt: skip
-            self.engine = KVCacheEngine(model, options)
-            if torch.distributed.get_rank() == 0:
-                print(f"rollout: decode steps run {self.engine.decode}", flush=True)
+        self.engine = build_engine(cfg, model)  # one per run: CUDA graphs reused across steps
 
     def metrics(self) -> dict[str, float]:
         """The KV-cached engine's counters of the last call: ``rollout/kv_slots`` (sequences the
@@ -204,3 +245,101 @@ class GeneratedRollouts:
         key = f"{self.cfg.training.seed}/{step}/{self.dp_rank}"
         key += f"/{round}" if round else ""  # round 0 keeps the seeds of runs without extras
         return torch.Generator().manual_seed(random.Random(key).getrandbits(63))
+
+
+# ------------------------------------------------------------------ rollout.source
+SourceFactory = Callable[[TrainConfig, Task, torch.nn.Module, int, int], RolloutSource]
+_SPEC_FORMS = "generate, files, 'pkg.module:Class' or 'path/to/file.py:Class'"
+
+
+def _load_file(path: str) -> object:
+    """The module of a ``.py`` file (relative to the working directory), registered in
+    ``sys.modules`` under a name unique to its path."""
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"rollout.source: no file {path!r} (relative to the working directory)")
+    digest = hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:12]
+    name = f"_megatron_grpo_source_{file.stem}_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, file)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"rollout.source: cannot load {path!r} as a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[name]
+        raise ValueError(f"rollout.source: loading {path!r} failed: {type(e).__name__}: {e}") from e
+    return module
+
+
+def source_class(spec: str) -> SourceFactory:
+    """What ``rollout.source`` constructs: :class:`GeneratedRollouts` for ``generate``, else
+    the class of ``"pkg.module:Class"`` / ``"path/to/file.py:Class"`` (imported now, so a
+    wrong name fails before the model is built). ``files`` is built by the trainer itself."""
+    if spec == "generate":
+        return GeneratedRollouts
+    if spec in ROLLOUT_SOURCES:
+        raise ValueError(f"rollout.source: {spec} is not constructed from a class")
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name:
+        raise ValueError(f"rollout.source must be {_SPEC_FORMS}, got {spec!r}")
+    if where.endswith(".py") or "/" in where or "\\" in where:
+        module = _load_file(where)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as e:
+            raise ValueError(f"rollout.source: cannot import module {where!r}: {e}") from e
+    cls = getattr(module, name, None)
+    if not callable(cls):
+        raise ValueError(f"rollout.source: {where!r} has no class {name!r}")
+    missing = [m for m in ("next", "metrics") if not callable(getattr(cls, m, None))]
+    if isinstance(cls, type) and missing:
+        raise ValueError(
+            f"rollout.source {spec!r}: {name} has no {' / '.join(missing)} method (the "
+            "RolloutSource protocol, megatron_grpo/train/rollout_source.py)"
+        )
+    return cls
+
+
+def build_source(
+    factory: SourceFactory,
+    cfg: TrainConfig,
+    task: Task,
+    model: torch.nn.Module,
+    dp_rank: int,
+    dp_size: int,
+) -> RolloutSource:
+    """``factory(cfg, task, model, dp_rank, dp_size)``, checked against the protocol (and, with
+    ``rollout.filter_groups``, the ``next(step, round, count)`` of dynamic sampling)."""
+    source = factory(cfg, task, model, dp_rank, dp_size)
+    what = f"rollout.source {cfg.rollout.source!r}"
+    missing = [m for m in ("next", "metrics") if not callable(getattr(source, m, None))]
+    if not hasattr(source, "generated"):
+        missing.append("generated")
+    if missing:
+        raise ValueError(
+            f"{what}: {type(source).__name__} lacks {', '.join(missing)} (the RolloutSource "
+            "protocol, megatron_grpo/train/rollout_source.py)"
+        )
+    if cfg.rollout.filter_groups.enabled:
+        params = inspect.signature(source.next).parameters
+        if not {"round", "count"} <= set(params):
+            raise ValueError(
+                f"{what}: rollout.filter_groups.enabled calls next(step, round, count), but "
+                f"{type(source).__name__}.next takes ({', '.join(params)})"
+            )
+    return source
+
+
+def generated_rollouts(source: object) -> GeneratedRollouts | None:
+    """The :class:`GeneratedRollouts` behind ``source`` (through wrappers that keep it as
+    ``inner``, e.g. dynamic sampling), or None: its engine and scorer can be shared."""
+    while source is not None:
+        if isinstance(source, GeneratedRollouts):
+            return source
+        source = getattr(source, "inner", None)
+    return None

@@ -41,18 +41,22 @@ from megatron_grpo.train import comm
 from megatron_grpo.train.batching import PER_TOKEN_INPUTS, make_mini_batches, nonfinite_inputs
 from megatron_grpo.train.config import TrainConfig, check_checkpoint_architecture
 from megatron_grpo.train.dynamic_sampling import maybe_filter
+from megatron_grpo.train.evaluation import Evaluator
 from megatron_grpo.train.monitor import Monitor, truncate_jsonl, write_resolved_config
 from megatron_grpo.train.optim import build_optimizer, optimizer_step, zero_grads
 from megatron_grpo.train.rollout_batch import RolloutBatch, check_routed_experts
 from megatron_grpo.train.rollout_io import write_rollouts
 from megatron_grpo.train.rollout_source import (
     FileRollouts,
-    GeneratedRollouts,
     RolloutSource,
     build_checked_task,
+    build_source,
+    source_class,
 )
 from megatron_grpo.train.rundir import RunDirError, claim_run_dirs
 from megatron_grpo.train.scoring import TIMEOUTS
+from megatron_grpo.train.stop import Stopped, StopRequest
+from megatron_grpo.train.writer_queue import install_writer_queue
 
 
 class NonFiniteError(RuntimeError):
@@ -60,26 +64,42 @@ class NonFiniteError(RuntimeError):
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        resume: bool = False,
+        overwrite: bool = False,
+        stop: StopRequest | None = None,
+    ) -> None:
         """``resume``: continue from ``checkpoint.dir`` (an error when it holds none);
-        ``overwrite``: a fresh run may delete a previous run's outputs (see ``rundir``)."""
+        ``overwrite``: a fresh run may delete a previous run's outputs (see ``rundir``);
+        ``stop``: the run's :class:`StopRequest` (default: from ``training``; ``train()``
+        installs its signal handlers unless they are installed already)."""
         self.cfg = cfg
+        self.stop = stop if stop is not None else StopRequest.from_config(cfg.training)
+        self.stopped: Stopped | None = None  # set when the run stopped early (``train/stop.py``)
         initialize_parallel(cfg.parallel, cfg.training.seed)
         self._claim_run_dirs(resume, overwrite)
+        if cfg.checkpoint.dir is not None:  # outlives a signal to the process group, for the save
+            with self.stop.shielding_children():
+                install_writer_queue()
         self.dp_rank, self.dp_size = comm.dp_rank_size()
         if cfg.rollout.num_prompts % self.dp_size:
             raise ValueError(
                 f"rollout.num_prompts={cfg.rollout.num_prompts} must be divisible by the "
                 f"data-parallel size {self.dp_size}"
             )
-        # Files and the task are opened (and checked) before the slow model build.
-        files = FileRollouts(cfg, self.dp_rank, self.dp_size) if cfg.rollout.input_path else None
-        task = build_checked_task(cfg) if files is None else None
+        # Files, the task, the validation prompts and a rollout.source class are opened (and
+        # checked) before the slow model build.
+        r, dp = cfg.rollout, (self.dp_rank, self.dp_size)
+        files = FileRollouts(cfg, *dp) if r.source == "files" else None
+        task = build_checked_task(cfg) if files is None or cfg.evaluation.enabled else None
+        factory = source_class(r.source) if files is None else None
+        self.evaluator = Evaluator(cfg, task, *dp)  # the evaluation: section (off: a no-op)
         self._setup_models()
+        policy = unwrap(self.model[0])
         self.source: RolloutSource = (
-            files
-            if files is not None
-            else GeneratedRollouts(cfg, task, unwrap(self.model[0]), self.dp_rank, self.dp_size)
+            build_source(factory, cfg, task, policy, *dp) if factory is not None else files
         )
         dp_group = parallel_state.get_data_parallel_group()
         self.source = maybe_filter(cfg, self.source, self.dp_size, dp_group)  # filter_groups
@@ -97,10 +117,13 @@ class Trainer:
         )
         self.start_step, self.skipped, self.consecutive_skips = 0, 0, 0
         self._load(resume)
+        self._saved_step = self.start_step  # the newest step with a checkpoint of this run
         self.monitor = Monitor(cfg.logging, cfg.training.steps, comm.is_logging_rank())
+        self.stop.announce = self.monitor.enabled
         if self.monitor.enabled:
             write_resolved_config(cfg.logging, to_dict(cfg))
             truncate_jsonl(cfg.logging.metrics_path, self.start_step)
+        self.evaluator.attach(policy, self.source, self.monitor)
 
     def _setup_models(self) -> None:
         cfg = self.cfg
@@ -149,25 +172,33 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def train(self) -> list[dict[str, float]]:
         """Run steps ``start_step .. training.steps``; returns the per-step metrics (all ranks
-        hold the rollout and perf metrics; the loss metrics live on the last pipeline stage)."""
+        hold the rollout and perf metrics; the loss metrics live on the last pipeline stage).
+        A stop (signal or time limit, agreed by all ranks between steps) saves and returns
+        early, with ``self.stopped`` set."""
         history = []
-        for step in range(self.start_step, self.cfg.training.steps):
-            stages: dict[str, float] = {}
-            t0 = time.perf_counter()
-            with _timed(stages, "rollout"):  # generation (or file read) + scoring
-                batch = self.source.next(step)
-            self.save_rollouts(step, batch)
-            advantages = self.advantages(batch)
-            mini_batches = self.pack(batch, advantages)
-            with _timed(stages, "logprob"):
-                self.old_and_ref_logprobs(mini_batches)
-            with _timed(stages, "update"):
-                metrics = self.update(mini_batches)
-            stages["step"] = time.perf_counter() - t0
-            metrics.update(self.rollout_metrics(batch, stages))
-            self.monitor.log(step + 1, metrics)
-            history.append(metrics)
-            self.maybe_save(step + 1)
+        with self.stop.handling():
+            self.evaluator.log_initial(self.start_step, self.monitor)  # eval/* at step 0
+            for step in range(self.start_step, self.cfg.training.steps):
+                if (reason := self.stop.agree()) is not None:  # all ranks, between steps
+                    self.maybe_save(step, stop=reason)
+                    break
+                stages: dict[str, float] = {}
+                t0 = time.perf_counter()
+                with _timed(stages, "rollout"):  # generation (or file read) + scoring
+                    batch = self.source.next(step)
+                self.save_rollouts(step, batch)
+                advantages = self.advantages(batch)
+                mini_batches = self.pack(batch, advantages)
+                with _timed(stages, "logprob"):
+                    self.old_and_ref_logprobs(mini_batches)
+                with _timed(stages, "update"):
+                    metrics = self.update(mini_batches)
+                stages["step"] = time.perf_counter() - t0
+                metrics.update(self.rollout_metrics(batch, stages))
+                metrics.update(self.evaluator.after_step(step + 1))  # eval/* when due
+                self.monitor.log(step + 1, metrics)
+                history.append(metrics)
+                self.maybe_save(step + 1)
         self.monitor.close()
         return history
 
@@ -367,23 +398,31 @@ class Trainer:
             out["perf/generation_tokens_per_s"] = generated / out["perf/rollout_seconds"]
         return out
 
-    def maybe_save(self, step: int) -> None:
+    def maybe_save(self, step: int, stop: str | None = None) -> None:
+        """Save after ``step`` steps: every ``save_interval`` steps, after the last one, and when
+        the ranks agreed to stop (``stop``: the reason; ``self.stopped`` then records the stop,
+        and its line, printed by the caller, names the checkpoint)."""
         cfg = self.cfg.checkpoint
-        if cfg.dir is None:
-            return
-        last = step == self.cfg.training.steps
-        if not last and not (cfg.save_interval and step % cfg.save_interval == 0):
-            return
-        state = {
-            "data_position": step * self.cfg.rollout.num_prompts,
-            "skipped_steps": self.skipped,
-            "world_size": torch.distributed.get_world_size(),
-            "config": to_dict(self.cfg),
-        }
-        path = ckpt.save_checkpoint(
-            cfg.dir, step, self.model, self.optimizer, self.scheduler, state, cfg.keep_last
-        )
-        self.monitor.message(f"saved checkpoint {path} (step {step})")
+        due = step == self.cfg.training.steps or stop is not None
+        due = due or bool(cfg.save_interval and step % cfg.save_interval == 0)
+        if cfg.dir is not None and due and step > self._saved_step:
+            state = {
+                "data_position": step * self.cfg.rollout.num_prompts,
+                "skipped_steps": self.skipped,
+                "world_size": torch.distributed.get_world_size(),
+                "config": to_dict(self.cfg),
+            }
+            path = ckpt.save_checkpoint(
+                cfg.dir, step, self.model, self.optimizer, self.scheduler, state, cfg.keep_last
+            )
+            self._saved_step = step
+            if stop is None:
+                self.monitor.message(f"saved checkpoint {path} (step {step})")
+        if stop is not None:
+            latest = ckpt.latest_checkpoint(cfg.dir) if cfg.dir is not None else None
+            saved_now = self._saved_step == step > self.start_step
+            self.stopped = Stopped(stop, step, self.start_step, latest, saved_now, cfg.dir)
+            self.stop.complete()
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
