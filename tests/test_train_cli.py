@@ -35,3 +35,29 @@ def test_smallest_world_size_counts_the_expert_layout():
     cp = ParallelConfig(tensor_model_parallel_size=2, context_parallel_size=3)
     hint = world_size_hint(cp, 4)
     assert "needs a multiple of 6" in hint and "a world size that is a multiple of 6" in hint
+
+
+def _failing_reward_body(rank: int, world: int, tmp_path: Path) -> None:
+    import contextlib
+    import io
+
+    reward = tmp_path / "my_reward.py"
+    reward.write_text("def score(prompt, response, answer):\n    return 1 / 0\n")
+    sets = [
+        "parallel.tensor_model_parallel_size=1", "rollout.num_prompts=2", "rollout.group_size=2",
+        "training.steps=2", "checkpoint.dir=null", f"logging.dir={tmp_path / 'run'}",
+        f"rollout.reward_fn={reward}:score", "logging.progress_bar=false",
+    ]  # fmt: skip
+    argv = ["--config", str(RECIPE)] + [x for s in sets for x in ("--set", s)]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(argv) == 1
+    line = err.getvalue().strip().splitlines()[-1]
+    assert line.startswith("error: ") and "ZeroDivisionError" in line and "score" in line, line
+    assert "Traceback" not in err.getvalue()
+
+
+def test_a_failing_reward_is_one_line_and_exit_1(tmp_path):
+    from tests.dist_utils import run_distributed
+
+    run_distributed(_failing_reward_body, 1, tmp_path)

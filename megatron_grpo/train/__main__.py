@@ -131,6 +131,7 @@ def _train(cfg, resume: bool, overwrite: bool, stop: StopRequest, argv: list[str
     # Imported after the config is valid: Megatron's import is slow and noisy.
     from megatron_grpo.train.checkpoint import CheckpointError
     from megatron_grpo.train.rundir import RunDirError, release_locks
+    from megatron_grpo.train.tasks.reward import RewardError
     from megatron_grpo.train.trainer import Trainer
 
     t0 = time.perf_counter()
@@ -144,7 +145,9 @@ def _train(cfg, resume: bool, overwrite: bool, stop: StopRequest, argv: list[str
             stop.exiting()
             return STOP_EXIT_CODE
         trainer.monitor.message(_summary(cfg, start, time.perf_counter() - t0))
-    except (RunDirError, CheckpointError) as e:
+    except (RunDirError, CheckpointError, RewardError) as e:
+        # every rank raises the same error (a reward error reaches a replica's peers from its
+        # scoring rank): one line, from rank 0
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
