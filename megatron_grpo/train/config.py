@@ -221,7 +221,8 @@ class RolloutConfig:
         input_path: train on rollouts from a file (``.jsonl`` / ``.parquet``) or a directory of
             them instead of generating; each step consumes the next ``num_prompts`` groups (the
             sampling and engine fields are then unused; the files must carry ``reward``).
-        output_dir: write each step's rollouts to ``output_dir/rollouts_step{N}.{output_format}``.
+        output_dir: write each step's rollouts to ``output_dir/rollouts_step{N:08d}_dp{d:04d}.{fmt}``
+            (one file per step and data-parallel rank; e.g. ``rollouts_step00000001_dp0000.jsonl``).
         filter_groups: dynamic sampling (:class:`FilterGroupsConfig`); needs generation.
     """
 
