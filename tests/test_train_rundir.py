@@ -199,7 +199,7 @@ def _twice_body(rank: int, world: int, tmp: Path) -> None:
     with pytest.raises(ValueError, match=f"{bad}:4: response_ids\\[1\\] = 999 is not below"):
         Trainer(load_train_config(RECIPE, common + ["training.steps=1", *file_run]))
     argv = ["--config", str(RECIPE), "--resume"] + [f"--set={o}" for o in common]
-    assert main(argv + [f"--set=checkpoint.dir={tmp / 'nope'}"]) == 1  # exits, no traceback
+    assert main(argv + [f"--set=checkpoint.dir={tmp / 'nope'}"]) == 2  # a refusal, no traceback
     assert steps_logged() == [1, 2, 3]
 
 

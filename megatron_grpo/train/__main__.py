@@ -147,10 +147,11 @@ def _train(cfg, resume: bool, overwrite: bool, stop: StopRequest, argv: list[str
         trainer.monitor.message(_summary(cfg, start, time.perf_counter() - t0))
     except (RunDirError, CheckpointError, RewardError) as e:
         # every rank raises the same error (a reward error reaches a replica's peers from its
-        # scoring rank): one line, from rank 0
+        # scoring rank): one line, from rank 0. A refusal (run dir, checkpoint) is an input
+        # error like a config error (2); a failing reward function is a failed run (1).
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
-        return 1
+        return 1 if isinstance(e, RewardError) else 2
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
