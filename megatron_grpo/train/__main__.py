@@ -23,7 +23,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_grpo.config import ConfigError
-from megatron_grpo.train.config import load_train_config
+from megatron_grpo.train.monitor import WarningLog, read_metrics, results_summary
 from megatron_grpo.train.stop import STOP_EXIT_CODE, StopRequest
 
 
@@ -70,6 +70,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    # Megatron-core's and torch's warnings (imports, model build, the run) go to
+    # logging.dir/warnings.log on the logging rank, with a count on the console.
+    with WarningLog() as log:
+        return _main(args, argv, log)
+
+
+def _main(args: argparse.Namespace, argv: list[str], log: WarningLog) -> int:
+    from megatron_grpo.train.config import load_train_config  # imports megatron-core
+
     try:
         cfg = load_train_config(args.config, args.overrides)
     except (ConfigError, FileNotFoundError) as e:
@@ -95,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop = StopRequest.from_config(cfg.training)
     stop.install()
     try:
-        return _train(cfg, args.resume, args.overwrite, stop, argv)
+        return _train(cfg, args.resume, args.overwrite, stop, argv, log)
     finally:
         stop.uninstall()  # the previous handlers again (after a stop: the signals stay ignored)
 
@@ -127,7 +136,7 @@ def world_size_hint(parallel, world: int) -> str:
     )
 
 
-def _train(cfg, resume: bool, overwrite: bool, stop: StopRequest, argv: list[str]) -> int:
+def _train(cfg, resume: bool, overwrite: bool, stop: StopRequest, argv: list[str], log) -> int:
     # Imported after the config is valid: Megatron's import is slow and noisy.
     from megatron_grpo.train.checkpoint import CheckpointError
     from megatron_grpo.train.rundir import RunDirError, release_locks
@@ -137,6 +146,10 @@ def _train(cfg, resume: bool, overwrite: bool, stop: StopRequest, argv: list[str
     t0 = time.perf_counter()
     try:
         trainer = Trainer(cfg, resume=resume, overwrite=overwrite, stop=stop)
+        if trainer.monitor.enabled:  # the run directory is claimed: the log may be written
+            log.attach(Path(cfg.logging.dir) / "warnings.log")
+            if (line := log.count_line()) is not None:
+                print(line, flush=True)
         start = trainer.start_step
         trainer.train()
         release_locks()  # a clean end: the next run gets no stale-lock notice
@@ -144,7 +157,10 @@ def _train(cfg, resume: bool, overwrite: bool, stop: StopRequest, argv: list[str
             trainer.monitor.message(trainer.stopped.message(argv))
             stop.exiting()
             return STOP_EXIT_CODE
-        trainer.monitor.message(_summary(cfg, start, time.perf_counter() - t0))
+        if trainer.monitor.enabled:
+            rows = read_metrics(cfg.logging.metrics_path)
+            summary = _summary(cfg, start, time.perf_counter() - t0, rows, log.count_line())
+            trainer.monitor.message(summary)
     except (RunDirError, CheckpointError, RewardError) as e:
         # every rank raises the same error (a reward error reaches a replica's peers from its
         # scoring rank): one line, from rank 0. A refusal (run dir, checkpoint) is an input
@@ -158,8 +174,12 @@ def _train(cfg, resume: bool, overwrite: bool, stop: StopRequest, argv: list[str
     return 0
 
 
-def _summary(cfg, start: int, seconds: float) -> str:
-    """The end-of-run line: what ran, how long, where its outputs are."""
+def _summary(
+    cfg, start: int, seconds: float, rows: list[dict] | None = None, warnings: str | None = None
+) -> str:
+    """The end-of-run lines: what ran, how long, the results (reward first -> last and best,
+    the last eval, tokens/s and the time split, from the metrics ``rows``), where its outputs
+    are."""
     steps = cfg.training.steps
     ran = (
         f"done: steps {start + 1}..{steps} in {seconds:.0f} s"
@@ -169,6 +189,7 @@ def _summary(cfg, start: int, seconds: float) -> str:
     )
     lines = [
         ran,
+        *results_summary(rows or []),
         f"  metrics:     {cfg.logging.metrics_path}",
         f"  config:      {cfg.logging.dir}/config.yaml",
     ]
@@ -178,6 +199,8 @@ def _summary(cfg, start: int, seconds: float) -> str:
         lines.append(f"  checkpoints: {cfg.checkpoint.dir} (latest: {name})")
     if cfg.rollout.output_dir is not None:
         lines.append(f"  rollouts:    {cfg.rollout.output_dir}")
+    if warnings is not None:
+        lines.append(f"  warnings:    {warnings}")
     return "\n".join(lines)
 
 

@@ -519,15 +519,21 @@ class LoggingConfig:
 
     ``dir/config.yaml`` (the resolved config) and one JSON line of metrics per step in
     ``jsonl_path`` (default ``dir/metrics.jsonl``). ``tensorboard_dir`` needs the ``tensorboard``
-    package. ``progress_bar``: a one-line status per step on rank 0.
+    package. ``progress_bar``: a one-line status per step on rank 0, redrawn in place and fitted
+    to the terminal's width. ``print_interval``: when stdout is not a terminal (a log file, a
+    pipe), the status is one plain line every ``print_interval`` steps (and the first and last).
+    Megatron-core's and torch's warnings go to ``dir/warnings.log`` (a count on the console).
     """
 
     dir: str = "runs/default"
     jsonl_path: str | None = None
     tensorboard_dir: str | None = None
     progress_bar: bool = True
+    print_interval: int = 10
 
     def __post_init__(self) -> None:
+        if self.print_interval < 1:
+            raise ValueError(f"print_interval must be >= 1, got {self.print_interval}")
         check_not_empty(self, "dir", "e.g. runs/my_run")
         check_not_empty(self, "jsonl_path", "null writes dir/metrics.jsonl")
         check_not_empty(self, "tensorboard_dir", "null disables TensorBoard")

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import shutil
 import sys
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from megatron_grpo.train.config import LoggingConfig
+if TYPE_CHECKING:  # not imported at run time: the config imports megatron-core (see WarningLog)
+    from megatron_grpo.train.config import LoggingConfig, TrainConfig
 
-# (label, metric key, format) of the progress line.
+# (label, metric key, format) of the progress line, in display order.
 _PROGRESS = (
     ("reward", "reward/mean", ".3f"),
     ("loss", "loss/loss", ".4f"),
@@ -24,28 +28,249 @@ _PROGRESS = (
 )
 # Where a step's time goes: "1.52s = rollout 0.90 + logprob 0.20 + update 0.40".
 _STAGES = ("rollout", "logprob", "update")
+STAGE_KEYS = tuple(f"perf/{name}_seconds" for name in _STAGES)
+# Fields a narrow terminal drops, first dropped first; step, reward and the step time stay.
+_DROP_ORDER = ("bar", "train tok/s", "gen tok/s", "clip", "kl", "split", "loss")
 
 
 def _time_split(metrics: dict[str, float]) -> str | None:
     if "perf/step_seconds" not in metrics:
         return None
-    split = " + ".join(
-        f"{name} {metrics[f'perf/{name}_seconds']:.2f}"
-        for name in _STAGES
-        if f"perf/{name}_seconds" in metrics
-    )
+    split = _split_text(metrics)
     total = f"{metrics['perf/step_seconds']:.2f}s"
     return f"{total} = {split}" if split else total
 
 
-def write_resolved_config(cfg: LoggingConfig, resolved: dict[str, Any]) -> Path:
-    """Print the resolved config and save it as ``logging.dir/config.yaml``."""
-    text = yaml.safe_dump(resolved, sort_keys=False)
-    print("resolved config:\n" + text, flush=True)
-    path = Path(cfg.dir) / "config.yaml"
+def _split_text(metrics: dict[str, float]) -> str:
+    return " + ".join(
+        f"{name} {metrics[f'perf/{name}_seconds']:.2f}"
+        for name in _STAGES
+        if f"perf/{name}_seconds" in metrics
+    )
+
+
+def progress_line(step: int, total: int, metrics: dict[str, float], width: int | None) -> str:
+    """The progress line of ``step`` of ``total``. With a ``width`` (the terminal's columns) the
+    line is at most ``width - 1`` characters (so a redrawn line never wraps): fields are dropped
+    in ``_DROP_ORDER`` (the bar and throughputs first; step, reward and step time last), and a
+    line still too long is cut."""
+    done = int(20 * step / max(total, 1))
+    fields: dict[str, str] = {"bar": f"[{'#' * done}{'.' * (20 - done)}]"}
+    fields["step"] = f"step {step}/{total}"
+    for label, key, fmt in _PROGRESS:
+        if key in metrics:
+            fields[label] = f"{label} {metrics[key]:{fmt}}"
+    if "perf/step_seconds" in metrics:
+        fields["time"] = f"{metrics['perf/step_seconds']:.2f}s"
+        if split := _split_text(metrics):
+            fields["split"] = split
+
+    def render(keep: dict[str, str]) -> str:
+        head = " ".join(keep[k] for k in ("bar", "step") if k in keep)
+        parts = [head, *(v for k, v in keep.items() if k not in ("bar", "step", "time", "split"))]
+        if "time" in keep:
+            parts.append(keep["time"] + (f" = {keep['split']}" if "split" in keep else ""))
+        return " | ".join(parts)
+
+    line = render(fields)
+    if width is None:
+        return line
+    limit = max(width - 1, 1)
+    for name in _DROP_ORDER:
+        if len(line) <= limit:
+            break
+        fields.pop(name, None)
+        line = render(fields)
+    return line[:limit]
+
+
+def write_resolved_config(cfg: TrainConfig, resolved: dict[str, Any], dp_size: int) -> Path:
+    """Save the resolved config as ``logging.dir/config.yaml`` and print a short summary of it
+    (:func:`config_summary`)."""
+    path = Path(cfg.logging.dir) / "config.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    path.write_text(yaml.safe_dump(resolved, sort_keys=False))
+    print(config_summary(cfg, dp_size, path), flush=True)
     return path
+
+
+def config_summary(cfg: TrainConfig, dp_size: int, path: Path | str) -> str:
+    """A few lines: model, layout, task, steps and where the outputs go (the whole resolved
+    config is in ``path``)."""
+    m, par, r, t = cfg.model, cfg.parallel, cfg.rollout, cfg.training
+    size = _param_count(cfg)
+    model = f"{m.num_layers} layers, hidden {m.hidden_size}"
+    if m.num_moe_experts:
+        model += f", {m.num_moe_experts} experts (top-{m.moe_router_topk})"
+    if size is not None:
+        model = f"{size / 1e6:.1f}M parameters, " + model
+    layout = (
+        f"TP {par.tensor_model_parallel_size} PP {par.pipeline_model_parallel_size} "
+        f"CP {par.context_parallel_size} EP {par.expert_model_parallel_size} DP {dp_size}"
+    )
+    task = f"rollouts from {r.input_path}" if r.input_path else str(r.task)
+    if r.reward_fn:
+        task += f" (reward {r.reward_fn})"
+    steps = (
+        f"{t.steps} steps x {r.num_prompts} prompts x {r.group_size} samples, "
+        f"{t.mini_batches_per_step} mini-batch(es) per step"
+    )
+    lines = [
+        f"config: {path} (the resolved config)",
+        f"  model:  {model}",
+        f"  layout: {layout}",
+        f"  task:   {task}; {steps}",
+        f"  logs:   {cfg.logging.dir}",
+    ]
+    if cfg.checkpoint.dir is not None:
+        lines.append(f"  checkpoints: {cfg.checkpoint.dir} (every {cfg.checkpoint.save_interval})")
+    return "\n".join(lines)
+
+
+def _param_count(cfg: TrainConfig) -> int | None:
+    """The model's parameters (all ranks together), or None where the count fails."""
+    try:
+        from megatron_grpo.megatron.config import ParallelConfig
+        from megatron_grpo.megatron.memory_plan import stage_params
+
+        dense, expert = stage_params(cfg.model, ParallelConfig(), 0)
+    except Exception:  # a summary line is not worth failing a run for
+        return None
+    return dense + expert
+
+
+def read_metrics(path: Path | str) -> list[dict[str, Any]]:
+    """The rows of a metrics JSONL file (an unreadable line is skipped; no file: none)."""
+    rows = []
+    path = Path(path)
+    if not path.is_file():
+        return rows
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
+
+
+def _num(row: dict[str, Any], key: str) -> float | None:
+    v = row.get(key)
+    return float(v) if isinstance(v, int | float) and math.isfinite(v) else None
+
+
+def results_summary(rows: list[dict[str, Any]]) -> list[str]:
+    """End-of-run lines from the metrics rows: reward first -> last and best, the last eval,
+    tokens/s and the mean time split of a step."""
+    lines = []
+    rewards = [(r["step"], v) for r in rows if (v := _num(r, "reward/mean")) is not None]
+    if rewards:
+        (s0, r0), (s1, r1) = rewards[0], rewards[-1]
+        sb, rb = max(rewards, key=lambda x: x[1])
+        lines.append(
+            f"  reward:      {r0:.3f} (step {s0}) -> {r1:.3f} (step {s1}), "
+            f"best {rb:.3f} (step {sb})"
+        )
+    evals = [r for r in rows if _num(r, "eval/reward_mean") is not None]
+    if evals:
+        e = evals[-1]
+        text = f"reward {e['eval/reward_mean']:.3f}"
+        if (p := _num(e, "eval/pass_at_1")) is not None:
+            text += f", pass@1 {p:.3f}"
+        lines.append(f"  eval:        {text} (step {e['step']})")
+    timed = [r for r in rows if _num(r, "perf/step_seconds") is not None]
+    if timed:
+        means = {}
+        for key in ("perf/step_seconds", "perf/tokens_per_s", *STAGE_KEYS):
+            vals = [v for r in timed if (v := _num(r, key)) is not None]
+            if vals:
+                means[key] = sum(vals) / len(vals)
+        rate = (
+            f"{means['perf/tokens_per_s']:.0f} tokens/s, " if "perf/tokens_per_s" in means else ""
+        )
+        lines.append(
+            f"  speed:       {rate}{_time_split(means)} per step (means over {len(timed)} steps)"
+        )
+    return lines
+
+
+# Warnings of these libraries (by file) and records of these loggers go to the run's warnings log.
+_NOISY_PATHS = tuple(
+    os.sep + os.path.join(*p) + os.sep
+    for p in (("megatron", "core"), ("torch",), ("transformer_engine",), ("apex",))
+)
+_NOISY_LOGGERS = ("megatron", "torch", "transformer_engine", "apex")
+
+
+class WarningLog:
+    """A context that collects megatron-core's and torch's warnings (``warnings.warn`` from
+    their files, and their loggers' records at WARNING and above) instead of printing them.
+    ``attach(path)`` (rank 0, once the run directory is claimed) writes them, and those after,
+    to ``path``; a rank that never attaches drops them. Other warnings print as usual."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.path: Path | None = None
+        self._buffer: list[str] = []
+        self._file = None
+
+    def __enter__(self) -> WarningLog:
+        self._show = warnings.showwarning
+        warnings.showwarning = self._showwarning
+        self._handler = _ListHandler(self._add)
+        self._loggers = []
+        for name in _NOISY_LOGGERS:
+            logger = logging.getLogger(name)
+            self._loggers.append((logger, logger.propagate))
+            logger.addHandler(self._handler)
+            logger.propagate = False
+        return self
+
+    def __exit__(self, *exc) -> None:
+        warnings.showwarning = self._show
+        for logger, propagate in self._loggers:
+            logger.removeHandler(self._handler)
+            logger.propagate = propagate
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def attach(self, path: Path | str) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 (closed in __exit__)
+        for text in self._buffer:
+            self._file.write(text + "\n")
+        self._file.flush()
+        self._buffer = []
+
+    def count_line(self) -> str | None:
+        """The console's line about the collected warnings (None: there are none)."""
+        if not self.count or self.path is None:
+            return None
+        return f"{self.count} warning(s) from megatron-core and torch in {self.path}"
+
+    def _showwarning(self, message, category, filename, lineno, file=None, line=None) -> None:
+        if not any(p in str(filename) for p in _NOISY_PATHS):
+            self._show(message, category, filename, lineno, file, line)
+            return
+        self._add(warnings.formatwarning(message, category, filename, lineno, line).rstrip())
+
+    def _add(self, text: str) -> None:
+        self.count += 1
+        if self._file is not None:
+            self._file.write(text + "\n")
+            self._file.flush()
+        else:
+            self._buffer.append(text)
+
+
+class _ListHandler(logging.Handler):
+    def __init__(self, add) -> None:
+        super().__init__(logging.WARNING)
+        self._add_text = add
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._add_text(f"{record.levelname} {record.name}: {record.getMessage()}")
 
 
 def _tensorboard_writer(log_dir: str):
@@ -112,20 +337,20 @@ class Monitor:
             self._progress(step, metrics)
 
     def _progress(self, step: int, metrics: dict[str, float]) -> None:
-        done = int(20 * step / self.total)
-        parts = [f"[{'#' * done}{'.' * (20 - done)}] step {step}/{self.total}"]
-        for label, key, fmt in _PROGRESS:
-            if key in metrics:
-                parts.append(f"{label} {metrics[key]:{fmt}}")
-        split = _time_split(metrics)
-        if split is not None:
-            parts.append(split)
-        line = " | ".join(parts)
         if sys.stdout.isatty():
+            # Redrawn in place; fitted to the terminal so it never wraps; \x1b[K clears the rest
+            # of a longer previous line.
+            width = shutil.get_terminal_size((80, 24)).columns
+            line = progress_line(step, self.total, metrics, width)
             end = "\n" if step == self.total else ""
-            sys.stdout.write("\r" + line + end)
+            sys.stdout.write("\r" + line + "\x1b[K" + end)
         else:
-            sys.stdout.write(line + "\n")
+            # A log file or pipe: one plain line every ``print_interval`` steps (and the first
+            # and last step), in full.
+            every = self.cfg.print_interval
+            if step != 1 and step != self.total and step % every:
+                return
+            sys.stdout.write(progress_line(step, self.total, metrics, None) + "\n")
         sys.stdout.flush()
 
     def message(self, text: str) -> None:

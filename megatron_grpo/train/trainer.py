@@ -121,7 +121,7 @@ class Trainer:
         self.monitor = Monitor(cfg.logging, cfg.training.steps, comm.is_logging_rank())
         self.stop.announce = self.monitor.enabled
         if self.monitor.enabled:
-            write_resolved_config(cfg.logging, to_dict(cfg))
+            write_resolved_config(cfg, to_dict(cfg), self.dp_size)
             truncate_jsonl(cfg.logging.metrics_path, self.start_step)
         self.evaluator.attach(policy, self.source, self.monitor)
 
