@@ -16,14 +16,9 @@ step ``step`` with rewards filled in. ``rollout.source`` picks the implementatio
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import random
-import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -31,6 +26,7 @@ import torch
 from megatron_grpo.rollout import EngineOptions, KVCacheEngine, SamplingParams, generate
 from megatron_grpo.train.config import ROLLOUT_SOURCES, TrainConfig
 from megatron_grpo.train.dynamic_sampling import extra_round_first_prompt
+from megatron_grpo.train.plugins import load_object
 from megatron_grpo.train.rollout_batch import RolloutBatch
 from megatron_grpo.train.rollout_io import RolloutFileSource
 from megatron_grpo.train.scoring import RewardScorer
@@ -252,29 +248,6 @@ SourceFactory = Callable[[TrainConfig, Task, torch.nn.Module, int, int], Rollout
 _SPEC_FORMS = "generate, files, 'pkg.module:Class' or 'path/to/file.py:Class'"
 
 
-def _load_file(path: str) -> object:
-    """The module of a ``.py`` file (relative to the working directory), registered in
-    ``sys.modules`` under a name unique to its path."""
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"rollout.source: no file {path!r} (relative to the working directory)")
-    digest = hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:12]
-    name = f"_megatron_grpo_source_{file.stem}_{digest}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, file)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"rollout.source: cannot load {path!r} as a Python file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:
-        del sys.modules[name]
-        raise ValueError(f"rollout.source: loading {path!r} failed: {type(e).__name__}: {e}") from e
-    return module
-
-
 def source_class(spec: str) -> SourceFactory:
     """What ``rollout.source`` constructs: :class:`GeneratedRollouts` for ``generate``, else
     the class of ``"pkg.module:Class"`` / ``"path/to/file.py:Class"`` (imported now, so a
@@ -283,23 +256,11 @@ def source_class(spec: str) -> SourceFactory:
         return GeneratedRollouts
     if spec in ROLLOUT_SOURCES:
         raise ValueError(f"rollout.source: {spec} is not constructed from a class")
-    where, sep, name = spec.rpartition(":")
-    if not sep or not where or not name:
-        raise ValueError(f"rollout.source must be {_SPEC_FORMS}, got {spec!r}")
-    if where.endswith(".py") or "/" in where or "\\" in where:
-        module = _load_file(where)
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as e:
-            raise ValueError(f"rollout.source: cannot import module {where!r}: {e}") from e
-    cls = getattr(module, name, None)
-    if not callable(cls):
-        raise ValueError(f"rollout.source: {where!r} has no class {name!r}")
+    cls = load_object(spec, "rollout.source", _SPEC_FORMS, kind="class")
     missing = [m for m in ("next", "metrics") if not callable(getattr(cls, m, None))]
     if isinstance(cls, type) and missing:
         raise ValueError(
-            f"rollout.source {spec!r}: {name} has no {' / '.join(missing)} method (the "
+            f"rollout.source {spec!r}: {cls.__name__} has no {' / '.join(missing)} method (the "
             "RolloutSource protocol, megatron_grpo/train/rollout_source.py)"
         )
     return cls

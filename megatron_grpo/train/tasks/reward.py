@@ -19,19 +19,15 @@ it); others (e.g. verl's ``pred`` strings) are ignored. :func:`reward_value` che
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
-import sys
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from megatron_grpo.train.plugins import load_object
 from megatron_grpo.train.tasks.base import Prompt, Tokenizer
 from megatron_grpo.train.tasks.verifiers import VERIFIERS
 
@@ -50,46 +46,10 @@ class RewardError(RuntimeError):
     the function and the sample (``path:row`` of its prompt, else the prompt's index)."""
 
 
-def _load_file(path: str) -> Any:
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"rollout.reward_fn: no file {path!r} (relative to the working directory)")
-    digest = hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:12]
-    name = f"_megatron_grpo_reward_{file.stem}_{digest}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, file)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"rollout.reward_fn: cannot load {path!r} as a Python file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # so that classes / pickling inside the file find their module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:
-        del sys.modules[name]
-        raise ValueError(
-            f"rollout.reward_fn: loading {path!r} failed: {type(e).__name__}: {e}"
-        ) from e
-    return module
-
-
 def _resolve(spec: str) -> Callable[..., Any]:
     if spec in VERIFIERS:
         return VERIFIERS[spec]
-    where, sep, attr = spec.rpartition(":")
-    if not sep or not where or not attr:
-        raise ValueError(f"rollout.reward_fn must look like {_SPEC_FORMS}, got {spec!r}")
-    if where.endswith(".py") or "/" in where or "\\" in where:
-        module = _load_file(where)
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as e:
-            raise ValueError(f"rollout.reward_fn: cannot import module {where!r}: {e}") from e
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"rollout.reward_fn: {where!r} has no callable {attr!r}")
-    return fn
+    return load_object(spec, "rollout.reward_fn", _SPEC_FORMS)
 
 
 def _verl_keywords(fn: Callable[..., Any], spec: str) -> tuple[str, ...] | None:
