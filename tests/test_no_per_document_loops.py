@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_grpo.loss.segments import check_cu_seqlens
 from megatron_grpo.megatron import cp_attention as cpa
@@ -22,22 +21,11 @@ from megatron_grpo.megatron.batch import (
     split_for_context_parallel,
     thd_partition_index,
 )
-
-
-class _CountOps(TorchDispatchMode):
-    """Counts the aten ops dispatched inside the block."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
+from tests.op_count import CountOps
 
 
 def _ops(fn, *args, **kwargs) -> int:
-    with _CountOps() as mode:
+    with CountOps() as mode:
         fn(*args, **kwargs)
     return mode.count
 

@@ -5,7 +5,6 @@ partial and interleaved rotary), and the work per layer does not grow with the d
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.megatron import GRPOStep, ParallelConfig, pack_sequences
@@ -22,6 +21,7 @@ from tests.megatron_utils import (
     tiny_model,
     train_grads,
 )
+from tests.op_count import CountOps
 
 
 def _run(chunks, step, batches, impl, model_cfg):
@@ -74,21 +74,11 @@ def test_packed_rope_equals_megatron_path_across_layouts():
     run_distributed(_body, 2)
 
 
-class _CountOps(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _ops_per_pass(chunks, step, docs: int) -> int:
     g = torch.Generator().manual_seed(docs)
     seqs = [torch.randint(0, VOCAB, (96 // docs,), generator=g) for _ in range(docs)]
     batch = pack_sequences(seqs, [torch.arange(s.numel()) > 0 for s in seqs])
-    with _CountOps() as mode:
+    with CountOps() as mode:
         step.compute_logprobs(chunks, [batch])
     return mode.count
 
