@@ -59,7 +59,7 @@ from megatron_grpo.megatron.cp_attention import cp_causal_attention
 from megatron_grpo.megatron.packed_attention import packed_causal_attention
 from megatron_grpo.megatron.packed_rope import PackedRopeSelfAttention, RopedPackedSeqParams
 from megatron_grpo.ops.dispatch import IMPLS
-from megatron_grpo.ops.rms_norm import rms_norm, rms_norm_torch
+from megatron_grpo.ops.rms_norm import rms_norm
 from megatron_grpo.ops.swiglu import swiglu
 
 try:
@@ -121,10 +121,6 @@ class Norm(torch.nn.Module):
         shape = (self.hidden_size,)
         y = F.layer_norm(x.float(), shape, self.weight.float(), self.bias.float(), self.eps)
         return y.to(x.dtype)
-
-
-# the fp32 RMSNorm reference (the decode step's references use it under this name)
-rms_norm_f32 = rms_norm_torch
 
 
 class _QuietSubclassNotice(logging.Filter):

@@ -26,13 +26,18 @@ def rotate_half(x: Tensor, interleaved: bool) -> Tensor:
     return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
 
 
+def rope_reference(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+    """megatron-core's unfused formula on the first ``ROT = cos.size(-1)`` features of ``x``
+    (the rest pass through); ``cos, sin`` broadcast against ``x[..., :ROT]``, in ``x``'s dtype."""
+    rot = cos.size(-1)
+    head, rest = x[..., :rot], x[..., rot:]
+    head = head * cos + rotate_half(head, interleaved) * sin
+    return head if rest.size(-1) == 0 else torch.cat((head, rest), dim=-1)
+
+
 def apply_rotary_torch(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
     """``x [T, n, d]``, ``cos, sin [T, ROT]`` in ``x``'s dtype -> ``[T, n, d]``."""
-    rot = cos.size(-1)
-    c, s = cos[:, None], sin[:, None]  # [T, 1, ROT]
-    head, rest = x[..., :rot], x[..., rot:]
-    head = head * c + rotate_half(head, interleaved) * s
-    return head if rest.size(-1) == 0 else torch.cat((head, rest), dim=-1)
+    return rope_reference(x, cos[:, None], sin[:, None], interleaved)  # [T, 1, ROT]: every head
 
 
 class _RotaryTriton(torch.autograd.Function):

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from megatron.core.models.common.embeddings.rope_utils import _rotate_half
 from torch import Tensor
 
-from megatron_grpo.megatron.layer_spec import rms_norm_f32
+from megatron_grpo.ops.rms_norm import rms_norm_torch
+from megatron_grpo.ops.rope import rope_reference
 
 IMPLS = ("torch", "triton")
 
@@ -27,7 +27,7 @@ def add_rms_norm_torch(
     t = x if bias is None else x + bias
     if residual is not None:
         t = residual.copy_(residual + t)
-    return t, rms_norm_f32(t, weight, eps)
+    return t, rms_norm_torch(t, weight, eps)
 
 
 def qkv_rope_cache_torch(
@@ -42,25 +42,16 @@ def qkv_rope_cache_torch(
     q, k, v = heads[:, :, :r], heads[:, :, r], heads[:, :, r + 1]
     if norm is not None:
         qw, kw, eps = norm
-        q, k = rms_norm_f32(q, qw, eps), rms_norm_f32(k, kw, eps)
+        q, k = rms_norm_torch(q, qw, eps), rms_norm_torch(k, kw, eps)
     if rope is not None:
         cos, sin, interleaved = rope
         c, s = cos[pos][:, None, None], sin[pos][:, None, None]  # [b, 1, 1, ROT]
-        q = apply_rope(q, c, s, interleaved)
-        k = apply_rope(k[:, :, None], c, s, interleaved)[:, :, 0]  # megatron's rotate is 4-D
+        q = rope_reference(q, c, s, interleaved)
+        k = rope_reference(k[:, :, None], c, s, interleaved)[:, :, 0]
     rows = torch.arange(b, device=qkv.device)
     k_cache[rows, :, pos] = k
     v_cache[rows, :, pos] = v
     return q.contiguous()
-
-
-def apply_rope(t: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
-    """megatron-core's unfused RoPE formula (``t * cos + rotate_half(t) * sin``) on the first
-    ``ROT = cos.size(-1)`` features of ``t [.., n, d]`` (4-D); the rest pass through."""
-    rot = cos.size(-1)
-    head, rest = t[..., :rot], t[..., rot:]
-    head = head * cos + _rotate_half(head, interleaved) * sin
-    return head if rest.size(-1) == 0 else torch.cat((head, rest), dim=-1)
 
 
 def swiglu_torch(x: Tensor, bias: Tensor | None = None) -> Tensor:

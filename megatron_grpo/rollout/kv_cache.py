@@ -32,7 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron_grpo.megatron.layer_spec import sdpa
 from megatron_grpo.megatron.packed_attention import packed_causal_attention
-from megatron_grpo.rollout.decode_ops import apply_rope
+from megatron_grpo.ops.rope import rope_reference
 
 
 @dataclass(frozen=True)
@@ -213,7 +213,7 @@ class KVCache:
         part first) with this forward's precomputed cos / sin: ``x [s, b, n, d]``."""
         if self.rope is None:
             return x
-        return apply_rope(x, *self.rope, self.rotary_interleaved)
+        return rope_reference(x, *self.rope, self.rotary_interleaved)
 
     def move_rows(self, src: list[int], dst: list[int], ctx: int) -> None:
         """Copy slots ``src`` to ``dst`` (the first ``ctx`` positions): compaction. One copy
