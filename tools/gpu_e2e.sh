@@ -6,7 +6,10 @@
 #   bash tools/gpu_e2e.sh dense     # the dense twin: toy-task trajectory + 8k synthetic rollouts
 #   bash tools/gpu_e2e.sh moe       # the MoE twin (2 GPUs): toy task + 4k synthetic rollouts
 #   bash tools/gpu_e2e.sh maxctx    # longest packed micro-batch per log-prob path, one GPU
-#   bash tools/gpu_e2e.sh all       # all three (may exceed a 10-minute command limit)
+#   bash tools/gpu_e2e.sh step      # the dense twin's step on 2 GPUs (TP2+SP), toy task with
+#                                   # 256 digits (512 x ~515 tokens): on-policy (1 mini-batch,
+#                                   # old-log-prob pass skipped) and 2 mini-batches; STEPS steps
+#   bash tools/gpu_e2e.sh all       # dense, moe, maxctx (may exceed a 10-minute command limit)
 # Each mode runs every path of PATHS ("fused megatron"); the trainer must expose
 # training.logprob_path (GRPOStep.logprob_path). Results under $OUT (at most 4 files):
 #   summary.md    tables: tokens/s, peak memory, final reward/loss, longest context per path
@@ -127,6 +130,18 @@ twin() {
     return $status
 }
 
+# step: the dense twin's step split (rollout / log-prob / update) at 256 digits, fused path.
+step_split() {
+    local status=0 mb
+    for mb in 1 2; do
+        train "step_mb${mb}_fused" qwen3_8b_long_sp_twin fused \
+            --set rollout.reverse_digits.num_digits=256 --set rollout.max_prompt_length=260 \
+            --set rollout.max_response_length=257 --set training.mini_batches_per_step="$mb" \
+            --set training.steps="$STEPS" || status=1
+    done
+    return $status
+}
+
 # maxctx: per path and layer count, the longest packed micro-batch (tokens) whose forward +
 # backward fits one GPU: doubling from 16k, then 3 bisections; plus fwd+bwd tokens/s at 16k.
 maxctx() {
@@ -228,11 +243,20 @@ work, results, summary = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 old = [json.loads(l) for l in results.read_text().splitlines()] if results.exists() else []
 rows = [r for r in old if r.get("kind", "").startswith("maxctx")]
 table = ["| run | log-prob path | steps | tokens/s (mean, step >= 2) | peak GiB (torch) | "
-         "peak MiB/GPU (nvidia-smi) | reward first -> last | loss first -> last |",
-         "|---|---|---|---|---|---|---|---|"]
+         "peak MiB/GPU (nvidia-smi) | reward first -> last | loss first -> last | "
+         "s per step: step / rollout / logprob / update (mean, step >= 2) |",
+         "|---|---|---|---|---|---|---|---|---|"]
 def first_last(steps, key):
     v = [s[key] for s in steps if s.get(key) is not None]
     return f"{v[0]:.3f} -> {v[-1]:.3f}" if v else "n/a"
+
+def split(steps):
+    keys = ("step", "rollout", "logprob", "update")
+    means = []
+    for k in keys:
+        v = [s[f"perf/{k}_seconds"] for s in steps if s.get(f"perf/{k}_seconds") is not None]
+        means.append(f"{sum(v) / len(v):.2f}" if v else "-")
+    return " / ".join(means)
 
 for run in sorted(p for p in work.iterdir() if (p / "metrics.jsonl").exists()):
     steps = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
@@ -245,7 +269,7 @@ for run in sorted(p for p in work.iterdir() if (p / "metrics.jsonl").exists()):
     used = [int(x) for x in smi.read_text().split() if x.isdigit()] if smi.exists() else []
     cells = [name, path, len(steps), tps, f"{max(peak):.1f}" if peak else "not logged",
              max(used) if used else "n/a", first_last(steps, "reward/mean"),
-             first_last(steps, "loss/loss")]
+             first_last(steps, "loss/loss"), split(steps[1:])]
     table.append("| " + " | ".join(map(str, cells)) + " |")
 ctx = ["| log-prob path | decoder layers | tokens per document | longest fitting micro-batch "
        "| first OOM | fwd+bwd tokens/s at 16k |", "|---|---|---|---|---|---|"]
@@ -266,6 +290,7 @@ case "$MODE" in
     dense) { setup && twin dense qwen3_8b_long_sp_twin 8192 4; } || status=1 ;;
     moe) { setup && twin moe qwen3_30b_a3b_moe_twin 4096 8; } || status=1 ;;
     maxctx) { setup && maxctx; } || status=1 ;;
+    step) { setup && step_split; } || status=1 ;;
     all)
         setup || exit 1
         twin dense qwen3_8b_long_sp_twin 8192 4 || status=1
@@ -273,7 +298,7 @@ case "$MODE" in
         maxctx || status=1
         ;;
     *)
-        echo "usage: $0 [dense|moe|maxctx|all]"
+        echo "usage: $0 [dense|moe|maxctx|step|all]"
         exit 2
         ;;
 esac
