@@ -299,3 +299,35 @@ def test_config_errors_name_the_field(override, message):
         load_train_config(RECIPE, [override])
     cfg = load_train_config(RECIPE, ["training.exit_signals=[]", "training.max_wall_minutes=90"])
     assert cfg.training.exit_signals == [] and cfg.training.max_wall_minutes == 90.0
+
+
+_TEARDOWN = textwrap.dedent(
+    """
+    import os, sys, time
+    import torch.distributed as dist
+    from megatron_grpo.megatron import parallel
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if sys.argv[1] == "blocks":  # a teardown that never returns, as NCCL's was seen to
+        dist.destroy_process_group = lambda *a, **k: time.sleep(600)
+    ok = parallel.shutdown_process_groups(timeout_s=1.0)
+    print("ok" if ok else "blocked", dist.is_initialized(), flush=True)
+    if not ok:
+        os._exit(5)
+    """
+)
+
+
+@pytest.mark.parametrize("mode", ["returns", "blocks"])
+def test_a_blocked_process_group_teardown_does_not_hold_the_exit(mode):
+    t0 = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-c", _TEARDOWN, mode], capture_output=True, text=True, timeout=120
+    )
+    if mode == "returns":
+        assert (r.returncode, r.stdout.split()) == (0, ["ok", "False"]), r.stderr
+        assert "teardown" not in r.stderr
+    else:
+        assert (r.returncode, r.stdout.split()) == (5, ["blocked", "True"]), r.stderr
+        assert "teardown did not end within 1 s" in r.stderr
+        assert time.monotonic() - t0 < 60

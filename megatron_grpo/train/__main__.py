@@ -73,7 +73,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Megatron-core's and torch's warnings (imports, model build, the run) go to
     # logging.dir/warnings.log on the logging rank, with a count on the console.
     with WarningLog() as log:
-        return _main(args, argv, log)
+        code = _main(args, argv, log)
+    if dist.is_initialized():
+        from megatron_grpo.megatron.parallel import shutdown_process_groups
+
+        if not shutdown_process_groups():  # a blocked NCCL teardown must not hold the job
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    return code
 
 
 def _main(args: argparse.Namespace, argv: list[str], log: WarningLog) -> int:
@@ -168,9 +176,6 @@ def _train(cfg, resume: bool, overwrite: bool, stop: StopRequest, argv: list[str
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 1 if isinstance(e, RewardError) else 2
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
     return 0
 
 
