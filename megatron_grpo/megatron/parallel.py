@@ -33,6 +33,7 @@ from megatron.core.tensor_parallel import random as mcore_random
 from torch.overrides import TorchFunctionMode
 
 from megatron_grpo.megatron.config import ParallelConfig
+from megatron_grpo.megatron.layout import ParallelLayout
 
 
 class CpuRNGStatesTracker(mcore_random.CudaRNGStatesTracker):
@@ -220,8 +221,9 @@ def seed_everything(seed: int) -> None:
 
 def initialize_parallel(
     parallel_cfg: ParallelConfig, seed: int, *, timeout_minutes: int = 30
-) -> None:
-    """Initialize torch.distributed (if needed), Megatron's parallel_state, and the RNGs.
+) -> ParallelLayout:
+    """Initialize torch.distributed (if needed), Megatron's parallel_state, and the RNGs;
+    returns this rank's :class:`ParallelLayout` (computed once here, passed on from here).
 
     Uses the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) when torch.distributed is
     not initialized yet; a plain ``python`` run becomes a world of one. Backend: nccl on GPU,
@@ -264,6 +266,7 @@ def initialize_parallel(
             expert_tensor_parallel_size=parallel_cfg.expert_tensor_parallel_size,
         )
     seed_everything(seed)
+    return ParallelLayout.current(parallel_cfg.sequence_parallel)
 
 
 def destroy_parallel() -> None:

@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
+from typing import Literal, get_args
 
 from megatron_grpo.ops.dispatch import IMPLS
 from megatron_grpo.ops.tiling import TILE_BYTES
 
 # The paths a plan can run ("megatron": Megatron's output layer, run by GRPOStep alone) and the
-# requests a caller may make ("fused": the plan picks the fused path).
-PATHS = ("op", "fused_tiled", "fused_single_pass", "megatron")
-REQUESTS = ("fused", *PATHS)
+# requests a caller may make ("fused": the plan picks the fused path); the Literal types are
+# what config fields are annotated with, the tuples what code checks against.
+LMHeadPath = Literal["op", "fused_tiled", "fused_single_pass", "megatron"]
+LMHeadRequest = Literal["fused", LMHeadPath]
+PATHS: tuple[str, ...] = get_args(LMHeadPath)
+REQUESTS: tuple[str, ...] = get_args(LMHeadRequest)
 GEMMS = ("separate", "fused_epilogue")
 
 TILE_FRACTION = 4  # one fp32 logits tile = memory_budget / TILE_FRACTION
