@@ -22,6 +22,12 @@ from megatron.core import parallel_state
 from megatron_grpo.megatron.config import ParallelConfig
 
 
+def sequence_multiple(cp_size: int, token_multiple: int) -> int:
+    """What a sequence is padded to a multiple of: under context parallelism ``2 * CP`` chunks
+    of ``token_multiple`` tokens (the load-balanced CP split); without CP, ``token_multiple``."""
+    return token_multiple if cp_size == 1 else 2 * cp_size * token_multiple
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
     """Sizes, this rank's ranks and the groups of each parallel dimension (module docstring).
@@ -59,11 +65,9 @@ class ParallelLayout:
 
     @property
     def sequence_multiple(self) -> int:
-        """Under context parallelism each sequence is padded to a multiple of this (``2 * CP``
-        chunks of :attr:`token_multiple` tokens); without CP, :attr:`token_multiple`."""
-        if self.cp_size == 1:
-            return self.token_multiple
-        return 2 * self.cp_size * self.token_multiple
+        """Under context parallelism each sequence is padded to a multiple of this
+        (:func:`sequence_multiple`)."""
+        return sequence_multiple(self.cp_size, self.token_multiple)
 
     @property
     def is_pipeline_last_stage(self) -> bool:
