@@ -62,7 +62,15 @@ class HeadOpPath:
 
     options: LMHeadOptions
 
-    def loss(self, cfg, gpt, hidden, targets, inputs, layout) -> tuple[Tensor, MetricDict]:
+    def loss(
+        self,
+        cfg: GRPOLossConfig,
+        gpt: GPTModel,
+        hidden: Tensor,
+        targets: Tensor,
+        inputs: LossInputs,
+        layout: ParallelLayout,
+    ) -> tuple[Tensor, MetricDict]:
         loss, metrics, _ = fused_grpo_loss(
             hidden,
             output_weight(gpt),
@@ -75,7 +83,9 @@ class HeadOpPath:
         )
         return loss, metrics
 
-    def logprobs(self, gpt, hidden, targets, rows, layout) -> Tensor:
+    def logprobs(
+        self, gpt: GPTModel, hidden: Tensor, targets: Tensor, rows: Tensor, layout: ParallelLayout
+    ) -> Tensor:
         return vocab_parallel_logprobs(
             hidden,
             output_weight(gpt),
@@ -93,13 +103,25 @@ class MegatronPath:
 
     options: LMHeadOptions
 
-    def loss(self, cfg, gpt, hidden, targets, inputs, layout) -> tuple[Tensor, MetricDict]:
+    def loss(
+        self,
+        cfg: GRPOLossConfig,
+        gpt: GPTModel,
+        hidden: Tensor,
+        targets: Tensor,
+        inputs: LossInputs,
+        layout: ParallelLayout,
+    ) -> tuple[Tensor, MetricDict]:
         return grpo_loss(cfg, inputs, logprobs=self._logprobs(gpt, hidden, targets, layout))
 
-    def logprobs(self, gpt, hidden, targets, rows, layout) -> Tensor:
+    def logprobs(
+        self, gpt: GPTModel, hidden: Tensor, targets: Tensor, rows: Tensor, layout: ParallelLayout
+    ) -> Tensor:
         return self._logprobs(gpt, hidden, targets, layout) * rows
 
-    def _logprobs(self, gpt, hidden, targets, layout) -> Tensor:
+    def _logprobs(
+        self, gpt: GPTModel, hidden: Tensor, targets: Tensor, layout: ParallelLayout
+    ) -> Tensor:
         return megatron_logprobs(
             gpt.output_layer,
             output_weight(gpt),

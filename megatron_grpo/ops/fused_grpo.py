@@ -296,7 +296,14 @@ class _Args:
     sequence_parallel: bool
 
     @staticmethod
-    def of(cfg, inputs, options, tp_group, sequence_parallel, overrides: dict) -> _Args:
+    def of(
+        cfg: GRPOLossConfig,
+        inputs: LossInputs | None,
+        options: LMHeadOptions | None,
+        tp_group: dist.ProcessGroup | None,
+        sequence_parallel: bool,
+        overrides: dict[str, object],
+    ) -> _Args:
         """The call of the public arguments: keyword ``overrides`` go to the options when they
         name an option, else to the inputs (an unknown name raises TypeError there)."""
         if not isinstance(cfg, GRPOLossConfig):
