@@ -12,6 +12,7 @@ it from here.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, fields, replace
 from typing import Literal, get_args
 
@@ -104,4 +105,4 @@ def _check_temperature(temperature: object) -> None:
 
 
 def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
