@@ -4,7 +4,6 @@ of the host-side check. On the CPU the host reads are counted, on a GPU the sync
 
 from __future__ import annotations
 
-import inspect
 import re
 from collections.abc import Callable
 
@@ -32,12 +31,9 @@ from tests.test_logprobs import make_inputs
 HOST_READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu")
 
 
-def setup_args(batch: dict, **op) -> tuple[dict, dict]:
-    """(loss_args, op_args) of ``fused_grpo_loss(..., **batch, **op)``, for ``_fused_setup``."""
-    params = inspect.signature(fused_grpo_loss).parameters
-    loss_args = {k: batch.get(k, params[k].default) for k in fg._LOSS_ARGS}
-    op_args = {k: op.get(k, params[k].default) for k in fg._OP_ARGS}
-    return loss_args, op_args
+def setup_args(cfg: GRPOLossConfig, batch: dict, **op) -> fg._Args:
+    """The arguments of ``fused_grpo_loss(..., cfg, **batch, **op)``, for ``_fused_setup``."""
+    return fg._Args.of(cfg, None, None, None, False, batch | op)
 
 
 def count_host_reads(monkeypatch, fn) -> list[str]:
@@ -74,11 +70,10 @@ def test_fused_setup_reads_the_device_once(monkeypatch, nonfinite, denominator):
     number of loss rows together), and the rows are those of ``loss_mask.nonzero()``."""
     hidden, weight, targets, batch = cpu_problem(denominator=denominator)
     cfg = GRPOLossConfig(**CONFIGS["token_full"], nonfinite=nonfinite)
-    loss_args, op_args = setup_args(batch, vocab_size=VOCAB, impl="torch")
+    args = setup_args(cfg, batch, vocab_size=VOCAB, impl="torch")
     out = []
     reads = count_host_reads(
-        monkeypatch,
-        lambda: out.append(fg._fused_setup(hidden, weight, targets, cfg, loss_args, op_args, None)),
+        monkeypatch, lambda: out.append(fg._fused_setup(hidden, weight, targets, args))
     )
     assert reads == ["tolist"]
     lctx = out[0][1]
@@ -196,10 +191,10 @@ def test_gpu_fused_setup_one_host_sync(cu_device, denominator, nonfinite):
         d = torch.tensor(900.0, device="cuda") if denominator == "cuda" else denominator
         batch["denominator"] = d
     cfg = GRPOLossConfig(**CONFIGS["token_full"], nonfinite=nonfinite)
-    loss_args, op_args = setup_args(batch)
+    args = setup_args(cfg, batch)
 
     def setup():
-        return fg._fused_setup(hidden, weight, targets, cfg, loss_args, op_args, None)
+        return fg._fused_setup(hidden, weight, targets, args)
 
     lctx = setup()[1]  # compile and allocate first
     torch.cuda.synchronize()

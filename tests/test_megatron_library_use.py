@@ -63,15 +63,15 @@ def test_grpo_step_checks_the_model_config_and_eval_writes_no_gradients():
 def _reference_grads(ref, step, batches) -> dict[str, torch.Tensor]:
     """d(sum of loss sums / sum of counts) by plain autograd on an unwrapped model."""
     from megatron_grpo.megatron import unwrap
-    from megatron_grpo.megatron.forward import output_weight, prepare_batch, run_model
+    from megatron_grpo.megatron.transport import prepare_batch, run_model
 
     gpt = unwrap(ref[0])
     gpt.zero_grad(set_to_none=True)
     losses, counts = [], []
     for b in batches:
-        local, params = prepare_batch(b, False)
+        local, params = prepare_batch(b, step.layout_of(gpt))
         hidden = run_model(ref[0], local, params)
-        loss, count, _ = step.loss_func(local, output_weight(gpt), False, hidden)
+        loss, count, _ = step.loss_func(local, gpt, hidden)
         losses.append(loss)
         counts.append(count)
     (sum(losses) / sum(counts).float()).backward()

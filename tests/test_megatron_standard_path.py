@@ -105,13 +105,18 @@ def test_megatron_path_rejects_entropy_bonus():
         GRPOStep(GRPOLossConfig(entropy_coef=0.01), vocab_size=VOCAB, logprob_path="megatron")
 
 
-def test_logprob_path_and_fused_flag():
+def test_logprob_path_is_chosen_once():
+    """The step's path object is chosen when it is built; a wrong name fails there."""
+    from megatron_grpo.megatron.logprob_paths import HeadOpPath, MegatronPath
+
     cfg = GRPOLossConfig()
-    assert GRPOStep(cfg, vocab_size=VOCAB).logprob_path == "fused"
-    assert GRPOStep(cfg, vocab_size=VOCAB, fused=False).logprob_path == "op"
-    step = GRPOStep(cfg, vocab_size=VOCAB, logprob_path="megatron")
-    assert not step.fused
-    with pytest.raises(ValueError, match="contradicts"):
-        GRPOStep(cfg, vocab_size=VOCAB, fused=False, logprob_path="fused")
-    with pytest.raises(ValueError, match="logprob_path must be one of"):
+    step = GRPOStep(cfg, vocab_size=VOCAB)
+    assert step.logprob_path == "fused" and isinstance(step.path, HeadOpPath)
+    assert isinstance(GRPOStep(cfg, vocab_size=VOCAB, logprob_path="op").path, HeadOpPath)
+    step = GRPOStep(cfg, vocab_size=VOCAB, logprob_path="megatron", temperature=0.5)
+    assert isinstance(step.path, MegatronPath)
+    assert (step.options.vocab_size, step.options.temperature) == (VOCAB, 0.5)
+    with pytest.raises(ValueError, match="path must be one of"):
         GRPOStep(cfg, vocab_size=VOCAB, logprob_path="standard")
+    with pytest.raises(ValueError, match="memory_budget"):
+        GRPOStep(cfg, vocab_size=VOCAB, memory_budget=0)

@@ -108,9 +108,9 @@ def test_loss_without_old_logprobs_is_the_on_policy_loss_bit_for_bit(name, path)
 def test_grpo_step_decides_the_on_policy_semantics_once():
     seq_is = GRPOLossConfig(is_correction_level="sequence")
     # on-policy sequence IS weights need whole sequences: the automatic fused request is tiled
-    assert GRPOStep(seq_is, vocab_size=V, on_policy=True)._loss_path == "fused_tiled"
-    assert GRPOStep(seq_is, vocab_size=V)._loss_path == "fused"
-    assert GRPOStep(GRPOLossConfig(), vocab_size=V, on_policy=True)._loss_path == "fused"
+    assert GRPOStep(seq_is, vocab_size=V, on_policy=True).path.options.path == "fused_tiled"
+    assert GRPOStep(seq_is, vocab_size=V).path.options.path == "fused"
+    assert GRPOStep(GRPOLossConfig(), vocab_size=V, on_policy=True).path.options.path == "fused"
     with pytest.raises(ValueError, match="fused_single_pass.*on-policy"):
         GRPOStep(seq_is, vocab_size=V, logprob_path="fused_single_pass", on_policy=True)
 
@@ -121,9 +121,8 @@ def test_missing_old_logprobs_is_an_error_unless_on_policy(path):
     batch = pack_sequences(
         [torch.tensor([1, 2, 3, 4])], [torch.tensor([False, False, True, True])], advantages=[1.0]
     )
-    hidden, weight = torch.randn(4, H), torch.randn(V, H)
     with pytest.raises(ValueError, match="old_logprobs is required.*on_policy=True"):
-        step.loss_func(batch, weight, False, hidden)
+        step.loss_func(batch, None, torch.randn(4, H))  # raises before it needs the model
 
 
 # ---------------------------------------------------------------- the trainer, end to end

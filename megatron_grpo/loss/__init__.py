@@ -1,14 +1,15 @@
 """GRPO loss family in pure PyTorch (imports nothing from Megatron).
 
-Public API: :func:`grpo_loss`, :class:`GRPOLossConfig`, :func:`compute_advantages`,
-:func:`global_denominators` / :func:`local_denominator`, :func:`reduce_metrics`,
-:func:`pack_padded` / :func:`unpack_to_padded`. The fused-path seam lives in
+Public API: :func:`grpo_loss`, :class:`GRPOLossConfig`, :class:`LossInputs`,
+:func:`compute_advantages`, :func:`global_denominators` / :func:`local_denominator`,
+:func:`reduce_metrics`, :func:`pack_padded` / :func:`unpack_to_padded`. The fused-path seam lives in
 :mod:`megatron_grpo.loss.math` (``build_context`` / ``objective``).
 """
 
 from megatron_grpo.loss.advantages import compute_advantages
 from megatron_grpo.loss.config import GRPOLossConfig
 from megatron_grpo.loss.grpo import grpo_loss
+from megatron_grpo.loss.inputs import LossInputs
 from megatron_grpo.loss.math import LossContext, build_context, objective
 from megatron_grpo.loss.metrics import (
     MaxMetric,
@@ -25,6 +26,7 @@ __all__ = [
     "Denominators",
     "GRPOLossConfig",
     "LossContext",
+    "LossInputs",
     "MaxMetric",
     "MeanMetric",
     "MinMetric",

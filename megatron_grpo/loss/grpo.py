@@ -2,34 +2,33 @@
 
 from __future__ import annotations
 
-import torch.distributed as dist
 from torch import Tensor
 
 from megatron_grpo.loss import checks
 from megatron_grpo.loss.config import GRPOLossConfig
+from megatron_grpo.loss.inputs import LossInputs
 from megatron_grpo.loss.math import build_context, objective, raise_on_nonfinite
 from megatron_grpo.loss.metrics import MetricDict, merge_metrics
 
 
 def grpo_loss(
     cfg: GRPOLossConfig,
+    inputs: LossInputs | None = None,
     *,
     logprobs: Tensor,
-    old_logprobs: Tensor | None,
-    advantages: Tensor,
-    loss_mask: Tensor,
-    cu_seqlens: Tensor,
-    ref_logprobs: Tensor | None = None,
-    rollout_logprobs: Tensor | None = None,
     entropy: Tensor | None = None,
-    denominator: float | Tensor | None = None,
-    cp_group: dist.ProcessGroup | None = None,
+    **overrides: object,
 ) -> tuple[Tensor, MetricDict]:
     """GRPO / PPO / GSPO loss of one packed micro-batch.
 
     Args:
         cfg: the loss options (:class:`GRPOLossConfig`).
+        inputs: the policy-independent inputs (:class:`LossInputs`); or its fields by keyword
+            (``overrides``, below; they replace those of ``inputs`` when both are given).
         logprobs: ``[T]`` current policy log-probs of the sampled tokens (differentiable).
+        entropy: ``[T]`` per-token policy entropy (needed when ``entropy_coef != 0``).
+
+    The inputs (:class:`LossInputs` fields):
         old_logprobs: ``[T]`` log-probs of the policy that produced the batch, under the
             training engine. None = on-policy (the update is the only optimizer step on these
             rollouts): ``logprobs.detach()`` serves as the old log-probs, so the ratio is exactly
@@ -42,7 +41,6 @@ def grpo_loss(
             otherwise only the KL metric is computed).
         rollout_logprobs: ``[T]`` generation-engine log-probs (needed for IS correction; when
             given the mismatch metrics are computed).
-        entropy: ``[T]`` per-token policy entropy (needed when ``entropy_coef != 0``).
         denominator: the ``cfg.loss_agg`` count over the whole optimizer step (see
             :mod:`megatron_grpo.loss.reduction`); None = this micro-batch's count (over CP).
             Megatron's ``calculate_per_token_loss`` path passes 1.0 and hands Megatron the count.
@@ -57,22 +55,14 @@ def grpo_loss(
         ``coef_t * objective_t``; ``metrics`` maps namespaced keys to exactly-aggregating values
         (merge / all-reduce them with :func:`megatron_grpo.loss.reduce_metrics`).
     """
+    inp = LossInputs.of(inputs, **overrides)
     checks.check_config(cfg)
-    checks.check_mask(loss_mask)
-    checks.check_float("logprobs", logprobs, loss_mask.numel(), loss_mask.device)
-    checks.check_float("entropy", entropy, loss_mask.numel(), loss_mask.device)
+    mask = inp.loss_mask
+    checks.check_mask(mask)
+    checks.check_float("logprobs", logprobs, mask.numel(), mask.device)
+    checks.check_float("entropy", entropy, mask.numel(), mask.device)
     checks.check_entropy_needed(cfg, entropy)
-    ctx = build_context(
-        cfg,
-        old_logprobs=old_logprobs,
-        advantages=advantages,
-        loss_mask=loss_mask,
-        cu_seqlens=cu_seqlens,
-        ref_logprobs=ref_logprobs,
-        rollout_logprobs=rollout_logprobs,
-        denominator=denominator,
-        cp_group=cp_group,
-    )
+    ctx = build_context(cfg, inp)
     lp = logprobs.index_select(0, ctx.index)
     ent = None if entropy is None else entropy.index_select(0, ctx.index)
     # the finiteness check (a host sync) after the loss is queued: the GPU works meanwhile

@@ -86,6 +86,7 @@ from torch import Tensor
 
 from megatron_grpo.loss import checks
 from megatron_grpo.loss.config import GRPOLossConfig
+from megatron_grpo.loss.inputs import LossInputs
 from megatron_grpo.loss.metrics import MaxMetric, MeanMetric, MetricDict, MinMetric, SumMetric
 from megatron_grpo.loss.segments import (
     cu_seqlens_checks,
@@ -307,19 +308,14 @@ def true_positions(mask: Tensor, n: int) -> Tensor:
 
 def build_context(
     cfg: GRPOLossConfig,
+    inputs: LossInputs | None = None,
     *,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    loss_mask: Tensor,
-    cu_seqlens: Tensor,
-    ref_logprobs: Tensor | None = None,
-    rollout_logprobs: Tensor | None = None,
-    denominator: float | Tensor | None = None,
-    cp_group: dist.ProcessGroup | None = None,
     row_checks: Sequence[checks.RowCheck] = (),
+    **overrides: object,
 ) -> LossContext:
-    """Validate the policy-independent inputs (``[T]``; ``cu_seqlens`` ``[S+1]``) and build
-    the :class:`LossContext` of their valid rows. See the module docstring.
+    """Validate the policy-independent inputs (:class:`LossInputs`: ``[T]``; ``cu_seqlens``
+    ``[S+1]``; or its fields by keyword, ``overrides``) and build the :class:`LossContext` of
+    their valid rows. See the module docstring.
     ``old_logprobs=None``: on-policy, ``objective`` takes the current log-probs, detached (the
     module docstring's ON-POLICY).
 
@@ -328,20 +324,21 @@ def build_context(
     the caller's checks of its own inputs, ``check(valid) -> checks.DeviceCheck`` of the final
     valid-row mask ``[T]``, fetched in the same copy.
     """
+    inp = LossInputs.of(inputs, **overrides)
     checks.check_config(cfg)
-    named = {"old_logprobs": old_logprobs, "advantages": advantages}
-    named |= {"ref_logprobs": ref_logprobs, "rollout_logprobs": rollout_logprobs}
+    named = {"old_logprobs": inp.old_logprobs, "advantages": inp.advantages}
+    named |= {"ref_logprobs": inp.ref_logprobs, "rollout_logprobs": inp.rollout_logprobs}
     named = {k: v for k, v in named.items() if v is not None}
-    found = _input_checks(cfg, loss_mask, cu_seqlens, named, denominator)
-    valid, metrics, nonfinite = _valid_rows(cfg, loss_mask, named)
+    found = _input_checks(cfg, inp.loss_mask, inp.cu_seqlens, named, inp.denominator)
+    valid, metrics, nonfinite = _valid_rows(cfg, inp.loss_mask, named)
     found += nonfinite + [check(valid) for check in row_checks]
     (n,) = checks.fetch(found, valid.sum())
     index = true_positions(valid, n)
     sel = {k: v.index_select(0, index).float() for k, v in named.items()}
-    num_seqs = cu_seqlens.numel() - 1
-    cu = host_to_device(cu_seqlens, index.device)
-    seg = segment_ids(cu, loss_mask.numel()).index_select(0, index)
-    seq_len = segment_sum(torch.ones_like(sel["advantages"]), seg, num_seqs, cp_group)
+    num_seqs = inp.cu_seqlens.numel() - 1
+    cu = host_to_device(inp.cu_seqlens, index.device)
+    seg = segment_ids(cu, inp.loss_mask.numel()).index_select(0, index)
+    seq_len = segment_sum(torch.ones_like(sel["advantages"]), seg, num_seqs, inp.cp_group)
     inv_len = 1.0 / seq_len.clamp(min=1.0)[seg]
     ctx = LossContext(
         index=index,
@@ -349,13 +346,13 @@ def build_context(
         num_seqs=num_seqs,
         old=sel.get("old_logprobs"),
         adv=sel["advantages"],
-        coef=agg_coefficients(cfg, inv_len, seq_len, denominator, cp_group),
+        coef=agg_coefficients(cfg, inv_len, seq_len, inp.denominator, inp.cp_group),
         inv_len=inv_len,
         ref=sel.get("ref_logprobs"),
-        cp_group=cp_group,
+        cp_group=inp.cp_group,
         metrics=metrics,
     )
-    if rollout_logprobs is not None:
+    if inp.rollout_logprobs is not None:
         if ctx.old is None:  # on-policy: old is known in objective()
             ctx.rollout = sel["rollout_logprobs"]
         else:

@@ -3,9 +3,9 @@ the GRPO ``forward_step`` for Megatron's pipeline schedules.
 
 Typical use (see docs/megatron_usage.md)::
 
-    initialize_parallel(parallel_cfg, seed=1234)
+    layout = initialize_parallel(parallel_cfg, seed=1234)
     chunks = build_model(model_cfg, parallel_cfg)
-    step = GRPOStep(loss_cfg, vocab_size=model_cfg.vocab_size)
+    step = GRPOStep(loss_cfg, vocab_size=model_cfg.vocab_size, layout=layout)
     get_forward_backward_func()(forward_step_func=step.forward_step, ...)
 
 Your own GPTModel: ``decoder_block_spec(config, use_te=False)`` (or ``portable_layer_spec`` per
@@ -25,15 +25,16 @@ from megatron_grpo.megatron.config import (
     check_parallel,
     to_transformer_config,
 )
-from megatron_grpo.megatron.forward import (
-    GRPOStep,
+from megatron_grpo.megatron.forward import GRPOStep, get_forward_backward_func
+from megatron_grpo.megatron.gpt import (
     check_training_config,
-    get_forward_backward_func,
     hidden_states_only,
     output_weight,
+    unwrap,
 )
 from megatron_grpo.megatron.layer_spec import decoder_block_spec, portable_layer_spec
-from megatron_grpo.megatron.model import build_model, padded_vocab_size, unwrap
+from megatron_grpo.megatron.layout import ParallelLayout
+from megatron_grpo.megatron.model import build_model, padded_vocab_size
 from megatron_grpo.megatron.parallel import (
     cuda_compat,
     destroy_parallel,
@@ -46,6 +47,7 @@ __all__ = [
     "ModelConfig",
     "PackedBatch",
     "ParallelConfig",
+    "ParallelLayout",
     "build_model",
     "check_parallel",
     "check_training_config",

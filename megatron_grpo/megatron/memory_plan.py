@@ -19,6 +19,7 @@ import torch
 
 from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.megatron.config import ModelConfig, ParallelConfig
+from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.megatron.model import padded_vocab_size
 from megatron_grpo.ops.plan import REQUESTS, HeadShape, LMHeadPlan, plan_lm_head
 from megatron_grpo.ops.reference import STATS_BLOCK
@@ -173,7 +174,7 @@ def layer_activation_bytes(
 ) -> float:
     """Saved-for-backward bytes of one layer for ``tokens`` tokens on this CP rank."""
     tp = par.tensor_model_parallel_size
-    sp = tp if par.sequence_parallel else 1
+    sp = ParallelLayout.of_config(par).token_multiple  # SP splits these activations over TP
     h, d = cfg.hidden_size, cfg.head_dim
     nq, nkv = cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads
     # Attention: norm input, QKV input | q, k, v, attention output (= projection input).
@@ -213,7 +214,7 @@ def stage_activation_bytes(
     full = [
         layer_activation_bytes(cfg, par, is_moe_layer(cfg, i), tokens, act_bytes) for i in layers
     ]
-    sp = par.tensor_model_parallel_size if par.sequence_parallel else 1
+    sp = ParallelLayout.of_config(par).token_multiple
     layer_input = tokens / sp * cfg.hidden_size * act_bytes
     flight = in_flight_micro_batches(par, stage)
     if cfg.recompute_granularity != "full" or not full:

@@ -31,6 +31,7 @@ from megatron_grpo.megatron.config import (
     check_parallel,
     to_transformer_config,
 )
+from megatron_grpo.megatron.gpt import unwrap  # noqa: F401 (model.unwrap: a public name)
 from megatron_grpo.megatron.layer_spec import HAVE_TE, decoder_block_spec
 from megatron_grpo.megatron.parallel import cuda_compat
 from megatron_grpo.megatron.routing_replay import route_hooks
@@ -163,12 +164,3 @@ def _wire_grad_finalization(config: TransformerConfig, parallel_cfg: ParallelCon
     """Let the schedules call ``finalize_model_grads`` (DP/SP/embedding all-reduces and the
     division by the global token count of ``calculate_per_token_loss``), as Megatron-LM does."""
     config.finalize_model_grads_func = finalize_model_grads
-
-
-def unwrap(module: torch.nn.Module) -> GPTModel:
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while not isinstance(module, GPTModel):
-        if not hasattr(module, "module"):
-            raise TypeError(f"no GPTModel inside {type(module).__name__}")
-        module = module.module
-    return module

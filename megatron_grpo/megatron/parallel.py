@@ -3,7 +3,7 @@
 megatron-core's ``model_parallel_cuda_manual_seed`` and its RNG tracker read and write CUDA
 generator states, so on a CPU-only machine every ``get_cuda_rng_tracker().fork()`` (dropout in
 tensor-parallel regions, GPU-style initialization, sequence-parallel blocks) would fail. On CPU
-we install :class:`CpuRNGStatesTracker`, the same tracker over CPU generator states, seeded
+we install :class:`~megatron_grpo.megatron.compat.CpuRNGStatesTracker`, the same tracker over CPU generator states, seeded
 exactly like Megatron's (data-parallel seed, TP seed ``seed + 2718 + tp_rank``, expert seed
 ``seed + 1024 + 100 * ep_rank + etp_rank``). Activation recomputation also saves CUDA RNG state
 and is therefore GPU-only.
@@ -29,35 +29,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.tensor_parallel import random as mcore_random
 from torch.overrides import TorchFunctionMode
 
+from megatron_grpo.megatron.compat import install_cpu_rng_tracker, reset_rng_tracker
 from megatron_grpo.megatron.config import ParallelConfig
-
-
-class CpuRNGStatesTracker(mcore_random.CudaRNGStatesTracker):
-    """Megatron's named RNG-state tracker over the CPU generator (for CPU-only runs)."""
-
-    def add(self, name: str, seed: int) -> None:
-        if seed in self.seeds_:
-            raise ValueError(f"seed {seed} already exists")
-        if name in self.states_:
-            raise ValueError(f"rng state {name} already exists")
-        self._is_initialized = True
-        self.seeds_.add(seed)
-        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
-
-    @contextlib.contextmanager
-    def fork(self, name: str = mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
-        if name not in self.states_:
-            raise KeyError(f"rng state {name} is not added")
-        outer = torch.get_rng_state()
-        torch.set_rng_state(self.states_[name])
-        try:
-            yield
-        finally:
-            self.states_[name] = torch.get_rng_state()
-            torch.set_rng_state(outer)
+from megatron_grpo.megatron.layout import ParallelLayout
 
 
 def comm_device() -> torch.device:
@@ -205,23 +181,19 @@ def seed_everything(seed: int) -> None:
     if torch.cuda.is_available():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         return
-    tracker = CpuRNGStatesTracker()
-    mcore_random._CUDA_RNG_STATE_TRACKER = tracker
-    mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    ep_rank = parallel_state.get_expert_model_parallel_rank()
-    etp_rank = parallel_state.get_expert_tensor_parallel_rank()
-    tracker.add(mcore_random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
-    tracker.add(mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
-    tracker.add(
-        mcore_random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank
+    install_cpu_rng_tracker(
+        seed,
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        etp_rank=parallel_state.get_expert_tensor_parallel_rank(),
     )
 
 
 def initialize_parallel(
     parallel_cfg: ParallelConfig, seed: int, *, timeout_minutes: int = 30
-) -> None:
-    """Initialize torch.distributed (if needed), Megatron's parallel_state, and the RNGs.
+) -> ParallelLayout:
+    """Initialize torch.distributed (if needed), Megatron's parallel_state, and the RNGs;
+    returns this rank's :class:`ParallelLayout` (computed once here, passed on from here).
 
     Uses the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) when torch.distributed is
     not initialized yet; a plain ``python`` run becomes a world of one. Backend: nccl on GPU,
@@ -264,10 +236,10 @@ def initialize_parallel(
             expert_tensor_parallel_size=parallel_cfg.expert_tensor_parallel_size,
         )
     seed_everything(seed)
+    return ParallelLayout.current(parallel_cfg.sequence_parallel)
 
 
 def destroy_parallel() -> None:
     """Tear down Megatron's parallel_state (torch.distributed itself stays initialized)."""
     parallel_state.destroy_model_parallel()
-    mcore_random._CUDA_RNG_STATE_TRACKER = None
-    mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+    reset_rng_tracker()

@@ -45,6 +45,7 @@ from megatron.core import parallel_state
 from torch import Tensor
 
 from megatron_grpo.loss.segments import host_to_device
+from megatron_grpo.megatron.gpt import unwrap
 from megatron_grpo.megatron.layer_spec import moe_layer_pattern
 
 TopK = Callable[..., tuple[Tensor, Tensor]]
@@ -140,8 +141,6 @@ def _chunks(model) -> list[torch.nn.Module]:
 
 
 def _gpt(chunk: torch.nn.Module) -> torch.nn.Module:
-    from megatron_grpo.megatron.model import unwrap
-
     return unwrap(chunk)
 
 

@@ -77,7 +77,6 @@ either ratio.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -85,12 +84,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_grpo.loss import GRPOLossConfig, grpo_loss
+from megatron_grpo.loss import GRPOLossConfig, LossInputs, grpo_loss
 from megatron_grpo.loss.math import LossContext, build_context, raise_on_nonfinite
 from megatron_grpo.loss.metrics import MetricDict, merge_metrics
 from megatron_grpo.ops.comm import TPInfo
 from megatron_grpo.ops.lm_head import LMHead, build_lm_head, targets_check
 from megatron_grpo.ops.logprobs import logprobs_plan, vocab_parallel_logprobs
+from megatron_grpo.ops.options import LMHeadOptions
 from megatron_grpo.ops.passes import (
     backward_grads,
     forward_stats,
@@ -221,96 +221,103 @@ def fused_grpo_loss(
     weight: Tensor,
     targets: Tensor,
     cfg: GRPOLossConfig,
+    inputs: LossInputs | None = None,
     *,
-    old_logprobs: Tensor | None,
-    advantages: Tensor,
-    loss_mask: Tensor,
-    cu_seqlens: Tensor,
-    ref_logprobs: Tensor | None = None,
-    rollout_logprobs: Tensor | None = None,
-    denominator: float | Tensor | None = None,
-    cp_group: dist.ProcessGroup | None = None,
+    options: LMHeadOptions | None = None,
     tp_group: dist.ProcessGroup | None = None,
     sequence_parallel: bool = False,
-    temperature: float = 1.0,
-    vocab_size: int | None = None,
-    chunk_size: int | None = None,
-    impl: str = "auto",
     return_entropy: bool = False,
-    path: str | None = None,
-    memory_budget: int | None = None,
-    gemm: str = "auto",
+    **overrides: object,
 ) -> tuple[Tensor, MetricDict, Tensor] | tuple[Tensor, MetricDict, Tensor, Tensor]:
     """``grpo_loss`` of the log-probs of ``hidden @ weight^T / temperature``: same loss,
     gradients and metrics as ``vocab_parallel_logprobs`` + ``grpo_loss``, with the loss and its
     log-prob gradients computed inside the op (see the module docstring).
 
-    hidden / weight / targets / TP arguments: as :func:`vocab_parallel_logprobs`; the loss
-    arguments (all [T], ``cu_seqlens`` [S+1]): as :func:`megatron_grpo.loss.grpo_loss`
-    (``old_logprobs=None``: on-policy, the current log-probs detached).
-    Entropy is computed only when ``cfg.entropy_coef != 0`` or ``return_entropy``.
-    ``chunk_size``: rows per logits tile on either fused path (None = automatic).
-    ``path``: None / "fused" = the plan's choice (:mod:`megatron_grpo.ops.plan`; "fused_tiled"
-    for a sequence ratio), or "fused_tiled", "fused_single_pass" (token ratio only), "op"
-    (log-probs, then ``grpo_loss``).
-    ``memory_budget``: bytes, trading memory for speed (``ops.plan``; None = 1 GiB). On the
-    single pass an fp32 ``weight.main_grad`` receives d_weight during the forward (module doc);
-    :func:`fused_grpo_loss_plan` returns the plan a call runs. ``gemm``: how the logits GEMM
-    meets the softmax work (``ops.plan``; auto = its fused epilogue with the triton kernels).
+    hidden / weight / targets / ``tp_group`` / ``sequence_parallel``: as
+    :func:`vocab_parallel_logprobs`; ``inputs``: the loss inputs (:class:`LossInputs`, all
+    [T], ``cu_seqlens`` [S+1]; as :func:`megatron_grpo.loss.grpo_loss`; ``old_logprobs=None``:
+    on-policy, the current log-probs detached). ``options``: :class:`LMHeadOptions`; its
+    ``path``: None / "fused" = the plan's choice (:mod:`megatron_grpo.ops.plan`;
+    "fused_tiled" for a sequence ratio), or "fused_tiled", "fused_single_pass" (token ratio
+    only), "op" (log-probs, then ``grpo_loss``); ``chunk_size``: rows per logits tile on either
+    fused path; ``memory_budget``: bytes, trading memory for speed (None = 1 GiB); ``gemm``:
+    how the logits GEMM meets the softmax work (auto = its fused epilogue with the triton
+    kernels). ``overrides``: fields of either by keyword, replacing those of ``inputs`` /
+    ``options``. Entropy is computed only when ``cfg.entropy_coef != 0`` or
+    ``return_entropy``. On the single pass an fp32 ``weight.main_grad`` receives d_weight
+    during the forward (module doc); :func:`fused_grpo_loss_plan` returns the plan a call runs.
 
     Returns:
         ``(loss, metrics, logprobs[, entropy])``: the float32 scalar loss (differentiable
         w.r.t. hidden and weight), the loss metrics, and detached float32 [T] log-probs (and
         entropy) of the loss's rows (0 elsewhere), identical on every TP rank.
     """
-    if not isinstance(cfg, GRPOLossConfig):
-        raise TypeError(f"cfg must be a GRPOLossConfig, got {type(cfg).__name__}")
+    args = _Args.of(cfg, inputs, options, tp_group, sequence_parallel, overrides)
     need_ent = return_entropy or cfg.entropy_coef != 0
-    loss_args = dict(
-        old_logprobs=old_logprobs, advantages=advantages, loss_mask=loss_mask,
-        cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
-        denominator=denominator, cp_group=cp_group,
-    )  # fmt: skip
-    op_args = dict(
-        tp_group=tp_group, sequence_parallel=sequence_parallel, temperature=temperature,
-        vocab_size=vocab_size, chunk_size=chunk_size, impl=impl, memory_budget=memory_budget,
-        gemm=gemm,
-    )  # fmt: skip
-    if _request(path, cfg) == "op":
-        return _op_path(hidden, weight, targets, cfg, need_ent, return_entropy, loss_args, op_args)
-    head, lctx = _fused_setup(hidden, weight, targets, cfg, loss_args, op_args, path)
-    call = _LossCall(cfg, need_ent, *_wants(hidden, weight))
+    if _request(args) == "op":
+        return _op_path(hidden, weight, targets, args, need_ent, return_entropy)
+    head, lctx = _fused_setup(hidden, weight, targets, args)
+    run = _LossCall(cfg, need_ent, *_wants(hidden, weight))
     fn = _SinglePassTokenGRPO if head.plan.path == "fused_single_pass" else _TiledTokenGRPO
-    loss, logp, ent, metrics = fn.apply(hidden, weight, targets, head, lctx, call)
+    loss, logp, ent, metrics = fn.apply(hidden, weight, targets, head, lctx, run)
     return (loss, metrics, logp, ent) if return_entropy else (loss, metrics, logp)
 
 
 def fused_grpo_loss_plan(
-    hidden: Tensor, weight: Tensor, targets: Tensor, cfg: GRPOLossConfig, **kwargs
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    cfg: GRPOLossConfig,
+    inputs: LossInputs | None = None,
+    *,
+    options: LMHeadOptions | None = None,
+    tp_group: dist.ProcessGroup | None = None,
+    sequence_parallel: bool = False,
+    **overrides: object,
 ) -> LMHeadPlan:
-    """The plan :func:`fused_grpo_loss` runs with the same arguments (``kwargs``: its keyword
-    arguments, checked against its signature). Path "op" is the plan of its log-prob op."""
-    bound = inspect.signature(fused_grpo_loss).bind(hidden, weight, targets, cfg, **kwargs)
-    bound.apply_defaults()
-    args = bound.arguments
-    loss_args = {k: args[k] for k in _LOSS_ARGS}
-    op_args = {k: args[k] for k in _OP_ARGS}
-    if _request(args["path"], cfg) == "fused":
-        return _fused_setup(hidden, weight, targets, cfg, loss_args, op_args, args["path"])[0].plan
-    plan = logprobs_plan(hidden, weight, targets, rows=loss_args["loss_mask"].bool(), **op_args)
-    return replace(plan, reason=resolve_request(args["path"], cfg)[1])
+    """The plan :func:`fused_grpo_loss` runs with the same arguments. Path "op" is the plan of
+    its log-prob op."""
+    args = _Args.of(cfg, inputs, options, tp_group, sequence_parallel, overrides)
+    if _request(args) == "fused":
+        return _fused_setup(hidden, weight, targets, args)[0].plan
+    plan = logprobs_plan(hidden, weight, targets, args.options, rows=args.inputs.loss_mask.bool(),
+                         tp_group=tp_group, sequence_parallel=sequence_parallel)  # fmt: skip
+    return replace(plan, reason=resolve_request(args.options.path, cfg)[1])
 
 
-_LOSS_ARGS = ("old_logprobs", "advantages", "loss_mask", "cu_seqlens", "ref_logprobs",
-              "rollout_logprobs", "denominator", "cp_group")  # fmt: skip
-_OP_ARGS = ("tp_group", "sequence_parallel", "temperature", "vocab_size", "chunk_size", "impl",
-            "memory_budget", "gemm")  # fmt: skip
+@dataclass(frozen=True)
+class _Args:
+    """One call's loss config, loss inputs, LM-head options and TP placement."""
+
+    cfg: GRPOLossConfig
+    inputs: LossInputs
+    options: LMHeadOptions
+    tp_group: dist.ProcessGroup | None
+    sequence_parallel: bool
+
+    @staticmethod
+    def of(
+        cfg: GRPOLossConfig,
+        inputs: LossInputs | None,
+        options: LMHeadOptions | None,
+        tp_group: dist.ProcessGroup | None,
+        sequence_parallel: bool,
+        overrides: dict[str, object],
+    ) -> _Args:
+        """The call of the public arguments: keyword ``overrides`` go to the options when they
+        name an option, else to the inputs (an unknown name raises TypeError there)."""
+        if not isinstance(cfg, GRPOLossConfig):
+            raise TypeError(f"cfg must be a GRPOLossConfig, got {type(cfg).__name__}")
+        names = LMHeadOptions.field_names()
+        opts = LMHeadOptions.of(options, **{k: v for k, v in overrides.items() if k in names})
+        rest = {k: v for k, v in overrides.items() if k not in names}
+        return _Args(cfg, LossInputs.of(inputs, **rest), opts, tp_group, sequence_parallel)
 
 
-def _request(path: str | None, cfg: GRPOLossConfig) -> str:
-    """The request ``path`` means here: "op", or "fused" (either fused path, the plan's to pick);
-    "megatron" is GRPOStep's alone."""
-    request = resolve_request(path, cfg)[0]
+def _request(args: _Args) -> str:
+    """The request the call's path means here: "op", or "fused" (either fused path, the plan's
+    to pick); "megatron" is GRPOStep's alone."""
+    request = resolve_request(args.options.path, args.cfg)[0]
     if request == "megatron":
         raise ValueError("path 'megatron' runs Megatron's output layer: use GRPOStep")
     return "op" if request == "op" else "fused"
@@ -322,35 +329,40 @@ def _wants(hidden: Tensor, weight: Tensor) -> tuple[bool, bool]:
     return grad_on and hidden.requires_grad, grad_on and weight.requires_grad
 
 
-def _fused_setup(hidden, weight, targets, cfg, loss_args: dict, op_args: dict, path):
-    """(the head bound to its plan, the loss context) of a fused call."""
-    head_args = {k: op_args[k] for k in ("sequence_parallel", "temperature", "vocab_size")}
-    tp = TPInfo.of(op_args["tp_group"])
-    head = build_lm_head(hidden, weight, targets, tp=tp, **head_args)
+def _fused_setup(
+    hidden: Tensor, weight: Tensor, targets: Tensor, args: _Args
+) -> tuple[LMHead, LossContext]:
+    """(the head bound to its plan, the loss context) of a fused args."""
+    tp = TPInfo.of(args.tp_group)
+    head = build_lm_head(
+        hidden, weight, targets, args.options, tp=tp, sequence_parallel=args.sequence_parallel
+    )
     # the target check joins the context's checks: one host sync for all of them
     check = partial(targets_check, targets, vocab_size=head.vocab_size)
-    lctx = build_context(cfg, **loss_args, row_checks=[check])
+    lctx = build_context(args.cfg, args.inputs, row_checks=[check])
     want_dh, want_dw = _wants(hidden, weight)
-    shape = HeadShape.of(weight, rows=lctx.num_rows, n_valid=head.n_valid, want_dh=want_dh,
-                         want_dw=want_dw)  # fmt: skip
-    plan = plan_lm_head(shape, path=path, loss=cfg, impl=op_args["impl"],
-                        chunk_size=op_args["chunk_size"],
-                        memory_budget=op_args["memory_budget"], gemm=op_args["gemm"])  # fmt: skip
-    return head.with_plan(plan), lctx
+    shape = HeadShape.of(
+        weight, rows=lctx.num_rows, n_valid=head.n_valid, want_dh=want_dh, want_dw=want_dw
+    )
+    return head.with_plan(plan_lm_head(shape, args.options, loss=args.cfg)), lctx
 
 
-def _op_path(hidden, weight, targets, cfg, need_ent, return_entropy, loss_args, op_args):
+def _op_path(
+    hidden: Tensor, weight: Tensor, targets: Tensor, args: _Args, need_ent: bool, ret_ent: bool
+):
     """Path "op": log-probs first (op with recompute), then the loss, then autograd."""
     out = vocab_parallel_logprobs(
         hidden,
         weight,
         targets,
-        rows=loss_args["loss_mask"].bool(),
+        args.options,
+        tp_group=args.tp_group,
+        sequence_parallel=args.sequence_parallel,
+        rows=args.inputs.loss_mask.bool(),
         return_entropy=need_ent,
-        **op_args,
     )
     logp, ent = out if need_ent else (out, None)
-    loss, metrics = grpo_loss(cfg, logprobs=logp, entropy=ent, **loss_args)
-    if return_entropy:
+    loss, metrics = grpo_loss(args.cfg, args.inputs, logprobs=logp, entropy=ent)
+    if ret_ent:
         return loss, metrics, logp.detach(), ent.detach()
     return loss, metrics, logp.detach()

@@ -10,7 +10,6 @@ a shard of ``Vc`` valid columns. How a call runs (tiles, kernels, paths) is its
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -22,6 +21,7 @@ from megatron_grpo.loss.math import true_positions
 from megatron_grpo.ops.comm import TPInfo
 from megatron_grpo.ops.dispatch import Kernels, kernels_named
 from megatron_grpo.ops.gemm import mm_f32
+from megatron_grpo.ops.options import LMHeadOptions
 from megatron_grpo.ops.reference import STATS_BLOCK
 from megatron_grpo.ops.stats import OVER_TILES, RowGrads, RowStats, merge_row_stats
 from megatron_grpo.ops.tiling import narrow_alias, tile_view
@@ -136,19 +136,16 @@ def build_lm_head(
     hidden: Tensor,
     weight: Tensor,
     targets: Tensor,
+    options: LMHeadOptions,
     *,
     tp: TPInfo,
     sequence_parallel: bool,
-    temperature: float,
-    vocab_size: int | None,
 ) -> LMHead:
-    """Validates the op's inputs (errors name the argument) and describes this rank's shard
-    (without a plan: :meth:`LMHead.with_plan`)."""
+    """Validates the op's inputs against each other (errors name the argument; ``options``
+    validated themselves) and describes this rank's shard (without a plan:
+    :meth:`LMHead.with_plan`)."""
     _check_shapes(hidden, weight, targets, tp, sequence_parallel)
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+    vocab_size = options.vocab_size
     v_local = weight.shape[0]
     padded = v_local * tp.size
     if vocab_size is None:
@@ -166,7 +163,7 @@ def build_lm_head(
         vocab_size=vocab_size,
         vocab_start=start,
         n_valid=min(max(vocab_size - start, 0), v_local),
-        inv_temperature=1.0 / float(temperature),
+        inv_temperature=1.0 / float(options.temperature),
     )
 
 

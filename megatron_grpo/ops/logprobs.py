@@ -12,12 +12,15 @@ call's :class:`~megatron_grpo.ops.plan.LMHeadPlan` (path "op"; :func:`logprobs_p
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from megatron_grpo.ops.comm import TPInfo
 from megatron_grpo.ops.lm_head import LMHead, build_lm_head, select_rows
+from megatron_grpo.ops.options import LMHeadOptions
 from megatron_grpo.ops.passes import (
     backward_grads,
     forward_stats,
@@ -70,17 +73,13 @@ def vocab_parallel_logprobs(
     hidden: Tensor,
     weight: Tensor,
     targets: Tensor,
+    options: LMHeadOptions | None = None,
     *,
     tp_group: dist.ProcessGroup | None = None,
     sequence_parallel: bool = False,
-    temperature: float = 1.0,
-    vocab_size: int | None = None,
-    return_entropy: bool = False,
-    chunk_size: int | None = None,
-    impl: str = "auto",
     rows: Tensor | None = None,
-    memory_budget: int | None = None,
-    gemm: str = "auto",
+    return_entropy: bool = False,
+    **overrides: object,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probs ``log softmax(h W^T / temperature)[target]`` over a TP-sharded vocabulary.
 
@@ -89,29 +88,26 @@ def vocab_parallel_logprobs(
         weight: [V_local, H], this rank's rows ``[rank * V_local, (rank + 1) * V_local)`` of the
             padded vocabulary.
         targets: [T] global token ids (identical on all TP ranks).
+        options: how the op runs (:class:`~megatron_grpo.ops.options.LMHeadOptions`:
+            ``temperature`` divides the logits; ``vocab_size``, the real vocabulary, default
+            V_local * TP: padded rows ``>= vocab_size`` never contribute; ``chunk_size``: rows
+            per fp32 logits tile, None = automatic; ``impl``: "torch", "triton" or "auto"
+            (triton on CUDA when it imports); ``memory_budget``: bytes of the LM head's working
+            set, None = 1 GiB, see :mod:`ops.plan`; ``gemm``: "auto", "fused_epilogue" or
+            "separate"; its ``path`` is ignored: the op is path "op"). Its fields may also be
+            given by keyword (``overrides``), replacing those of ``options``.
         tp_group: the tensor-parallel group; None means no TP (never the default group).
         sequence_parallel: all-gather hidden over TP in forward, reduce-scatter d_hidden in
             backward; otherwise d_hidden is all-reduced over TP.
-        temperature: logits are divided by it.
-        vocab_size: real vocabulary size; padded rows ``>= vocab_size`` never contribute.
-            Default: V_local * TP.
-        return_entropy: also return the full-distribution entropy (differentiable).
-        chunk_size: rows per tile of the fp32 logits (the vocab is tiled so that a tile stays
-            within the memory budget's tile); None = automatic.
-        impl: "torch", "triton" or "auto" (triton on CUDA when it imports).
         rows: optional bool [T]: only these rows go through the LM head; other positions
             return 0 with no gradient and may hold any target (e.g. -100).
-        memory_budget: bytes of the LM head's working set, trading memory for speed (larger
-            tiles); None = ``ops.plan.DEFAULT_MEMORY_BUDGET`` (1 GiB). See :mod:`ops.plan`.
-        gemm: "auto", "fused_epilogue" (the logits GEMM with the softmax work as its epilogue:
-            no fp32 logits in memory) or "separate" (cuBLAS GEMM, then the kernels). See
-            :mod:`ops.plan`; auto = "fused_epilogue" with the triton kernels.
+        return_entropy: also return the full-distribution entropy (differentiable).
     Returns:
         logp float32 [T] (and entropy float32 [T]), identical on every TP rank. The weight
         gradient goes to ``weight.main_grad`` when it exists, else to ``weight.grad``.
     """
-    head, idx = _prepare(hidden, weight, targets, rows, tp_group, sequence_parallel, temperature,
-                         vocab_size, chunk_size, impl, memory_budget, gemm)  # fmt: skip
+    opts = LMHeadOptions.of(options, **overrides)
+    head, idx = _prepare(hidden, weight, targets, opts, rows, tp_group, sequence_parallel)
     return _VocabParallelLogprobs.apply(hidden, weight, targets, idx, head, return_entropy)
 
 
@@ -119,36 +115,40 @@ def logprobs_plan(
     hidden: Tensor,
     weight: Tensor,
     targets: Tensor,
+    options: LMHeadOptions | None = None,
     *,
     tp_group: dist.ProcessGroup | None = None,
     sequence_parallel: bool = False,
-    temperature: float = 1.0,
-    vocab_size: int | None = None,
-    chunk_size: int | None = None,
-    impl: str = "auto",
     rows: Tensor | None = None,
-    memory_budget: int | None = None,
-    gemm: str = "auto",
+    **overrides: object,
 ) -> LMHeadPlan:
     """The plan :func:`vocab_parallel_logprobs` runs with these arguments (validated alike)."""
-    return _prepare(hidden, weight, targets, rows, tp_group, sequence_parallel, temperature,
-                    vocab_size, chunk_size, impl, memory_budget, gemm)[0].plan  # fmt: skip
+    opts = LMHeadOptions.of(options, **overrides)
+    return _prepare(hidden, weight, targets, opts, rows, tp_group, sequence_parallel)[0].plan
 
 
 def _prepare(
-    hidden, weight, targets, rows, tp_group, sequence_parallel, temperature, vocab_size,
-    chunk_size, impl, memory_budget, gemm,
-) -> tuple[LMHead, Tensor | None]:  # fmt: skip
-    """The validated head bound to its plan, and the active rows' indices (None = all)."""
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    options: LMHeadOptions,
+    rows: Tensor | None,
+    tp_group: dist.ProcessGroup | None,
+    sequence_parallel: bool,
+) -> tuple[LMHead, Tensor | None]:
+    """The validated head bound to its plan, and the active rows' indices (None = all). The
+    op runs path "op" whatever ``options.path`` requests (that is a loss call's request)."""
     tp = TPInfo.of(tp_group)
-    head = build_lm_head(hidden, weight, targets, tp=tp, sequence_parallel=sequence_parallel,
-                         temperature=temperature, vocab_size=vocab_size)  # fmt: skip
+    head = build_lm_head(
+        hidden, weight, targets, options, tp=tp, sequence_parallel=sequence_parallel
+    )
     idx = select_rows(rows, targets, head.vocab_size)
     grad_on = torch.is_grad_enabled()
     shape = HeadShape.of(
-        weight, rows=targets.shape[0] if idx is None else idx.numel(), n_valid=head.n_valid,
-        want_dh=grad_on and hidden.requires_grad, want_dw=grad_on and weight.requires_grad,
-    )  # fmt: skip
-    plan = plan_lm_head(shape, path="op", impl=impl, chunk_size=chunk_size,
-                        memory_budget=memory_budget, gemm=gemm)  # fmt: skip
-    return head.with_plan(plan), idx
+        weight,
+        rows=targets.shape[0] if idx is None else idx.numel(),
+        n_valid=head.n_valid,
+        want_dh=grad_on and hidden.requires_grad,
+        want_dw=grad_on and weight.requires_grad,
+    )
+    return head.with_plan(plan_lm_head(shape, replace(options, path="op"))), idx

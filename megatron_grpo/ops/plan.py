@@ -66,19 +66,22 @@ from torch import Tensor
 
 from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.ops.dispatch import resolve_impl
+from megatron_grpo.ops.options import (  # noqa: F401 (the plan's public names too)
+    DEFAULT_MEMORY_BUDGET,
+    GEMMS,
+    PATHS,
+    REQUESTS,
+    TILE_FRACTION,
+    LMHeadOptions,
+)
 from megatron_grpo.ops.reference import STATS_BLOCK
-from megatron_grpo.ops.tiling import ROW_ALIGN, TILE_BYTES, Tiling, round_down
+from megatron_grpo.ops.tiling import ROW_ALIGN, Tiling, round_down
 from megatron_grpo.ops.weight_grad import main_grad_of
 
-PATHS = ("op", "fused_tiled", "fused_single_pass", "megatron")
-GEMMS = ("separate", "fused_epilogue")
-REQUESTS = ("fused", *PATHS)
 WEIGHT_GRADS = ("none", "accumulate_fp32", "write_tiles", "add_tiles")
 LOOP_ORDERS = ("rows_outer", "vocab_outer")
 ACCUMULATORS = ("in_place", "split", "fp32")
 
-TILE_FRACTION = 4  # one fp32 logits tile = memory_budget / TILE_FRACTION
-DEFAULT_MEMORY_BUDGET = TILE_FRACTION * TILE_BYTES  # 1 GiB
 # Smallest full-width chunk worth the single pass (auto), per GEMM mode (ops/fused_grpo.py).
 SINGLE_PASS_MIN_ROWS = {"separate": 4096, "fused_epilogue": 1024}
 # ... and with the split accumulator, whose pair is read + written once per chunk (measured on
@@ -87,7 +90,6 @@ SINGLE_PASS_MIN_ROWS = {"separate": 4096, "fused_epilogue": 1024}
 # (4 GiB) 1.23x / 1.21x).
 SPLIT_MIN_ROWS = 4096
 ACCUMULATOR_TILES = 1  # with the "separate" GEMM: the accumulator's extra bytes, in tiles
-_MIN_BUDGET = TILE_FRACTION * 4  # a tile of one fp32 element
 _GIB, _MIB = 2**30, 2**20
 _SEQUENCE_REASON = (  # why a sequence ratio's automatic request runs "fused_tiled"
     "loss.ratio_level 'sequence' (GSPO): all rows' log-probs, the loss, then the recompute backward"
@@ -251,41 +253,41 @@ def resolve_request(path: str | None, loss: GRPOLossConfig | None) -> tuple[str,
 
 def plan_lm_head(
     shape: HeadShape,
+    options: LMHeadOptions | None = None,
     *,
-    path: str | None = None,
     loss: GRPOLossConfig | None = None,
-    impl: str = "auto",
-    chunk_size: int | None = None,
-    memory_budget: int | None = None,
     single_pass_min_rows: int | None = None,
-    gemm: str = "auto",
+    **overrides: object,
 ) -> LMHeadPlan:
     """The plan of one call (module docstring). Deterministic: equal arguments, equal plans.
 
     Args:
         shape: the call's rows, shard and gradient buffers (:meth:`HeadShape.of`).
-        path: None / "fused" (automatic), or one of :data:`PATHS`.
+        options: the path request (None / "fused": automatic, or one of :data:`PATHS`), kernel
+            impl, GEMM mode, chunk size and memory budget (:class:`LMHeadOptions`; its
+            temperature and vocab size do not change the plan).
         loss: the GRPO loss config (its ``ratio_level``), None for log-probs alone.
-        impl: "auto", "torch" or "triton" (kernel seam).
-        chunk_size: rows per logits tile / single-pass chunk; None = automatic.
-        memory_budget: bytes (see the module docstring); None = :data:`DEFAULT_MEMORY_BUDGET`.
         single_pass_min_rows: the automatic rule's row threshold; None =
             :data:`SINGLE_PASS_MIN_ROWS` of the GEMM mode.
-        gemm: "auto" or one of :data:`GEMMS` (module docstring).
+        overrides: :class:`LMHeadOptions` fields by keyword (``path=``, ``memory_budget=``...).
     """
-    budget = _check_options(chunk_size, memory_budget, single_pass_min_rows)
-    request, reason = resolve_request(path, loss)
+    opts = LMHeadOptions.of(options, **overrides)
+    min_rows = single_pass_min_rows
+    if min_rows is not None and (not _is_int(min_rows) or min_rows < 0):
+        raise ValueError(f"single_pass_min_rows must be an int >= 0, got {min_rows!r}")
+    budget = opts.budget
+    request, reason = resolve_request(opts.path, loss)
     weight_grad = weight_grad_mode(shape)
     if request == "megatron":
         return LMHeadPlan("megatron", reason, None, None, None, None, shape.rows, shape.n_valid,
                           None, None, None, budget, shape.dtype)  # fmt: skip
-    impl_name = resolve_impl(impl, shape.device_type)
-    gemm_name = resolve_gemm(gemm, impl_name)
+    impl_name = resolve_impl(opts.impl, shape.device_type)
+    gemm_name = resolve_gemm(opts.gemm, impl_name)
     tile_dtype = shape.dtype if gemm_name == "fused_epilogue" else torch.float32
+    chunk_size = opts.chunk_size
     tiling = Tiling.plan(shape.rows, shape.n_valid, chunk_size, budget // TILE_FRACTION, tile_dtype)
     chunk_rows = None
     if request != "op":
-        min_rows = single_pass_min_rows
         if min_rows is None:
             min_rows = SINGLE_PASS_MIN_ROWS[gemm_name]
             if accumulator_of(shape, weight_grad)[0] == "split":  # pays per chunk: big ones
@@ -303,25 +305,11 @@ def plan_lm_head(
 
 
 def resolve_gemm(gemm: str, impl: str) -> str:
-    """The GEMM mode ``gemm`` means with kernels ``impl`` (module docstring)."""
+    """The GEMM mode ``gemm`` (validated by :class:`LMHeadOptions`) means with kernels
+    ``impl`` (module docstring)."""
     if gemm == "auto":
         return "fused_epilogue" if impl == "triton" else "separate"
-    if gemm not in GEMMS:
-        raise ValueError(f"gemm must be 'auto' or one of {list(GEMMS)}, got {gemm!r}")
     return gemm
-
-
-def _check_options(chunk_size: int | None, memory_budget: int | None, min_rows: int | None) -> int:
-    """Validates the options; returns the memory budget in bytes."""
-    if chunk_size is not None and (not _is_int(chunk_size) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-    budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
-    if not _is_int(budget) or budget < _MIN_BUDGET:
-        raise ValueError(f"memory_budget must be an int >= {_MIN_BUDGET} bytes or None, "
-                         f"got {memory_budget!r}")  # fmt: skip
-    if min_rows is not None and (not _is_int(min_rows) or min_rows < 0):
-        raise ValueError(f"single_pass_min_rows must be an int >= 0, got {min_rows!r}")
-    return budget
 
 
 def _is_int(x: object) -> bool:

@@ -14,18 +14,12 @@ every rank pads its packed input to the group's longest.
 from __future__ import annotations
 
 import torch
-from megatron.core import parallel_state
 
+from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.rollout import model_io as io
 from megatron_grpo.rollout.params import SamplingParams
 from megatron_grpo.rollout.routes import RouteLog
 from megatron_grpo.rollout.sampling import sample
-
-
-def _pad_multiple(model: torch.nn.Module) -> int:
-    """The packed length must be a multiple of TP under sequence parallelism."""
-    sp = bool(model.config.sequence_parallel)
-    return parallel_state.get_tensor_model_parallel_world_size() if sp else 1
 
 
 @torch.no_grad()
@@ -43,20 +37,22 @@ def generate_recompute(
     active = list(range(len(prompts)))
     group, pad = io.expert_group(model), io.pads_expert_inputs(model)
     device, stops = io.model_device(model), params.stops
+    # the packed length's multiple under the model's current sequence_parallel
+    pad_to = ParallelLayout.current(model.config.sequence_parallel).token_multiple
     for step in range(params.max_new_tokens):
         # A finished rank of an expert-parallel group feeds a dummy token (logits unused).
         seqs = [list(prompts[i]) + responses[i] for i in active] if active else [[0]]
         num_tokens = None
         if group is not None:
             any_active, longest = io.group_max(
-                [int(bool(active)), io.packed_length(seqs, _pad_multiple(model))], group
+                [int(bool(active)), io.packed_length(seqs, pad_to)], group
             )
             if not any_active:
                 break
             num_tokens = longest if pad else None
         if not active and group is None:
             break
-        inputs = io.packed_inputs(seqs, _pad_multiple(model), num_tokens)
+        inputs = io.packed_inputs(seqs, pad_to, num_tokens)
         hidden = io.packed_last_hidden(model, *inputs)
         if routes is not None:  # step 0 feeds the prompts, later steps one new token each
             new = [0 if step == 0 else len(s) - 1 for s in seqs]

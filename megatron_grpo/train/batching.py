@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_grpo.megatron.batch import PackedBatch, pack_sequences, padded_layout
+from megatron_grpo.megatron.layout import sequence_multiple
 from megatron_grpo.megatron.parallel import comm_device
 from megatron_grpo.train.rollout_batch import RolloutBatch
 
@@ -111,7 +112,7 @@ def make_mini_batches(
         flat = [mb for mini in out for mb in mini]
         sizes = [_layout_tokens(mb, cp_size, pad_to_multiple_of) for mb in flat]
         targets = iter(_group_max(sizes, token_group))
-        step = 2 * cp_size * pad_to_multiple_of if cp_size > 1 else pad_to_multiple_of
+        step = sequence_multiple(cp_size, pad_to_multiple_of)
         out = [
             [pad_micro_batch(mb, next(targets) - _layout_tokens(mb, cp_size, pad_to_multiple_of), step)
              for mb in mini]

@@ -29,6 +29,7 @@ from megatron_grpo.convert.hf_config import check_same_architecture
 from megatron_grpo.convert.layout import MODEL_CONFIG_NAME, read_model_config
 from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.megatron.config import ModelConfig, ParallelConfig
+from megatron_grpo.ops.options import LMHeadRequest
 
 TaskName = Literal["reverse_digits", "math", "dataset"]
 # rollout.reward_fn names usable without a module (tasks/verifiers.py's VERIFIERS).
@@ -462,7 +463,7 @@ class TrainingConfig:
     advantage_estimator: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
     use_reference_model: bool = False
     max_consecutive_nonfinite_skips: int = 3
-    logprob_path: Literal["fused", "op", "megatron", "fused_tiled", "fused_single_pass"] = "fused"
+    logprob_path: LMHeadRequest = "fused"
     lm_head_memory_budget: int | None = None
     log_mismatch_without_replay: bool = False
     on_policy_shortcut: bool = True

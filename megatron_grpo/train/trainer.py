@@ -78,7 +78,7 @@ class Trainer:
         self.cfg = cfg
         self.stop = stop if stop is not None else StopRequest.from_config(cfg.training)
         self.stopped: Stopped | None = None  # set when the run stopped early (``train/stop.py``)
-        initialize_parallel(cfg.parallel, cfg.training.seed)
+        self.layout = initialize_parallel(cfg.parallel, cfg.training.seed)
         self._claim_run_dirs(resume, overwrite)
         if cfg.checkpoint.dir is not None:  # outlives a signal to the process group, for the save
             with self.stop.shielding_children():
@@ -114,6 +114,7 @@ class Trainer:
             logprob_path=t.logprob_path,
             memory_budget=t.lm_head_memory_budget,
             on_policy=self.on_policy,
+            layout=self.layout,
         )
         self.start_step, self.skipped, self.consecutive_skips = 0, 0, 0
         self._load(resume)
@@ -225,8 +226,7 @@ class Trainer:
         """Micro-batches; with ``model.moe_enable_routing_replay`` they carry the rollouts'
         routes (checked against the model: errors name the rollout file and line)."""
         t = self.cfg.training
-        sp = self.cfg.parallel.sequence_parallel
-        multiple = self.cfg.parallel.tensor_model_parallel_size if sp else 1
+        multiple = self.layout.token_multiple
         count_group, token_group = self._moe_groups()
         replay = self.cfg.model.moe_enable_routing_replay
         if replay:

@@ -33,11 +33,14 @@ def die_with_parent() -> None:
 
 def install_writer_queue() -> None:
     """Give megatron-core's writer a results queue whose server dies with this process."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async as fsa
+    from megatron_grpo.megatron.compat import set_checkpoint_results_queue
 
-    if getattr(fsa, "_results_queue", None) is not None:
-        return
+    set_checkpoint_results_queue(_dying_manager_queue)
+
+
+def _dying_manager_queue():
+    """A queue served by a Manager process that dies with this one."""
     manager = SyncManager(ctx=mp.get_context("spawn"))
     manager.start(initializer=die_with_parent)
     _MANAGERS.append(manager)
-    fsa._results_queue = manager.Queue()
+    return manager.Queue()

@@ -1,0 +1,111 @@
+"""``ParallelLayout``: this rank's place in the TP / SP / CP / EP / PP layout, as one value.
+
+Read once from megatron-core's ``parallel_state`` after ``initialize_parallel``
+(:meth:`ParallelLayout.current`), or from a :class:`ParallelConfig` alone for planning before
+any process group exists (:meth:`ParallelLayout.of_config`: sizes, rank 0, no groups). The
+padding rules of packed micro-batches live here and nowhere else:
+
+* :attr:`ParallelLayout.token_multiple`: under sequence parallelism the decoder splits the
+  packed tokens over the TP ranks, so a packed micro-batch (and each CP rank's shard of it) is
+  a multiple of TP; 1 otherwise. The same number divides the SP-split activations.
+* :attr:`ParallelLayout.sequence_multiple`: under context parallelism every sequence is cut
+  into ``2 * CP`` load-balanced chunks, each a multiple of :attr:`token_multiple`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_grpo.megatron.config import ParallelConfig
+
+
+def sequence_multiple(cp_size: int, token_multiple: int) -> int:
+    """What a sequence is padded to a multiple of: under context parallelism ``2 * CP`` chunks
+    of ``token_multiple`` tokens (the load-balanced CP split); without CP, ``token_multiple``."""
+    return token_multiple if cp_size == 1 else 2 * cp_size * token_multiple
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Sizes, this rank's ranks and the groups of each parallel dimension (module docstring).
+
+    A group is None where its size is 1 (the ops read None as "no TP / no CP").
+    """
+
+    tp_size: int = 1
+    tp_rank: int = 0
+    cp_size: int = 1
+    cp_rank: int = 0
+    ep_size: int = 1
+    ep_rank: int = 0
+    pp_size: int = 1
+    pp_rank: int = 0
+    sequence_parallel: bool = False
+    tp_group: dist.ProcessGroup | None = None
+    cp_group: dist.ProcessGroup | None = None
+    ep_group: dist.ProcessGroup | None = None
+    pp_group: dist.ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        for dim in ("tp", "cp", "ep", "pp"):
+            size, rank = getattr(self, f"{dim}_size"), getattr(self, f"{dim}_rank")
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"{dim}_size must be an int >= 1, got {size!r}")
+            if not isinstance(rank, int) or not 0 <= rank < size:
+                raise ValueError(f"{dim}_rank must be in [0, {dim}_size = {size}), got {rank!r}")
+
+    @property
+    def token_multiple(self) -> int:
+        """Packed micro-batch lengths are multiples of this: TP under sequence parallelism
+        (the tokens are split over TP ranks), else 1."""
+        return self.tp_size if self.sequence_parallel else 1
+
+    @property
+    def sequence_multiple(self) -> int:
+        """Under context parallelism each sequence is padded to a multiple of this
+        (:func:`sequence_multiple`)."""
+        return sequence_multiple(self.cp_size, self.token_multiple)
+
+    @property
+    def is_pipeline_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @staticmethod
+    def current(sequence_parallel: bool) -> ParallelLayout:
+        """This rank's layout from megatron-core's initialized ``parallel_state``;
+        ``sequence_parallel``: the model's (``TransformerConfig.sequence_parallel``)."""
+        ps = parallel_state
+        tp, cp = ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size()
+        ep, pp = (
+            ps.get_expert_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_world_size(),
+        )
+        return ParallelLayout(
+            tp_size=tp,
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            cp_size=cp,
+            cp_rank=ps.get_context_parallel_rank(),
+            ep_size=ep,
+            ep_rank=ps.get_expert_model_parallel_rank(),
+            pp_size=pp,
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            sequence_parallel=bool(sequence_parallel),
+            tp_group=ps.get_tensor_model_parallel_group() if tp > 1 else None,
+            cp_group=ps.get_context_parallel_group() if cp > 1 else None,
+            ep_group=ps.get_expert_model_parallel_group() if ep > 1 else None,
+            pp_group=ps.get_pipeline_model_parallel_group() if pp > 1 else None,
+        )
+
+    @staticmethod
+    def of_config(par: ParallelConfig) -> ParallelLayout:
+        """The layout's sizes from a config alone (rank 0, no groups): for planning."""
+        return ParallelLayout(
+            tp_size=par.tensor_model_parallel_size,
+            cp_size=par.context_parallel_size,
+            ep_size=par.expert_model_parallel_size,
+            pp_size=par.pipeline_model_parallel_size,
+            sequence_parallel=par.sequence_parallel,
+        )
