@@ -69,16 +69,16 @@ def _compare(chunks, prompts, params, *, budget_gib=1.0, multiple=1, forced=True
 
 
 def _check_generation(chunks, prompts, params, got, want, multiple, forced) -> None:
-    assert got[0] == want[0], (got[0], want[0])
-    for a, b in zip(got[1], want[1], strict=True):
+    assert got.responses == want.responses, (got.responses, want.responses)
+    for a, b in zip(got.logprobs, want.logprobs, strict=True):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
     if forced:
-        lps = _teacher_forced(chunks, prompts, got[0], params.temperature, multiple)
-        for a, b in zip(got[1], lps, strict=True):
+        lps = _teacher_forced(chunks, prompts, got.responses, params.temperature, multiple)
+        for a, b in zip(got.logprobs, lps, strict=True):
             torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
     stops = {params.eos_id}
-    assert all(r[-1] in stops or len(r) == params.max_new_tokens for r in got[0])
-    assert all(len(lp) == len(r) for lp, r in zip(got[1], got[0], strict=True))
+    assert all(r[-1] in stops or len(r) == params.max_new_tokens for r in got.responses)
+    assert all(len(lp) == len(r) for lp, r in zip(got.logprobs, got.responses, strict=True))
 
 
 def _single_body(rank: int, world: int) -> None:
@@ -98,7 +98,7 @@ def _single_body(rank: int, world: int) -> None:
     got = generate(model, prompts, params, torch.Generator().manual_seed(5), engine=engine)
     assert engine.stats["slots"] == 3
     want = generate(model, prompts, params, torch.Generator().manual_seed(5), engine="recompute")
-    assert got[0] == want[0]
+    assert got.responses == want.responses
     # YaRN (its attention factor applied to cos / sin as megatron-core does).
     _, chunks = _model(
         ParallelConfig(), position_embedding_type="yarn", yarn_rotary_scaling_factor=4.0,
@@ -237,10 +237,10 @@ def _gpu_body(rank: int, world: int) -> None:
             want = generate(
                 model, prompts, params, torch.Generator().manual_seed(5), engine="recompute"
             )
-            assert got[0] == want[0]
-        forced = _teacher_forced(chunks, prompts, got[0], params.temperature, 1)
+            assert got.responses == want.responses
+        forced = _teacher_forced(chunks, prompts, got.responses, params.temperature, 1)
         tol = 1e-4 if dtype == "float32" else 0.1  # bf16: per-forward rounding of activations
-        for a, b in zip(got[1], forced, strict=True):
+        for a, b in zip(got.logprobs, forced, strict=True):
             torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=tol)
 
 

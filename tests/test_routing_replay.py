@@ -12,8 +12,12 @@ import torch
 
 from megatron_grpo.loss import GRPOLossConfig, reduce_metrics
 from megatron_grpo.megatron import GRPOStep, ParallelConfig, unwrap
-from megatron_grpo.megatron.routing_replay import record_routes, replay_mismatch, replay_routes
-from megatron_grpo.train.rollout_batch import check_routed_experts
+from megatron_grpo.megatron.routing_replay import (
+    check_routes,
+    record_routes,
+    replay_mismatch,
+    replay_routes,
+)
 from megatron_grpo.train.rollout_io import read_rollouts, write_rollouts
 from tests.dist_utils import run_distributed
 from tests.megatron_utils import build_layout, make_sequences, pack, tiny_model, train_grads
@@ -156,9 +160,14 @@ def test_file_routes_must_fit_the_model(tmp_path, routes, message):
     _write(path, routes)
     batch = read_rollouts(path)
     with pytest.raises(ValueError, match=message) as err:
-        check_routed_experts(batch, num_moe_layers=LAYERS, topk=TOPK, num_experts=EXPERTS)
+        _check(batch)
     assert f"{path}:2" in str(err.value)
-    check_routed_experts(batch.select([0]), num_moe_layers=LAYERS, topk=TOPK, num_experts=EXPERTS)
+    _check(batch.select([0]))
+
+
+def _check(batch) -> None:
+    check_routes(batch.routed_experts, batch.origin, num_moe_layers=LAYERS, topk=TOPK,
+                 num_experts=EXPERTS)  # fmt: skip
 
 
 def test_file_routes_lengths(tmp_path):

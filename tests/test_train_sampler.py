@@ -99,9 +99,9 @@ def _tp_body(rank: int, world: int, temperature: float, sequence_parallel: bool)
     model = build_model(model_cfg, parallel)
     prompts = [[11, 1, 2, 3, 10], [11, 4, 5, 10], [11, 9, 10]] * 2
     params = SamplingParams(temperature, 0.9, 5, eos_id=12, vocab_size=13)
-    responses, logprobs = generate(
-        unwrap(model[0]), prompts, params, torch.Generator().manual_seed(7)
-    )
+    out = generate(unwrap(model[0]), prompts, params, torch.Generator().manual_seed(7))
+    responses, logprobs = out.responses, out.logprobs
+    assert out.routes is None
     gathered = [None] * world
     dist.all_gather_object(gathered, (responses, logprobs))
     assert all(g == gathered[0] for g in gathered), "TP ranks sampled different tokens"
