@@ -83,7 +83,7 @@ def _check_generation(chunks, prompts, params, got, want, multiple, forced) -> N
 
 def _single_body(rank: int, world: int) -> None:
     from megatron_grpo.megatron import ParallelConfig, unwrap
-    from megatron_grpo.rollout import EngineOptions, KVCacheEngine, generate
+    from megatron_grpo.rollout import EngineOptions, Generation, KVCacheEngine, decode_ops, generate
 
     _, chunks = _model(ParallelConfig())  # RoPE, GQA (4 q / 2 kv heads), qk-layernorm
     prompts = _prompts(9)
@@ -93,9 +93,18 @@ def _single_body(rank: int, world: int) -> None:
     model = unwrap(chunks[0])
     per_seq = 2 * 2 * 2 * 16 * 32 * 4  # layers * (k, v) * kv heads * head dim * 32 tokens * fp32
     options = EngineOptions(kv_cache_gib=3 * per_seq / 2**30, context_bucket=32)
-    engine = KVCacheEngine(model, options)
-    params = _params(top_k=1, max_new_tokens=12)
-    got = generate(model, prompts, params, torch.Generator().manual_seed(5), engine=engine)
+    looked_up = []  # the decode kernels are looked up once, when the engine is built
+    real = decode_ops.decode_kernels
+    decode_ops.decode_kernels = lambda impl: looked_up.append(impl) or real(impl)
+    try:
+        engine = KVCacheEngine(model, options)
+        params = _params(top_k=1, max_new_tokens=12)
+        got = generate(model, prompts, params, torch.Generator().manual_seed(5), engine=engine)
+        again = generate(model, prompts, _params(), torch.Generator().manual_seed(5), engine=engine)
+    finally:
+        decode_ops.decode_kernels = real
+    assert looked_up == [engine.decode.impl] and engine.decode.kernels.sample_rows is None
+    assert isinstance(got, Generation) and got.routes is None and again.routes is None
     assert engine.stats["slots"] == 3
     want = generate(model, prompts, params, torch.Generator().manual_seed(5), engine="recompute")
     assert got.responses == want.responses

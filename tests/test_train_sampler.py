@@ -61,6 +61,22 @@ def test_top_k_keeps_the_k_most_likely_and_top_k_1_is_argmax():
     assert torch.equal(greedy, logits.argmax(-1))
 
 
+def test_untruncated_sampling_runs_the_given_row_kernel():
+    """The decode plan's row kernel (``kernels.sample_rows``) draws untruncated samples; top-k /
+    top-p and no kernel take the torch path."""
+    calls = []
+
+    def kernel(logits, uniforms, vocab_size, temperature):
+        calls.append((vocab_size, temperature))
+        return torch.zeros(len(uniforms), dtype=torch.long), torch.zeros(len(uniforms))
+
+    logits, u = torch.randn(3, 8), _uniforms(3, 5)
+    assert sample(logits, u, _params(temperature=0.5), kernel)[0].tolist() == [0, 0, 0]
+    assert calls == [(5, 0.5)]
+    want = sample(logits, u, _params(top_k=2))
+    assert torch.equal(sample(logits, u, _params(top_k=2), kernel)[0], want[0]) and len(calls) == 1
+
+
 def test_bad_params_name_the_field():
     with pytest.raises(ValueError, match="temperature"):
         _params(temperature=0.0)
