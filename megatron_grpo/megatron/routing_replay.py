@@ -299,9 +299,13 @@ def replay_mismatch(model, reset: bool = True) -> Tensor:
 
 
 def check_routes(
-    routes: Sequence[Tensor] | None, origin: Callable[[int], str], *, num_moe_layers: int,
-    topk: int, num_experts: int,
-) -> None:  # fmt: skip
+    routes: Sequence[Tensor] | None,
+    origin: Callable[[int], str],
+    *,
+    num_moe_layers: int,
+    topk: int,
+    num_experts: int,
+) -> None:
     """ValueError naming the sample's ``origin(i)`` (file:line) when its routes ``[P + R, L, k]``
     do not fit the model (MoE layer count, top-k, expert ids in ``[0, num_experts)`` or -1 for
     a whole row)."""
@@ -341,9 +345,14 @@ class RoutingReplay:
     enabled = True  # the micro-batches carry routes
 
     def __init__(
-        self, model: list[torch.nn.Module], *, on_policy: bool, log_without_replay: bool,
-        log_ratio_clamp: float | None, dp_group: dist.ProcessGroup | None,
-    ) -> None:  # fmt: skip
+        self,
+        model: list[torch.nn.Module],
+        *,
+        on_policy: bool,
+        log_without_replay: bool,
+        log_ratio_clamp: float | None,
+        dp_group: dist.ProcessGroup | None,
+    ) -> None:
         self.model, self.on_policy, self.log_without_replay = model, on_policy, log_without_replay
         self.clamp, self.dp_group = log_ratio_clamp, dp_group
         self._old: Tensor | None = None  # counts of the last old-log-prob pass, until metrics()
@@ -358,9 +367,12 @@ class RoutingReplay:
         """The rollouts' per-sample routes fit the model (:func:`check_routes`)."""
         config = _gpt(self.model[0]).config
         check_routes(
-            routes, origin, num_moe_layers=num_moe_layers(config),
-            topk=config.moe_router_topk, num_experts=config.num_moe_experts,
-        )  # fmt: skip
+            routes,
+            origin,
+            num_moe_layers=num_moe_layers(config),
+            topk=config.moe_router_topk,
+            num_experts=config.num_moe_experts,
+        )
 
     def scope(self) -> AbstractContextManager[None]:
         """Around a whole training schedule: recomputes in backward replay each micro-batch's

@@ -188,7 +188,8 @@ class FusedDecoder:
 
     def __init__(self, model: torch.nn.Module, kernels: DecodeKernels) -> None:
         self.model = model
-        self.add_norm, self.qkv_rope, self.swiglu = kernels[:3]
+        self.add_norm, self.qkv_rope = kernels.add_rms_norm, kernels.qkv_rope_cache
+        self.swiglu = kernels.swiglu
         cfg = model.config
         tp = parallel_state.get_tensor_model_parallel_world_size()
         self.groups = (cfg.num_query_groups or cfg.num_attention_heads) // tp

@@ -55,9 +55,12 @@ def optim_metrics(
 
 
 def rollout_metrics(
-    batch: RolloutBatch, stages: dict[str, float], source: RolloutSource, dp_size: int,
+    batch: RolloutBatch,
+    stages: dict[str, float],
+    source: RolloutSource,
+    dp_size: int,
     extras: bool,
-) -> dict[str, float]:  # fmt: skip
+) -> dict[str, float]:
     """Rewards and lengths (over DP), the time of each stage and the throughputs; the seconds
     are the slowest rank's (a step waits for it). ``extras``: the batch may carry
     ``reward_extras`` (rollout files carry none)."""
