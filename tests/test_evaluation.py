@@ -155,6 +155,7 @@ def _dp2_body(rank: int, world: int) -> None:
     import megatron_grpo.train.evaluation as ev
     from megatron_grpo.megatron import ParallelConfig
     from megatron_grpo.megatron.parallel import destroy_parallel, initialize_parallel
+    from megatron_grpo.rollout import Generation
 
     initialize_parallel(ParallelConfig(tensor_model_parallel_size=1), seed=0)  # DP 2
     generated: list[int] = []
@@ -163,7 +164,7 @@ def _dp2_body(rank: int, world: int) -> None:
         assert engine == "recompute" and params.temperature == 0.5 and params.top_k == 0
         generated.append(len(samples))
         responses = [[s[1]] * (k % N + 1) + [12] for k, s in enumerate(samples)]
-        return responses, [[0.0] * len(r) for r in responses]
+        return Generation(responses, [[0.0] * len(r) for r in responses])
 
     ev.generate = fake_generate
     try:

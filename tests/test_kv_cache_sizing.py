@@ -157,7 +157,7 @@ def _single_body(rank: int, world: int) -> None:
     assert engine.stats["kv_cache_gib"] == 13 * per_seq / GIB  # + the scratch slot
     # An explicit budget: exactly min(samples, budget / bytes per sequence).
     engine, got = run(EngineOptions(kv_cache_gib=5 * per_seq / GIB, context_bucket=32))
-    assert engine.stats["slots"] == 5 and got[0] == want[0]
+    assert engine.stats["slots"] == 5 and got.responses == want.responses
     # Sized from (faked) device memory: the formula's count, streamed, same tokens ...
     with pytest.MonkeyPatch.context() as mp:
         options = EngineOptions(context_bucket=32, kv_cache_fraction=0.5)
@@ -166,11 +166,11 @@ def _single_body(rank: int, world: int) -> None:
         free = total // 2 + room.fixed + 4 * (per_seq + room.per_slot) + 100  # room for 4
         _fake_memory(mp, free, total)
         engine, got = run(options)
-        assert engine.stats["slots"] == 4 and got[0] == want[0]
+        assert engine.stats["slots"] == 4 and got.responses == want.responses
         # ... never more slots than samples ...
         _fake_memory(mp, total, total)
         engine, got = run(options)
-        assert engine.stats["slots"] == 12 and got[0] == want[0]
+        assert engine.stats["slots"] == 12 and got.responses == want.responses
         # ... and no room for one sequence is an error naming the setting.
         _fake_memory(mp, total // 2, total)
         with pytest.raises(ValueError, match=r"rollout\.kv_cache_fraction=0\.5 leaves no room"):
@@ -247,7 +247,7 @@ def _gpu_body(rank: int, world: int) -> None:
         _fake_memory(mp, fake, total)
         small = KVCacheEngine(model, EngineOptions(context_bucket=16))
         again = generate(model, prompts, params, torch.Generator().manual_seed(5), engine=small)
-        assert small.stats["slots"] == 7 and again[0] == got[0]
+        assert small.stats["slots"] == 7 and again.responses == got.responses
     # The allocator cannot place the cache in one piece: sized again from the driver's free
     # memory, after returning the cached segments.
     calls = []
@@ -263,7 +263,7 @@ def _gpu_body(rank: int, world: int) -> None:
         mp.setattr(kvc, "KVCache", flaky)
         retry = KVCacheEngine(model, EngineOptions(context_bucket=16))
         again = generate(model, prompts, params, torch.Generator().manual_seed(5), engine=retry)
-    assert len(calls) == 2 and again[0] == got[0]
+    assert len(calls) == 2 and again.responses == got.responses
 
 
 @pytest.mark.gpu

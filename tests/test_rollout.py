@@ -69,21 +69,21 @@ def _compare(chunks, prompts, params, *, budget_gib=1.0, multiple=1, forced=True
 
 
 def _check_generation(chunks, prompts, params, got, want, multiple, forced) -> None:
-    assert got[0] == want[0], (got[0], want[0])
-    for a, b in zip(got[1], want[1], strict=True):
+    assert got.responses == want.responses, (got.responses, want.responses)
+    for a, b in zip(got.logprobs, want.logprobs, strict=True):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
     if forced:
-        lps = _teacher_forced(chunks, prompts, got[0], params.temperature, multiple)
-        for a, b in zip(got[1], lps, strict=True):
+        lps = _teacher_forced(chunks, prompts, got.responses, params.temperature, multiple)
+        for a, b in zip(got.logprobs, lps, strict=True):
             torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
     stops = {params.eos_id}
-    assert all(r[-1] in stops or len(r) == params.max_new_tokens for r in got[0])
-    assert all(len(lp) == len(r) for lp, r in zip(got[1], got[0], strict=True))
+    assert all(r[-1] in stops or len(r) == params.max_new_tokens for r in got.responses)
+    assert all(len(lp) == len(r) for lp, r in zip(got.logprobs, got.responses, strict=True))
 
 
 def _single_body(rank: int, world: int) -> None:
     from megatron_grpo.megatron import ParallelConfig, unwrap
-    from megatron_grpo.rollout import EngineOptions, KVCacheEngine, generate
+    from megatron_grpo.rollout import EngineOptions, Generation, KVCacheEngine, decode_ops, generate
 
     _, chunks = _model(ParallelConfig())  # RoPE, GQA (4 q / 2 kv heads), qk-layernorm
     prompts = _prompts(9)
@@ -93,12 +93,21 @@ def _single_body(rank: int, world: int) -> None:
     model = unwrap(chunks[0])
     per_seq = 2 * 2 * 2 * 16 * 32 * 4  # layers * (k, v) * kv heads * head dim * 32 tokens * fp32
     options = EngineOptions(kv_cache_gib=3 * per_seq / 2**30, context_bucket=32)
-    engine = KVCacheEngine(model, options)
-    params = _params(top_k=1, max_new_tokens=12)
-    got = generate(model, prompts, params, torch.Generator().manual_seed(5), engine=engine)
+    looked_up = []  # the decode kernels are looked up once, when the engine is built
+    real = decode_ops.decode_kernels
+    decode_ops.decode_kernels = lambda impl: looked_up.append(impl) or real(impl)
+    try:
+        engine = KVCacheEngine(model, options)
+        params = _params(top_k=1, max_new_tokens=12)
+        got = generate(model, prompts, params, torch.Generator().manual_seed(5), engine=engine)
+        again = generate(model, prompts, _params(), torch.Generator().manual_seed(5), engine=engine)
+    finally:
+        decode_ops.decode_kernels = real
+    assert looked_up == [engine.decode.impl] and engine.decode.kernels.sample_rows is None
+    assert isinstance(got, Generation) and got.routes is None and again.routes is None
     assert engine.stats["slots"] == 3
     want = generate(model, prompts, params, torch.Generator().manual_seed(5), engine="recompute")
-    assert got[0] == want[0]
+    assert got.responses == want.responses
     # YaRN (its attention factor applied to cos / sin as megatron-core does).
     _, chunks = _model(
         ParallelConfig(), position_embedding_type="yarn", yarn_rotary_scaling_factor=4.0,
@@ -237,10 +246,10 @@ def _gpu_body(rank: int, world: int) -> None:
             want = generate(
                 model, prompts, params, torch.Generator().manual_seed(5), engine="recompute"
             )
-            assert got[0] == want[0]
-        forced = _teacher_forced(chunks, prompts, got[0], params.temperature, 1)
+            assert got.responses == want.responses
+        forced = _teacher_forced(chunks, prompts, got.responses, params.temperature, 1)
         tol = 1e-4 if dtype == "float32" else 0.1  # bf16: per-forward rounding of activations
-        for a, b in zip(got[1], forced, strict=True):
+        for a, b in zip(got.logprobs, forced, strict=True):
             torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=tol)
 
 

@@ -14,11 +14,16 @@ from megatron.core import parallel_state
 
 from megatron_grpo.loss import GRPOLossConfig, reduce_metrics
 from megatron_grpo.megatron import GRPOStep, ParallelConfig, unwrap
-from megatron_grpo.megatron.routing_replay import record_routes, replay_mismatch, replay_routes
+from megatron_grpo.megatron.routing_replay import (
+    check_routes,
+    record_routes,
+    replay_mismatch,
+    replay_routes,
+)
 from megatron_grpo.rollout import EngineOptions, KVCacheEngine, SamplingParams, generate
 from megatron_grpo.rollout.kv_cache import CacheShape
 from megatron_grpo.train.batching import make_mini_batches
-from megatron_grpo.train.rollout_batch import RolloutBatch, check_routed_experts
+from megatron_grpo.train.rollout_batch import RolloutBatch
 from tests.dist_utils import run_distributed
 from tests.megatron_utils import VOCAB, build_layout, tiny_model, train_grads
 from tests.test_routing_replay import _router_grad, _twin_routers
@@ -62,14 +67,14 @@ def _generate(model, prompts) -> RolloutBatch:
     want = generate(model, prompts, params, torch.Generator().manual_seed(5), engine="recompute",
                     record_routes=True)  # fmt: skip
     assert engine.stats["slots"] < len(prompts)
-    assert got[0] == want[0], (got[0], want[0])
-    for p, r, a, b in zip(prompts, got[0], got[2], want[2], strict=True):
+    assert got.responses == want.responses, (got.responses, want.responses)
+    for p, r, a, b in zip(prompts, got.responses, got.routes, want.routes, strict=True):
         assert a.dtype == torch.int64 and a.shape == (len(p) + len(r), LAYERS, TOPK), a.shape
         assert torch.equal(a, b), "the engines recorded different routes"
         assert bool((a[-1] == -1).all()), "the last response token is never fed"
-    batch = RolloutBatch(prompts, got[0], list(range(len(prompts))), got[1],
-                         [0.0] * len(prompts), routed_experts=got[2])  # fmt: skip
-    check_routed_experts(batch, num_moe_layers=LAYERS, topk=TOPK, num_experts=EXPERTS)
+    batch = RolloutBatch(prompts, got.responses, list(range(len(prompts))), got.logprobs,
+                         [0.0] * len(prompts), routed_experts=got.routes)  # fmt: skip
+    check_routes(got.routes, batch.origin, num_moe_layers=LAYERS, topk=TOPK, num_experts=EXPERTS)
     return batch
 
 

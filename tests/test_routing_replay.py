@@ -11,9 +11,16 @@ import pytest
 import torch
 
 from megatron_grpo.loss import GRPOLossConfig, reduce_metrics
-from megatron_grpo.megatron import GRPOStep, ParallelConfig, unwrap
-from megatron_grpo.megatron.routing_replay import record_routes, replay_mismatch, replay_routes
-from megatron_grpo.train.rollout_batch import check_routed_experts
+from megatron_grpo.megatron import GRPOStep, ParallelConfig, routing_replay, unwrap
+from megatron_grpo.megatron.batch import PackedBatch
+from megatron_grpo.megatron.routing_replay import (
+    NoRoutingReplay,
+    RoutingReplay,
+    check_routes,
+    record_routes,
+    replay_mismatch,
+    replay_routes,
+)
 from megatron_grpo.train.rollout_io import read_rollouts, write_rollouts
 from tests.dist_utils import run_distributed
 from tests.megatron_utils import build_layout, make_sequences, pack, tiny_model, train_grads
@@ -120,6 +127,36 @@ def _body(rank: int, world: int, parallel: ParallelConfig) -> None:
     assert abs(low - 1) < 1e-5 and abs(high - 1) < 1e-5, (low, high)
     for n, p in unwrap(chunks[0]).named_parameters():
         torch.testing.assert_close(p.main_grad, grads[n], rtol=1e-4, atol=1e-6, msg=n)
+    _trainer_replay(step, chunks, batches, routes)
+
+
+def _trainer_replay(step, chunks, batches, routes) -> None:
+    """The trainer's RoutingReplay over the perturbed routers: the old pass's and the update's
+    mismatch fractions, and the live-routed pass's mismatch against the recorded log-probs."""
+    from megatron.core import parallel_state
+
+    replay = RoutingReplay.of(
+        True, chunks, on_policy=False, log_without_replay=True, log_ratio_clamp=None,
+        dp_group=parallel_state.get_data_parallel_group(),
+    )  # fmt: skip
+    replay.check(routes, lambda i: f"micro-batch {i}")
+    with pytest.raises(
+        ValueError, match="micro-batch 0: routed_experts has top-3, the model top-2"
+    ):
+        replay.check(
+            [r[..., :1].expand(-1, -1, TOPK + 1) for r in routes], lambda i: f"micro-batch {i}"
+        )
+    for mb in batches:
+        mb.rollout_logprobs = mb.old_logprobs  # the recorded forward's, as a rollout's
+    step.compute_logprobs(chunks, batches)  # the old-log-prob pass (the batches carry routes)
+    replay.after_logprob_pass(batches, step.compute_logprobs)
+    with replay.scope():
+        train_grads(chunks, step, batches)
+    m = replay.metrics()
+    assert 0 < m["moe/replay_mismatch_frac"] < 1, m
+    assert 0 < m["moe/replay_mismatch_frac_update"] < 1, m
+    assert m["mismatch/k3_no_replay"] > 0 and "mismatch/k1_no_replay" in m, m
+    assert set(replay.metrics()) == {"moe/replay_mismatch_frac_update"}  # no old pass since
 
 
 @pytest.mark.slow
@@ -156,9 +193,14 @@ def test_file_routes_must_fit_the_model(tmp_path, routes, message):
     _write(path, routes)
     batch = read_rollouts(path)
     with pytest.raises(ValueError, match=message) as err:
-        check_routed_experts(batch, num_moe_layers=LAYERS, topk=TOPK, num_experts=EXPERTS)
+        _check(batch)
     assert f"{path}:2" in str(err.value)
-    check_routed_experts(batch.select([0]), num_moe_layers=LAYERS, topk=TOPK, num_experts=EXPERTS)
+    _check(batch.select([0]))
+
+
+def _check(batch) -> None:
+    check_routes(batch.routed_experts, batch.origin, num_moe_layers=LAYERS, topk=TOPK,
+                 num_experts=EXPERTS)  # fmt: skip
 
 
 def test_file_routes_lengths(tmp_path):
@@ -179,3 +221,42 @@ def test_file_routes_lengths(tmp_path):
     path.write_text(json.dumps({**base, "routed_experts": [[[0, 1]] * LAYERS] * 2}) + "\n")
     with pytest.raises(ValueError, match=f"{path}:1: routed_experts has 2 tokens"):
         read_rollouts(path)
+
+
+def test_routing_replay_off_is_a_no_op():
+    replay = RoutingReplay.of(False, [], on_policy=False, log_without_replay=True,
+                              log_ratio_clamp=None, dp_group=None)  # fmt: skip
+    assert isinstance(replay, NoRoutingReplay) and not replay.enabled
+    replay.check(None, str)  # no routes: nothing to check
+    with replay.scope():
+        pass
+    replay.after_logprob_pass([], lambda *a: pytest.fail("no pass without replay"))
+    assert replay.metrics() == {}
+
+
+@pytest.mark.parametrize("on_policy", [False, True])
+def test_routing_replay_metrics(monkeypatch, on_policy):
+    """The old pass's counts and the update's (the same on-policy: no old pass runs), and the
+    live pass's k1 / k3 over the response tokens with finite rollout log-probs."""
+    counts = iter([torch.tensor([1.0, 4.0]), torch.tensor([3.0, 8.0])])
+    monkeypatch.setattr(routing_replay, "replay_mismatch", lambda model: next(counts))
+    replay = RoutingReplay.of(True, ["policy"], on_policy=on_policy, log_without_replay=True,
+                              log_ratio_clamp=None, dp_group=None)  # fmt: skip
+    mask = torch.tensor([False, True, True, True])
+    mb = PackedBatch(torch.zeros(4, dtype=torch.long), torch.arange(4), torch.zeros(4, dtype=torch.long),
+                     mask, torch.tensor([0, 4], dtype=torch.int32),
+                     rollout_logprobs=torch.tensor([0.0, -1.0, -2.0, float("nan")]),
+                     routes=torch.zeros(4, 1, 1, dtype=torch.long))  # fmt: skip
+
+    def live(model, batches):
+        assert model == ["policy"] and all(b.routes is None for b in batches)
+        return [torch.tensor([0.0, -1.5, -1.0, 0.0])]
+
+    replay.after_logprob_pass([mb], live)
+    m = replay.metrics()
+    x = torch.tensor([-0.5, 1.0], dtype=torch.float64)  # live - rollout at the finite rows
+    assert m["mismatch/k1_no_replay"] == pytest.approx(float((-x).mean()))
+    assert m["mismatch/k3_no_replay"] == pytest.approx(float((x.exp() - 1 - x).mean()))
+    update = 0.25 if on_policy else 3 / 8  # on-policy the first counts are the update's
+    assert m["moe/replay_mismatch_frac_update"] == update
+    assert m["moe/replay_mismatch_frac"] == (update if on_policy else 0.25)

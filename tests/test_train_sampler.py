@@ -61,6 +61,22 @@ def test_top_k_keeps_the_k_most_likely_and_top_k_1_is_argmax():
     assert torch.equal(greedy, logits.argmax(-1))
 
 
+def test_untruncated_sampling_runs_the_given_row_kernel():
+    """The decode plan's row kernel (``kernels.sample_rows``) draws untruncated samples; top-k /
+    top-p and no kernel take the torch path."""
+    calls = []
+
+    def kernel(logits, uniforms, vocab_size, temperature):
+        calls.append((vocab_size, temperature))
+        return torch.zeros(len(uniforms), dtype=torch.long), torch.zeros(len(uniforms))
+
+    logits, u = torch.randn(3, 8), _uniforms(3, 5)
+    assert sample(logits, u, _params(temperature=0.5), kernel)[0].tolist() == [0, 0, 0]
+    assert calls == [(5, 0.5)]
+    want = sample(logits, u, _params(top_k=2))
+    assert torch.equal(sample(logits, u, _params(top_k=2), kernel)[0], want[0]) and len(calls) == 1
+
+
 def test_bad_params_name_the_field():
     with pytest.raises(ValueError, match="temperature"):
         _params(temperature=0.0)
@@ -99,9 +115,9 @@ def _tp_body(rank: int, world: int, temperature: float, sequence_parallel: bool)
     model = build_model(model_cfg, parallel)
     prompts = [[11, 1, 2, 3, 10], [11, 4, 5, 10], [11, 9, 10]] * 2
     params = SamplingParams(temperature, 0.9, 5, eos_id=12, vocab_size=13)
-    responses, logprobs = generate(
-        unwrap(model[0]), prompts, params, torch.Generator().manual_seed(7)
-    )
+    out = generate(unwrap(model[0]), prompts, params, torch.Generator().manual_seed(7))
+    responses, logprobs = out.responses, out.logprobs
+    assert out.routes is None
     gathered = [None] * world
     dist.all_gather_object(gathered, (responses, logprobs))
     assert all(g == gathered[0] for g in gathered), "TP ranks sampled different tokens"

@@ -113,7 +113,8 @@ def run_ours(model, cfg, args, mode: str, new_tokens: int) -> dict:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         t0 = time.perf_counter()
-        responses, logprobs = engine.generate(prompts.tolist(), params, g)
+        out = engine.generate(prompts.tolist(), params, g)
+        responses, logprobs = out.responses, out.logprobs
         torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         new = sum(len(r) for r in responses)

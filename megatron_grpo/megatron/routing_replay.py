@@ -9,6 +9,9 @@ API (``model``: a GPTModel, a wrapped chunk, or the list of chunks ``build_model
     with replay_routes(model, routes):       # training / log-prob passes
         loss = forward(...); loss.backward()  # backward (and recompute) inside the block
 
+:class:`RoutingReplay` is the trainer's view of it (check, scope, after-pass hooks, metrics);
+:meth:`RoutingReplay.of` gives a no-op :class:`NoRoutingReplay` when replay is off.
+
 Layout of ``routes``: ``[T, L, k]`` with ``T`` the forward's input tokens in the order of its
 input ids flattened row-major (``[B, S]`` -> ``B * S``; a packed THD batch is ``[1, T]``),
 ``L`` the MoE layers of the whole model in layer order, ``k = moe_router_topk``. Under TP the
@@ -35,8 +38,9 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -44,9 +48,12 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from torch import Tensor
 
+from megatron_grpo.loss.math import kl_estimate
 from megatron_grpo.loss.segments import host_to_device
+from megatron_grpo.megatron.batch import PackedBatch
 from megatron_grpo.megatron.gpt import unwrap
 from megatron_grpo.megatron.layer_spec import moe_layer_pattern
+from megatron_grpo.megatron.parallel import comm_device
 
 TopK = Callable[..., tuple[Tensor, Tensor]]
 
@@ -288,3 +295,161 @@ def replay_mismatch(model, reset: bool = True) -> Tensor:
         if reset:
             h.stats = None
     return total
+
+
+def check_routes(
+    routes: Sequence[Tensor] | None,
+    origin: Callable[[int], str],
+    *,
+    num_moe_layers: int,
+    topk: int,
+    num_experts: int,
+) -> None:
+    """ValueError naming the sample's ``origin(i)`` (file:line) when its routes ``[P + R, L, k]``
+    do not fit the model (MoE layer count, top-k, expert ids in ``[0, num_experts)`` or -1 for
+    a whole row)."""
+    if routes is None:
+        raise ValueError("the rollouts carry no routed_experts (needed by routing replay)")
+    for i, r in enumerate(routes):
+        if r.shape[1] != num_moe_layers:
+            raise ValueError(
+                f"{origin(i)}: routed_experts has {r.shape[1]} layers, the model has "
+                f"{num_moe_layers} MoE layers"
+            )
+        if r.shape[2] != topk:
+            raise ValueError(
+                f"{origin(i)}: routed_experts has top-{r.shape[2]}, the model top-{topk}"
+            )
+        known = r[:, 0, 0] >= 0
+        ids = r[known]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_experts):
+            raise ValueError(
+                f"{origin(i)}: routed_experts has expert ids outside [0, {num_experts}) "
+                f"(range {int(ids.min())}..{int(ids.max())})"
+            )
+        if bool((r[~known] != -1).any()):
+            raise ValueError(f"{origin(i)}: routed_experts rows must be all ids or all -1")
+
+
+LogProbs = Callable[[list[torch.nn.Module], list[PackedBatch]], list[Tensor]]
+
+
+class RoutingReplay:
+    """Routing replay over a training run (``model.moe_enable_routing_replay``), as the trainer
+    uses it: :meth:`check` the rollouts' routes, run the update's schedule in :meth:`scope`,
+    call :meth:`after_logprob_pass` after the policy's no-grad pass, and read :meth:`metrics`
+    once per step. ``on_policy``: no old-log-prob pass runs (its counts are the update's);
+    ``log_without_replay``: one more live-routed pass for ``mismatch/k{1,3}_no_replay``."""
+
+    enabled = True  # the micro-batches carry routes
+
+    def __init__(
+        self,
+        model: list[torch.nn.Module],
+        *,
+        on_policy: bool,
+        log_without_replay: bool,
+        log_ratio_clamp: float | None,
+        dp_group: dist.ProcessGroup | None,
+    ) -> None:
+        self.model, self.on_policy, self.log_without_replay = model, on_policy, log_without_replay
+        self.clamp, self.dp_group = log_ratio_clamp, dp_group
+        self._old: Tensor | None = None  # counts of the last old-log-prob pass, until metrics()
+        self._no_replay: dict[str, float] = {}
+
+    @staticmethod
+    def of(enabled: bool, model: list[torch.nn.Module], **kwargs: Any) -> RoutingReplay:
+        """A :class:`RoutingReplay`, or the no-op :class:`NoRoutingReplay` when not ``enabled``."""
+        return RoutingReplay(model, **kwargs) if enabled else NoRoutingReplay()
+
+    def check(self, routes: Sequence[Tensor] | None, origin: Callable[[int], str]) -> None:
+        """The rollouts' per-sample routes fit the model (:func:`check_routes`)."""
+        config = _gpt(self.model[0]).config
+        check_routes(
+            routes,
+            origin,
+            num_moe_layers=num_moe_layers(config),
+            topk=config.moe_router_topk,
+            num_experts=config.num_moe_experts,
+        )
+
+    def scope(self) -> AbstractContextManager[None]:
+        """Around a whole training schedule: recomputes in backward replay each micro-batch's
+        routes (``GRPOStep`` sets them per forward)."""
+        return replay_routes(self.model)
+
+    def after_logprob_pass(self, batches: list[PackedBatch], logprobs: LogProbs) -> None:
+        """After the policy's old-log-prob pass (same weights as the rollouts): keep its counts,
+        and with ``log_without_replay`` run ``logprobs(model, batches)`` routed live."""
+        if not self.on_policy:
+            self._old = replay_mismatch(self.model)
+        if self.log_without_replay:
+            self._no_replay = self._mismatch_without_replay(batches, logprobs)
+
+    def metrics(self) -> dict[str, float]:
+        """``moe/replay_mismatch_frac``: fraction of replayed (token, MoE layer) pairs whose live
+        top-k differs from the replayed one in the old-log-prob pass (the policy the rollouts
+        came from); ``moe/replay_mismatch_frac_update``: the same over this step's training
+        forwards. All ranks (a sum over the world). On-policy (no old pass) the step's one
+        update ran on the rollout policy's weights: its counts are both. Also
+        ``mismatch/k{1,3}_no_replay`` with ``log_without_replay``."""
+        update = replay_mismatch(self.model)
+        old = update if self.on_policy else self._old
+        self._old = None
+        sums = _sum([*update.tolist(), *(update if old is None else old).tolist()], None)
+        out = {"moe/replay_mismatch_frac_update": sums[0] / max(sums[1], 1.0)}
+        if old is not None:  # update() without the old-log-prob pass has no such count
+            out["moe/replay_mismatch_frac"] = sums[2] / max(sums[3], 1.0)
+        out.update(self._no_replay)
+        self._no_replay = {}
+        return out
+
+    def _mismatch_without_replay(
+        self, batches: list[PackedBatch], logprobs: LogProbs
+    ) -> dict[str, float]:
+        """``mismatch/k1_no_replay`` / ``k3_no_replay``: ``mismatch/k1`` / ``k3`` (mean over
+        response tokens of ``x = old - rollout``, all DP ranks) had the old-log-prob pass routed
+        live: one more no-grad forward of the policy over the same micro-batches."""
+        live = [replace(mb, routes=None) for mb in batches]
+        sums = [0.0, 0.0, 0.0]
+        for mb, lp in zip(batches, logprobs(self.model, live), strict=True):
+            if mb.rollout_logprobs is None:
+                continue
+            rows = mb.loss_mask & torch.isfinite(mb.rollout_logprobs)
+            x = (lp[rows] - mb.rollout_logprobs[rows]).double()
+            sums[0] += float(kl_estimate(x, "k1", None, None).sum())
+            sums[1] += float(kl_estimate(x, "k3", self.clamp, None).sum())
+            sums[2] += float(rows.sum())
+        k1, k3, n = _sum(sums, self.dp_group)
+        if n == 0:  # rollouts without log-probs: no mismatch to report
+            return {}
+        return {"mismatch/k1_no_replay": k1 / n, "mismatch/k3_no_replay": k3 / n}
+
+
+class NoRoutingReplay(RoutingReplay):
+    """Routing replay off: every step of :class:`RoutingReplay` does nothing."""
+
+    enabled = False
+
+    def __init__(self) -> None:
+        pass
+
+    def check(self, routes: Sequence[Tensor] | None, origin: Callable[[int], str]) -> None:
+        pass
+
+    def scope(self) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def after_logprob_pass(self, batches: list[PackedBatch], logprobs: LogProbs) -> None:
+        pass
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+
+def _sum(values: list[float], group: dist.ProcessGroup | None) -> list[float]:
+    """float64 sums over ``group`` (None: the world)."""
+    t = torch.tensor(values, dtype=torch.float64, device=comm_device())
+    if dist.is_initialized():
+        dist.all_reduce(t, group=group)
+    return t.tolist()

@@ -43,6 +43,13 @@ def _triton_kernels() -> Kernels:
     return Kernels("triton", *(getattr(mod, n) for n in _NAMES))
 
 
+def triton_runs_on(device_type: str) -> bool:
+    """Whether the Triton kernels run on ``device_type`` tensors: triton imports, and the
+    tensors are on CUDA or Triton's CPU interpreter is on (``TRITON_INTERPRET=1``)."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    return _triton_importable() and (device_type == "cuda" or interpreted)
+
+
 def resolve_impl(impl: str, device_type: str) -> str:
     """The kernel implementation ``impl`` means on ``device_type`` tensors: "torch" or "triton".
 
@@ -58,7 +65,7 @@ def resolve_impl(impl: str, device_type: str) -> str:
         return "triton" if device_type == "cuda" and _triton_importable() else "torch"
     if not _triton_importable():
         raise ImportError("impl='triton' needs the triton package")
-    if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if not triton_runs_on(device_type):
         raise ValueError(
             f"impl='triton' on {device_type} tensors needs TRITON_INTERPRET=1 (or use impl='torch')"
         )

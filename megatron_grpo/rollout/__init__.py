@@ -1,12 +1,12 @@
 """Generation over the Megatron policy: a KV-cached engine and the recompute oracle.
 
 ``generate(model, prompts, params, generator, *, engine="kv_cache")`` samples one response per
-prompt from an unwrapped GPTModel (PP = CP = 1) and returns ``(responses, logprobs)``: response
-ids (ending in a stop id unless cut at ``max_new_tokens``) and the recorded log-prob of each
-response token, ``log_softmax(logits / temperature)[token]`` in fp32 over the real vocabulary.
+prompt from an unwrapped GPTModel (PP = CP = 1) and returns a :class:`Generation`: response
+ids (ending in a stop id unless cut at ``max_new_tokens``), the recorded log-prob of each
+response token, ``log_softmax(logits / temperature)[token]`` in fp32 over the real vocabulary,
+and ``routes``: with ``record_routes=True`` (MoE routing replay) per sample the routes of its
+tokens, int64 ``[P + R, L, k]`` (``megatron_grpo.rollout.routes``), else None.
 ``generator`` is a CPU generator seeded identically on every TP rank of the group.
-``record_routes=True`` (MoE routing replay) appends per sample the routes of its tokens,
-int64 ``[P + R, L, k]`` (``megatron_grpo.rollout.routes``).
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from megatron_grpo.rollout.engine import EngineOptions, KVCacheEngine
 from megatron_grpo.rollout.params import SamplingParams
 from megatron_grpo.rollout.recompute import generate_recompute
 from megatron_grpo.rollout.routes import RouteLog, recording
+from megatron_grpo.rollout.run_state import Generation
 from megatron_grpo.rollout.sampling import sample
 
-__all__ = ["EngineOptions", "KVCacheEngine", "SamplingParams", "generate", "sample"]
+__all__ = ["EngineOptions", "Generation", "KVCacheEngine", "SamplingParams", "generate", "sample"]
 
 ENGINES = ("kv_cache", "recompute")
 
@@ -33,12 +34,12 @@ def generate(
     *,
     engine: str | KVCacheEngine = "kv_cache",
     record_routes: bool = False,
-) -> tuple[list[list[int]], list[list[float]]] | tuple[list, list, list[torch.Tensor]]:
+) -> Generation:
     """Sample a response for each prompt (the model is in eval mode while sampling).
 
     ``engine``: ``"kv_cache"`` (a one-off :class:`KVCacheEngine`; pass an engine instance to
     reuse its CUDA graphs across calls) or ``"recompute"`` (no cache: the test oracle).
-    ``record_routes``: also return the routes of each sample (MoE only)."""
+    ``record_routes``: also record the routes of each sample (MoE only)."""
     if isinstance(engine, KVCacheEngine):
         if engine.model is not model:
             raise ValueError("the KVCacheEngine passed as engine was built for another model")
@@ -55,7 +56,7 @@ def generate(
     model.eval()
     try:
         with recording(routes):
-            out = generate_recompute(model, prompts, params, uniforms, routes)
+            responses, logprobs = generate_recompute(model, prompts, params, uniforms, routes)
     finally:
         model.train(was_training)
-    return out if routes is None else (*out, routes.result(out[0]))
+    return Generation.of(responses, logprobs, routes)

@@ -1,5 +1,6 @@
 """The element-wise ops of the fused decode step: a pure-torch reference of each, and the choice
-between it and the Triton kernel (``megatron_grpo.kernels``), made by the caller's ``impl``.
+between it and the Triton kernel (``megatron_grpo.kernels``): :func:`decode_kernels`, called
+once per engine by ``fused_decode.plan_decode`` (the plan carries the functions).
 
 The references reproduce megatron-core's module path op by op in the model dtype (the rounding
 of every intermediate included), so the fused step decodes the tokens the module path decodes;
@@ -7,6 +8,9 @@ the kernels compute the same roundings in one pass each.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -62,12 +66,22 @@ def swiglu_torch(x: Tensor, bias: Tensor | None = None) -> Tensor:
     return F.silu(gate) * up
 
 
-def ops(impl: str):
-    """``(add_rms_norm, qkv_rope_cache, swiglu)`` of ``impl`` (one of :data:`IMPLS`)."""
-    if impl == "torch":
-        return add_rms_norm_torch, qkv_rope_cache_torch, swiglu_torch
-    if impl == "triton":
-        from megatron_grpo.kernels import add_rms_norm, qkv_rope_cache, swiglu
+class DecodeKernels(NamedTuple):
+    """The functions a decode step calls: the fused step's element-wise ops, and the one-kernel
+    untruncated sampler (``kernels.sample_rows``; None: ``sampling.sample``'s torch path)."""
 
-        return add_rms_norm, qkv_rope_cache, swiglu
+    add_rms_norm: Callable
+    qkv_rope_cache: Callable
+    swiglu: Callable
+    sample_rows: Callable | None
+
+
+def decode_kernels(impl: str) -> DecodeKernels:
+    """The decode functions of ``impl`` (one of :data:`IMPLS`)."""
+    if impl == "torch":
+        return DecodeKernels(add_rms_norm_torch, qkv_rope_cache_torch, swiglu_torch, None)
+    if impl == "triton":
+        from megatron_grpo.kernels import add_rms_norm, qkv_rope_cache, sample_rows, swiglu
+
+        return DecodeKernels(add_rms_norm, qkv_rope_cache, swiglu, sample_rows)
     raise ValueError(f"decode kernel impl must be one of {IMPLS}, got {impl!r}")

@@ -41,7 +41,7 @@ from megatron_grpo.rollout import model_io as io
 from megatron_grpo.rollout.graphs import DecodeGraphs
 from megatron_grpo.rollout.params import SamplingParams
 from megatron_grpo.rollout.routes import RouteLog, recording
-from megatron_grpo.rollout.run_state import Launched, Run
+from megatron_grpo.rollout.run_state import Generation, Launched, Run
 from megatron_grpo.rollout.sampling import sample
 
 
@@ -132,9 +132,9 @@ class KVCacheEngine:
         params: SamplingParams,
         generator: torch.Generator,
         record_routes: bool = False,
-    ) -> tuple[list[list[int]], list[list[float]]] | tuple[list, list, list[torch.Tensor]]:
-        """``(responses, logprobs)``, and per sample its routes ``[P + R, L, k]`` with
-        ``record_routes`` (MoE only; ``megatron_grpo.rollout.routes``)."""
+    ) -> Generation:
+        """Responses and log-probs, and with ``record_routes`` per sample its routes
+        ``[P + R, L, k]`` (MoE only; ``megatron_grpo.rollout.routes``)."""
         io.check_layout()
         io.check_prompts(prompts, params, self.model.max_sequence_length)
         device = io.model_device(self.model)
@@ -154,10 +154,7 @@ class KVCacheEngine:
         )
         with self._generation_mode(run), recording(run.routes):
             self._loop(run)
-        responses, logprobs = run.results()
-        if run.routes is not None:
-            return responses, logprobs, run.routes.result(responses)
-        return responses, logprobs
+        return Generation.of(*run.results(), run.routes)
 
     # ------------------------------------------------------------------ setup
     @contextlib.contextmanager
@@ -306,7 +303,7 @@ class KVCacheEngine:
         if key == self._static_key:
             return
         if self.decode.path == "fused":
-            self._fused = fd.FusedDecoder(self.model, self.decode.impl)
+            self._fused = fd.FusedDecoder(self.model, self.decode.kernels)
         self._meta = torch.zeros(4, cache.slots, dtype=torch.long, device=device)
         self._u = torch.zeros(cache.slots, dtype=torch.float32, device=device)
         self._out = torch.zeros(2, cache.slots, dtype=torch.float64, device=device)
@@ -391,7 +388,9 @@ class KVCacheEngine:
         if not new:
             return
         logits = io.head_logits(self.model, hidden)
-        tokens, logp = sample(logits, run.uniforms[new, 0], run.params, self.decode.impl)
+        tokens, logp = sample(
+            logits, run.uniforms[new, 0], run.params, self.decode.kernels.sample_rows
+        )
         io.broadcast_from_tp_src(tokens, logp)
         done = run.record(torch.tensor(new), tokens.cpu(), logp.cpu())
         run.rows.extend(new)
@@ -478,7 +477,7 @@ class KVCacheEngine:
         else:
             hidden = self._forward(ids[:, None], pos[:, None])[0]  # [b, H]
         logits = io.head_logits(self.model, hidden)
-        tokens, logp = sample(logits, self._u[:b], params, self.decode.impl)
+        tokens, logp = sample(logits, self._u[:b], params, self.decode.kernels.sample_rows)
         io.broadcast_from_tp_src(tokens, logp)
         self._out[0, :b].copy_(tokens)
         self._out[1, :b].copy_(logp)

@@ -20,7 +20,7 @@ head per rank; anything else decodes through the modules, and the plan says why.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -33,10 +33,11 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor
 
-from megatron_grpo.kernels import triton_available
 from megatron_grpo.megatron.layer_spec import Norm, SwiGLUMLP
 from megatron_grpo.megatron.packed_rope import PackedRopeSelfAttention
+from megatron_grpo.ops.dispatch import resolve_impl, triton_runs_on
 from megatron_grpo.rollout import decode_ops
+from megatron_grpo.rollout.decode_ops import DecodeKernels
 from megatron_grpo.rollout.kv_cache import KVCache, decode_attention, softmax_scale
 
 PATHS = ("auto", "fused", "modules")
@@ -46,12 +47,15 @@ ATTENTIONS = ("auto", "sdpa", "triton")
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """How decode steps run: ``path`` "fused" or "modules", the fused kernels' ``impl``, the
-    decode ``attention`` ("triton": exact row lengths, or "sdpa": the masked context bucket),
-    and why the modules path was taken (``reason``; empty for the fused path)."""
+    """How decode steps run, decided once when the engine is built: ``path`` "fused" or
+    "modules", the kernels' ``impl`` and their functions (``kernels``: the fused step's ops and
+    the sampler), the decode ``attention`` ("triton": exact row lengths, or "sdpa": the masked
+    context bucket), and why the modules path was taken (``reason``; empty for the fused path).
+    ``str(plan)`` is the engine's start-up line."""
 
     path: str
     impl: str
+    kernels: DecodeKernels = field(repr=False, compare=False)
     reason: str = ""
     attention: str = "sdpa"
 
@@ -70,26 +74,20 @@ def plan_decode(
         raise ValueError(f"decode path must be one of {PATHS}, impl one of {IMPLS} and "
                          f"attention one of {ATTENTIONS}, got {path!r} / {impl!r} / "
                          f"{attention!r}")  # fmt: skip
-    cuda = next(model.parameters()).device.type == "cuda"
+    device = next(model.parameters()).device.type
     if impl == "auto":
-        impl = "triton" if cuda and triton_available() else "torch"
-    if "triton" in (impl, attention) and not (cuda or _interpreting()):
+        impl = resolve_impl("auto", device)
+    if "triton" in (impl, attention) and not triton_runs_on(device):
         raise ValueError("decode impl 'triton' needs the model on GPU; use 'torch' or 'auto'")
     if attention == "auto":
         attention = "triton" if impl == "triton" else "sdpa"
     reason = "" if path == "modules" else unsupported(model)
     if path == "fused" and reason:
         raise ValueError(f"the fused decode path does not cover this model: {reason}")
+    kernels = decode_ops.decode_kernels(impl)  # the one lookup of the impl's functions
     if path == "modules" or reason:
-        return DecodePlan("modules", impl, reason or "chosen", attention)
-    return DecodePlan("fused", impl, "", attention)
-
-
-def _interpreting() -> bool:
-    """Triton's CPU interpreter is on (tests run the kernels on CPU tensors there)."""
-    from megatron_grpo.kernels._runtime import interpret_mode
-
-    return triton_available() and interpret_mode()
+        return DecodePlan("modules", impl, kernels, reason or "chosen", attention)
+    return DecodePlan("fused", impl, kernels, "", attention)
 
 
 def unsupported(model: torch.nn.Module) -> str:
@@ -185,11 +183,13 @@ def _linear(linear: torch.nn.Module) -> tuple[Tensor, Tensor | None]:
 
 
 class FusedDecoder:
-    """``FusedDecoder(model, impl)(ids, pos, cache, rope)``: final-normed hidden ``[b, H]``."""
+    """``FusedDecoder(model, plan.kernels)(ids, pos, cache, rope)``: final-normed hidden
+    ``[b, H]``."""
 
-    def __init__(self, model: torch.nn.Module, impl: str) -> None:
+    def __init__(self, model: torch.nn.Module, kernels: DecodeKernels) -> None:
         self.model = model
-        self.add_norm, self.qkv_rope, self.swiglu = decode_ops.ops(impl)
+        self.add_norm, self.qkv_rope = kernels.add_rms_norm, kernels.qkv_rope_cache
+        self.swiglu = kernels.swiglu
         cfg = model.config
         tp = parallel_state.get_tensor_model_parallel_world_size()
         self.groups = (cfg.num_query_groups or cfg.num_attention_heads) // tp

@@ -1,4 +1,5 @@
-"""The host-side state of one ``KVCacheEngine.generate`` call and of a decode step in flight.
+"""The host-side state of one ``KVCacheEngine.generate`` call and of a decode step in flight,
+and what a ``generate`` call returns (:class:`Generation`).
 
 Every sample's tokens and log-probs live in ``[N, max_new_tokens]`` tables that a decode step
 updates with a few vectorized ops (no per-row Python per token), so the host keeps up with a
@@ -14,6 +15,23 @@ import torch
 
 from megatron_grpo.rollout.params import SamplingParams
 from megatron_grpo.rollout.routes import RouteLog
+
+
+@dataclass(frozen=True)
+class Generation:
+    """The result of ``generate``: per sample its response ids (ending in a stop id unless cut at
+    ``max_new_tokens``), the recorded log-prob of each response token and, when routes were
+    recorded (MoE routing replay), its routes int64 ``[P + R, L, k]`` (else None)."""
+
+    responses: list[list[int]]
+    logprobs: list[list[float]]
+    routes: list[torch.Tensor] | None = None
+
+    @classmethod
+    def of(
+        cls, responses: list[list[int]], logprobs: list[list[float]], log: RouteLog | None
+    ) -> Generation:
+        return cls(responses, logprobs, None if log is None else log.result(responses))
 
 
 @dataclass

@@ -9,6 +9,8 @@ log-probs leave the device; the whole step is free of host syncs, so it can run 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -16,25 +18,21 @@ from megatron_grpo.rollout.params import SamplingParams
 
 
 def sample(
-    logits: Tensor, uniforms: Tensor, params: SamplingParams, impl: str = "torch"
+    logits: Tensor, uniforms: Tensor, params: SamplingParams, rows_kernel: Callable | None = None
 ) -> tuple[Tensor, Tensor]:
     """One token per row: ``logits [b, V_padded]`` fp32, ``uniforms [b]`` in ``[0, 1)``.
 
     Returns ``(tokens [b] int64, logprobs [b] fp32)``: the recorded log-prob is
     ``log_softmax(logits / T)[token]`` over the real vocabulary, before top-k / top-p.
-    ``impl="triton"`` draws untruncated samples (no top-k / top-p) with one kernel that reads
-    each row twice (``kernels.sample_rows``; this function is its reference); truncated sampling
-    always runs here."""
+    ``rows_kernel`` (the decode plan's ``kernels.sample_rows``, or None) draws untruncated
+    samples (no top-k / top-p) with one kernel that reads each row twice (this function is its
+    reference); truncated sampling always runs here."""
     if logits.size(-1) < params.vocab_size:
         raise ValueError(
             f"logits have {logits.size(-1)} columns, fewer than vocab_size={params.vocab_size}"
         )
-    if impl == "triton" and params.top_k == 0 and params.top_p == 1.0:
-        from megatron_grpo.kernels import sample_rows
-
-        return sample_rows(logits, uniforms.float(), params.vocab_size, params.temperature)
-    if impl not in ("torch", "triton"):
-        raise ValueError(f"sampling impl must be 'torch' or 'triton', got {impl!r}")
+    if rows_kernel is not None and params.top_k == 0 and params.top_p == 1.0:
+        return rows_kernel(logits, uniforms.float(), params.vocab_size, params.temperature)
     scaled = logits[:, : params.vocab_size].float() / params.temperature
     logp = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)
     kept = _truncate(scaled, params)

@@ -8,6 +8,8 @@ of them (``token_group``): shorter ones get trailing all-masked padding document
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -194,3 +196,17 @@ def nonfinite_inputs(micro_batches: list[PackedBatch]) -> list[bool]:
                 bad = True
         flags.append(bad)
     return flags
+
+
+def attach_logprobs(
+    mini_batches: list[list[PackedBatch]], old: list[Tensor] | None, ref: list[Tensor] | None
+) -> list[list[PackedBatch]]:
+    """New mini-batches with the no-grad passes' ``old`` / ``ref`` log-probs: one ``[T]`` per
+    micro-batch, in order (None: that pass did not run, the field is None)."""
+    n = sum(len(mini) for mini in mini_batches)
+    pairs = iter(zip(old or [None] * n, ref or [None] * n, strict=True))
+    return [[_with_logprobs(mb, *next(pairs)) for mb in mini] for mini in mini_batches]
+
+
+def _with_logprobs(mb: PackedBatch, old: Tensor | None, ref: Tensor | None) -> PackedBatch:
+    return dataclasses.replace(mb, old_logprobs=old, ref_logprobs=ref)

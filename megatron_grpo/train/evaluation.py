@@ -193,11 +193,9 @@ class Evaluator:
         mine = [self.prompts[i] for i in block]
         filler = [self.prompts[block.start if len(block) else 0]] * pad
         samples = [list(p.ids) for p in mine + filler for _ in range(n)]
-        responses, _ = generate(
-            self.model, samples, self.params, self._generator(step),
-            engine=self.engine if self.engine is not None else "recompute",
-        )  # fmt: skip
-        responses = responses[: len(mine) * n]
+        engine = self.engine if self.engine is not None else "recompute"
+        out = generate(self.model, samples, self.params, self._generator(step), engine=engine)
+        responses = out.responses[: len(mine) * n]
         expanded = [p for p in mine for _ in range(n)]
         rewards: list[float] = []
         if expanded:  # the same on every rank of the replica: all score, or none

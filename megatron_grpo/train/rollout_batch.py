@@ -132,30 +132,3 @@ def _concat_extras(batches: list[RolloutBatch]) -> dict[str, list[float]] | None
 
 
 _EXTRA = ("routed_experts", "origins")
-
-
-def check_routed_experts(
-    batch: RolloutBatch, *, num_moe_layers: int, topk: int, num_experts: int
-) -> None:
-    """ValueError naming the sample's origin (file:line) when its routes do not fit the model
-    (MoE layer count, top-k, expert ids in ``[0, num_experts)`` or -1 for a whole row)."""
-    if batch.routed_experts is None:
-        raise ValueError("the rollouts carry no routed_experts (needed by routing replay)")
-    for i, r in enumerate(batch.routed_experts):
-        where = batch.origin(i)
-        if r.shape[1] != num_moe_layers:
-            raise ValueError(
-                f"{where}: routed_experts has {r.shape[1]} layers, the model has "
-                f"{num_moe_layers} MoE layers"
-            )
-        if r.shape[2] != topk:
-            raise ValueError(f"{where}: routed_experts has top-{r.shape[2]}, the model top-{topk}")
-        known = r[:, 0, 0] >= 0
-        ids = r[known]
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_experts):
-            raise ValueError(
-                f"{where}: routed_experts has expert ids outside [0, {num_experts}) "
-                f"(range {int(ids.min())}..{int(ids.max())})"
-            )
-        if bool((r[~known] != -1).any()):
-            raise ValueError(f"{where}: routed_experts rows must be all ids or all -1")

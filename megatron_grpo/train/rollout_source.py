@@ -23,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from megatron_grpo.rollout import EngineOptions, KVCacheEngine, SamplingParams, generate
+from megatron_grpo.rollout import EngineOptions, Generation, KVCacheEngine, SamplingParams, generate
 from megatron_grpo.train.config import ROLLOUT_SOURCES, TrainConfig
 from megatron_grpo.train.dynamic_sampling import extra_round_first_prompt
 from megatron_grpo.train.plugins import load_object
@@ -210,27 +210,23 @@ class GeneratedRollouts:
             )
         expanded = [p for p in prompts for _ in range(r.group_size)]
         samples = [list(p.ids) for p in expanded]
-        responses, logprobs, routes = self._generate(samples, step, round)
+        out = self._generate(samples, step, round)
         group_ids = [start + i for i in range(len(prompts)) for _ in range(r.group_size)]
-        scores = self.scorer.score(expanded, responses, group_ids)
+        scores = self.scorer.score(expanded, out.responses, group_ids)
         return RolloutBatch(
-            samples, responses, group_ids, logprobs, scores.rewards, routed_experts=routes,
-            reward_extras=scores.extras or None,
+            samples, out.responses, group_ids, out.logprobs, scores.rewards,
+            routed_experts=out.routes, reward_extras=scores.extras or None,
         )  # fmt: skip
 
-    def _generate(
-        self, samples: list[list[int]], step: int, round: int
-    ) -> tuple[list, list, list | None]:
-        """``(responses, logprobs, routes)``; with ``model.moe_enable_routing_replay`` the
-        routes of every sample's tokens as the generation's routers chose them, int64
-        ``[P + R, L, k]`` (``RolloutBatch.routed_experts``; the last row -1), else None."""
+    def _generate(self, samples: list[list[int]], step: int, round: int) -> Generation:
+        """With ``model.moe_enable_routing_replay`` the routes of every sample's tokens as the
+        generation's routers chose them, int64 ``[P + R, L, k]`` (``RolloutBatch.routed_experts``;
+        the last row -1)."""
         engine = self.engine if self.engine is not None else "recompute"
-        replay = self.cfg.model.moe_enable_routing_replay
-        out = generate(
+        return generate(
             self.model, samples, self.params, self._generator(step, round), engine=engine,
-            record_routes=replay,
+            record_routes=self.cfg.model.moe_enable_routing_replay,
         )  # fmt: skip
-        return out if replay else (*out, None)
 
     def _first_prompt(self, step: int, round: int) -> int:
         if round == 0:

@@ -17,34 +17,32 @@ run replays exactly what an uninterrupted one would have done.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from megatron.core import parallel_state
 
 from megatron_grpo.config import to_dict
-from megatron_grpo.loss import compute_advantages, reduce_metrics
-from megatron_grpo.loss.math import kl_estimate
+from megatron_grpo.loss import compute_advantages
 from megatron_grpo.megatron.batch import PackedBatch
 from megatron_grpo.megatron.config import dispatcher_type
 from megatron_grpo.megatron.forward import GRPOStep, get_forward_backward_func
 from megatron_grpo.megatron.model import build_model, unwrap
 from megatron_grpo.megatron.moe_metrics import moe_loss_metrics
 from megatron_grpo.megatron.parallel import initialize_parallel, seed_everything
-from megatron_grpo.megatron.routing_replay import num_moe_layers, replay_mismatch, replay_routes
+from megatron_grpo.megatron.routing_replay import RoutingReplay
 from megatron_grpo.train import checkpoint as ckpt
 from megatron_grpo.train import comm
-from megatron_grpo.train.batching import PER_TOKEN_INPUTS, make_mini_batches, nonfinite_inputs
+from megatron_grpo.train import step_metrics as sm
+from megatron_grpo.train.batching import attach_logprobs, make_mini_batches
 from megatron_grpo.train.config import TrainConfig, check_checkpoint_architecture
 from megatron_grpo.train.dynamic_sampling import maybe_filter
 from megatron_grpo.train.evaluation import Evaluator
 from megatron_grpo.train.monitor import Monitor, truncate_jsonl, write_resolved_config
+from megatron_grpo.train.nonfinite import NonFiniteError, NonFiniteGuard
 from megatron_grpo.train.optim import build_optimizer, optimizer_step, zero_grads
-from megatron_grpo.train.rollout_batch import RolloutBatch, check_routed_experts
+from megatron_grpo.train.rollout_batch import RolloutBatch
 from megatron_grpo.train.rollout_io import write_rollouts
 from megatron_grpo.train.rollout_source import (
     FileRollouts,
@@ -54,13 +52,10 @@ from megatron_grpo.train.rollout_source import (
     source_class,
 )
 from megatron_grpo.train.rundir import RunDirError, claim_run_dirs
-from megatron_grpo.train.scoring import TIMEOUTS
 from megatron_grpo.train.stop import Stopped, StopRequest
 from megatron_grpo.train.writer_queue import install_writer_queue
 
-
-class NonFiniteError(RuntimeError):
-    """Too many consecutive optimizer steps were skipped for non-finite values."""
+__all__ = ["NonFiniteError", "Trainer"]
 
 
 class Trainer:
@@ -116,10 +111,17 @@ class Trainer:
             on_policy=self.on_policy,
             layout=self.layout,
         )
-        self.start_step, self.skipped, self.consecutive_skips = 0, 0, 0
-        self._load(resume)
+        self.replay = RoutingReplay.of(
+            cfg.model.moe_enable_routing_replay, self.model, on_policy=self.on_policy,
+            log_without_replay=t.log_mismatch_without_replay,
+            log_ratio_clamp=cfg.loss.log_ratio_clamp, dp_group=dp_group,
+        )  # fmt: skip
+        self.start_step, skipped = self._load(resume)
         self._saved_step = self.start_step  # the newest step with a checkpoint of this run
         self.monitor = Monitor(cfg.logging, cfg.training.steps, comm.is_logging_rank())
+        self.guard = NonFiniteGuard(
+            t.max_consecutive_nonfinite_skips, self.monitor.message, skipped
+        )
         self.stop.announce = self.monitor.enabled
         if self.monitor.enabled:
             write_resolved_config(cfg, to_dict(cfg), self.dp_size)
@@ -143,14 +145,16 @@ class Trainer:
             cfg.optimizer, self.model, cfg.optimizer_steps
         )
 
-    def _load(self, resume: bool) -> None:
+    def _load(self, resume: bool) -> tuple[int, int]:
+        """Loads ``checkpoint.load`` and, on resume, the latest checkpoint: returns its step and
+        the run's skipped optimizer steps so far ((0, 0) for a fresh run)."""
         cfg = self.cfg.checkpoint
         if cfg.load is not None:
             ckpt.load_model_weights(cfg.load, self.model)
             if self.ref_model is not None:
                 ckpt.load_model_weights(cfg.load, self.ref_model)
         if not resume:
-            return
+            return 0, 0
         if cfg.dir is None:
             raise ValueError("--resume needs checkpoint.dir")
         latest = ckpt.latest_checkpoint(cfg.dir)
@@ -158,10 +162,10 @@ class Trainer:
             raise RunDirError(f"--resume: no checkpoint in {cfg.dir}")
         check_checkpoint_architecture(self.cfg.model, str(latest))
         state = ckpt.load_checkpoint(latest, self.model, self.optimizer, self.scheduler)
-        self.start_step = int(state["step"])
-        self.skipped = int(state.get("skipped_steps", 0))
+        step = int(state["step"])
         if torch.distributed.get_rank() == 0:
-            print(f"resumed from {latest} at step {self.start_step}", flush=True)
+            print(f"resumed from {latest} at step {step}", flush=True)
+        return step, int(state.get("skipped_steps", 0))
 
     def _claim_run_dirs(self, resume: bool, overwrite: bool) -> None:
         c = self.cfg
@@ -185,14 +189,14 @@ class Trainer:
                     break
                 stages: dict[str, float] = {}
                 t0 = time.perf_counter()
-                with _timed(stages, "rollout"):  # generation (or file read) + scoring
+                with sm.timed(stages, "rollout"):  # generation (or file read) + scoring
                     batch = self.source.next(step)
                 self.save_rollouts(step, batch)
                 advantages = self.advantages(batch)
                 mini_batches = self.pack(batch, advantages)
-                with _timed(stages, "logprob"):
-                    self.old_and_ref_logprobs(mini_batches)
-                with _timed(stages, "update"):
+                with sm.timed(stages, "logprob"):
+                    mini_batches = self.old_and_ref_logprobs(mini_batches)
+                with sm.timed(stages, "update"):
                     metrics = self.update(mini_batches)
                 stages["step"] = time.perf_counter() - t0
                 metrics.update(self.rollout_metrics(batch, stages))
@@ -228,18 +232,12 @@ class Trainer:
         t = self.cfg.training
         multiple = self.layout.token_multiple
         count_group, token_group = self._moe_groups()
-        replay = self.cfg.model.moe_enable_routing_replay
-        if replay:
-            m = self.cfg.model
-            layers = num_moe_layers(unwrap(self.model[0]).config)
-            check_routed_experts(
-                batch, num_moe_layers=layers, topk=m.moe_router_topk, num_experts=m.num_moe_experts
-            )
+        self.replay.check(batch.routed_experts, batch.origin)
         return make_mini_batches(
             batch, advantages, t.mini_batches_per_step, t.micro_batch_size,
             t.max_tokens_per_micro_batch, multiple, count_group=count_group,
             token_group=token_group, cp_size=self.cfg.parallel.context_parallel_size,
-            with_routes=replay,
+            with_routes=self.replay.enabled,
         )  # fmt: skip
 
     def _moe_groups(self) -> tuple[Any, Any]:
@@ -258,145 +256,52 @@ class Trainer:
             tokens = parallel_state.get_expert_tensor_and_model_parallel_group()
         return count, tokens
 
-    def old_and_ref_logprobs(self, mini_batches: list[list[PackedBatch]]) -> None:
-        """No-grad passes of the current policy (old) and the frozen reference. On-policy
-        (``self.on_policy``) the old pass is skipped: ``old_logprobs`` stay None and the loss
-        uses the update's own log-probs, detached."""
+    def old_and_ref_logprobs(
+        self, mini_batches: list[list[PackedBatch]]
+    ) -> list[list[PackedBatch]]:
+        """No-grad passes of the current policy (old) and the frozen reference; returns the
+        mini-batches with them attached. On-policy (``self.on_policy``) the old pass is skipped:
+        ``old_logprobs`` stay None and the loss uses the update's own log-probs, detached."""
         flat = [mb for mini in mini_batches for mb in mini]
+        old = ref = None
         if not self.on_policy:
-            for mb, lp in zip(flat, self.step_fn.compute_logprobs(self.model, flat), strict=True):
-                mb.old_logprobs = lp
-        if self.cfg.model.moe_enable_routing_replay:  # the policy's pass: same weights as rollout
-            if not self.on_policy:
-                self._replay_counts = replay_mismatch(self.model)
-            if self.cfg.training.log_mismatch_without_replay:
-                self._no_replay = self._mismatch_without_replay(flat)
+            old = self.step_fn.compute_logprobs(self.model, flat)
+        self.replay.after_logprob_pass(flat, self.step_fn.compute_logprobs)  # same weights
         if self.ref_model is not None:
-            for mb, lp in zip(
-                flat, self.step_fn.compute_logprobs(self.ref_model, flat), strict=True
-            ):
-                mb.ref_logprobs = lp
-
-    def _mismatch_without_replay(self, flat: list[PackedBatch]) -> dict[str, float]:
-        """``mismatch/k1_no_replay`` / ``mismatch/k3_no_replay``: ``mismatch/k1`` / ``k3`` (mean
-        over response tokens of ``x = old - rollout``, all DP ranks) had the old-log-prob pass
-        routed live: one more no-grad forward of the policy over the same micro-batches."""
-        live = [dataclasses.replace(mb, routes=None) for mb in flat]
-        clamp = self.cfg.loss.log_ratio_clamp
-        sums = [0.0, 0.0, 0.0]
-        for mb, lp in zip(flat, self.step_fn.compute_logprobs(self.model, live), strict=True):
-            if mb.rollout_logprobs is None:
-                continue
-            rows = mb.loss_mask & torch.isfinite(mb.rollout_logprobs)
-            x = (lp[rows] - mb.rollout_logprobs[rows]).double()
-            sums[0] += float(kl_estimate(x, "k1", None, None).sum())
-            sums[1] += float(kl_estimate(x, "k3", clamp, None).sum())
-            sums[2] += float(rows.sum())
-        k1, k3, n = comm.all_reduce_sum(sums, parallel_state.get_data_parallel_group())
-        if n == 0:  # rollouts without log-probs: no mismatch to report
-            return {}
-        return {"mismatch/k1_no_replay": k1 / n, "mismatch/k3_no_replay": k3 / n}
+            ref = self.step_fn.compute_logprobs(self.ref_model, flat)
+        return attach_logprobs(mini_batches, old, ref)
 
     def update(self, mini_batches: list[list[PackedBatch]]) -> dict[str, float]:
-        """One optimizer step per mini-batch; non-finite inputs/loss/grads skip the step."""
+        """One optimizer step per mini-batch; non-finite inputs/loss/grads skip the step
+        (``self.guard``)."""
         reports, norms, skipped_now, forwards = [], [], 0, 0
         for micro_batches in mini_batches:
             zero_grads(self.model, self.optimizer)
-            reason = self._nonfinite_inputs(micro_batches)
+            reason = self.guard.inputs(micro_batches)
             if reason is None:
                 reports += self._forward_backward(micro_batches)
                 forwards += len(micro_batches)
-                reason = self._nonfinite_loss_or_grads(reports[-len(micro_batches) :])
+                reason = self.guard.loss_or_grads(reports[-len(micro_batches) :], self.model)
             if reason is not None:
                 skipped_now += 1
-                self._skip(reason)
+                self.guard.skip(reason)
                 continue
-            self.consecutive_skips = 0
-            updated, norm = optimizer_step(self.optimizer, self.scheduler)
+            self.guard.stepped()
+            _, norm = optimizer_step(self.optimizer, self.scheduler)
             if norm is not None:
                 norms.append(norm)
         zero_grads(self.model, self.optimizer)
-        metrics = self._loss_metrics(reports)
+        metrics = sm.loss_metrics(reports)
         metrics.update(moe_loss_metrics(unwrap(self.model[0]).config, forwards))
-        metrics.update(self._replay_metrics())
-        if norms:
-            metrics["optim/grad_norm"] = sum(norms) / len(norms)
-        metrics["optim/lr"] = self.optimizer.param_groups[0]["lr"]
-        metrics["optim/skipped_steps_total"] = float(self.skipped)
-        metrics["optim/skipped_steps"] = float(skipped_now)
-        metrics["perf/old_logprob_pass_skipped"] = float(self.on_policy)
+        metrics.update(self.replay.metrics())
+        lr = self.optimizer.param_groups[0]["lr"]
+        metrics.update(sm.optim_metrics(norms, lr, self.guard.skipped, skipped_now, self.on_policy))
         return metrics
 
     def rollout_metrics(self, batch: RolloutBatch, stages: dict[str, float]) -> dict[str, float]:
-        """Rewards and lengths (over DP), the time of each stage and the throughputs; the
-        seconds are the slowest rank's (a step waits for it)."""
-        rewards = batch.rewards
-        resp = sum(len(r) for r in batch.response_ids)
-        total, sq, n, resp_tokens, tokens = comm.all_reduce_sum(
-            [sum(rewards), sum(r * r for r in rewards), len(rewards), resp, batch.num_tokens],
-            parallel_state.get_data_parallel_group(),
-        )
-        mean = total / n
-        metrics = {
-            "reward/mean": mean,
-            "reward/std": max(sq / n - mean * mean, 0.0) ** 0.5,
-            "response/length_mean": resp_tokens / n,
-        }
-        metrics.update(self._reward_extra_metrics(batch))
-        metrics.update(self._perf_metrics(stages, tokens, resp_tokens))
-        if torch.cuda.is_available():
-            # this step's peak (reset below for the next one), the max over all ranks
-            peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30, device="cuda")
-            torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
-            torch.cuda.reset_peak_memory_stats()
-            metrics["perf/peak_memory_gib"] = peak.item()
-        return metrics
-
-    def _reward_extra_metrics(self, batch: RolloutBatch) -> dict[str, float]:
-        """``reward/<name>`` of the batch's ``reward_extras`` (a dict reward's other keys) over
-        DP: the mean over the samples that have the key; ``reward/timeouts``: the number of
-        samples whose reward timed out. The names are the union over the DP ranks."""
-        if self.cfg.rollout.input_path is not None:  # rollout files carry no extras
-            return {}
-        extras = batch.reward_extras or {}
-        names = sorted(extras)
-        group = parallel_state.get_data_parallel_group()
-        if self.dp_size > 1:  # a rank's samples may lack a key the others have
-            gathered: list[Any] = [None] * self.dp_size
-            torch.distributed.all_gather_object(gathered, names, group=group)
-            names = sorted(set().union(*gathered))
-        if not names:
-            return {}
-        sums = []
-        for name in names:
-            values = [v for v in extras.get(name, []) if v == v]  # NaN: this sample has none
-            sums += [sum(values), len(values)]
-        totals = comm.all_reduce_sum(sums, group)
-        out = {}
-        for j, name in enumerate(names):
-            total, count = totals[2 * j], totals[2 * j + 1]
-            if name == TIMEOUTS:
-                out[f"reward/{TIMEOUTS}"] = total
-            elif count:
-                out[f"reward/{name}"] = total / count
-        return out
-
-    def _perf_metrics(
-        self, stages: dict[str, float], tokens: float, new_tokens: float
-    ) -> dict[str, float]:
-        """``perf/<stage>_seconds`` (the slowest rank's: the step waits for it), throughputs over
-        all DP ranks, and the rollout source's own metrics (the max over ranks)."""
-        source = self.source.metrics()
-        names = [f"perf/{k}_seconds" for k in stages] + list(source)
-        out = dict(
-            zip(names, comm.all_reduce_max([*stages.values(), *source.values()]), strict=True)
-        )
-        out["perf/tokens_per_s"] = tokens / out["perf/step_seconds"]
-        out["perf/train_tokens_per_s"] = tokens / out["perf/update_seconds"]
-        if self.source.generated:  # file rollouts were generated elsewhere: no rate to report
-            generated = out.get("rollout/generated_tokens", new_tokens)  # filter_groups: all rounds
-            out["perf/generation_tokens_per_s"] = generated / out["perf/rollout_seconds"]
-        return out
+        """Rewards, lengths, stage seconds and throughputs (``step_metrics``)."""
+        extras = self.cfg.rollout.input_path is None  # rollout files carry no reward extras
+        return sm.rollout_metrics(batch, stages, self.source, self.dp_size, extras)
 
     def maybe_save(self, step: int, stop: str | None = None) -> None:
         """Save after ``step`` steps: every ``save_interval`` steps, after the last one, and when
@@ -408,7 +313,7 @@ class Trainer:
         if cfg.dir is not None and due and step > self._saved_step:
             state = {
                 "data_position": step * self.cfg.rollout.num_prompts,
-                "skipped_steps": self.skipped,
+                "skipped_steps": self.guard.skipped,
                 "world_size": torch.distributed.get_world_size(),
                 "config": to_dict(self.cfg),
             }
@@ -435,10 +340,7 @@ class Trainer:
 
     def _forward_backward(self, micro_batches: list[PackedBatch]) -> list[dict[str, Any]]:
         model = self.model if len(self.model) > 1 else self.model[0]
-        replay = self.cfg.model.moe_enable_routing_replay
-        # Routing replay spans the whole schedule: recomputes in backward replay each
-        # micro-batch's routes (GRPOStep sets them per forward).
-        with replay_routes(self.model) if replay else contextlib.nullcontext():
+        with self.replay.scope():  # the whole schedule: recomputes in backward replay too
             out = get_forward_backward_func()(
                 forward_step_func=self.step_fn.forward_step,
                 data_iterator=iter(micro_batches),
@@ -449,80 +351,3 @@ class Trainer:
                 forward_only=False,
             )
         return list(out) if comm.is_last_stage() else [{} for _ in micro_batches]
-
-    def _replay_metrics(self) -> dict[str, float]:
-        """``moe/replay_mismatch_frac``: fraction of replayed (token, MoE layer) pairs whose live
-        top-k differs from the replayed one in the old-log-prob pass (the policy the rollouts
-        came from); ``moe/replay_mismatch_frac_update``: the same over this step's training
-        forwards. All ranks (a sum over the world). With ``training.log_mismatch_without_replay``
-        also ``mismatch/k{1,3}_no_replay`` (:meth:`_mismatch_without_replay`). On-policy (no old
-        pass) the step's one update ran on the rollout policy's weights: its counts are both."""
-        if not self.cfg.model.moe_enable_routing_replay:
-            return {}
-        old = self.__dict__.pop("_replay_counts", None)
-        update = replay_mismatch(self.model)
-        if self.on_policy:
-            old = update
-        counts = torch.cat([update, update if old is None else old]).tolist()
-        sums = comm.all_reduce_sum(counts, None)
-        out = {"moe/replay_mismatch_frac_update": sums[0] / max(sums[1], 1.0)}
-        if old is not None:  # update() without the old-log-prob pass has no such count
-            out["moe/replay_mismatch_frac"] = sums[2] / max(sums[3], 1.0)
-        out.update(self.__dict__.pop("_no_replay", {}))
-        return out
-
-    def _nonfinite_inputs(self, micro_batches: list[PackedBatch]) -> str | None:
-        flags = comm.any_rank(nonfinite_inputs(micro_batches))
-        names = [n for n, bad in zip(PER_TOKEN_INPUTS, flags, strict=True) if bad]
-        return f"non-finite input(s): {', '.join(names)}" if names else None
-
-    def _nonfinite_loss_or_grads(self, reports: list[dict[str, Any]]) -> str | None:
-        loss_bad = any(
-            not bool(torch.isfinite(torch.as_tensor(r["loss/loss"].sum)).all())
-            for r in reports
-            if "loss/loss" in r
-        )
-        grads_bad = False
-        for chunk in self.model:
-            for p in chunk.parameters():
-                g = getattr(p, "main_grad", None)
-                g = p.grad if g is None else g
-                if g is not None and not bool(torch.isfinite(g).all()):
-                    grads_bad = True
-        loss_bad, grads_bad = comm.any_rank([loss_bad, grads_bad])
-        if loss_bad:
-            return "non-finite loss (inputs were finite: the policy's log-probs overflowed)"
-        return "non-finite gradients" if grads_bad else None
-
-    def _skip(self, reason: str) -> None:
-        self.skipped += 1
-        self.consecutive_skips += 1
-        limit = self.cfg.training.max_consecutive_nonfinite_skips
-        self.monitor.message(
-            f"skipped an optimizer step: {reason} ({self.consecutive_skips} in a row, "
-            f"{self.skipped} in total)"
-        )
-        if self.consecutive_skips >= limit:
-            raise NonFiniteError(
-                f"{self.consecutive_skips} consecutive optimizer steps skipped (last: {reason}); "
-                f"training.max_consecutive_nonfinite_skips={limit}"
-            )
-
-    def _loss_metrics(self, reports: list[dict[str, Any]]) -> dict[str, float]:
-        if not comm.is_last_stage() or not reports:
-            return {}
-        metrics = reduce_metrics(reports, group=comm.dp_cp_group())
-        low, high = metrics.get("loss/pg_clipfrac_low"), metrics.get("loss/pg_clipfrac_high")
-        if low is not None and high is not None:
-            metrics["loss/clipfrac"] = low + high
-        return metrics
-
-
-@contextlib.contextmanager
-def _timed(stages: dict[str, float], name: str) -> Iterator[None]:
-    """Wall seconds of a stage into ``stages[name]`` (GPU work included: synchronized)."""
-    start = time.perf_counter()
-    yield
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    stages[name] = time.perf_counter() - start

@@ -1,0 +1,68 @@
+"""The trainer's parts outside its class: the non-finite skip policy (``train/nonfinite.py``),
+old / reference log-probs attached as new micro-batches (``batching.attach_logprobs``) and
+``generate``'s one result type (``rollout.Generation``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_grpo.megatron.batch import pack_sequences
+from megatron_grpo.rollout import Generation
+from megatron_grpo.train.batching import attach_logprobs
+from megatron_grpo.train.nonfinite import NonFiniteError, NonFiniteGuard
+
+
+def _batch(n: int):
+    seqs = [torch.arange(n), torch.arange(2)]
+    masks = [torch.tensor([False] + [True] * (n - 1)), torch.tensor([False, True])]
+    return pack_sequences(seqs, masks, advantages=torch.ones(2))
+
+
+def test_guard_skips_then_aborts_and_a_step_resets_the_run():
+    messages = []
+    guard = NonFiniteGuard(2, messages.append, skipped=5)  # 5: restored from a checkpoint
+    guard.skip("non-finite gradients")
+    guard.stepped()
+    guard.skip("non-finite gradients")
+    assert (guard.skipped, guard.consecutive) == (7, 1)
+    assert (
+        messages[-1] == "skipped an optimizer step: non-finite gradients (1 in a row, 7 in total)"
+    )
+    with pytest.raises(NonFiniteError, match="2 consecutive optimizer steps skipped"):
+        guard.skip("non-finite loss")
+
+
+def test_guard_names_the_nonfinite_inputs_loss_and_grads():
+    good, bad = _batch(4), _batch(3)
+    assert NonFiniteGuard.inputs([good]) is None
+    bad.advantages[1] = float("nan")
+    assert NonFiniteGuard.inputs([good, bad]) == "non-finite input(s): advantages"
+    layer = torch.nn.Linear(2, 2)
+    layer.weight.grad = torch.zeros(2, 2)
+    report = {"loss/loss": type("Sum", (), {"sum": torch.tensor(1.0)})()}
+    assert NonFiniteGuard.loss_or_grads([report], [layer]) is None
+    layer.weight.grad[0, 0] = float("inf")
+    assert NonFiniteGuard.loss_or_grads([report], [layer]) == "non-finite gradients"
+    report["loss/loss"].sum = torch.tensor(float("nan"))
+    assert NonFiniteGuard.loss_or_grads([report], [layer]).startswith("non-finite loss")
+
+
+def test_logprobs_are_attached_to_new_micro_batches():
+    minis = [[_batch(3), _batch(4)], [_batch(5)]]
+    old = [torch.full((mb.num_tokens,), -float(i)) for i, mb in enumerate(sum(minis, []))]
+    ref = [x - 1 for x in old]
+    out = attach_logprobs(minis, old, ref)
+    assert [len(m) for m in out] == [2, 1]
+    flat = sum(out, [])
+    for mb, o, r in zip(flat, old, ref, strict=True):
+        assert mb.old_logprobs is o and mb.ref_logprobs is r
+    assert all(mb.old_logprobs is None for mb in sum(minis, []))  # the packed ones unchanged
+    on_policy = sum(attach_logprobs(minis, None, ref), [])  # no old pass
+    assert all(mb.old_logprobs is None for mb in on_policy)
+    assert torch.equal(on_policy[2].tokens, minis[1][0].tokens)
+
+
+def test_generation_routes_are_optional():
+    out = Generation.of([[1, 2]], [[-0.5, -0.25]], None)
+    assert (out.responses, out.logprobs, out.routes) == ([[1, 2]], [[-0.5, -0.25]], None)
