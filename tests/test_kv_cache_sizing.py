@@ -69,15 +69,17 @@ def test_rollout_config_fields_and_validation():
     from megatron_grpo.train.config import load_train_config
 
     recipe = RECIPES / "tiny.yaml"
-    r = load_train_config(recipe).rollout
-    assert (r.kv_cache_gib, r.kv_cache_fraction) == (None, 0.9)
-    r = load_train_config(recipe, ["rollout.kv_cache_gib=3", "rollout.kv_cache_fraction=0.5"])
-    assert (r.rollout.kv_cache_gib, r.rollout.kv_cache_fraction) == (3.0, 0.5)
-    assert load_train_config(RECIPES / "tiny_long.yaml").rollout.kv_cache_gib == 1.0
+    e = load_train_config(recipe).rollout.engine
+    assert (e.kv_cache_gib, e.kv_cache_fraction) == (None, 0.9)
+    sets = ["rollout.engine.kv_cache_gib=3", "rollout.engine.kv_cache_fraction=0.5"]
+    e = load_train_config(recipe, sets).rollout.engine
+    assert (e.kv_cache_gib, e.kv_cache_fraction) == (3.0, 0.5)
+    assert load_train_config(RECIPES / "tiny_long.yaml").rollout.engine.kv_cache_gib == 1.0
+    fraction = r"rollout.engine.kv_cache_fraction must be in \(0, 1\]"
     for override, message in [
-        ("rollout.kv_cache_fraction=0", r"rollout: kv_cache_fraction must be in \(0, 1\]"),
-        ("rollout.kv_cache_fraction=1.01", r"rollout: kv_cache_fraction must be in \(0, 1\]"),
-        ("rollout.kv_cache_gib=0", "rollout: kv_cache_gib must be > 0"),
+        ("rollout.engine.kv_cache_fraction=0", fraction),
+        ("rollout.engine.kv_cache_fraction=1.01", fraction),
+        ("rollout.engine.kv_cache_gib=0", "rollout.engine.kv_cache_gib must be > 0"),
     ]:
         with pytest.raises(ConfigError, match=message):
             load_train_config(recipe, [override])
