@@ -170,7 +170,7 @@ def _dp2_body(rank: int, world: int) -> None:
     ev.generate = fake_generate
     try:
         cfg = _cfg(f"evaluation.n_samples={N}", "evaluation.temperature=0.5",
-                   f"training.steps={STEPS}", "rollout.engine=recompute")  # fmt: skip
+                   f"training.steps={STEPS}", "rollout.engine.kind=recompute")  # fmt: skip
         task = _ValTask()
         evaluator = Evaluator(cfg, task, rank, world)
         monitor = _Monitor()

@@ -34,9 +34,11 @@ def test_too_little_memory_is_an_error_naming_the_settings():
     room = Headroom(fixed=GIB, per_slot=MIB)
     free, total, per_seq = 9 * GIB, 80 * GIB, 100 * MIB
     assert memory_slots(free, total, per_seq, 0.9, room) == 0
-    with pytest.raises(ValueError, match=r"rollout\.kv_cache_fraction=0\.9 leaves no room") as e:
+    with pytest.raises(
+        ValueError, match=r"rollout\.engine\.kv_cache_fraction=0\.9 leaves no room"
+    ) as e:
         require_slots(0, free, total, per_seq, 0.9, room)
-    assert "rollout.kv_cache_gib" in str(e.value) and "71.00 GiB in use" in str(e.value)
+    assert "rollout.engine.kv_cache_gib" in str(e.value) and "71.00 GiB in use" in str(e.value)
     assert require_slots(3, free, total, per_seq, 0.9, room) == 3
 
 
@@ -175,7 +177,9 @@ def _single_body(rank: int, world: int) -> None:
         assert engine.stats["slots"] == 12 and got[0] == want[0]
         # ... and no room for one sequence is an error naming the setting.
         _fake_memory(mp, total // 2, total)
-        with pytest.raises(ValueError, match=r"rollout\.kv_cache_fraction=0\.5 leaves no room"):
+        with pytest.raises(
+            ValueError, match=r"rollout\.engine\.kv_cache_fraction=0\.5 leaves no room"
+        ):
             run(options)
         # A kept cache counts as free (it is dropped before a new one is allocated): the next
         # call, whose free memory is less by the kept cache, finds room for 4 again and keeps it.
