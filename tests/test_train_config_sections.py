@@ -120,6 +120,14 @@ def test_old_keys_map_to_the_new_ones_with_one_warning(old, where, tmp_path):
     assert messages == [f"config key {old} is deprecated and will be removed: use {new}"]
 
 
+def test_old_engine_string_beside_old_engine_keys(tmp_path):
+    path = _recipe(tmp_path, {"engine": "recompute", "kv_cache_gib": 1.0, "top_k": 1})
+    with pytest.warns(FutureWarning):
+        cfg = load_train_config(path, ["rollout.engine=kv_cache", "rollout.context_bucket=8"])
+    e = cfg.rollout.engine
+    assert (e.kind, e.kv_cache_gib, e.context_bucket) == ("kv_cache", 1.0, 8)
+
+
 def test_old_keys_warn_only_on_rank_0(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     cfg = _load_quietly(RECIPE, ["rollout.top_k=3"])

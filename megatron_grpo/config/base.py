@@ -231,7 +231,8 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str], root: type |
 def rename_keys(
     data: dict[str, Any], overrides: Sequence[str], renamed: Mapping[str, str]
 ) -> list[str]:
-    """Move renamed keys (``renamed``: old dotted path -> new one) to their new paths.
+    """Move renamed keys (``renamed``: old dotted path -> new one, applied in this order) to
+    their new paths.
 
     ``data`` (a loaded YAML tree) is changed in place; the rewritten ``overrides`` are returned.
     An old key applies only to a value that is not a mapping, so a scalar at a path that is now a

@@ -582,9 +582,9 @@ _MOVED = {
     "decode_path".split(),
 }
 RENAMED_KEYS = {
-    f"rollout.{key}": f"rollout.{section}.{key}" for section, keys in _MOVED.items() for key in keys
+    "rollout.engine": "rollout.engine.kind",  # `engine: recompute`; first: the others move below it
+    **{f"rollout.{key}": f"rollout.{sec}.{key}" for sec, keys in _MOVED.items() for key in keys},
 }
-RENAMED_KEYS["rollout.engine"] = "rollout.engine.kind"  # was `engine: kv_cache | recompute`
 
 
 def load_train_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
