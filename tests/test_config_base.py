@@ -5,7 +5,15 @@ from typing import Literal
 
 import pytest
 
-from megatron_grpo.config import ConfigError, apply_overrides, from_dict, load_config, to_dict
+from megatron_grpo.config import (
+    RUNTIME_ONLY,
+    ConfigError,
+    apply_overrides,
+    from_dict,
+    load_config,
+    rename_keys,
+    to_dict,
+)
 
 
 @dataclass
@@ -48,7 +56,7 @@ def test_unknown_key_suggests_closest():
         ({"steps": True}, r"steps: expected an integer"),
         ({"inner": {"mode": "c"}}, r"inner\.mode: 'c' is not one of"),
         ({"inner": {"betas": [0.1]}}, r"inner\.betas: expected 2 items"),
-        ({"inner": {"lr": -1.0}}, r"inner: lr must be > 0"),
+        ({"inner": {"lr": -1.0}}, r"inner\.lr must be > 0"),
         ({"inner": 3}, r"inner: expected a mapping"),
     ],
 )
@@ -66,3 +74,33 @@ def test_overrides_parse_yaml_scalars_and_create_sections(tmp_path):
         apply_overrides({}, ["inner.lrr=1"], root=Root)
     with pytest.raises(ConfigError, match="a.b=value"):
         apply_overrides({}, ["steps"], root=Root)
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """A runtime class used as a section: frozen, with a field the program fills in."""
+
+    scale: float = 1.0
+    size: int | None = field(default=None, metadata=RUNTIME_ONLY)
+
+
+@dataclass
+class WithRuntime:
+    runtime: Runtime = field(default_factory=Runtime)
+
+
+def test_frozen_runtime_class_as_a_section():
+    cfg = from_dict(WithRuntime, {"runtime": {"scale": 2}})
+    assert cfg.runtime == Runtime(scale=2.0) and to_dict(cfg) == {"runtime": {"scale": 2.0}}
+    with pytest.raises(ConfigError, match=r"unknown config key 'runtime\.size'; valid keys: scale"):
+        from_dict(WithRuntime, {"runtime": {"size": 3}})
+    with pytest.raises(ConfigError, match=r"unknown config key 'runtime\.size'"):
+        apply_overrides({}, ["runtime.size=3"], root=WithRuntime)
+
+
+def test_rename_keys_moves_scalars_only():
+    data = {"a": {"old": 1, "sec": 2}}
+    renamed = {"a.old": "a.new.x", "a.sec": "a.sec.kind"}
+    with pytest.warns(FutureWarning, match=r"a\.old is deprecated .*: use a\.new\.x"):
+        assert rename_keys(data, ["a.sec={kind: 3}"], renamed) == ["a.sec={kind: 3}"]
+    assert data == {"a": {"new": {"x": 1}, "sec": {"kind": 2}}}

@@ -55,9 +55,9 @@ def test_defaults_off_and_overrides():
         ([*DATASET[:3], "evaluation.interval=3"], "rollout.dataset.val_files is empty"),
         ([*DATASET, "evaluation.interval=1", "evaluation.n_samples=2"],
          "evaluation: n_samples=2 needs temperature > 0"),
-        ([*DATASET, "evaluation.interval=-1"], "evaluation: interval must be >= 0"),
-        ([*DATASET, "evaluation.temperature=-1"], "evaluation: temperature must be >= 0"),
-        ([*DATASET, "evaluation.max_prompts=0"], "evaluation: max_prompts must be positive"),
+        ([*DATASET, "evaluation.interval=-1"], "evaluation.interval must be >= 0"),
+        ([*DATASET, "evaluation.temperature=-1"], "evaluation.temperature must be >= 0"),
+        ([*DATASET, "evaluation.max_prompts=0"], "evaluation.max_prompts must be positive"),
         ([*DATASET, "evaluation.interval=1", "parallel.pipeline_model_parallel_size=2"],
          "parallel.pipeline_model_parallel_size = 1"),
         (["evaluation.intervall=1"], "did you mean 'interval'"),
@@ -71,7 +71,9 @@ def test_config_errors_name_the_field(overrides, message):
 def test_sampling_params_greedy_or_sampled():
     greedy = eval_sampling_params(_cfg(), eos_id=12, stop_ids=[9])
     assert (greedy.temperature, greedy.top_k, greedy.top_p) == (1.0, 1, 1.0)
-    cfg = _cfg("evaluation.temperature=0.6", "rollout.top_p=0.9", "rollout.top_k=5")
+    cfg = _cfg(
+        "evaluation.temperature=0.6", "rollout.sampling.top_p=0.9", "rollout.sampling.top_k=5"
+    )
     sampled = eval_sampling_params(cfg, eos_id=12, stop_ids=[9])
     assert (sampled.temperature, sampled.top_k, sampled.top_p) == (0.6, 0, 1.0)
     assert sampled.max_new_tokens == cfg.rollout.max_response_length and sampled.stop_ids == (9,)
@@ -169,7 +171,7 @@ def _dp2_body(rank: int, world: int) -> None:
     ev.generate = fake_generate
     try:
         cfg = _cfg(f"evaluation.n_samples={N}", "evaluation.temperature=0.5",
-                   f"training.steps={STEPS}", "rollout.engine=recompute")  # fmt: skip
+                   f"training.steps={STEPS}", "rollout.engine.kind=recompute")  # fmt: skip
         task = _ValTask()
         evaluator = Evaluator(cfg, task, rank, world)
         monitor = _Monitor()

@@ -34,9 +34,11 @@ def test_too_little_memory_is_an_error_naming_the_settings():
     room = Headroom(fixed=GIB, per_slot=MIB)
     free, total, per_seq = 9 * GIB, 80 * GIB, 100 * MIB
     assert memory_slots(free, total, per_seq, 0.9, room) == 0
-    with pytest.raises(ValueError, match=r"rollout\.kv_cache_fraction=0\.9 leaves no room") as e:
+    with pytest.raises(
+        ValueError, match=r"rollout\.engine\.kv_cache_fraction=0\.9 leaves no room"
+    ) as e:
         require_slots(0, free, total, per_seq, 0.9, room)
-    assert "rollout.kv_cache_gib" in str(e.value) and "71.00 GiB in use" in str(e.value)
+    assert "rollout.engine.kv_cache_gib" in str(e.value) and "71.00 GiB in use" in str(e.value)
     assert require_slots(3, free, total, per_seq, 0.9, room) == 3
 
 
@@ -69,15 +71,17 @@ def test_rollout_config_fields_and_validation():
     from megatron_grpo.train.config import load_train_config
 
     recipe = RECIPES / "tiny.yaml"
-    r = load_train_config(recipe).rollout
-    assert (r.kv_cache_gib, r.kv_cache_fraction) == (None, 0.9)
-    r = load_train_config(recipe, ["rollout.kv_cache_gib=3", "rollout.kv_cache_fraction=0.5"])
-    assert (r.rollout.kv_cache_gib, r.rollout.kv_cache_fraction) == (3.0, 0.5)
-    assert load_train_config(RECIPES / "tiny_long.yaml").rollout.kv_cache_gib == 1.0
+    e = load_train_config(recipe).rollout.engine
+    assert (e.kv_cache_gib, e.kv_cache_fraction) == (None, 0.9)
+    sets = ["rollout.engine.kv_cache_gib=3", "rollout.engine.kv_cache_fraction=0.5"]
+    e = load_train_config(recipe, sets).rollout.engine
+    assert (e.kv_cache_gib, e.kv_cache_fraction) == (3.0, 0.5)
+    assert load_train_config(RECIPES / "tiny_long.yaml").rollout.engine.kv_cache_gib == 1.0
+    fraction = r"rollout.engine.kv_cache_fraction must be in \(0, 1\]"
     for override, message in [
-        ("rollout.kv_cache_fraction=0", r"rollout: kv_cache_fraction must be in \(0, 1\]"),
-        ("rollout.kv_cache_fraction=1.01", r"rollout: kv_cache_fraction must be in \(0, 1\]"),
-        ("rollout.kv_cache_gib=0", "rollout: kv_cache_gib must be > 0"),
+        ("rollout.engine.kv_cache_fraction=0", fraction),
+        ("rollout.engine.kv_cache_fraction=1.01", fraction),
+        ("rollout.engine.kv_cache_gib=0", "rollout.engine.kv_cache_gib must be > 0"),
     ]:
         with pytest.raises(ConfigError, match=message):
             load_train_config(recipe, [override])
@@ -173,7 +177,9 @@ def _single_body(rank: int, world: int) -> None:
         assert engine.stats["slots"] == 12 and got.responses == want.responses
         # ... and no room for one sequence is an error naming the setting.
         _fake_memory(mp, total // 2, total)
-        with pytest.raises(ValueError, match=r"rollout\.kv_cache_fraction=0\.5 leaves no room"):
+        with pytest.raises(
+            ValueError, match=r"rollout\.engine\.kv_cache_fraction=0\.5 leaves no room"
+        ):
             run(options)
         # A kept cache counts as free (it is dropped before a new one is allocated): the next
         # call, whose free memory is less by the kept cache, finds room for 4 again and keeps it.

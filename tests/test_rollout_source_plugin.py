@@ -86,7 +86,7 @@ def test_source_defaults_from_input_path():
     ],
 )
 def test_source_contradictions_name_both_fields(overrides, message):
-    with pytest.raises(ConfigError, match=f"rollout: {message}"):
+    with pytest.raises(ConfigError, match=f"rollout(: |\\.){message}"):
         load_train_config(RECIPE, overrides)
 
 

@@ -221,7 +221,7 @@ def test_a_failing_chat_template_names_the_row(tmp_path):
 def test_stop_ids_come_from_generation_config(tmp_path, chat_tok):
     task = _task(_jsonl(tmp_path / "a.jsonl", PLAIN), chat_tok)
     assert task.tokenizer.eos_id == 1 and task.stop_ids == (2,)  # [1, 2] minus eos
-    cfg = load_train_config(None, ["model.vocab_size=32", "rollout.stop_ids=[5, 2]"])
+    cfg = load_train_config(None, ["model.vocab_size=32", "rollout.sampling.stop_ids=[5, 2]"])
     params = sampling_params(cfg, task.tokenizer.eos_id, task.stop_ids)
     assert params.stop_ids == (5, 2) and params.stops == {1, 2, 5}
     one = _save_tokenizer(tmp_path / "one", generation_eos=2)  # an int works too

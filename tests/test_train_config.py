@@ -56,9 +56,12 @@ def test_overrides_reach_every_section():
         ("training.steps=abc", "training.steps: expected an integer"),
         ("rollout.task=chess", "rollout.task: 'chess' is not one of"),
         ("optimizer.optimizer=lion", "optimizer.optimizer: 'lion' is not one of"),
-        ("rollout.engine=vllm", "rollout.engine: 'vllm' is not one of"),
-        ("rollout.cuda_graphs=maybe", "rollout.cuda_graphs"),
-        ("rollout.stop_ids=5", "rollout.stop_ids: expected a list"),
+        ("rollout.engine.kind=vllm", "rollout.engine.kind: 'vllm' is not one of"),
+        ("rollout.engine.cuda_graphs=maybe", "rollout.engine.cuda_graphs"),
+        ("rollout.sampling.stop_ids=5", "rollout.sampling.stop_ids: expected a list"),
+        ("rollout.sampling.temprature=1", "did you mean 'temperature'"),
+        ("rollout.sampling.eos_id=1", "unknown config key 'rollout.sampling.eos_id'"),
+        ("rollout.engine.kv_cache=1", "did you mean 'kv_cache_gib'"),
         ("rollout.filter_groups.max_rounds=2", "did you mean 'max_extra_rounds'"),
         ("rollout.filter_groups.enabled=maybe", "rollout.filter_groups.enabled: expected true"),
         ("rollout.filter_groups=true", "rollout.filter_groups: expected a mapping"),
@@ -73,17 +76,18 @@ def test_unknown_keys_and_bad_values_name_the_field(override, message):
     ("overrides", "message"),
     [
         (["rollout.group_size=1"], "group_size must be >= 2"),
-        (["rollout.top_p=0"], "top_p must be in"),
-        (["rollout.top_k=-1"], "rollout: top_k must be >= 0"),
-        (["rollout.stop_ids=[3, -1]"], "rollout: stop_ids must be token ids >= 0, got -1"),
-        (["rollout.kv_cache_gib=0"], "rollout: kv_cache_gib must be > 0"),
-        (["rollout.context_bucket=0"], "rollout: context_bucket must be positive"),
-        (["rollout.max_prefill_tokens=-1"], "rollout: max_prefill_tokens must be positive"),
+        (["rollout.sampling.temperature=0"], "rollout.sampling.temperature must be > 0"),
+        (["rollout.sampling.top_p=0"], "rollout.sampling.top_p must be in"),
+        (["rollout.sampling.top_k=-1"], "rollout.sampling.top_k must be >= 0"),
+        (["rollout.sampling.stop_ids=[3, -1]"], "sampling.stop_ids must be token ids >= 0, got -1"),
+        (["rollout.engine.kv_cache_gib=0"], "rollout.engine.kv_cache_gib must be > 0"),
+        (["rollout.engine.context_bucket=0"], "rollout.engine.context_bucket must be positive"),
+        (["rollout.engine.max_prefill_tokens=-1"], "engine.max_prefill_tokens must be positive"),
         (["rollout.reward_fn=no_colon"], "reward_fn must look like"),
         (["rollout.task=math"], "math.data_path is required"),
         (
             ["rollout.filter_groups.reward_tolerance=-0.1"],
-            "rollout.filter_groups: reward_tolerance must be a finite number >= 0, got -0.1",
+            "rollout.filter_groups.reward_tolerance must be a finite number >= 0, got -0.1",
         ),
         (["rollout.filter_groups.reward_tolerance=.nan"], "reward_tolerance must be a finite"),
         (
@@ -93,7 +97,7 @@ def test_unknown_keys_and_bad_values_name_the_field(override, message):
         (["rollout.filter_groups.max_extra_rounds=1025"], "max_extra_rounds must be in"),
         (
             ["rollout.filter_groups.enabled=true", "rollout.input_path=x.jsonl"],
-            "rollout: filter_groups.enabled needs generated rollouts",
+            "rollout.filter_groups.enabled needs generated rollouts",
         ),
         (["training.micro_batch_size=null"], "exactly one of micro_batch_size"),
         (["training.max_tokens_per_micro_batch=64"], "exactly one of micro_batch_size"),
@@ -138,16 +142,3 @@ def test_checkpoint_architecture_check_names_the_field(tmp_path):
                         rotary_base=500000)  # fmt: skip
     with pytest.raises(ConfigError, match="rotary_base"):
         check_checkpoint_architecture(other, str(tmp_path))
-
-
-def test_rollout_engine_fields_default_and_override():
-    cfg = load_train_config(RECIPE)
-    r = cfg.rollout
-    assert (r.engine, r.kv_cache_gib, r.cuda_graphs, r.top_k, r.stop_ids) == (
-        "kv_cache", None, None, 0, []
-    )  # fmt: skip
-    sets = ["rollout.engine=recompute", "rollout.cuda_graphs=false", "rollout.stop_ids=[10]"]
-    r = load_train_config(RECIPE, [*sets, "rollout.top_k=4", "rollout.kv_cache_gib=0.5"]).rollout
-    assert (r.engine, r.kv_cache_gib, r.cuda_graphs, r.top_k, r.stop_ids) == (
-        "recompute", 0.5, False, 4, [10]
-    )  # fmt: skip

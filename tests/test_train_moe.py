@@ -97,7 +97,7 @@ def _train(tmp: Path, extra: list[str]) -> list[dict]:
             "training.micro_batch_size=null",
             "training.max_tokens_per_micro_batch=150",
             "model.moe_aux_loss_coeff=0.01",
-            "rollout.engine=recompute",
+            "rollout.engine.kind=recompute",
         ],
         # routing replay of the KV-cached engine's own routes, and the live-routing twin pass
         ["model.moe_enable_routing_replay=true", "training.log_mismatch_without_replay=true"],
@@ -116,7 +116,7 @@ def test_moe_expert_parallel_training_runs(tmp_path, extra):
         # differently (other GEMM shapes), which can flip a near-tied top-k choice of a token
         # (the generator/trainer routing mismatch that routing replay removes: exact again).
         replay = "model.moe_enable_routing_replay=true" in extra
-        bound = 1e-5 if "rollout.engine=recompute" in extra or replay else 2e-3
+        bound = 1e-5 if "rollout.engine.kind=recompute" in extra or replay else 2e-3
         assert abs(m["mismatch/k1"]) < bound, m
         if replay:  # the generation's routes reached the trainer; the live-routed pass ran
             assert 0 <= m["moe/replay_mismatch_frac"] < 0.05, m

@@ -158,6 +158,7 @@ def test_rollouts_are_checked_against_the_model(tmp_path, bad, message):
 
 
 def test_file_rollout_source_checks_rewards_and_takes_each_ranks_groups(tmp_path):
+    from megatron_grpo.rollout import SamplingParams
     from megatron_grpo.train.config import TrainConfig
     from megatron_grpo.train.rollout_source import FileRollouts, sampling_params
 
@@ -172,6 +173,6 @@ def test_file_rollout_source_checks_rewards_and_takes_each_ranks_groups(tmp_path
     cfg.rollout.input_path = str(tmp_path / "b")
     with pytest.raises(ValueError, match="r.jsonl:1: .* must carry a 'reward' column"):
         FileRollouts(cfg, 0, 1)
-    cfg.rollout.stop_ids = [20]
-    with pytest.raises(ValueError, match="rollout: stop_ids 20 is outside the vocabulary"):
+    cfg.rollout.sampling = SamplingParams(stop_ids=(20,))
+    with pytest.raises(ValueError, match="rollout.sampling.stop_ids 20 is outside the vocabulary"):
         sampling_params(cfg, eos_id=12)

@@ -176,7 +176,7 @@ def _long_body(rank: int, world: int, tmp: Path) -> None:
         "training.steps=2",
     ]
     cfg = load_train_config(recipe, base + [f"logging.dir={tmp / 'kv'}"])
-    assert cfg.rollout.reverse_digits.num_digits == 32 and cfg.rollout.engine == "kv_cache"
+    assert cfg.rollout.reverse_digits.num_digits == 32 and cfg.rollout.engine.kind == "kv_cache"
     history = Trainer(cfg).train()
     logged = [json.loads(line) for line in (tmp / "kv" / "metrics.jsonl").read_text().splitlines()]
     for h, row in zip(history, logged, strict=True):
@@ -185,7 +185,7 @@ def _long_body(rank: int, world: int, tmp: Path) -> None:
         assert h["rollout/kv_slots"] == 32.0  # 4 prompts x 8 samples fit the budget at once
         assert h["rollout/decode_steps"] >= h["response/length_mean"] - 1
         assert h["perf/step_seconds"] >= h["perf/rollout_seconds"] + h["perf/update_seconds"]
-    recompute = [f"logging.dir={tmp / 're'}", "rollout.engine=recompute", "training.steps=1"]
+    recompute = [f"logging.dir={tmp / 're'}", "rollout.engine.kind=recompute", "training.steps=1"]
     [h] = Trainer(load_train_config(recipe, base + recompute)).train()
     assert h["perf/generation_tokens_per_s"] > 0.0 and "rollout/kv_slots" not in h
 

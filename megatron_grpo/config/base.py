@@ -5,24 +5,37 @@ Every config section is a ``@dataclass``. A YAML mapping maps 1:1 onto the tree:
 * unknown keys raise :class:`ConfigError` naming the full dotted path and the closest valid key;
 * values are checked against the field's annotation (int, float, bool, str, Literal, tuples,
   lists, ``X | None`` and nested dataclasses);
-* ``--set a.b=value`` overrides are parsed as YAML scalars and applied before validation.
+* ``--set a.b=value`` overrides are parsed as YAML scalars and applied before validation;
+* a renamed key keeps working for a while: :func:`rename_keys` moves it to its new path with a
+  deprecation message (both set is an error).
 
-Cross-field checks belong in each dataclass's ``__post_init__`` and raise ``ValueError``
-naming the field; :func:`from_dict` re-raises them as :class:`ConfigError` with the path.
+A section may be a runtime class itself (frozen or not): fields marked
+``field(metadata=RUNTIME_ONLY)`` are filled in by the program, never by a recipe.
+
+Cross-field checks belong in each dataclass's ``__post_init__`` and raise ``ValueError`` whose
+message starts with the field's name; :func:`from_dict` re-raises them as :class:`ConfigError`
+with the full dotted path (``rollout.sampling.temperature must be > 0``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
+import re
 import types
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
 T = TypeVar("T")
+
+# ``field(metadata=RUNTIME_ONLY)``: a value the program fills in, not a recipe key.
+RUNTIME_ONLY: Mapping[str, bool] = MappingProxyType({"recipe": False})
 
 
 class ConfigError(ValueError):
@@ -38,6 +51,20 @@ def _closest(key: str, valid: Sequence[str]) -> str:
 
 def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
+
+
+def recipe_fields(cls: type) -> list[dataclasses.Field]:
+    """The fields of dataclass ``cls`` that a recipe sets (not ``RUNTIME_ONLY``)."""
+    return [f for f in dataclasses.fields(cls) if f.init and f.metadata.get("recipe", True)]
+
+
+def field_message(path: str, message: str, names: Sequence[str]) -> str:
+    """``message`` of section ``path``: one that starts with a field's name (``top_p must``,
+    ``math.data_path``, ``train_files[0]``) names it by its dotted path, else ``path: message``."""
+    head = re.match(r"\w+(?=[ .\[])", message)
+    if head and head.group() in names:
+        return f"{path}.{message}"
+    return f"{path}: {message}"
 
 
 def _coerce(value: Any, tp: Any, path: str) -> Any:
@@ -127,7 +154,7 @@ def from_dict(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path or cls.__name__}: expected a mapping, got {data!r}")
     hints = get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {f.name: f for f in recipe_fields(cls)}
     kwargs = {}
     for key, value in data.items():
         if key not in fields:
@@ -140,7 +167,9 @@ def from_dict(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:
     except (ValueError, TypeError) as e:
         if isinstance(e, ConfigError):
             raise
-        raise ConfigError(f"{path or cls.__name__}: {e}") from e
+        if not path:  # the root: its messages name their sections
+            raise ConfigError(f"{cls.__name__}: {e}") from e
+        raise ConfigError(field_message(path, str(e), list(fields))) from e
 
 
 def check_positive(obj: Any, *names: str) -> None:
@@ -156,7 +185,7 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
     def conv(v: Any) -> Any:
         if dataclasses.is_dataclass(v) and not isinstance(v, type):
-            return {f.name: conv(getattr(v, f.name)) for f in dataclasses.fields(v) if f.init}
+            return {f.name: conv(getattr(v, f.name)) for f in recipe_fields(type(v))}
         if isinstance(v, (list, tuple)):
             return [conv(x) for x in v]
         if isinstance(v, dict):
@@ -182,7 +211,7 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str], root: type |
         for depth, key in enumerate(keys):
             path = ".".join(keys[: depth + 1])
             if cls is not None:
-                names = [f.name for f in dataclasses.fields(cls) if f.init]
+                names = [f.name for f in recipe_fields(cls)]
                 if key not in names:
                     raise ConfigError(f"unknown config key '{path}'{_closest(key, names)}")
                 tp = get_type_hints(cls)[key]
@@ -197,6 +226,81 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str], root: type |
                     raise ConfigError(f"override '{dotted}': '{path}' is not a section")
                 node = child
     return data
+
+
+def rename_keys(
+    data: dict[str, Any], overrides: Sequence[str], renamed: Mapping[str, str]
+) -> list[str]:
+    """Move renamed keys (``renamed``: old dotted path -> new one, applied in this order) to
+    their new paths.
+
+    ``data`` (a loaded YAML tree) is changed in place; the rewritten ``overrides`` are returned.
+    An old key applies only to a value that is not a mapping, so a scalar at a path that is now a
+    section (``rollout.engine: recompute``) can move into it (``rollout.engine.kind``). Each old
+    key used warns once, on rank 0, naming the new one; old and new both set in the YAML, or both
+    in the overrides, is a :class:`ConfigError` naming both.
+    """
+    used = []
+    for old, new in renamed.items():
+        parent = _node(data, old.split(".")[:-1])
+        key = old.rsplit(".", 1)[-1]
+        if not isinstance(parent, dict) or key not in parent or isinstance(parent[key], Mapping):
+            continue
+        if _node(data, new.split(".")) is not _MISSING:
+            raise ConfigError(f"{old} and {new} are both set; {old} is deprecated: keep {new}")
+        value = parent.pop(key)
+        _setdefault_path(data, new.split(".")[:-1])[new.rsplit(".", 1)[-1]] = value
+        used.append(old)
+    given = {item.split("=", 1)[0].strip() for item in overrides}
+    out = []
+    for item in overrides:
+        dotted, _, raw = item.partition("=")
+        new = renamed.get(dotted.strip())
+        if new is not None and "=" in item and not isinstance(_yaml_value(raw), Mapping):
+            if new in given:
+                raise ConfigError(
+                    f"--set {dotted.strip()} and --set {new} are both given; "
+                    f"{dotted.strip()} is deprecated: keep {new}"
+                )
+            item = f"{new}={raw}"
+            used.append(dotted.strip())
+        out.append(item)
+    for old in dict.fromkeys(used):
+        if os.environ.get("RANK", "0") == "0":
+            message = f"config key {old} is deprecated and will be removed: use {renamed[old]}"
+            warnings.warn(message, FutureWarning, stacklevel=3)
+    return out
+
+
+def _yaml_value(raw: str) -> Any:
+    try:
+        return yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        return raw
+
+
+_MISSING = object()
+
+
+def _node(data: Mapping[str, Any], keys: Sequence[str]) -> Any:
+    """The value at ``keys`` below ``data`` (``_MISSING`` when absent or below a non-mapping)."""
+    node: Any = data
+    for k in keys:
+        if not isinstance(node, Mapping) or k not in node:
+            return _MISSING
+        node = node[k]
+    return node
+
+
+def _setdefault_path(data: dict[str, Any], keys: Sequence[str]) -> dict[str, Any]:
+    node = data
+    for depth, k in enumerate(keys):
+        if node.get(k) is None:
+            node[k] = {}
+        if not isinstance(node[k], dict):
+            raise ConfigError(f"'{'.'.join(keys[: depth + 1])}' must be a section (a mapping)")
+        node = node[k]
+    return node
 
 
 def _dataclass_in(tp: Any) -> type | None:
@@ -230,5 +334,8 @@ __all__ = [
     "from_dict",
     "load_config",
     "load_yaml",
+    "recipe_fields",
+    "rename_keys",
+    "RUNTIME_ONLY",
     "to_dict",
 ]

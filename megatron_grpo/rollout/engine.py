@@ -30,6 +30,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -47,9 +48,13 @@ from megatron_grpo.rollout.sampling import sample
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """Knobs of the KV-cached engine (``rollout.*`` in a recipe).
+    """Knobs of the KV-cached engine (a recipe's ``rollout.engine`` section).
 
     Attributes:
+        kind: which engine a recipe's rollouts use: ``kv_cache`` (:class:`KVCacheEngine` with
+            these options) or ``recompute`` (no cache: every token re-runs the whole sequence,
+            ``generate(..., engine="recompute")``, the reference the engine is tested against;
+            the other options are then unused). :class:`KVCacheEngine` itself is ``kv_cache``.
         kv_cache_gib: the KV cache budget per GPU in GiB; sequences beyond it wait for a free
             slot. None (default): sized from the GPU's memory at each call (``kv_cache_fraction``);
             on CPU ``kv_cache.CPU_KV_CACHE_GIB`` (16).
@@ -77,19 +82,22 @@ class EngineOptions:
             row's keys), "sdpa" (masked SDPA over the context bucket) or "auto" (as the impl).
     """
 
+    kind: Literal["kv_cache", "recompute"] = "kv_cache"
     kv_cache_gib: float | None = None
     kv_cache_fraction: float = 0.9
     cuda_graphs: bool | None = None
     max_prefill_tokens: int = 32768
     context_bucket: int = 128
     keep_cache: bool = False
-    decode_path: str = "auto"
-    decode_impl: str = "auto"
-    decode_attention: str = "auto"
+    decode_path: Literal["auto", "fused", "modules"] = "auto"
+    decode_impl: Literal["auto", "triton", "torch"] = "auto"
+    decode_attention: Literal["auto", "triton", "sdpa"] = "auto"
 
     def __post_init__(self) -> None:
+        if self.kind not in ("kv_cache", "recompute"):
+            raise ValueError(f"kind must be kv_cache or recompute, got {self.kind!r}")
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
-            raise ValueError(f"kv_cache_gib must be > 0 (or None: auto), got {self.kv_cache_gib}")
+            raise ValueError(f"kv_cache_gib must be > 0 (or null: auto), got {self.kv_cache_gib}")
         if not 0.0 < self.kv_cache_fraction <= 1.0:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
         for name in ("max_prefill_tokens", "context_bucket"):

@@ -66,8 +66,8 @@ def slots_for_budget(shape: CacheShape, budget_gib: float, seq_len: int) -> int:
     slots = int(budget_gib * 2**30) // per_seq
     if slots < 1:
         raise ValueError(
-            f"rollout.kv_cache_gib={budget_gib} is too small for one sequence: {seq_len} tokens "
-            f"x {shape.bytes_per_token} bytes per token = {per_seq / 2**30:.4f} GiB"
+            f"rollout.engine.kv_cache_gib={budget_gib} is too small for one sequence: {seq_len} "
+            f"tokens x {shape.bytes_per_token} bytes per token = {per_seq / 2**30:.4f} GiB"
         )
     return slots
 
@@ -167,11 +167,12 @@ def require_slots(
         return slots
     gib = 2**30
     raise ValueError(
-        f"rollout.kv_cache_fraction={fraction} leaves no room for one sequence on this GPU or "
-        f"another of its TP/EP group: {fraction} x {total / gib:.2f} GiB - "
+        f"rollout.engine.kv_cache_fraction={fraction} leaves no room for one sequence on this GPU "
+        f"or another of its TP/EP group: {fraction} x {total / gib:.2f} GiB - "
         f"{(total - free) / gib:.2f} GiB in use - {headroom.fixed / gib:.2f} GiB headroom < "
         f"{(per_seq + headroom.per_slot) / gib:.4f} GiB per sequence; raise "
-        "rollout.kv_cache_fraction, shorten the sequences or set rollout.kv_cache_gib"
+        "rollout.engine.kv_cache_fraction, shorten the sequences or set "
+        "rollout.engine.kv_cache_gib"
     )
 
 

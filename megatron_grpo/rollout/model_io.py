@@ -152,6 +152,7 @@ def check_prompts(
     prompts: list[list[int]], params: SamplingParams, max_sequence_length: int
 ) -> None:
     """Bad prompts are errors naming the sample and the value, before any forward."""
+    params.check_complete()
     if not prompts:
         raise ValueError("generate: no prompts")
     limit = max_sequence_length - params.max_new_tokens

@@ -22,6 +22,7 @@ from megatron_grpo.config import (
     check_positive,
     from_dict,
     load_yaml,
+    rename_keys,
     to_dict,
 )
 from megatron_grpo.convert.errors import ConversionError
@@ -30,6 +31,8 @@ from megatron_grpo.convert.layout import MODEL_CONFIG_NAME, read_model_config
 from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.megatron.config import ModelConfig, ParallelConfig
 from megatron_grpo.ops.options import LMHeadRequest
+from megatron_grpo.rollout.engine import EngineOptions
+from megatron_grpo.rollout.params import SamplingParams
 
 TaskName = Literal["reverse_digits", "math", "dataset"]
 # rollout.reward_fn names usable without a module (tasks/verifiers.py's VERIFIERS).
@@ -167,34 +170,12 @@ class RolloutConfig:
         max_prompt_length / max_response_length: in tokens; longer prompts are an error (task
             ``dataset``: dropped at load, see ``dataset.filter_overlong_prompts``), responses
             stop at ``<eos>`` or at ``max_response_length``.
-        temperature / top_p / top_k: sampling; the recorded rollout log-probs are those of the
-            sampled token under ``softmax(logits / temperature)`` before top-k / top-p truncation.
-            ``top_k``: keep the k most likely tokens (0 = off, 1 = greedy).
-        stop_ids: token ids that end a response besides the tokenizer's ``<eos>`` (kept as its
-            last token, like ``<eos>``).
-        engine: how the policy generates: ``kv_cache`` (the KV-cached engine of
-            ``megatron_grpo.rollout``) or ``recompute`` (no cache: every token re-runs the whole
-            sequence; the reference the engine is tested against).
-        kv_cache_gib: the per-GPU KV cache budget of the ``kv_cache`` engine in GiB; sequences
-            beyond it wait for a free slot (generation streams through the cache instead of
-            failing). null (default): sized from the GPU's memory at each call
-            (``kv_cache_fraction``); on CPU 16 GiB.
-        kv_cache_fraction: with ``kv_cache_gib: null`` on GPU, the cache may grow until this
-            fraction of the GPU's total memory is in use (as vLLM's ``gpu_memory_utilization``):
-            slots = (fraction * total - in use - headroom) / (bytes per sequence + per-slot
-            headroom), the headroom estimated from the shapes; TP / EP ranks take their
-            group's minimum. In (0, 1].
-        cuda_graphs: replay the engine's decode steps as CUDA graphs; null = auto (on for dense
-            models on GPU, off for MoE and on CPU); true on CPU or with MoE is an error.
-        max_prefill_tokens: prompt tokens per prefill forward of the ``kv_cache`` engine (bounds
-            its activation memory; more prompts wait for the next forward).
-        context_bucket: decode steps attend to a context rounded up to a multiple of this many
-            positions (the CUDA graphs' context shapes: smaller = more graphs, less padding for
-            the masked ``sdpa`` attention).
-        decode_path: how the engine's decode steps run: ``fused`` (the same weights through a
-            step of ~9 kernels a layer: ``megatron_grpo.rollout.fused_decode``), ``modules``
-            (megatron-core's layer modules) or ``auto`` (fused wherever it covers the model:
-            dense portable-spec GPT layers; the choice and its reason are logged).
+        sampling: how each response token is drawn (:class:`~megatron_grpo.rollout.SamplingParams`:
+            ``temperature``, ``top_p``, ``top_k``, ``stop_ids``, ``ignore_eos``); the response
+            limit is ``max_response_length``, the eos id the task's, the vocabulary the model's.
+        engine: how the policy generates (:class:`~megatron_grpo.rollout.EngineOptions`):
+            ``kind`` ``kv_cache`` (the KV-cached engine, with the section's cache, CUDA-graph
+            and decode options) or ``recompute`` (no cache; the reference).
         task: ``reverse_digits`` (toy, built-in tokenizer), ``math`` (local JSONL + HF tokenizer)
             or ``dataset`` (``.jsonl`` / ``.parquet`` files in verl's layout, chat templates:
             :class:`DatasetConfig`, the ``dataset`` section).
@@ -231,17 +212,8 @@ class RolloutConfig:
     group_size: int = 8
     max_prompt_length: int = 256
     max_response_length: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop_ids: list[int] = field(default_factory=list)
-    engine: Literal["kv_cache", "recompute"] = "kv_cache"
-    kv_cache_gib: float | None = None
-    kv_cache_fraction: float = 0.9
-    cuda_graphs: bool | None = None
-    max_prefill_tokens: int = 32768
-    context_bucket: int = 128
-    decode_path: Literal["auto", "fused", "modules"] = "auto"
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    engine: EngineOptions = field(default_factory=EngineOptions)
     task: TaskName = "reverse_digits"
     reverse_digits: ReverseDigitsConfig = field(default_factory=ReverseDigitsConfig)
     math: MathTaskConfig = field(default_factory=MathTaskConfig)
@@ -257,27 +229,11 @@ class RolloutConfig:
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
     def __post_init__(self) -> None:
-        check_positive(
-            self, "num_prompts", "max_prompt_length", "max_response_length", "max_prefill_tokens",
-            "context_bucket",
-        )  # fmt: skip
+        check_positive(self, "num_prompts", "max_prompt_length", "max_response_length")
         if self.group_size < 2:
             raise ValueError(
                 f"group_size must be >= 2 (GRPO compares samples), got {self.group_size}"
             )
-        if not self.temperature > 0.0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off, 1 = greedy), got {self.top_k}")
-        bad = [i for i in self.stop_ids if i < 0]
-        if bad:
-            raise ValueError(f"stop_ids must be token ids >= 0, got {bad[0]}")
-        if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
-            raise ValueError(f"kv_cache_gib must be > 0 (or null: auto), got {self.kv_cache_gib}")
-        if not 0.0 < self.kv_cache_fraction <= 1.0:
-            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
         if (
             self.reward_fn is not None
             and ":" not in self.reward_fn
@@ -620,8 +576,23 @@ class TrainConfig:
         return self.training.steps * self.training.mini_batches_per_step
 
 
+# Keys moved into rollout.sampling / rollout.engine (kept for one release, with a warning).
+_MOVED = {
+    "sampling": "temperature top_p top_k stop_ids".split(),
+    "engine": "kv_cache_gib kv_cache_fraction cuda_graphs max_prefill_tokens context_bucket "
+    "decode_path".split(),
+}
+RENAMED_KEYS = {
+    "rollout.engine": "rollout.engine.kind",  # `engine: recompute`; first: the others move below it
+    **{f"rollout.{key}": f"rollout.{sec}.{key}" for sec, keys in _MOVED.items() for key in keys},
+}
+
+
 def load_train_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
     """``TrainConfig`` from a YAML recipe plus ``a.b=value`` overrides (validated).
+
+    A key of :data:`RENAMED_KEYS` (in the YAML or an override) moves to its new path with a
+    deprecation warning naming it; the old and the new key both set is a ConfigError.
 
     When the recipe has no ``model`` section and ``checkpoint.load`` is set, the model section is
     ``checkpoint.load``'s ``model_config.yaml`` (written by ``tools/convert_checkpoint.py``), with
@@ -631,6 +602,7 @@ def load_train_config(path: str | Path | None, overrides: Sequence[str] = ()) ->
     """
     data = _load_yaml(path) if path is not None else {}
     model_from_checkpoint = "model" not in data
+    overrides = rename_keys(data, overrides, RENAMED_KEYS)
     apply_overrides(data, overrides, root=TrainConfig)
     load = (data.get("checkpoint") or {}).get("load")
     stored = _stored_model(str(load)) if isinstance(load, str) else None

@@ -16,6 +16,7 @@ step ``step`` with rewards filled in. ``rollout.source`` picks the implementatio
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import random
 from collections.abc import Callable, Sequence
@@ -23,7 +24,8 @@ from typing import Protocol
 
 import torch
 
-from megatron_grpo.rollout import EngineOptions, Generation, KVCacheEngine, SamplingParams, generate
+from megatron_grpo.config.base import field_message, recipe_fields
+from megatron_grpo.rollout import Generation, KVCacheEngine, SamplingParams, generate
 from megatron_grpo.train.config import ROLLOUT_SOURCES, TrainConfig
 from megatron_grpo.train.dynamic_sampling import extra_round_first_prompt
 from megatron_grpo.train.plugins import load_object
@@ -124,35 +126,29 @@ def build_checked_task(cfg: TrainConfig) -> Task:
 def sampling_params(
     cfg: TrainConfig, eos_id: int, task_stop_ids: Sequence[int] = ()
 ) -> SamplingParams:
-    """``task_stop_ids``: the task's own ids that end a response (``Task.stop_ids``, e.g. the
-    ``eos_token_id`` list of the dataset task's ``generation_config.json``), added to
-    ``rollout.stop_ids``."""
+    """``rollout.sampling`` completed for generation: ``max_new_tokens`` from
+    ``rollout.max_response_length``, ``eos_id``, the model's vocabulary, and ``task_stop_ids``
+    (the task's own ids that end a response, ``Task.stop_ids``, e.g. the ``eos_token_id`` list
+    of the dataset task's ``generation_config.json``) added to ``rollout.sampling.stop_ids``."""
     r = cfg.rollout
-    stop_ids = tuple(dict.fromkeys([*r.stop_ids, *task_stop_ids]))
+    stop_ids = tuple(dict.fromkeys([*r.sampling.stop_ids, *task_stop_ids]))
     try:
-        return SamplingParams(
-            temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_response_length,
-            eos_id=eos_id, vocab_size=cfg.model.vocab_size, top_k=r.top_k,
-            stop_ids=stop_ids,
+        return dataclasses.replace(
+            r.sampling, max_new_tokens=r.max_response_length, eos_id=eos_id,
+            vocab_size=cfg.model.vocab_size, stop_ids=stop_ids,
         )  # fmt: skip
-    except ValueError as e:  # name the recipe's section (e.g. a stop id beyond the vocabulary)
+    except ValueError as e:  # name the recipe's field (e.g. a stop id beyond the vocabulary)
         origin = f" (the task adds stop ids {list(task_stop_ids)})" if task_stop_ids else ""
-        raise ValueError(f"rollout: {e}{origin}") from e
+        names = [f.name for f in recipe_fields(SamplingParams)]
+        raise ValueError(field_message("rollout.sampling", f"{e}{origin}", names)) from e
 
 
 def build_engine(cfg: TrainConfig, model: torch.nn.Module) -> KVCacheEngine | None:
-    """The :class:`KVCacheEngine` of ``rollout.engine: kv_cache`` (its options from
-    ``rollout``), or None for ``recompute``; pass ``engine or "recompute"`` to ``generate``."""
-    r = cfg.rollout
-    if r.engine != "kv_cache":
+    """The :class:`KVCacheEngine` of ``rollout.engine`` (kind ``kv_cache``), or None for
+    ``recompute``; pass ``engine or "recompute"`` to ``generate``."""
+    if cfg.rollout.engine.kind != "kv_cache":
         return None
-    options = EngineOptions(
-        kv_cache_gib=r.kv_cache_gib, kv_cache_fraction=r.kv_cache_fraction,
-        cuda_graphs=r.cuda_graphs,
-        max_prefill_tokens=r.max_prefill_tokens, context_bucket=r.context_bucket,
-        decode_path=r.decode_path,
-    )  # fmt: skip
-    engine = KVCacheEngine(model, options)
+    engine = KVCacheEngine(model, cfg.rollout.engine)
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print(f"rollout: decode steps run {engine.decode}", flush=True)
     return engine
@@ -182,7 +178,7 @@ class GeneratedRollouts:
         """The KV-cached engine's counters of the last call: ``rollout/kv_slots`` (sequences the
         cache held at once), ``rollout/prefill_forwards``, ``rollout/decode_steps``,
         ``rollout/decode_batch_mean`` (rows per decode step), ``perf/prefill_seconds`` and
-        ``perf/decode_seconds``. None for ``engine: recompute``."""
+        ``perf/decode_seconds``. None for ``rollout.engine.kind: recompute``."""
         if self.engine is None:
             return {}
         s = self.engine.stats

@@ -105,7 +105,7 @@ class Trainer:
         self.step_fn = GRPOStep(
             cfg.loss,
             vocab_size=cfg.model.vocab_size,
-            temperature=cfg.rollout.temperature,
+            temperature=cfg.rollout.sampling.temperature,
             logprob_path=t.logprob_path,
             memory_budget=t.lm_head_memory_budget,
             on_policy=self.on_policy,

@@ -43,7 +43,7 @@ class Task(Protocol):
     seed), so the data position of a run is just the number of prompts consumed.
 
     Optional: ``stop_ids`` (a tuple of token ids that end a response besides
-    ``tokenizer.eos_id``; the generation adds them to ``rollout.stop_ids``)."""
+    ``tokenizer.eos_id``; the generation adds them to ``rollout.sampling.stop_ids``)."""
 
     tokenizer: Tokenizer
 

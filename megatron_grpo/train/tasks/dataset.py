@@ -342,7 +342,7 @@ class DatasetTask:
 
     ``stop_ids``: token ids that end a response besides ``tokenizer.eos_id``: the
     ``eos_token_id`` of ``generation_config.json`` in ``tokenizer_dir`` (rollout_source adds them
-    to ``rollout.stop_ids``). ``val_prompts()``: the validation prompts in file order.
+    to ``rollout.sampling.stop_ids``). ``val_prompts()``: the validation prompts in file order.
     """
 
     def __init__(self, cfg: DatasetConfig, max_prompt_length: int, seed: int) -> None:
