@@ -81,3 +81,9 @@ def test_readme_megatron_example_trains(tmp_path):
     assert rows[0][2:4] == (1.0, 1.0) and rows[0][4] == 0.0
     assert rows[-1][2] < 0.9 and rows[-1][3] > 1.1  # the policy moved away from the sampler
     assert rows[-1][4] > 0.0  # and clipping engaged
+
+
+def test_megatron_usage_doc_shows_the_readme_example():
+    """docs/megatron_usage.md repeats the README's Megatron example: it must not drift."""
+    usage = (README.parent / "docs" / "megatron_usage.md").read_text()
+    assert re.findall(r"```python\n(.*?)```", usage, re.S) == [_python_blocks()[1]]
