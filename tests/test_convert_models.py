@@ -218,6 +218,25 @@ def test_bfloat16_checkpoint(converted, tmp_path: Path):
     assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
 
 
+def test_mcore_to_hf_verify_with_a_dtype_cast(converted, tmp_path: Path, capsys):
+    """mcore-to-hf --dtype --verify compares against Megatron with its weights rounded to the
+    exported dtype: it passes at the default tolerance where the plain comparison (fp32 Megatron
+    weights vs the cast export) fails, also at TP=2, and says what it rounded."""
+    hf, ckpt = converted["qwen2"]  # an fp32 checkpoint
+    out = mcore_to_hf(ckpt, tmp_path / "bf16", dtype="bfloat16", verify=True)
+    printed = capsys.readouterr().out
+    assert "(TP=1, both with weights rounded to bfloat16 as --dtype wrote them)" in printed
+    assert verify_conversion(out, ckpt) > 1e-3  # the cast's own rounding, not the conversion's
+    assert verify_conversion(out, ckpt, weight_dtype=torch.bfloat16) <= TOL
+    out16 = mcore_to_hf(ckpt, tmp_path / "fp16", dtype="float16", verify=True, verify_tp=2)
+    assert "(TP=2, both with weights rounded to float16" in capsys.readouterr().out
+    assert json.loads((out16 / "config.json").read_text())["dtype"] == "float16"
+    # a tolerance below the conversion's own difference still fails, and leaves nothing behind
+    with pytest.raises(ConversionError, match="verification failed"):
+        mcore_to_hf(ckpt, tmp_path / "strict", dtype="bfloat16", verify=True, verify_tol=1e-12)
+    assert not (tmp_path / "strict").exists()
+
+
 def test_tensors_handed_to_the_writer_are_file_backed(converted, tmp_path: Path, monkeypatch):
     """Streaming: every tensor dist_checkpointing writes is a memory map of exactly its own
     bytes (no anonymous copy of the model, nothing Megatron's writer must clone)."""

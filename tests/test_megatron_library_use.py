@@ -88,7 +88,7 @@ def _loop_body(rank: int, world: int, zero_buffers: bool) -> None:
     ref = build_model(model_cfg, ParallelConfig(), wrap_ddp=False)
     with cuda_compat():
         optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2), chunks)
-    for it in range(3):  # the README's loop
+    for it in range(3):  # the README's loop, buffers zeroed each step
         unwrap(ref[0]).load_state_dict(unwrap(chunks[0]).state_dict())
         for batch, logp in zip(batches, step.compute_logprobs(chunks, batches), strict=True):
             batch.old_logprobs = logp

@@ -1,5 +1,8 @@
 """The README's Python examples run as written (so the documented API cannot rot)."""
 
+import ast
+import itertools
+import math
 import re
 import subprocess
 import sys
@@ -26,8 +29,7 @@ def test_readme_has_quick_start_commands():
     assert "pytest" in lines[1]
 
 
-@pytest.mark.parametrize("index", range(2))
-def test_readme_python_example_runs(index, tmp_path):
+def _run_example(index: int, tmp_path: Path) -> str:
     blocks = _python_blocks()
     assert len(blocks) >= 2, "README lost one of its Python examples"
     script = tmp_path / "example.py"
@@ -36,3 +38,52 @@ def test_readme_python_example_runs(index, tmp_path):
         [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def _printed(out: str, label: str) -> str:
+    lines = [ln for ln in out.splitlines() if ln.startswith(label)]
+    assert len(lines) == 1, (label, out)
+    return lines[0][len(label) :].strip()
+
+
+def test_readme_api_example_prints_what_its_comments_say(tmp_path):
+    """The library-API example prints the log-probs, the advantages, a loss equal to the value
+    its comment derives by hand, the metrics and a zero gradient at the prompt rows."""
+    out = _run_example(0, tmp_path)
+    logp = ast.literal_eval(_printed(out, "log-probs:"))
+    prompt = [0, 1, 5, 6]
+    assert len(logp) == 12 and all(logp[i] == 0.0 for i in prompt)
+    assert all(-12.0 < x < -3.0 for i, x in enumerate(logp) if i not in prompt)  # ~ -ln(1000)
+    assert ast.literal_eval(_printed(out, "advantages:")) == [0.7071, -0.7071]
+    # token_mean over the 3 + 5 response tokens, ratio 1, IS weight e^0.01 (sequence_mean)
+    want = -(3 - 5) * 0.5**0.5 * math.exp(0.01) / 8
+    assert float(_printed(out, "loss")) == pytest.approx(want, abs=1e-4)
+    metrics = ast.literal_eval(next(ln for ln in out.splitlines() if ln.startswith("{")))
+    assert metrics["is/weight_mean"] == pytest.approx(math.exp(0.01), abs=1e-4)
+    assert metrics["loss/ratio_mean"] == 1.0
+    assert float(_printed(out, "gradient at prompt rows:")) == 0.0
+
+
+def test_readme_megatron_example_trains(tmp_path):
+    """The Megatron-script example makes several optimizer steps on one rollout batch: the first
+    at ratio 1 (the policy is the one that sampled), then the ratios spread and the loss falls at
+    every step until PPO clipping holds the policy."""
+    out = _run_example(1, tmp_path)
+    pattern = re.compile(
+        r"step (\d+): loss (\S+)  ratio (\S+)\.\.(\S+)  clipped (\S+)  grad norm (\S+)"
+    )
+    rows = [tuple(map(float, m.groups())) for m in map(pattern.fullmatch, out.splitlines()) if m]
+    assert [int(r[0]) for r in rows] == list(range(len(rows))) and len(rows) >= 4, out
+    losses = [r[1] for r in rows]
+    assert all(math.isfinite(x) for x in losses)
+    assert all(b < a - 1e-3 for a, b in itertools.pairwise(losses)), losses
+    assert rows[0][2:4] == (1.0, 1.0) and rows[0][4] == 0.0
+    assert rows[-1][2] < 0.9 and rows[-1][3] > 1.1  # the policy moved away from the sampler
+    assert rows[-1][4] > 0.0  # and clipping engaged
+
+
+def test_megatron_usage_doc_shows_the_readme_example():
+    """docs/megatron_usage.md repeats the README's Megatron example: it must not drift."""
+    usage = (README.parent / "docs" / "megatron_usage.md").read_text()
+    assert re.findall(r"```python\n(.*?)```", usage, re.S) == [_python_blocks()[1]]

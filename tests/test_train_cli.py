@@ -5,8 +5,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from megatron_grpo.megatron.config import ParallelConfig
-from megatron_grpo.train.__main__ import main, smallest_world_size, world_size_hint
+from megatron_grpo.train.__main__ import (
+    help_description,
+    main,
+    parse_args,
+    smallest_world_size,
+    world_size_hint,
+)
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny.yaml"
 
@@ -26,6 +34,29 @@ def test_dry_run_defaults_to_the_recipes_smallest_world(monkeypatch, capsys):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert main(["--config", str(RECIPE), "--dry-run"]) == 0
     assert "config error" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("columns", [60, 100, 200])
+def test_help_reads_as_plain_text(columns, monkeypatch, capsys):
+    """--help shows the module docstring without its RST markup, in paragraphs that fit the
+    terminal (at most 100 columns), and never repeats the usage line as prose."""
+    monkeypatch.setenv("COLUMNS", str(columns))
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "``" not in out and "`" not in out
+    description = out.split("\n\n")[1:5]
+    assert description[0].startswith("--dry-run [--world-size N] prints the rank layout")
+    assert description[1].startswith("Runs under torchrun (single node")
+    assert " ".join(description[3].split()).startswith("Exit codes: 0 done, 1 run-directory")
+    assert all(len(line) <= min(columns, 100) - 2 for p in description for line in p.splitlines())
+    assert "python -m megatron_grpo.train --config recipes/tiny.yaml" not in out
+
+
+def test_help_description_keeps_paragraphs_and_words():
+    doc = "``cmd``.\n\nA ``b.c`` d\ne-f g.\n\nExit codes: 0."
+    assert help_description(doc, width=5) == "A b.c\nd e-f\ng.\n\nExit\ncodes:\n0."
 
 
 def test_smallest_world_size_counts_the_expert_layout():

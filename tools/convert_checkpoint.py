@@ -33,7 +33,13 @@ def parse_size(text: str) -> int:
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="dtype of the written tensors (default: the source's); --verify then compares both "
+        "models with their weights rounded to it, so only the conversion is measured",
+    )
     p.add_argument("--verify", action="store_true", help="compare logits with transformers")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size for --verify")
     p.add_argument("--verify-tol", type=float, default=1e-3, help="max |logit diff| for --verify")

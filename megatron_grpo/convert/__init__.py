@@ -4,8 +4,9 @@ Public API (the CLI is ``tools/convert_checkpoint.py``; layout in ``docs/convers
 
     hf_to_mcore(hf_dir, out_dir, *, dtype=None, verify=False, verify_tp=1, verify_tol=1e-3)
     mcore_to_hf(ckpt_dir, out_dir, *, dtype=None, hf_config_dir=None, model_config=None,
-                family=None, max_shard_bytes=5 * 2**30, load_batch_bytes=2**30)
-    verify_conversion(hf_dir, ckpt_dir, tp=1) -> max |logit difference|
+                family=None, max_shard_bytes=5 * 2**30, load_batch_bytes=2**30,
+                verify=False, verify_tp=1, verify_tol=1e-3)
+    verify_conversion(hf_dir, ckpt_dir, tp=1, weight_dtype=None) -> max |logit difference|
 """
 
 from megatron_grpo.convert.errors import ConversionError

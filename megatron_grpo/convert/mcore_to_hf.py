@@ -164,7 +164,9 @@ def mcore_to_hf(
         load_batch_bytes: bytes of Megatron tensors loaded per read; peak memory is about
             this or the largest tensor, whichever is larger.
         verify: compare logits of the exported model (transformers) and of the checkpoint
-            (Megatron at tensor-parallel size ``verify_tp``) before publishing ``out_dir``.
+            (Megatron at tensor-parallel size ``verify_tp``, fp32; with ``dtype``, the Megatron
+            weights rounded to it first) before publishing ``out_dir``; a difference above
+            ``verify_tol`` is an error.
 
     Returns the output directory. On any error nothing is left at ``out_dir``.
     """
@@ -194,6 +196,8 @@ def mcore_to_hf(
         if verify:
             from megatron_grpo.convert.verify import check_logits
 
-            check_logits(tmp, ckpt, verify_tp, verify_tol)
+            # the exported weights are the checkpoint's cast to --dtype: Megatron's are rounded
+            # the same way, so the difference is the conversion's, not the cast's
+            check_logits(tmp, ckpt, verify_tp, verify_tol, DTYPES.get(dtype or ""))
     log.info("wrote %d HF tensors to %s", sum(len(it.outputs) for it in items), out_dir)
     return Path(out_dir)

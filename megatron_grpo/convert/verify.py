@@ -1,10 +1,13 @@
 """``--verify``: logits of transformers vs the converted Megatron model, fp32, same prompts.
 
 Both sides run in float32 whatever the checkpoint dtype (bf16 weights upcast exactly), so the
-difference measures the conversion, not the precision. When the checkpoint was written in
-another dtype than the HF weights (``hf-to-mcore --dtype``), the transformers side gets its
-weights rounded to that dtype first: both sides then hold the same values. Prompts come from the checkpoint's
-tokenizer when it has one, else fixed random token ids.
+difference measures the conversion, not the precision. When the conversion cast the weights
+(``--dtype``: ``hf-to-mcore`` wrote the Megatron checkpoint, ``mcore-to-hf`` the HF model, in
+another dtype than their source), both models get their weights rounded to that dtype first: the
+side written in it is unchanged (rounding is exact there), the other one then holds the same
+values, and the default tolerance applies unchanged. Without that, an fp32 model written as bf16
+differs by the cast's own rounding (a few 1e-3 to 1e-2 in the logits), not by a conversion error.
+Prompts come from the checkpoint's tokenizer when it has one, else fixed random token ids.
 """
 
 from __future__ import annotations
@@ -47,6 +50,15 @@ def prompt_ids(hf_dir: str | Path, vocab_size: int, seq_len: int = 16) -> list[t
     return [torch.randint(0, vocab_size, (seq_len,), generator=gen) for _ in PROMPTS]
 
 
+def round_weights(model: torch.nn.Module, dtype: torch.dtype | None) -> None:
+    """Round every parameter of ``model`` to ``dtype`` and back in place (None: unchanged)."""
+    if dtype is None:
+        return
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(dtype).to(p.dtype))
+
+
 def hf_logits(
     hf_dir: str | Path, ids: list[torch.Tensor], weight_dtype: torch.dtype | None = None
 ) -> list[torch.Tensor]:
@@ -60,16 +72,17 @@ def hf_logits(
     model = AutoModelForCausalLM.from_pretrained(
         str(hf_dir), attn_implementation="eager", local_files_only=True, **dtype_kw
     ).eval()
+    round_weights(model, weight_dtype)
     with torch.no_grad():
-        if weight_dtype is not None:
-            for p in model.parameters():
-                p.copy_(p.to(weight_dtype).float())
         return [model(t[None]).logits[0].float() for t in ids]
 
 
-def load_megatron_model(ckpt_dir: str | Path) -> torch.nn.Module:
+def load_megatron_model(
+    ckpt_dir: str | Path, weight_dtype: torch.dtype | None = None
+) -> torch.nn.Module:
     """The GPTModel of ``ckpt_dir`` at the initialized TP, fp32, weights loaded through
-    ``dist_checkpointing`` (resharding to this TP). Call after ``initialize_parallel``."""
+    ``dist_checkpointing`` (resharding to this TP) and rounded to ``weight_dtype`` when given.
+    Call after ``initialize_parallel``."""
     from megatron.core import dist_checkpointing, parallel_state
 
     from megatron_grpo.megatron.config import ParallelConfig, to_transformer_config
@@ -87,6 +100,7 @@ def load_megatron_model(ckpt_dir: str | Path) -> torch.nn.Module:
     with cuda_compat():
         state = dist_checkpointing.load(model.sharded_state_dict(), str(ckpt_dir))
     model.load_state_dict(state)
+    round_weights(model, weight_dtype)
     return model.eval()
 
 
@@ -106,10 +120,13 @@ def model_logits(model: torch.nn.Module, vocab_size: int, ids: list[torch.Tensor
     return out
 
 
-def megatron_logits(ckpt_dir: str | Path, ids: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Megatron GPTModel forward at the initialized TP, fp32: ``[S, V]`` logits per prompt."""
+def megatron_logits(
+    ckpt_dir: str | Path, ids: list[torch.Tensor], weight_dtype: torch.dtype | None = None
+) -> list[torch.Tensor]:
+    """Megatron GPTModel forward at the initialized TP, fp32: ``[S, V]`` logits per prompt;
+    ``weight_dtype``: the weights rounded to it first."""
     vocab_size = read_model_config(Path(ckpt_dir) / MODEL_CONFIG_NAME).vocab_size
-    return model_logits(load_megatron_model(ckpt_dir), vocab_size, ids)
+    return model_logits(load_megatron_model(ckpt_dir, weight_dtype), vocab_size, ids)
 
 
 def _free_port() -> int:
@@ -118,7 +135,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, ckpt_dir: str, ids: list, results) -> None:
+def _worker(
+    rank: int, world: int, port: int, ckpt_dir: str, ids: list, weight_dtype, results
+) -> None:
     from megatron_grpo.megatron.config import ParallelConfig
     from megatron_grpo.megatron.parallel import initialize_parallel
 
@@ -126,7 +145,7 @@ def _worker(rank: int, world: int, port: int, ckpt_dir: str, ids: list, results)
     os.environ.update(WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     try:
         initialize_parallel(ParallelConfig(tensor_model_parallel_size=world), seed=0)
-        logits = megatron_logits(ckpt_dir, ids)
+        logits = megatron_logits(ckpt_dir, ids, weight_dtype)
         if rank == 0:  # numpy: plain pickling, no shared-memory handles outliving the worker
             results.put(("ok", [t.numpy() for t in logits]))
     except BaseException:  # noqa: BLE001 - reported to the parent
@@ -136,13 +155,18 @@ def _worker(rank: int, world: int, port: int, ckpt_dir: str, ids: list, results)
             dist.destroy_process_group()
 
 
-def spawn_megatron_logits(ckpt_dir: str | Path, ids: list[torch.Tensor], tp: int) -> list:
+def spawn_megatron_logits(
+    ckpt_dir: str | Path,
+    ids: list[torch.Tensor],
+    tp: int,
+    weight_dtype: torch.dtype | None = None,
+) -> list:
     """:func:`megatron_logits` at tensor-parallel size ``tp`` in ``tp`` spawned processes."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, tp, port, str(ckpt_dir), ids, results))
+        ctx.Process(target=_worker, args=(r, tp, port, str(ckpt_dir), ids, weight_dtype, results))
         for r in range(tp)
     ]
     for p in procs:
@@ -168,9 +192,9 @@ def spawn_megatron_logits(ckpt_dir: str | Path, ids: list[torch.Tensor], tp: int
 def verify_conversion(
     hf_dir: str | Path, ckpt_dir: str | Path, tp: int = 1, weight_dtype: torch.dtype | None = None
 ) -> float:
-    """Max absolute logit difference between transformers (``hf_dir``, its weights rounded to
-    ``weight_dtype`` when given: the dtype the checkpoint was written in) and the Megatron
-    checkpoint ``ckpt_dir`` loaded at tensor-parallel size ``tp``."""
+    """Max absolute logit difference between transformers (``hf_dir``) and the Megatron
+    checkpoint ``ckpt_dir`` loaded at tensor-parallel size ``tp``; with ``weight_dtype`` (the
+    dtype a conversion cast the weights to) both models' weights are rounded to it first."""
     from megatron_grpo.megatron.config import ParallelConfig, check_parallel
 
     model_cfg = read_model_config(Path(ckpt_dir) / MODEL_CONFIG_NAME)
@@ -182,16 +206,27 @@ def verify_conversion(
     ref = hf_logits(hf_dir, ids, weight_dtype)
     if tp == 1:
         with single_process_megatron():
-            got = megatron_logits(ckpt_dir, ids)
+            got = megatron_logits(ckpt_dir, ids, weight_dtype)
     else:
-        got = spawn_megatron_logits(ckpt_dir, ids, tp)
+        got = spawn_megatron_logits(ckpt_dir, ids, tp, weight_dtype)
     return max(float((a - b).abs().max()) for a, b in zip(ref, got, strict=True))
 
 
-def check_logits(hf_dir: str | Path, ckpt_dir: str | Path, tp: int, tol: float) -> float:
-    """:func:`verify_conversion`, printed; above ``tol`` (or NaN) is a ConversionError."""
-    diff = verify_conversion(hf_dir, ckpt_dir, tp=tp)
-    print(f"verify: max |logit difference| transformers vs Megatron (TP={tp}): {diff:.3e}")
+def check_logits(
+    hf_dir: str | Path,
+    ckpt_dir: str | Path,
+    tp: int,
+    tol: float,
+    weight_dtype: torch.dtype | None = None,
+) -> float:
+    """:func:`verify_conversion`, printed (with the dtype both sides were rounded to, when
+    ``weight_dtype`` is given); above ``tol`` (or NaN) is a ConversionError."""
+    diff = verify_conversion(hf_dir, ckpt_dir, tp=tp, weight_dtype=weight_dtype)
+    how = f"TP={tp}"
+    if weight_dtype is not None:
+        name = str(weight_dtype).removeprefix("torch.")
+        how += f", both with weights rounded to {name} as --dtype wrote them"
+    print(f"verify: max |logit difference| transformers vs Megatron ({how}): {diff:.3e}")
     if not diff <= tol:
         raise ConversionError(f"verification failed: max logit difference {diff:.3e} > {tol}")
     return diff

@@ -7,6 +7,7 @@ Runs under ``torchrun`` (single node or multi-node rendezvous) or as a plain ``p
 
 A signal (``training.exit_signals``: SIGTERM, SIGINT, SIGUSR1) or ``training.max_wall_minutes``
 stops the run after the current step: it saves a checkpoint and prints the command that resumes.
+
 Exit codes: 0 done, 1 run-directory or checkpoint error, 2 config error, 3 stopped.
 """
 
@@ -15,7 +16,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shutil
 import sys
+import textwrap
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,8 +30,25 @@ from megatron_grpo.train.monitor import WarningLog, read_metrics, results_summar
 from megatron_grpo.train.stop import STOP_EXIT_CODE, StopRequest
 
 
+def help_description(doc: str = __doc__, width: int | None = None) -> str:
+    """The module docstring as ``--help`` text: plain words (the RST double backticks removed),
+    its paragraphs kept and each refilled to the terminal; the first paragraph (the command line)
+    is left out, since argparse prints its own usage line."""
+    if width is None:
+        width = min(shutil.get_terminal_size().columns, 100) - 2
+    paragraphs = [" ".join(p.split()) for p in doc.strip().split("\n\n")][1:]
+    return "\n\n".join(
+        textwrap.fill(p.replace("``", ""), width, break_long_words=False, break_on_hyphens=False)
+        for p in paragraphs
+    )
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m megatron_grpo.train", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_grpo.train",
+        description=help_description(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--config", required=True, help="YAML recipe (e.g. recipes/tiny.yaml)")
     parser.add_argument(
         "--set",
