@@ -117,7 +117,7 @@ class KVCacheEngine:
         graphs = self.options.cuda_graphs
         if graphs and (not cuda or moe):
             raise ValueError(
-                "rollout.cuda_graphs needs a dense model on GPU (MoE routing has data-dependent "
+                "rollout.engine.cuda_graphs needs a dense model on GPU (MoE routing has data-dependent "
                 "shapes); set it to null (auto) or false"
             )
         self.use_graphs = (cuda and not moe) if graphs is None else graphs
@@ -281,8 +281,8 @@ class KVCacheEngine:
         if last:
             raise RuntimeError(
                 f"the KV cache ({slots} slots of {seq_len} tokens) did not fit on this GPU or "
-                "another of its TP / EP group; lower rollout.kv_cache_fraction or set "
-                "rollout.kv_cache_gib"
+                "another of its TP / EP group; lower rollout.engine.kv_cache_fraction or set "
+                "rollout.engine.kv_cache_gib"
             ) from error
         return None
 
