@@ -117,8 +117,8 @@ class KVCacheEngine:
         graphs = self.options.cuda_graphs
         if graphs and (not cuda or moe):
             raise ValueError(
-                "rollout.engine.cuda_graphs needs a dense model on GPU (MoE routing has data-dependent "
-                "shapes); set it to null (auto) or false"
+                "rollout.engine.cuda_graphs needs a dense model on GPU (MoE routing has "
+                "data-dependent shapes); set it to null (auto) or false"
             )
         self.use_graphs = (cuda and not moe) if graphs is None else graphs
         self.graphs = DecodeGraphs() if self.use_graphs else None
