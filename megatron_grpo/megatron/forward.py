@@ -104,9 +104,9 @@ class GRPOStep:
             without ``old_logprobs`` is an error. With a sequence-level IS correction the
             automatic fused request runs "fused_tiled" (the weight needs whole sequences of
             current log-probs; "fused_single_pass" is refused).
-        layout: the parallel layout (``initialize_parallel`` returns it); None = read from
-            megatron-core's ``parallel_state`` at the first forward, with the model's
-            ``sequence_parallel``.
+        layout: the parallel layout, computed once (``initialize_parallel`` returns it); None =
+            megatron-core's current ``parallel_state`` with the model's ``sequence_parallel``,
+            read at each forward.
 
     The options become one :class:`LMHeadOptions` (``self.options``, validated here) and the
     path one :class:`~megatron_grpo.megatron.logprob_paths.LogprobPath` (``self.path``),
@@ -137,12 +137,12 @@ class GRPOStep:
         self.path = choose_path(self.loss_cfg, self.options, self.on_policy)
 
     def layout_of(self, gpt: GPTModel) -> ParallelLayout:
-        """The step's layout (read once, at the first call, when not given); its
-        ``sequence_parallel`` must be the model's."""
+        """The step's layout, or (None) megatron-core's current one, read at each call so that
+        one step serves models of several layouts; its ``sequence_parallel`` is the model's."""
         sp = bool(gpt.config.sequence_parallel)
         if self.layout is None:
-            self.layout = ParallelLayout.current(sp)
-        elif self.layout.sequence_parallel != sp:
+            return ParallelLayout.current(sp)
+        if self.layout.sequence_parallel != sp:
             raise ValueError(
                 f"GRPOStep.layout.sequence_parallel={self.layout.sequence_parallel} but the "
                 f"model's config.sequence_parallel={sp}"
