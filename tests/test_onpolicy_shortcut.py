@@ -161,9 +161,9 @@ def _trainer_body(rank: int, world: int, tmp: Path) -> None:
         calls = []
         compute = trainer.step_fn.compute_logprobs
 
-        def counted(model, batches):
+        def counted(model, batches, max_tokens=None):
             calls.append("old" if model is trainer.model else "ref")
-            return compute(model, batches)
+            return compute(model, batches, max_tokens)
 
         trainer.step_fn.compute_logprobs = counted
         start = [p.detach().clone() for p in trainer.model[0].parameters()]
@@ -186,6 +186,8 @@ def _trainer_body(rank: int, world: int, tmp: Path) -> None:
             f"pass_{tag}", [*loss, "training.on_policy_shortcut=false"]
         )
         got, got_calls, got_params = run(f"shortcut_{tag}", loss)
+        if tag == "token":
+            first, first_params = want, want_params
         assert want_calls == ["old", "ref"] * 2 and got_calls == ["ref"] * 2, (
             want_calls,
             got_calls,
@@ -202,6 +204,19 @@ def _trainer_body(rank: int, world: int, tmp: Path) -> None:
             assert m_got["loss/ratio_min"] == m_got["loss/ratio_max"] == 1.0
             assert m_got["optim/grad_norm"] > 0 and m_got["is/weight_min"] < m_got["is/weight_max"]
         assert got[0]["loss/kl_mean"] == 0.0 < got[1]["loss/kl_mean"]  # the reference pass ran
+
+    # the no-grad passes over merged micro-batches: the same log-probs, so the same run
+    merged, calls, merged_params = run(
+        "merged",
+        ["loss.is_correction_level=token", "training.on_policy_shortcut=false",
+         "training.logprob_max_tokens_per_micro_batch=4096"],
+    )  # fmt: skip
+    assert calls == ["old", "ref"] * 2
+    for a, b in zip(first_params, merged_params, strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+    for m_want, m_got in zip(first, merged, strict=True):
+        for key in ("loss/loss", "loss/kl_mean", "optim/grad_norm", "is/weight_mean"):
+            assert m_got[key] == pytest.approx(m_want[key], rel=1e-5, abs=1e-7), key
 
     # two optimizer steps per rollout batch: the second is off-policy, the pass always runs
     two, calls, _ = run("two_mini_batches", ["training.mini_batches_per_step=2"])

@@ -106,6 +106,11 @@ def test_unknown_keys_and_bad_values_name_the_field(override, message):
         (["training.mini_batches_per_step=3"], "mini_batches_per_step=3 must divide"),
         (["rollout.max_response_length=100"], "exceeds model.max_sequence_length"),
         (["checkpoint.keep_last=0"], "keep_last must be positive"),
+        (["training.logprob_max_tokens_per_micro_batch=0"], "must be positive"),
+        (
+            ["model.num_moe_experts=4", "training.logprob_max_tokens_per_micro_batch=4096"],
+            "logprob_max_tokens_per_micro_batch is for dense models",
+        ),
     ],
 )
 def test_cross_field_checks_raise_naming_the_field(overrides, message):

@@ -7,8 +7,9 @@
 #   bash tools/gpu_e2e.sh moe       # the MoE twin (2 GPUs): toy task + 4k synthetic rollouts
 #   bash tools/gpu_e2e.sh maxctx    # longest packed micro-batch per log-prob path, one GPU
 #   bash tools/gpu_e2e.sh step      # the dense twin's step on 2 GPUs (TP2+SP), toy task with
-#                                   # 256 digits (512 x ~515 tokens): on-policy (1 mini-batch,
-#                                   # old-log-prob pass skipped) and 2 mini-batches; STEPS steps
+#                                   # 256-digit prompts: on-policy (1 mini-batch, old-log-prob
+#                                   # pass skipped), on-policy with larger micro-batches, and 2
+#                                   # mini-batches; STEPS steps each
 #   bash tools/gpu_e2e.sh all       # dense, moe, maxctx (may exceed a 10-minute command limit)
 # Each mode runs every path of PATHS ("fused megatron"); the trainer must expose
 # training.logprob_path (GRPOStep.logprob_path). Results under $OUT (at most 4 files):
@@ -130,14 +131,22 @@ twin() {
     return $status
 }
 
-# step: the dense twin's step split (rollout / log-prob / update) at 256 digits, fused path.
+# step: the dense twin's step split (rollout / log-prob / update) at 256 digits, fused path:
+# on-policy (1 mini-batch: the old-log-prob pass is skipped), the same with the reference pass
+# over merged micro-batches of up to 64k tokens and 32k-token update micro-batches ("big"),
+# and 2 mini-batches.
 step_split() {
-    local status=0 mb
-    for mb in 1 2; do
-        train "step_mb${mb}_fused" qwen3_8b_long_sp_twin fused \
-            --set rollout.reverse_digits.num_digits=256 --set rollout.max_prompt_length=260 \
-            --set rollout.max_response_length=257 --set training.mini_batches_per_step="$mb" \
-            --set training.steps="$STEPS" || status=1
+    local status=0 tag
+    local digits=(--set rollout.reverse_digits.num_digits=256 --set rollout.max_prompt_length=260
+        --set rollout.max_response_length=257 --set training.steps="$STEPS")
+    for tag in mb1 mb1big mb2; do
+        local extra=(--set training.mini_batches_per_step="${tag:2:1}")
+        if [ "$tag" = mb1big ]; then
+            extra+=(--set training.logprob_max_tokens_per_micro_batch=65536
+                --set training.max_tokens_per_micro_batch=32768)
+        fi
+        train "step_${tag}_fused" qwen3_8b_long_sp_twin fused "${digits[@]}" "${extra[@]}" ||
+            status=1
     done
     return $status
 }

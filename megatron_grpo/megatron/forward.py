@@ -57,6 +57,7 @@ from megatron_grpo.loss import GRPOLossConfig, LossInputs, local_denominator
 from megatron_grpo.loss.metrics import MeanMetric
 from megatron_grpo.loss.segments import host_to_device
 from megatron_grpo.megatron.batch import PackedBatch
+from megatron_grpo.megatron.batch_merge import merge_groups, merge_packed, split_merged
 from megatron_grpo.megatron.gpt import check_training_config, unwrap
 from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.megatron.logprob_paths import LogprobPath, choose_path
@@ -208,7 +209,10 @@ class GRPOStep:
 
     @torch.no_grad()
     def compute_logprobs(
-        self, model: list[torch.nn.Module], batches: list[PackedBatch]
+        self,
+        model: list[torch.nn.Module],
+        batches: list[PackedBatch],
+        max_tokens: int | None = None,
     ) -> list[Tensor]:
         """Log-probs ``[T]`` (float32, CPU) of each batch's targets under ``model``, no grad.
 
@@ -216,7 +220,29 @@ class GRPOStep:
         micro-batching work); results are gathered over CP and broadcast from the last pipeline
         stage, so every rank gets the full ``[T]`` of its batches. 0 outside ``loss_mask``.
         Batches carrying ``routes`` replay them (MoE routing replay).
+
+        ``max_tokens``: run consecutive batches merged into micro-batches of up to this many
+        tokens (:mod:`~megatron_grpo.megatron.batch_merge`; the host's cost is per layer and
+        micro-batch, not per token). The result is the same per batch. Every rank of a model
+        replica must pass the same batches; ranks whose forwards are collectives with other
+        replicas (MoE expert parallelism over DP) must get the same number of merged groups.
         """
+        groups = [[i] for i in range(len(batches))]
+        if max_tokens is not None:
+            groups = merge_groups(batches, max_tokens)
+        if len(groups) == len(batches):
+            return self._logprob_passes(model, batches)
+        merged = [merge_packed([batches[i] for i in g]) for g in groups]
+        out = self._logprob_passes(model, merged)
+        return [
+            lp
+            for g, m in zip(groups, out, strict=True)
+            for lp in split_merged(m, [batches[i] for i in g])
+        ]
+
+    def _logprob_passes(
+        self, model: list[torch.nn.Module], batches: list[PackedBatch]
+    ) -> list[Tensor]:
         for chunk in model:
             chunk.eval()
         replay = any(b.routes is not None for b in batches)

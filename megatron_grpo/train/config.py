@@ -403,6 +403,12 @@ class TrainingConfig:
             with the rollout log-probs. The reference pass still runs with a reference model.
             Logged as ``perf/old_logprob_pass_skipped`` (1 or 0). False: always run the pass.
             Ignored with ``mini_batches_per_step > 1``, where the pass is always needed.
+        logprob_max_tokens_per_micro_batch: the no-grad old / reference log-prob passes run
+            consecutive update micro-batches merged into micro-batches of up to this many
+            tokens (a no-grad forward keeps one layer's activations at a time, and the host's
+            launch cost is per layer and micro-batch, so a larger one keeps the GPU busy); the
+            log-probs are the same. null: the update's micro-batches. Dense models only (MoE
+            passes are collectives over DP ranks that must run the same micro-batches).
         exit_signals: signals that stop the run cleanly (``train/stop.py``): every rank
             finishes the current step, saves a checkpoint (with ``checkpoint.dir``) and exits
             with code 3; a second signal exits at once. ``[]``: the signals' default actions.
@@ -416,6 +422,7 @@ class TrainingConfig:
     mini_batches_per_step: int = 1
     micro_batch_size: int | None = 16
     max_tokens_per_micro_batch: int | None = None
+    logprob_max_tokens_per_micro_batch: int | None = None
     advantage_estimator: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
     use_reference_model: bool = False
     max_consecutive_nonfinite_skips: int = 3
@@ -434,7 +441,10 @@ class TrainingConfig:
         repeated = sorted({s for s in self.exit_signals if self.exit_signals.count(s) > 1})
         if repeated:
             raise ValueError(f"exit_signals lists {', '.join(repeated)} more than once")
-        check_positive(self, "micro_batch_size", "max_tokens_per_micro_batch")
+        check_positive(
+            self, "micro_batch_size", "max_tokens_per_micro_batch",
+            "logprob_max_tokens_per_micro_batch",
+        )  # fmt: skip
         if (self.micro_batch_size is None) == (self.max_tokens_per_micro_batch is None):
             raise ValueError(
                 "set exactly one of micro_batch_size and max_tokens_per_micro_batch, got "
@@ -530,6 +540,14 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.loss.kl_coef > 0 and not self.training.use_reference_model:
             raise ValueError("loss.kl_coef > 0 needs training.use_reference_model: true")
+        if (
+            self.training.logprob_max_tokens_per_micro_batch is not None
+            and self.model.num_moe_experts is not None
+        ):
+            raise ValueError(
+                "training.logprob_max_tokens_per_micro_batch is for dense models: MoE log-prob "
+                "passes are collectives over DP ranks that must run the update's micro-batches"
+            )
         if self.training.log_mismatch_without_replay and not self.model.moe_enable_routing_replay:
             raise ValueError(
                 "training.log_mismatch_without_replay needs model.moe_enable_routing_replay: true"

@@ -263,12 +263,13 @@ class Trainer:
         mini-batches with them attached. On-policy (``self.on_policy``) the old pass is skipped:
         ``old_logprobs`` stay None and the loss uses the update's own log-probs, detached."""
         flat = [mb for mini in mini_batches for mb in mini]
+        merge = self.cfg.training.logprob_max_tokens_per_micro_batch
         old = ref = None
         if not self.on_policy:
-            old = self.step_fn.compute_logprobs(self.model, flat)
+            old = self.step_fn.compute_logprobs(self.model, flat, merge)
         self.replay.after_logprob_pass(flat, self.step_fn.compute_logprobs)  # same weights
         if self.ref_model is not None:
-            ref = self.step_fn.compute_logprobs(self.ref_model, flat)
+            ref = self.step_fn.compute_logprobs(self.ref_model, flat, merge)
         return attach_logprobs(mini_batches, old, ref)
 
     def update(self, mini_batches: list[list[PackedBatch]]) -> dict[str, float]:
