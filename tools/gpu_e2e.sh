@@ -43,7 +43,7 @@ RESULTS="$OUT/results.jsonl"
 # Never use NVLink multicast on the shared hosts (see the device notes); unbuffered logs; less
 # fragmentation for the max-context search.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF-expandable_segments:True}
 
 setup() {
     install_carried || return 1
@@ -139,7 +139,7 @@ step_split() {
     local status=0 tag
     local digits=(--set rollout.reverse_digits.num_digits=256 --set rollout.max_prompt_length=260
         --set rollout.max_response_length=257 --set training.steps="$STEPS")
-    for tag in mb1 mb1big mb2; do
+    for tag in ${STEP_TAGS:-mb1 mb1big mb2}; do
         local extra=(--set training.mini_batches_per_step="${tag:2:1}")
         if [ "$tag" = mb1big ]; then
             extra+=(--set training.logprob_max_tokens_per_micro_batch=65536
