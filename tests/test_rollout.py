@@ -4,6 +4,8 @@ teacher-forced training pass, streaming through a cache smaller than the batch, 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -273,3 +275,38 @@ def test_compaction_moves_each_row_from_where_its_cache_is():
         KVCacheEngine._retire(engine, run, finished)
         assert sorted(run.rows) == sorted(set(range(6)) - set(finished))
         assert [slots[r] for r in range(len(run.rows))] == run.rows, (finished, slots, run.rows)
+
+
+@pytest.mark.parametrize(
+    ("env", "found"),
+    [
+        ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, True),
+        ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:128, expandable_segments:true"}, True),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, False),
+        ({"PYTORCH_CUDA_ALLOC_CONF": ""}, False),
+    ],
+)
+def test_expandable_segments_turn_decode_graphs_off(monkeypatch, env, found):
+    """Decode graph capture stalled under expandable segments (measured on 2 H200s): auto
+    graphs are off with the reason in the start-up line; explicit graphs are an error."""
+    from megatron_grpo.rollout import EngineOptions, KVCacheEngine
+    from megatron_grpo.rollout import engine as engine_mod
+    from megatron_grpo.rollout.graphs import ALLOC_CONF_VARS, expandable_segments
+
+    for name in ALLOC_CONF_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert (expandable_segments() is not None) == found
+    if not found:
+        return
+    assert expandable_segments().startswith(next(iter(env)) + "=")
+    model = SimpleNamespace(config=SimpleNamespace(num_moe_experts=None))  # a dense GPU model
+    monkeypatch.setattr(engine_mod.io, "model_device", lambda m: torch.device("cuda"))
+    monkeypatch.setattr(engine_mod.fd, "plan_decode", lambda *a, **k: None)
+    engine = KVCacheEngine(model)
+    assert not engine.use_graphs and engine.graphs is None
+    assert engine.graphs_off == f"off: {expandable_segments()}"
+    with pytest.raises(ValueError, match="decode graphs do not capture with .*expandable"):
+        KVCacheEngine(model, EngineOptions(cuda_graphs=True))
+    assert KVCacheEngine(model, EngineOptions(cuda_graphs=False)).graphs_off == ""

@@ -39,7 +39,7 @@ from megatron.core import parallel_state
 from megatron_grpo.rollout import fused_decode as fd
 from megatron_grpo.rollout import kv_cache as kvc
 from megatron_grpo.rollout import model_io as io
-from megatron_grpo.rollout.graphs import DecodeGraphs
+from megatron_grpo.rollout.graphs import DecodeGraphs, expandable_segments
 from megatron_grpo.rollout.params import SamplingParams
 from megatron_grpo.rollout.routes import RouteLog, recording
 from megatron_grpo.rollout.run_state import Generation, Launched, Run
@@ -120,7 +120,15 @@ class KVCacheEngine:
                 "rollout.engine.cuda_graphs needs a dense model on GPU (MoE routing has "
                 "data-dependent shapes); set it to null (auto) or false"
             )
-        self.use_graphs = (cuda and not moe) if graphs is None else graphs
+        expandable = expandable_segments() if cuda else None
+        if graphs and expandable:
+            raise ValueError(
+                f"rollout.engine.cuda_graphs: decode graphs do not capture with {expandable} "
+                "(expandable segments); unset that setting or set cuda_graphs to null / false"
+            )
+        self.use_graphs = (cuda and not moe and not expandable) if graphs is None else graphs
+        # why graphs are off where they would be on (the start-up line says it)
+        self.graphs_off = f"off: {expandable}" if graphs is None and cuda and expandable else ""
         self.graphs = DecodeGraphs() if self.use_graphs else None
         o = self.options
         self.decode = fd.plan_decode(model, o.decode_path, o.decode_impl, o.decode_attention)

@@ -13,9 +13,28 @@ All graphs share one memory pool: only one runs at a time.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Hashable
 
 import torch
+
+# The allocator settings' environment variables (the second is torch >= 2.9's name).
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def expandable_segments() -> str | None:
+    """The variable that turns on the allocator's expandable segments (``NAME=value``), or None.
+
+    Decode graph capture never finished with them on (2 x H200, torch 2.11 + CUDA 13: the
+    first rollout of the dense twin stalled for minutes, and finished in seconds with them off
+    or with graphs off), so the engine does not capture graphs under them."""
+    for name in ALLOC_CONF_VARS:
+        value = os.environ.get(name, "")
+        for item in value.split(","):
+            key, _, setting = item.partition(":")
+            if key.strip() == "expandable_segments" and setting.strip().lower() == "true":
+                return f"{name}={value}"
+    return None
 
 
 class DecodeGraphs:

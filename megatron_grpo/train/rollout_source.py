@@ -150,7 +150,8 @@ def build_engine(cfg: TrainConfig, model: torch.nn.Module) -> KVCacheEngine | No
         return None
     engine = KVCacheEngine(model, cfg.rollout.engine)
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        print(f"rollout: decode steps run {engine.decode}", flush=True)
+        graphs = "CUDA graphs " + ("on" if engine.use_graphs else engine.graphs_off or "off")
+        print(f"rollout: decode steps run {engine.decode}, {graphs}", flush=True)
     return engine
 
 
