@@ -176,7 +176,7 @@ def _trainer_body(rank: int, world: int, tmp: Path) -> None:
         ["loss.is_correction_level=token"],
         # GSPO on Megatron's standard log-prob path (forward.py's other loss call)
         [
-            "training.logprob_path=megatron",
+            "lm_head.path=megatron",
             "loss.ratio_level=sequence",
             "loss.is_correction_level=sequence_mean",
         ],

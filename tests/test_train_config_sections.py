@@ -99,8 +99,50 @@ OLD_KEYS = {
 }
 
 
+# The LM-head keys that moved from ``training`` to the top-level ``lm_head`` section.
+LM_HEAD_KEYS = {
+    "training.logprob_path": ("op", "path", "op"),
+    "training.lm_head_memory_budget": ("268435456", "memory_budget", 2**28),
+}
+
+
 def test_every_renamed_key_is_covered():
-    assert set(OLD_KEYS) == set(RENAMED_KEYS)
+    assert set(OLD_KEYS) | set(LM_HEAD_KEYS) == set(RENAMED_KEYS)
+
+
+@pytest.mark.parametrize("old", sorted(LM_HEAD_KEYS))
+def test_lm_head_keys_moved_to_the_lm_head_section(old):
+    raw, name, want = LM_HEAD_KEYS[old]
+    with pytest.warns(FutureWarning) as record:
+        cfg = load_train_config(RECIPE, [f"{old}={raw}"])
+    assert getattr(cfg.lm_head, name) == want
+    messages = [str(w.message) for w in record if w.category is FutureWarning]
+    assert messages == [f"config key {old} is deprecated and will be removed: use lm_head.{name}"]
+
+
+def test_lm_head_section_is_the_options_and_reaches_the_step():
+    from megatron_grpo.megatron import GRPOStep
+    from megatron_grpo.ops import LMHeadOptions
+
+    sets = ["lm_head.path=op", "lm_head.memory_budget=268435456", "lm_head.gemm=separate"]
+    cfg = _load_quietly(RECIPE, sets)
+    assert type(cfg.lm_head) is LMHeadOptions and TrainConfig().lm_head == LMHeadOptions()
+    options = dataclasses.replace(cfg.lm_head, temperature=0.7, vocab_size=cfg.model.vocab_size)
+    step = GRPOStep.from_options(cfg.loss, options)
+    assert step.options == LMHeadOptions(
+        path="op", gemm="separate", memory_budget=2**28, temperature=0.7, vocab_size=13
+    )
+    assert "temperature" not in to_dict(cfg)["lm_head"]  # runtime-only: not a recipe key
+    for bad, message in [
+        ("lm_head.temperature=0.5", r"unknown config key 'lm_head\.temperature'"),
+        ("lm_head.vocab_size=9", r"unknown config key 'lm_head\.vocab_size'"),
+        ("lm_head.path=standard", r"lm_head\.path must be one of"),
+        ("lm_head.memory_budget=1", r"lm_head\.memory_budget must be an int >="),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            _load_quietly(RECIPE, [bad])
+    with pytest.raises(ValueError, match="needs options.vocab_size"):
+        GRPOStep.from_options(cfg.loss, cfg.lm_head)
 
 
 @pytest.mark.parametrize("old", sorted(OLD_KEYS))
@@ -171,7 +213,7 @@ def test_the_sections_pass_through_to_generation(monkeypatch):
     )  # fmt: skip
     assert params == want
     fake = type("FakeEngine", (), {"__init__": lambda self, model, o: setattr(self, "o", o)})
-    fake.decode = "fake"
+    fake.decode, fake.use_graphs, fake.graphs_off = "fake", False, ""
     monkeypatch.setattr(rollout_source, "KVCacheEngine", fake)
     assert rollout_source.build_engine(cfg, model=None).o is cfg.rollout.engine
     recompute = _load_quietly(RECIPE, ["rollout.engine.kind=recompute"])

@@ -101,7 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "SwiGLU kernels (auto, torch, triton; default auto), e.g. megatron/torch,auto "
                     "for before/after")  # fmt: skip
     ap.add_argument("--logprob-path", default="fused", help="GRPOStep.logprob_path (the "
-                    "trainer's training.logprob_path; default fused)")  # fmt: skip
+                    "trainer's lm_head.path; default fused)")  # fmt: skip
     ap.add_argument("--top", type=int, default=15, help="kernels listed per profile")
     ap.add_argument("--kl-coef", type=float, default=0.001, help="loss.kl_coef (uses the ref)")
     ap.add_argument("--warmup", type=int, default=None, help="default 2 (--tiny: 1)")

@@ -12,7 +12,7 @@
 #                                   # mini-batches; STEPS steps each
 #   bash tools/gpu_e2e.sh all       # dense, moe, maxctx (may exceed a 10-minute command limit)
 # Each mode runs every path of PATHS ("fused megatron"); the trainer must expose
-# training.logprob_path (GRPOStep.logprob_path). Results under $OUT (at most 4 files):
+# lm_head.path (GRPOStep.logprob_path). Results under $OUT (at most 4 files):
 #   summary.md    tables: tokens/s, peak memory, final reward/loss, longest context per path
 #   results.jsonl one line per (run, step) and per max-context trial
 #   e2e.log       every command's output;  env.txt  versions and GPUs
@@ -88,7 +88,7 @@ train() {
     echo "== $tag: $recipe, logprob_path=$path, $nproc GPU(s)" | tee -a "$LOG"
     with_memory_sampling "$tag" python3 -m torch.distributed.run --standalone \
         --nproc-per-node "$nproc" -m megatron_grpo.train --config "recipes/$recipe.yaml" \
-        --set training.logprob_path="$path" --set logging.dir="$WORK/$tag" \
+        --set lm_head.path="$path" --set logging.dir="$WORK/$tag" \
         --set logging.progress_bar=false --set checkpoint.dir=null "${layout[@]}" "$@"
 }
 

@@ -149,8 +149,8 @@ def dry_run(train_cfg: Any, world_size: int, *, file: TextIO | None = None) -> D
     rank layout and the per-rank memory plan; no GPU, no torch.distributed, no model.
 
     Reads ``model``, ``parallel``, ``loss``, ``rollout`` lengths and ``num_prompts``,
-    ``training`` (micro-batching, ``use_reference_model``, ``logprob_path`` and
-    ``lm_head_memory_budget`` where the trainer has them: GRPOStep's defaults otherwise) and
+    ``training`` (micro-batching, ``use_reference_model``), ``lm_head`` (``path`` and
+    ``memory_budget`` where the config has it: GRPOStep's defaults otherwise) and
     ``optimizer`` (``optimizer``, ``use_distributed_optimizer``). The LM-head plan (which path
     the last stage runs, e.g. "fused_tiled" for GSPO under "fused", and why) is printed with the
     plan.
@@ -163,12 +163,13 @@ def dry_run(train_cfg: Any, world_size: int, *, file: TextIO | None = None) -> D
             f"by the data-parallel size {dp}"
         )
     training, opt = train_cfg.training, train_cfg.optimizer
+    lm_head = getattr(train_cfg, "lm_head", None)
     plan = memory_plan(
         model, par, micro_batch_tokens=micro_batch_tokens(train_cfg), dp_size=dp,
         use_distributed_optimizer=opt.use_distributed_optimizer, optimizer=opt.optimizer,
-        logprob_path=getattr(training, "logprob_path", "fused"), loss_cfg=train_cfg.loss,
+        logprob_path=(lm_head and lm_head.path) or "fused", loss_cfg=train_cfg.loss,
         reference_model=training.use_reference_model,
-        memory_budget=getattr(training, "lm_head_memory_budget", None),
+        memory_budget=lm_head.memory_budget if lm_head is not None else None,
     )  # fmt: skip
     layout = rank_layout(par, world_size)
     text = f"dry run: world size {world_size}\n{format_layout(layout)}\n{format_plan(plan)}"

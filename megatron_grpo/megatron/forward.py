@@ -99,6 +99,7 @@ class GRPOStep:
             computes no entropy, so it needs ``loss_cfg.entropy_coef == 0``.
         memory_budget: bytes of the LM head's working set, trading memory for speed
             (:mod:`megatron_grpo.ops.plan`); None = its default (1 GiB).
+        gemm: the logits GEMM mode of the LM-head op ("auto", "separate", "fused_epilogue").
         on_policy: the training step is the only optimizer step on its rollouts, so a batch
             without ``old_logprobs`` uses the current log-probs, detached (the loss's
             ``old_logprobs=None``: ratio exactly 1, no old-log-prob pass). False: a batch
@@ -123,6 +124,7 @@ class GRPOStep:
     memory_budget: int | None = None
     on_policy: bool = False
     layout: ParallelLayout | None = None
+    gemm: str = "auto"
     options: LMHeadOptions = field(init=False)
     path: LogprobPath = field(init=False)
 
@@ -130,12 +132,39 @@ class GRPOStep:
         self.options = LMHeadOptions(
             path=self.logprob_path,
             impl=self.impl,
+            gemm=self.gemm,
             memory_budget=self.memory_budget,
             chunk_size=self.chunk_size,
             temperature=self.temperature,
             vocab_size=self.vocab_size,
         )
         self.path = choose_path(self.loss_cfg, self.options, self.on_policy)
+
+    @classmethod
+    def from_options(
+        cls,
+        loss_cfg: GRPOLossConfig,
+        options: LMHeadOptions,
+        *,
+        on_policy: bool = False,
+        layout: ParallelLayout | None = None,
+    ) -> GRPOStep:
+        """The step of an :class:`LMHeadOptions` (e.g. a recipe's ``lm_head`` section with its
+        runtime ``temperature`` and ``vocab_size`` filled in; ``vocab_size`` is required)."""
+        if options.vocab_size is None:
+            raise ValueError("GRPOStep.from_options needs options.vocab_size (the real vocabulary)")
+        return cls(
+            loss_cfg,
+            vocab_size=options.vocab_size,
+            temperature=options.temperature,
+            chunk_size=options.chunk_size,
+            impl=options.impl,
+            logprob_path=options.path or "fused",
+            memory_budget=options.memory_budget,
+            on_policy=on_policy,
+            layout=layout,
+            gemm=options.gemm,
+        )
 
     def layout_of(self, gpt: GPTModel) -> ParallelLayout:
         """The step's layout, or (None) megatron-core's current one, read at each call so that

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Literal, get_args
 
+from megatron_grpo.config import RUNTIME_ONLY
 from megatron_grpo.ops.dispatch import IMPLS
 from megatron_grpo.ops.tiling import TILE_BYTES
 
@@ -55,8 +56,10 @@ class LMHeadOptions:
     gemm: str = "auto"
     memory_budget: int | None = None
     chunk_size: int | None = None
-    temperature: float = 1.0
-    vocab_size: int | None = None
+    # The recipe's ``lm_head`` section sets the others; these two come from the model and the
+    # sampling temperature (the log-probs must be the generator's).
+    temperature: float = field(default=1.0, metadata=RUNTIME_ONLY)
+    vocab_size: int | None = field(default=None, metadata=RUNTIME_ONLY)
 
     def __post_init__(self) -> None:
         if self.path is not None and self.path not in REQUESTS:

@@ -30,7 +30,7 @@ from megatron_grpo.convert.hf_config import check_same_architecture
 from megatron_grpo.convert.layout import MODEL_CONFIG_NAME, read_model_config
 from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.megatron.config import ModelConfig, ParallelConfig
-from megatron_grpo.ops.options import LMHeadRequest
+from megatron_grpo.ops.options import LMHeadOptions
 from megatron_grpo.rollout.engine import EngineOptions
 from megatron_grpo.rollout.params import SamplingParams
 
@@ -383,14 +383,6 @@ class TrainingConfig:
             when ``loss.kl_coef > 0``; otherwise only the KL metric uses it).
         max_consecutive_nonfinite_skips: abort after this many optimizer steps in a row were
             skipped for a non-finite loss or gradient.
-        logprob_path: how the last stage turns hidden states into log-probs and the loss:
-            ``fused`` (LM head + GRPO loss in one vocab pass), ``op`` (vocab_parallel_logprobs,
-            then grpo_loss) or ``megatron`` (Megatron's output_layer + vocab_parallel_cross_entropy
-            on materialized [T, V/TP] logits: the baseline for comparisons); ``fused_tiled`` /
-            ``fused_single_pass`` (token ratio only) name one fused path instead of the plan's
-            choice.
-        lm_head_memory_budget: bytes of the LM head's working set (``GRPOStep.memory_budget``,
-            ``megatron_grpo.ops.plan``): larger = larger logits tiles, faster; None = 1 GiB.
         log_mismatch_without_replay: with ``model.moe_enable_routing_replay``, also run the
             old-log-prob pass with live routing (one more no-grad forward of the policy per
             step) and log ``mismatch/k1_no_replay`` / ``mismatch/k3_no_replay``: the rollout
@@ -426,8 +418,6 @@ class TrainingConfig:
     advantage_estimator: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
     use_reference_model: bool = False
     max_consecutive_nonfinite_skips: int = 3
-    logprob_path: LMHeadRequest = "fused"
-    lm_head_memory_budget: int | None = None
     log_mismatch_without_replay: bool = False
     on_policy_shortcut: bool = True
     exit_signals: list[
@@ -437,7 +427,7 @@ class TrainingConfig:
 
     def __post_init__(self) -> None:
         check_positive(self, "steps", "mini_batches_per_step", "max_consecutive_nonfinite_skips")
-        check_positive(self, "lm_head_memory_budget", "max_wall_minutes")
+        check_positive(self, "max_wall_minutes")
         repeated = sorted({s for s in self.exit_signals if self.exit_signals.count(s) > 1})
         if repeated:
             raise ValueError(f"exit_signals lists {', '.join(repeated)} more than once")
@@ -525,7 +515,16 @@ def _default_model() -> ModelConfig:
 @dataclass
 class TrainConfig:
     """Root of a recipe: ``model, parallel, loss, rollout, evaluation, optimizer, training,
-    checkpoint, logging``."""
+    lm_head, checkpoint, logging``.
+
+    ``lm_head`` is :class:`~megatron_grpo.ops.LMHeadOptions` itself: how the last stage turns
+    hidden states into log-probs and the loss. ``path``: null / ``fused`` (LM head + GRPO loss
+    in one vocab pass; the plan picks the fused kernel), ``op`` (vocab_parallel_logprobs, then
+    grpo_loss), ``megatron`` (Megatron's output_layer + vocab_parallel_cross_entropy on
+    materialized [T, V/TP] logits: the baseline), or ``fused_tiled`` / ``fused_single_pass``
+    (token ratio only) by name; ``impl``, ``gemm``, ``memory_budget`` (bytes of the LM head's
+    working set: larger = larger logits tiles, faster; null = 1 GiB) and ``chunk_size``. Its
+    temperature is ``rollout.sampling.temperature`` and its vocabulary the model's."""
 
     model: ModelConfig = field(default_factory=_default_model)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -534,6 +533,7 @@ class TrainConfig:
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    lm_head: LMHeadOptions = field(default_factory=LMHeadOptions)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -602,6 +602,8 @@ _MOVED = {
 }
 RENAMED_KEYS = {
     "rollout.engine": "rollout.engine.kind",  # `engine: recompute`; first: the others move below it
+    "training.logprob_path": "lm_head.path",
+    "training.lm_head_memory_budget": "lm_head.memory_budget",
     **{f"rollout.{key}": f"rollout.{sec}.{key}" for sec, keys in _MOVED.items() for key in keys},
 }
 

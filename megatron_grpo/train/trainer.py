@@ -17,6 +17,7 @@ run replays exactly what an uninterrupted one would have done.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -102,12 +103,13 @@ class Trainer:
         # update's own detached log-probs are the old log-probs (no old-log-prob pass).
         t = cfg.training
         self.on_policy = t.on_policy_shortcut and t.mini_batches_per_step == 1
-        self.step_fn = GRPOStep(
+        self.step_fn = GRPOStep.from_options(
             cfg.loss,
-            vocab_size=cfg.model.vocab_size,
-            temperature=cfg.rollout.sampling.temperature,
-            logprob_path=t.logprob_path,
-            memory_budget=t.lm_head_memory_budget,
+            dataclasses.replace(
+                cfg.lm_head,
+                temperature=cfg.rollout.sampling.temperature,
+                vocab_size=cfg.model.vocab_size,
+            ),
             on_policy=self.on_policy,
             layout=self.layout,
         )
