@@ -4,9 +4,9 @@ We support megatron-core 0.14 - 0.19. Each patch below names the private state i
 why; the version notes say where the names were checked (the installed 0.16.1, and the later
 releases' sources).
 
-Patches of megatron-core that live elsewhere (their modules are owned by other work):
-``layer_spec.py`` sets ``moe_utils.te_general_gemm = None`` when Transformer Engine is absent,
-and ``routing_replay.py`` sets a router's ``router_replay`` to its own hook.
+Not here: ``routing_replay.py`` sets a router module's ``router_replay`` attribute to its own
+hook (an instance attribute of our model, the replay's public seam in 0.16+), and the
+``cuda_compat`` context of ``parallel.py`` redirects CUDA calls on CPU hosts for its duration.
 """
 
 from __future__ import annotations
@@ -87,3 +87,14 @@ def set_checkpoint_results_queue(make_queue: Callable[[], Any]) -> bool:
         return False
     fsa._results_queue = make_queue()
     return True
+
+
+def define_te_general_gemm() -> None:
+    """megatron-core 0.16's router gating (``transformer/moe/moe_utils.py``) tests
+    ``te_general_gemm is not None`` but defines the name only when Transformer Engine imports,
+    so without TE every MoE forward raises NameError; define it as None where it is missing
+    (0.14 / 0.15 never read it, later releases define it themselves)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None

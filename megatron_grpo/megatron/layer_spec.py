@@ -42,7 +42,6 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -55,6 +54,7 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
+from megatron_grpo.megatron.compat import define_te_general_gemm
 from megatron_grpo.megatron.cp_attention import cp_causal_attention
 from megatron_grpo.megatron.packed_attention import packed_causal_attention
 from megatron_grpo.megatron.packed_rope import PackedRopeSelfAttention, RopedPackedSeqParams
@@ -69,10 +69,7 @@ try:
 except ImportError:  # optional dependency
     HAVE_TE = False
 
-# megatron-core 0.16's router gating checks `te_general_gemm is not None` but only defines the
-# name when Transformer Engine imports; without TE every MoE forward raises NameError.
-if not hasattr(moe_utils, "te_general_gemm"):
-    moe_utils.te_general_gemm = None
+define_te_general_gemm()  # megatron-core 0.16 without Transformer Engine (compat.py)
 
 _SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
