@@ -256,10 +256,8 @@ class GRPOStep:
         replica must pass the same batches; ranks whose forwards are collectives with other
         replicas (MoE expert parallelism over DP) must get the same number of merged groups.
         """
-        groups = [[i] for i in range(len(batches))]
-        if max_tokens is not None:
-            groups = merge_groups(batches, max_tokens)
-        if len(groups) == len(batches):
+        groups = None if max_tokens is None else merge_groups(batches, max_tokens)
+        if groups is None or len(groups) == len(batches):
             return self._logprob_passes(model, batches)
         merged = [merge_packed([batches[i] for i in g]) for g in groups]
         out = self._logprob_passes(model, merged)

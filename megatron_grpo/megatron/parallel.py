@@ -43,6 +43,15 @@ def comm_device() -> torch.device:
     return torch.device("cpu")
 
 
+def all_reduce_sum(values: list[float], group: dist.ProcessGroup | None) -> list[float]:
+    """Sum float64 scalars over ``group`` (None = world); the values themselves without
+    torch.distributed."""
+    t = torch.tensor(values, dtype=torch.float64, device=comm_device())
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t.tolist()
+
+
 def redirect_cuda_device_to_cpu() -> None:
     """On a CUDA-less host, make ``torch.cuda.current_device()`` return the CPU device.
 

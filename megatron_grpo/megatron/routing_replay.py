@@ -53,7 +53,7 @@ from megatron_grpo.loss.segments import host_to_device
 from megatron_grpo.megatron.batch import PackedBatch
 from megatron_grpo.megatron.gpt import unwrap
 from megatron_grpo.megatron.layer_spec import moe_layer_pattern
-from megatron_grpo.megatron.parallel import comm_device
+from megatron_grpo.megatron.parallel import all_reduce_sum
 
 TopK = Callable[..., tuple[Tensor, Tensor]]
 
@@ -396,7 +396,7 @@ class RoutingReplay:
         update = replay_mismatch(self.model)
         old = update if self.on_policy else self._old
         self._old = None
-        sums = _sum([*update.tolist(), *(update if old is None else old).tolist()], None)
+        sums = all_reduce_sum([*update.tolist(), *(update if old is None else old).tolist()], None)
         out = {"moe/replay_mismatch_frac_update": sums[0] / max(sums[1], 1.0)}
         if old is not None:  # update() without the old-log-prob pass has no such count
             out["moe/replay_mismatch_frac"] = sums[2] / max(sums[3], 1.0)
@@ -420,7 +420,7 @@ class RoutingReplay:
             sums[0] += float(kl_estimate(x, "k1", None, None).sum())
             sums[1] += float(kl_estimate(x, "k3", self.clamp, None).sum())
             sums[2] += float(rows.sum())
-        k1, k3, n = _sum(sums, self.dp_group)
+        k1, k3, n = all_reduce_sum(sums, self.dp_group)
         if n == 0:  # rollouts without log-probs: no mismatch to report
             return {}
         return {"mismatch/k1_no_replay": k1 / n, "mismatch/k3_no_replay": k3 / n}
@@ -445,11 +445,3 @@ class NoRoutingReplay(RoutingReplay):
 
     def metrics(self) -> dict[str, float]:
         return {}
-
-
-def _sum(values: list[float], group: dist.ProcessGroup | None) -> list[float]:
-    """float64 sums over ``group`` (None: the world)."""
-    t = torch.tensor(values, dtype=torch.float64, device=comm_device())
-    if dist.is_initialized():
-        dist.all_reduce(t, group=group)
-    return t.tolist()

@@ -10,7 +10,17 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_grpo.megatron.parallel import comm_device
+from megatron_grpo.megatron.parallel import all_reduce_sum, comm_device
+
+__all__ = [
+    "all_reduce_max",
+    "all_reduce_sum",  # megatron/parallel.py's (the routing-replay metrics use it too)
+    "any_rank",
+    "dp_cp_group",
+    "dp_rank_size",
+    "is_last_stage",
+    "is_logging_rank",
+]
 
 
 def dp_rank_size() -> tuple[int, int]:
@@ -36,14 +46,6 @@ def is_logging_rank() -> bool:
         and parallel_state.get_tensor_model_parallel_rank() == 0
         and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
     )
-
-
-def all_reduce_sum(values: list[float], group: dist.ProcessGroup | None) -> list[float]:
-    """Sum float64 scalars over ``group`` (None = world)."""
-    t = torch.tensor(values, dtype=torch.float64, device=comm_device())
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    return t.tolist()
 
 
 def all_reduce_max(values: list[float], group: dist.ProcessGroup | None = None) -> list[float]:
