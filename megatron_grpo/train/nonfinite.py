@@ -71,11 +71,13 @@ class NonFiniteGuard:
 
 
 def _grads_bad(model: list[torch.nn.Module]) -> bool:
-    """Any of this rank's gradients (Megatron's ``main_grad`` where it keeps one) not finite."""
+    """Any of this rank's gradients (Megatron's ``main_grad`` where it keeps one) not finite.
+    One flag per parameter on the device, then one host sync (not one per parameter)."""
+    flags = []
     for chunk in model:
         for p in chunk.parameters():
             g = getattr(p, "main_grad", None)
             g = p.grad if g is None else g
-            if g is not None and not bool(torch.isfinite(g).all()):
-                return True
-    return False
+            if g is not None:
+                flags.append(torch.isfinite(g).all())
+    return bool(flags) and not bool(torch.stack(flags).all())
