@@ -69,12 +69,13 @@ def _inputs(total: int, n_q: int = 4, n_kv: int = 2, d: int = 16, dtype=torch.fl
         ([10, 3], None, 16),  # 3 tokens of TP/SP padding after the last document
     ],
 )
-def test_bucketed_matches_per_document_reference(lens, padded, total):
+@pytest.mark.parametrize("shapes", pa.SHAPES)
+def test_bucketed_matches_per_document_reference(lens, padded, total, shapes):
     q, k, v = _inputs(total)
     params = _params(lens, padded)
     # q / k / v as megatron hands them over: strided views of one fused projection
     q, k, v = _strided(q, k, v)
-    out = pa.packed_causal_attention(q, k, v, params, sdpa=_sdpa)
+    out = pa.packed_causal_attention(q, k, v, params, sdpa=_sdpa, shapes=shapes)
     bounds = (params.cu_seqlens_q_padded if padded else params.cu_seqlens_q).tolist()
     ref, leaves = _reference(q, k, v, bounds)
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-5)
@@ -96,15 +97,42 @@ def test_documents_never_attend_to_each_other():
 
 def test_layout_is_cached_and_rebuilt_when_bounds_change():
     params = _params([4, 4])
-    first = pa.document_layout(params, torch.device("cpu"))
-    assert pa.document_layout(params, torch.device("cpu")) is first
+    first = pa.document_layout(params, torch.device("cpu"), "exact")
+    assert pa.document_layout(params, torch.device("cpu"), "exact") is first
     params.cu_seqlens_q[1] = 2  # in-place edit: a new layout
-    second = pa.document_layout(params, torch.device("cpu"))
+    second = pa.document_layout(params, torch.device("cpu"), "exact")
     assert (
         second is not first
         and [b.index.size(1) for b in second.buckets] == [2, 8]
         or sorted(b.index.size(1) for b in second.buckets) == [2, 6]
     )
+
+
+def test_grid_size_two_values_per_octave_and_at_most_one_and_a_half_times():
+    sizes = [pa.grid_size(n) for n in range(1, 4097)]
+    assert sizes[:9] == [1, 2, 3, 4, 6, 6, 8, 8, 12]
+    assert all(n <= s <= max(n, 1.5 * n) for n, s in zip(range(1, 4097), sizes, strict=True))
+    assert len(set(sizes)) == 2 + 2 * 11  # 1, 2, then two per octave: (2, 4] .. (2048, 4096]
+    assert all(pa.grid_size(s) == s for s in sizes)  # grid values are fixed points
+
+
+def test_grid_buckets_bring_few_distinct_shapes_over_many_random_layouts():
+    g = torch.Generator().manual_seed(0)
+    seen = {"grid": set(), "exact": set()}
+    for _ in range(40):
+        lens = torch.randint(20, 600, (int(torch.randint(8, 40, (1,), generator=g)),),
+                             generator=g).tolist()  # fmt: skip
+        for shapes, found in seen.items():
+            layout = pa.document_layout(_params(lens), torch.device("cpu"), shapes)
+            found.update(tuple(b.index.shape) for b in layout.buckets)
+    for b in pa.document_layout(_params(lens), torch.device("cpu"), "grid").buckets:
+        assert all(pa.grid_size(n) == n for n in b.index.shape)
+    assert len(seen["grid"]) < len(seen["exact"]) / 2, seen
+
+
+def test_unknown_bucket_shapes_is_an_error_naming_the_choices():
+    with pytest.raises(ValueError, match="grid"):
+        pa.document_layout(_params([3, 5]), torch.device("cpu"), "round")
 
 
 @pytest.mark.gpu

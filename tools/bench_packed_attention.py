@@ -8,6 +8,13 @@ attention FLOPs: forward 4 * n_q * d * L(L+1)/2 per document, backward 2.5x the 
 
     python tools/bench_packed_attention.py --doc-lens 8192,1024,128,32
     python tools/bench_packed_attention.py --device cpu --tokens 256 --doc-lens 64,16  # dry run
+
+``--mixed LO-HI`` measures what new bucket shapes cost instead: ``--layouts`` micro-batches of
+documents with lengths uniform in [LO, HI], each run once forward + backward ("cold": every new
+``[B, n, S, d]`` shape builds cuDNN execution plans) and then again ("warm"), for each method
+and bucket sizing (``--shapes``, packed_attention.SHAPES).
+
+    python tools/bench_packed_attention.py --mixed 20-600 --layouts 24 --methods default,flash
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_grpo.megatron.layer_spec import sdpa
-from megatron_grpo.megatron.packed_attention import packed_causal_attention
+from megatron_grpo.megatron.packed_attention import document_layout, packed_causal_attention
 
 
 def _params(tokens: int, length: int, device) -> PackedSeqParams:
@@ -42,9 +49,10 @@ def _backend_ctx(name: str):
     return sdpa_kernel([backend])
 
 
-def _method(name: str, scale: float):
+def _method(name: str, scale: float, shapes: str = "grid"):
     """``fn(q, k, v, params)`` of a method: "default" (the spec's call: GQA without copies) or
-    "<backend>" (K/V expanded to the query heads, that SDPA backend forced)."""
+    "<backend>" (K/V expanded to the query heads, that SDPA backend forced); bucket batches
+    sized by ``shapes``."""
     if name == "varlen":
         from torch.nn.attention.varlen import varlen_attn
 
@@ -65,7 +73,7 @@ def _method(name: str, scale: float):
 
     def run(q, k, v, params):
         with _backend_ctx(name):
-            return packed_causal_attention(q, k, v, params, sdpa=call)
+            return packed_causal_attention(q, k, v, params, sdpa=call, shapes=shapes)
 
     return run
 
@@ -83,6 +91,64 @@ def _time(fn, iters: int, device) -> float:
     return (time.perf_counter() - start) / iters * 1e3
 
 
+def _mixed_params(lo: int, hi: int, tokens: int, seed: int, device) -> PackedSeqParams:
+    """Documents of lengths uniform in [lo, hi] filling ``tokens`` (the last one cut)."""
+    g = torch.Generator().manual_seed(seed)
+    lens, total = [], 0
+    while total < tokens:
+        n = min(int(torch.randint(lo, hi + 1, (1,), generator=g)), tokens - total)
+        lens.append(n)
+        total += n
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=max(lens), max_seqlen_kv=max(lens))  # fmt: skip
+
+
+def plan_cost(args, device, dtype) -> list[dict]:
+    """Cold (new layouts) against warm (the same layouts again) fwd+bwd ms per micro-batch."""
+    lo, hi = (int(x) for x in args.mixed.split("-"))
+    scale = 1 / math.sqrt(args.head_dim)
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(args.tokens, args.heads, args.head_dim, generator=g, device=device,
+                    dtype=dtype, requires_grad=True)  # fmt: skip
+    k, v = (torch.randn(args.tokens, args.kv_heads, args.head_dim, generator=g, device=device,
+                        dtype=dtype, requires_grad=True) for _ in range(2))  # fmt: skip
+    grad = torch.randn_like(q)
+    print("| method | shapes | distinct shapes | cold ms / micro-batch | warm ms / micro-batch "
+          "| cold - warm |\n|---|---|---|---|---|---|")  # fmt: skip
+    rows = []
+    for i, (method, shapes) in enumerate(
+        (m, s) for m in args.methods.split(",") for s in args.shapes.split(",")
+    ):
+        fn = _method(method, scale, shapes)
+        # other seeds per row: a shape one row built must not warm the next
+        layouts = [_mixed_params(lo, hi, args.tokens, 1000 * i + j, device)
+                   for j in range(args.layouts)]  # fmt: skip
+        distinct = {tuple(b.index.shape) for p in layouts
+                    for b in document_layout(p, device, shapes).buckets}  # fmt: skip
+
+        def passes(fn=fn, layouts=layouts) -> None:
+            for p in layouts:
+                fn(q, k, v, p).backward(grad)
+
+        cold, warm = (_time_once(passes, device) / args.layouts for _ in range(2))
+        rows.append(dict(method=method, shapes=shapes, distinct_shapes=len(distinct),
+                         cold_ms=cold, warm_ms=warm, mixed=args.mixed, layouts=args.layouts))  # fmt: skip
+        print(f"| {method} | {shapes} | {len(distinct)} | {cold:.2f} | {warm:.2f} | "
+              f"{cold - warm:.2f} |", flush=True)  # fmt: skip
+    return rows
+
+
+def _time_once(fn, device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--tokens", type=int, default=8192)
@@ -92,6 +158,9 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--methods", default="default,flash,cudnn,efficient,varlen")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--mixed", default=None, help="LO-HI: the plan-cost mode (see above)")
+    ap.add_argument("--layouts", type=int, default=24, help="micro-batches of --mixed")
+    ap.add_argument("--shapes", default="grid,exact", help="bucket sizings of --mixed")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -100,6 +169,12 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"# packed causal attention, {name}, torch {torch.__version__}, T={args.tokens}, "
           f"heads {args.heads}/{args.kv_heads} x {args.head_dim}, {dtype}")  # fmt: skip
+    if args.mixed:
+        rows = plan_cost(args, device, dtype)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "bench_packed_attention_mixed.json").write_text(json.dumps(rows, indent=1))
+        return
     print("| L | method | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |")
     print("|---|---|---|---|---|---|")
     rows = []

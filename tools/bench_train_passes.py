@@ -96,10 +96,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "(default 8192)")  # fmt: skip
     ap.add_argument("--doc-lens", default=None, help="comma list of document lengths L, one "
                     "row each (default 8192,1024,128,32)")  # fmt: skip
-    ap.add_argument("--rope", default="auto", help="comma list of variants ROPE[/LAYER]: the "
-                    "packed RoPE impl (auto, torch, triton, megatron) and optionally the norm + "
-                    "SwiGLU kernels (auto, torch, triton; default auto), e.g. megatron/torch,auto "
-                    "for before/after")  # fmt: skip
+    ap.add_argument("--mixed", default=None, help="LO-HI: one more row of documents with "
+                    "lengths uniform in [LO, HI], new ones in every micro-batch of every pass "
+                    "(as a trainer sees them: new attention bucket shapes)")  # fmt: skip
+    ap.add_argument("--rope", default="auto", help="comma list of variants ROPE[/LAYER[/SHAPES]]"
+                    ": the packed RoPE impl (auto, torch, triton, megatron), optionally the norm "
+                    "+ SwiGLU kernels (auto, torch, triton; default auto) and the attention's "
+                    "bucket shapes (grid, exact; default grid), e.g. megatron/torch,auto for "
+                    "before/after")  # fmt: skip
     ap.add_argument("--logprob-path", default="fused", help="GRPOStep.logprob_path (the "
                     "trainer's lm_head.path; default fused)")  # fmt: skip
     ap.add_argument("--top", type=int, default=15, help="kernels listed per profile")
@@ -110,6 +114,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--peak-tflops", type=float, default=989.0,
                     help="dense bf16 peak for MFU (H100 SXM: 989)")  # fmt: skip
     ap.add_argument("--profile", action="store_true", help="torch.profiler kernel tables")
+    ap.add_argument("--host-profile", action="store_true", help="cProfile of one pass of each "
+                    "kind at --profile-len: the host's top Python functions")  # fmt: skip
     ap.add_argument("--profile-len", type=int, default=None, help="L of the profile (default "
                     "the smallest --doc-lens)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=1234)
@@ -132,6 +138,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--doc-lens and --tokens must be >= 2")
     a.doc_lens = [min(L, a.tokens) for L in a.doc_lens]  # a document fills a micro-batch at most
     a.profile_len = min(a.profile_len or min(a.doc_lens), a.tokens)
+    if a.mixed:
+        lo, _, hi = a.mixed.partition("-")
+        if not (lo.isdigit() and hi.isdigit() and 1 <= int(lo) <= int(hi)):
+            ap.error(f"--mixed: LO-HI with 1 <= LO <= HI, got {a.mixed!r}")
+        a.doc_lens.append(a.mixed)
     return a
 
 
@@ -154,7 +165,8 @@ from megatron_grpo.megatron import (  # noqa: E402
     pack_sequences,
     unwrap,
 )
-from megatron_grpo.megatron.layer_spec import set_layer_impl  # noqa: E402
+from megatron_grpo.megatron.layer_spec import set_bucket_shapes, set_layer_impl  # noqa: E402
+from megatron_grpo.megatron.packed_attention import SHAPES  # noqa: E402
 from megatron_grpo.megatron.packed_rope import IMPLS, set_packed_rope  # noqa: E402
 from megatron_grpo.ops.dispatch import IMPLS as LAYER_IMPLS  # noqa: E402
 
@@ -179,12 +191,29 @@ def build(args, dev: torch.device):
     return cfg, build_model(cfg, parallel)
 
 
-def make_batches(L: int, args, seed: int) -> list[PackedBatch]:
-    """``--micro-batches`` packed batches of ``--tokens`` tokens: documents of L tokens."""
+def _doc_lens(L: int | str, tokens: int, g: torch.Generator) -> list[int]:
+    """Document lengths filling ``tokens``: all L (the last one cut), or for "LO-HI" uniform
+    in [LO, HI]."""
+    if isinstance(L, int):
+        return [L] * (tokens // L) + ([tokens % L] if tokens % L else [])
+    lo, hi = (int(x) for x in L.split("-"))
+    lens: list[int] = []
+    while sum(lens) < tokens:
+        lens.append(min(int(torch.randint(lo, hi + 1, (1,), generator=g)), tokens - sum(lens)))
+    return lens
+
+
+def _seed(L: int | str, args) -> int:
+    return args.seed + (L if isinstance(L, int) else 7919)
+
+
+def make_batches(L: int | str, args, seed: int) -> list[PackedBatch]:
+    """``--micro-batches`` packed batches of ``--tokens`` tokens: documents of L tokens (or of
+    ``--mixed`` lengths, new ones in each micro-batch)."""
     g = torch.Generator().manual_seed(seed)
-    lens = [L] * (args.tokens // L) + ([args.tokens % L] if args.tokens % L else [])
     batches = []
     for _ in range(args.micro_batches):
+        lens = _doc_lens(L, args.tokens, g)
         seqs = [torch.randint(0, args.vocab, (n,), generator=g) for n in lens]
         masks = [torch.arange(n) >= n // 2 for n in lens]
         old = [-(torch.rand(n, generator=g) * 2 + 0.1) for n in lens]
@@ -318,10 +347,12 @@ class Passes:
 
 
 def use_rope(chunks, variant: str) -> int:
-    """Apply a ``ROPE[/LAYER]`` variant: the packed RoPE impl and the layer's element-wise
-    kernels (``set_layer_impl``, default "auto")."""
-    impl, _, layer = variant.partition("/")
+    """Apply a ``ROPE[/LAYER[/SHAPES]]`` variant: the packed RoPE impl, the layer's element-wise
+    kernels (``set_layer_impl``, default "auto") and the attention's bucket shapes
+    (``set_bucket_shapes``, default "grid")."""
+    impl, layer, shapes = (variant.split("/") + ["", ""])[:3]
     set_layer_impl(chunks, layer or "auto")
+    set_bucket_shapes(chunks, shapes or "grid")
     count = set_packed_rope(chunks, impl)
     if count == 0:
         raise SystemExit(f"set_packed_rope(chunks, {impl!r}) set no attention module: --rope "
@@ -329,25 +360,33 @@ def use_rope(chunks, variant: str) -> int:
     return count
 
 
-def run_row(L: int, impl: str, passes: Passes, gpt, args, dev, params: tuple[int, int],
+def run_row(L: int | str, impl: str, passes: Passes, gpt, args, dev, params: tuple[int, int],
             first: dict) -> dict:  # fmt: skip
     """One table row; ``first`` keeps the first impl's log-probs of each L (the same batches
-    and weights: the others' max abs difference to them is ``logp_max_abs_vs_first``)."""
+    and weights: the others' max abs difference to them is ``logp_max_abs_vs_first``). A
+    ``--mixed`` row times new batches in every pass (their FLOPs: those of the first ones)."""
     use_rope(passes.chunks, impl)
-    batches = make_batches(L, args, seed=args.seed + L)
+    batches = make_batches(L, args, seed=_seed(L, args))
     logprobs = passes.logprob(batches)
-    set_old_logprobs(batches, logprobs, seed=args.seed + L + 1)
+    set_old_logprobs(batches, logprobs, seed=_seed(L, args) + 1)
     logp = torch.cat(logprobs)
     diff = (logp - first.setdefault(L, logp)).abs().max().item()
     flops = forward_flops(batches, args, *params)
     floor = gemm_floor(gpt, args, dev, flops["scored_rows"])  # timed now: the clock drifts
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    lp_times, lp_peak = timed(lambda: passes.logprob(batches), dev, args.warmup, args.iters)
     passes.zero_grads()
     report = reduce_metrics(passes.train(batches))  # a warm-up too; the loss of the row
-    tr_times, tr_peak = timed(lambda: passes.train(batches), dev, args.warmup, args.iters,
-                              setup=passes.zero_grads)  # fmt: skip
+    box, fresh = [batches], iter(range(10**6))
+
+    def renew() -> None:  # --mixed: every pass sees new layouts (random old / ref log-probs)
+        if isinstance(L, str):
+            box[0] = make_batches(L, args, seed=_seed(L, args) + 7 * next(fresh) + 2)
+
+    lp_times, lp_peak = timed(lambda: passes.logprob(box[0]), dev, args.warmup, args.iters,
+                              setup=renew)  # fmt: skip
+    tr_times, tr_peak = timed(lambda: passes.train(box[0]), dev, args.warmup, args.iters,
+                              setup=lambda: (passes.zero_grads(), renew()))  # fmt: skip
     grad_sq = sum(float(p.main_grad.float().pow(2).sum()) for c in passes.chunks
                   for p in c.parameters() if getattr(p, "main_grad", None) is not None)  # fmt: skip
     row = dict(L=L, rope=impl, docs_per_mb=len(batches[0].cu_seqlens) - 1,
@@ -418,13 +457,43 @@ def profile_pass(name: str, fn, setup, args, dev, out: Path, tag: str) -> dict:
                 top=kernels[: args.top], trace=trace.name)  # fmt: skip
 
 
+def host_profile(passes: Passes, args, dev) -> None:
+    """The Python functions that take the host's time in one pass of each kind (cProfile,
+    sorted by own time): where a host-bound pass spends it."""
+    import cProfile
+    import io
+    import pstats
+
+    L = args.profile_len
+    use_rope(passes.chunks, args.rope[-1])
+    batches = make_batches(L, args, seed=_seed(L, args))
+    set_old_logprobs(batches, passes.logprob(batches), seed=_seed(L, args) + 1)
+    passes.zero_grads()
+    passes.train(batches)
+    for name, fn in (("logprob", passes.logprob), ("train", passes.train)):
+        passes.zero_grads()
+        sync(dev)
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        fn(batches)
+        prof.disable()
+        sync(dev)
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(args.top)
+        print(
+            f"\n== host profile L={L} rope={args.rope[-1]} {name}: wall "
+            f"{(time.perf_counter() - t0) * 1e3:.1f} ms (under cProfile)\n{text.getvalue()}"
+        )
+
+
 def run_profile(passes: Passes, args, dev, out: Path) -> list[dict]:
     L = args.profile_len
     results = []
     for impl in args.rope:
         use_rope(passes.chunks, impl)
-        batches = make_batches(L, args, seed=args.seed + L)
-        set_old_logprobs(batches, passes.logprob(batches), seed=args.seed + L + 1)
+        batches = make_batches(L, args, seed=_seed(L, args))
+        set_old_logprobs(batches, passes.logprob(batches), seed=_seed(L, args) + 1)
         passes.zero_grads()
         passes.train(batches)  # warm (compiles, caches) before the profiled passes
         tag = f"L{L}_{impl.replace('/', '-')}"
@@ -525,10 +594,16 @@ def main() -> int:
     if dev.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: use --device cpu --tiny for a dry run", file=sys.stderr)
         return 2
-    unknown = [r for r in args.rope if r.partition("/")[0] not in IMPLS
-               or r.partition("/")[2] not in ("", *LAYER_IMPLS)]  # fmt: skip
+
+    def known(variant: str) -> bool:
+        parts = variant.split("/")
+        choices = (IMPLS, ("", *LAYER_IMPLS), ("", *SHAPES))
+        return len(parts) <= 3 and all(p in c for p, c in zip(parts, choices, strict=False))
+
+    unknown = [r for r in args.rope if not known(r)]
     if unknown or not args.rope:
-        raise SystemExit(f"--rope: {unknown or args.rope}: ROPE in {IMPLS}, LAYER in {LAYER_IMPLS}")
+        raise SystemExit(f"--rope: {unknown or args.rope}: ROPE in {IMPLS}, LAYER in "
+                         f"{LAYER_IMPLS}, SHAPES in {SHAPES}")  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg, chunks = build(args, dev)
@@ -571,6 +646,8 @@ def main() -> int:
     comp = comparison(rows, args.rope)
     print_comparison(comp)
     prof = run_profile(passes, args, dev, out) if args.profile else None
+    if args.host_profile:
+        host_profile(passes, args, dev)
     result = dict(info, rows=rows, comparison=comp, profile=prof)
     (out / "results.json").write_text(json.dumps(result, indent=1, default=str))
     print(f"\nwrote {out / 'results.json'}")

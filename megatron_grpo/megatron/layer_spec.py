@@ -56,7 +56,7 @@ from megatron.core.transformer.transformer_layer import (
 
 from megatron_grpo.megatron.compat import define_te_general_gemm
 from megatron_grpo.megatron.cp_attention import cp_causal_attention
-from megatron_grpo.megatron.packed_attention import packed_causal_attention
+from megatron_grpo.megatron.packed_attention import SHAPES, packed_causal_attention
 from megatron_grpo.megatron.packed_rope import PackedRopeSelfAttention, RopedPackedSeqParams
 from megatron_grpo.ops.dispatch import IMPLS
 from megatron_grpo.ops.rms_norm import rms_norm
@@ -185,6 +185,19 @@ def set_layer_impl(model: torch.nn.Module | list[torch.nn.Module], impl: str) ->
     return len(modules)
 
 
+def set_bucket_shapes(model: torch.nn.Module | list[torch.nn.Module], shapes: str) -> int:
+    """Size the packed attention's bucket batches of every ``SDPAttention`` of ``model`` (a
+    module or the list of chunks) by ``shapes`` (``packed_attention.SHAPES``); returns how many
+    attention modules were set."""
+    if shapes not in SHAPES:
+        raise ValueError(f"bucket shapes must be one of {SHAPES}, got {shapes!r}")
+    chunks = model if isinstance(model, list) else [model]
+    modules = [m for c in chunks for m in c.modules() if isinstance(m, SDPAttention)]
+    for m in modules:
+        m.bucket_shapes = shapes
+    return len(modules)
+
+
 _MASK_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.no_mask)
 
 
@@ -277,6 +290,7 @@ class SDPAttention(MegatronModule):
         self.dropout_p = (
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
+        self.bucket_shapes = "grid"  # packed_attention.SHAPES; set_bucket_shapes changes it
 
     def _sdpa(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object = None
@@ -317,8 +331,9 @@ class SDPAttention(MegatronModule):
                 )
             if thd:
                 return packed_causal_attention(
-                    query, key, value, packed_seq_params, sdpa=self._sdpa
-                )
+                    query, key, value, packed_seq_params, sdpa=self._sdpa,
+                    shapes=self.bucket_shapes,
+                )  # fmt: skip
             # [s, b, n, d] -> [b, n, s, d]
             q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
             mask = dense_mask(q.size(2), k.size(2), attn_mask_type or self.attn_mask_type,

@@ -8,6 +8,14 @@ real. Padding costs at most 2x a group's tokens; the number of SDPA calls is at 
 ``log2(longest document) + 1`` instead of one per document (a micro-batch of hundreds of short
 rollouts would otherwise launch hundreds of attention kernels per layer).
 
+Bucket shapes are rounded up to a grid (``shapes="grid"``, the default): ``B`` and ``S`` to
+two values per power of two (..., 8, 12, 16, 24, 32, ...). Each new ``[B, n, S, d]`` shape costs
+cuDNN's SDPA an execution-plan build (tens to hundreds of ms, forward and backward), and RL
+micro-batches of mixed lengths would otherwise bring new shapes every micro-batch; on the grid
+a run sees a few dozen. The extra rows and columns are padding (at most 1.5x per dimension,
+exact under the causal mask, zero outputs dropped). ``shapes="exact"`` pads to each bucket's
+own count and longest document.
+
 Documents of one length that tile the input (one long document, or equal ones) skip the gather:
 the input is reshaped to ``[B, S, ...]``. The document layout (bounds, buckets, gather indices)
 is computed once per ``PackedSeqParams`` and cached on it: every layer, and the recomputation in
@@ -24,6 +32,16 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 # sdpa(q, k, v[, attn_mask]) on [B, n, S, d] batches: causal without a mask
 SDPA = Callable[..., torch.Tensor]
+# how bucket batches are sized: "grid" (few distinct shapes) or "exact" (least padding)
+SHAPES = ("grid", "exact")
+
+
+def grid_size(n: int) -> int:
+    """``n`` rounded up to the grid of two values per power of two: 1, 2, 3, 4, 6, 8, 12, ..."""
+    if n <= 2:
+        return n
+    step = 1 << ((n - 1).bit_length() - 2)  # a quarter of the next power of two
+    return -(-n // step) * step
 
 
 @dataclass
@@ -59,22 +77,29 @@ def cached_layout(params: PackedSeqParams, name: str, device: torch.device, buil
     return layout
 
 
-def document_layout(params: PackedSeqParams, device: torch.device) -> DocumentLayout:
-    """The (cached) layout of ``params``' documents."""
-    return cached_layout(params, "_grpo_document_layout", device, lambda b: _layout(b, device))
+def document_layout(
+    params: PackedSeqParams, device: torch.device, shapes: str = "grid"
+) -> DocumentLayout:
+    """The (cached) layout of ``params``' documents, bucket shapes sized by ``shapes``."""
+    if shapes not in SHAPES:
+        raise ValueError(f"shapes must be one of {SHAPES}, got {shapes!r}")
+    return cached_layout(
+        params, f"_grpo_document_layout_{shapes}", device, lambda b: _layout(b, device, shapes)
+    )
 
 
-def _layout(bounds: list[int], device: torch.device) -> DocumentLayout:
+def _layout(bounds: list[int], device: torch.device, shapes: str) -> DocumentLayout:
     starts = torch.tensor(bounds[:-1], dtype=torch.long)
     lens = torch.tensor(bounds[1:], dtype=torch.long) - starts
     n = len(lens)
     equal = (n, bounds[-1] // n) if n and bool((lens == lens[0]).all()) and lens[0] > 0 else None
-    buckets = [] if equal else _buckets(starts, lens, device)
+    buckets = [] if equal else _buckets(starts, lens, device, shapes == "grid")
     return DocumentLayout(end=bounds[-1], buckets=buckets, equal=equal)
 
 
-def _buckets(starts: torch.Tensor, lens: torch.Tensor, device) -> list[_Bucket]:
-    """Documents grouped by ``ceil(log2(length))``, as right-padded gather indices."""
+def _buckets(starts: torch.Tensor, lens: torch.Tensor, device, grid: bool) -> list[_Bucket]:
+    """Documents grouped by ``ceil(log2(length))``, as right-padded gather indices; with
+    ``grid``, the batch and length of each bucket rounded up by ``grid_size``."""
     groups: dict[int, list[int]] = {}
     for doc, n in enumerate(lens.tolist()):
         if n > 0:
@@ -82,9 +107,14 @@ def _buckets(starts: torch.Tensor, lens: torch.Tensor, device) -> list[_Bucket]:
     buckets = []
     for docs in groups.values():
         d = torch.tensor(docs)
-        offsets = torch.arange(int(lens[d].max()))
-        valid = offsets[None, :] < lens[d, None]
-        index = torch.where(valid, starts[d, None] + offsets[None, :], -1)
+        longest = int(lens[d].max())
+        if grid:  # padding rows: an empty document (every index -1)
+            d = torch.cat([d, d.new_full((grid_size(len(docs)) - len(docs),), -1)])
+            longest = grid_size(longest)
+        doc_lens = torch.where(d >= 0, lens[d.clamp(min=0)], 0)
+        offsets = torch.arange(longest)
+        valid = offsets[None, :] < doc_lens[:, None]
+        index = torch.where(valid, starts[d.clamp(min=0), None] + offsets[None, :], -1)
         # host-side selections: a boolean mask on the device would sync at every layer
         flat = valid.flatten().nonzero().flatten()
         buckets.append(_Bucket(index.to(device), index.flatten()[flat].to(device), flat.to(device)))
@@ -98,13 +128,14 @@ def packed_causal_attention(
     params: PackedSeqParams,
     *,
     sdpa: SDPA,
+    shapes: str = "grid",
 ) -> torch.Tensor:
     """Per-document causal attention: ``q [T, n_q, d]``, ``k, v [T, n_kv, d]`` -> ``[T, n_q, d]``.
 
     ``sdpa(q, k, v)`` is the caller's causal SDPA on ``[B, n, S, d]`` batches, with its GQA,
-    dropout and softmax scale.
+    dropout and softmax scale. ``shapes``: how bucket batches are sized (``SHAPES``).
     """
-    layout = document_layout(params, q.device)
+    layout = document_layout(params, q.device, shapes)
     if layout.equal is not None:  # e.g. one long document: no gather
         b, s = layout.equal
         qb, kb, vb = (
