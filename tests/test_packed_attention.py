@@ -69,13 +69,13 @@ def _inputs(total: int, n_q: int = 4, n_kv: int = 2, d: int = 16, dtype=torch.fl
         ([10, 3], None, 16),  # 3 tokens of TP/SP padding after the last document
     ],
 )
-@pytest.mark.parametrize("shapes", pa.SHAPES)
-def test_bucketed_matches_per_document_reference(lens, padded, total, shapes):
+@pytest.mark.parametrize("buckets", pa.BUCKETS)
+def test_bucketed_matches_per_document_reference(lens, padded, total, buckets):
     q, k, v = _inputs(total)
     params = _params(lens, padded)
     # q / k / v as megatron hands them over: strided views of one fused projection
     q, k, v = _strided(q, k, v)
-    out = pa.packed_causal_attention(q, k, v, params, sdpa=_sdpa, shapes=shapes)
+    out = pa.packed_causal_attention(q, k, v, params, sdpa=_sdpa, buckets=buckets)
     bounds = (params.cu_seqlens_q_padded if padded else params.cu_seqlens_q).tolist()
     ref, leaves = _reference(q, k, v, bounds)
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-5)
@@ -130,9 +130,48 @@ def test_grid_buckets_bring_few_distinct_shapes_over_many_random_layouts():
     assert len(seen["grid"]) < len(seen["exact"]) / 2, seen
 
 
-def test_unknown_bucket_shapes_is_an_error_naming_the_choices():
-    with pytest.raises(ValueError, match="grid"):
+@pytest.mark.parametrize("buckets", pa.BUCKETS)
+def test_plan_free_buckets_run_without_cudnn_and_equal_documents_keep_torchs_choice(buckets):
+    seen = []
+
+    def spy(q, k, v, mask=None):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return _sdpa(q, k, v, mask)
+
+    q, k, v = _inputs(40)
+    pa.packed_causal_attention(q, k, v, _params([5, 17, 3, 15]), sdpa=spy, buckets=buckets)
+    assert seen and all(enabled == (buckets != "plan_free") for enabled in seen)
+    seen.clear()  # equal documents: one reshape, one call on torch's own choice
+    pa.packed_causal_attention(q, k, v, _params([10] * 4), sdpa=spy, buckets=buckets)
+    assert seen == [True]
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after the call
+
+
+def test_unknown_buckets_is_an_error_naming_the_choices():
+    with pytest.raises(ValueError, match="plan_free"):
         pa.document_layout(_params([3, 5]), torch.device("cpu"), "round")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_spec_sdpa_with_gqa_on_every_bucket_way_on_gpu(dtype):
+    """The spec's own call (GQA without copies in 16 bits) under each way of running buckets:
+    the same answer as the per-document float64 loop, within the dtype's error."""
+    from functools import partial
+
+    from megatron_grpo.megatron.layer_spec import sdpa
+
+    lens = [5, 1, 300, 3, 1024, 77, 640]
+    q, k, v = _inputs(sum(lens), n_q=8, n_kv=2, d=128, dtype=dtype, dev="cuda")
+    params = _params(lens)
+    ref, _ = _reference(q, k, v, params.cu_seqlens_q.tolist())
+    call = partial(sdpa, causal=True, scale=128**-0.5)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    for buckets in pa.BUCKETS:
+        out = pa.packed_causal_attention(q, k, v, params, sdpa=call, buckets=buckets)
+        assert (out.double() - ref).abs().max().item() < tol, buckets
+        out.sum().backward()  # the backward runs on the forward's backend
 
 
 @pytest.mark.gpu

@@ -69,18 +69,40 @@ def test_profile_lm_head_dry_run(tmp_path):
     assert (tmp_path / "trace_fused_grpo_T96.json").exists()
 
 
+def test_bench_packed_attention_plan_cost_dry_run(tmp_path):
+    """--mixed: a row per (method, buckets); the grid meets fewer distinct shapes than exact."""
+    stdout = run_tool(
+        "bench_packed_attention.py", "--tokens", "256", "--heads", "4", "--kv-heads", "2",
+        "--head-dim", "16", "--mixed", "10-60", "--layouts", "6", "--methods",
+        "default,flash", out=tmp_path,
+    )  # fmt: skip
+    rows = json.loads((tmp_path / "bench_packed_attention_mixed.json").read_text())
+    runs = {(r["method"], r["buckets"]): r for r in rows}
+    assert list(runs) == [("default", b) for b in ("plan_free", "grid", "exact")] + [
+        ("flash", "exact")
+    ]
+    assert runs["default", "grid"]["distinct_shapes"] < runs["default", "exact"]["distinct_shapes"]
+    assert all(r["cold_ms"] > 0 and r["warm_ms"] > 0 for r in rows)
+    assert "| default | plan_free |" in stdout
+
+
 def test_bench_train_passes_dry_run(tmp_path):
     """The trainer's log-prob and fwd+bwd passes, megatron-core's packed RoPE against ours, on a
     tiny model: a row per (L, rope), the before/after table, the profile's kernel tables."""
     stdout = run_tool(
         "bench_train_passes.py", "--tiny", "--rope", "megatron,auto", "--doc-lens", "256,32",
-        "--profile", out=tmp_path,
+        "--mixed", "20-90", "--profile", "--host-profile", "--top", "5", out=tmp_path,
     )  # fmt: skip
     result = json.loads((tmp_path / "results.json").read_text())
     rows = {(r["L"], r["rope"]): r for r in result["rows"]}
-    assert set(rows) == {(L, rope) for L in (256, 32) for rope in ("megatron", "auto")}
+    assert set(rows) == {(L, rope) for L in (256, 32, "20-90") for rope in ("megatron", "auto")}
     for (L, rope), r in rows.items():
-        assert f"| {L} | {256 // L} | {rope} |" in stdout  # the markdown table's row
+        if L != "20-90":
+            assert f"| {L} | {256 // L} | {rope} |" in stdout  # the markdown table's row
+        else:  # new random lengths in each micro-batch, the first batch's count in the table
+            assert (
+                256 / 90 <= r["docs_per_mb"] <= 256 / 20 + 1 and r["logp_max_abs_vs_first"] < 1e-4
+            )
         for name in ("logprob", "train"):
             p = r[name]
             assert min(p["ms"], p["tokens_per_s"], p["mfu"], p["x_floor"]) > 0, (L, rope, p)
@@ -89,7 +111,11 @@ def test_bench_train_passes_dry_run(tmp_path):
         assert r["logp_max_abs_vs_first"] < 1e-4, r  # same weights and batches
     assert [(c["L"], c["pass_"]) for c in result["comparison"]] == [
         (256, "logprob"), (256, "train"), (32, "logprob"), (32, "train"),
+        ("20-90", "logprob"), ("20-90", "train"),
     ]  # fmt: skip
+    for name in ("logprob", "train"):  # cProfile's table of each pass
+        assert f"== host profile L=32 rope=auto {name}:" in stdout
+    assert stdout.count("Ordered by: internal time") == 2
     assert all(c["ratio"] > 0 for c in result["comparison"])
     assert "| L | pass | before | after |" in stdout
     profile = result["profile"]

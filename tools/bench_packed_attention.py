@@ -12,7 +12,8 @@ attention FLOPs: forward 4 * n_q * d * L(L+1)/2 per document, backward 2.5x the 
 ``--mixed LO-HI`` measures what new bucket shapes cost instead: ``--layouts`` micro-batches of
 documents with lengths uniform in [LO, HI], each run once forward + backward ("cold": every new
 ``[B, n, S, d]`` shape builds cuDNN execution plans) and then again ("warm"), for each method
-and bucket sizing (``--shapes``, packed_attention.SHAPES).
+and, for "default" (the spec's call), each way of running the buckets (``--buckets``,
+packed_attention.BUCKETS; a forced backend runs them "exact").
 
     python tools/bench_packed_attention.py --mixed 20-600 --layouts 24 --methods default,flash
 """
@@ -49,10 +50,10 @@ def _backend_ctx(name: str):
     return sdpa_kernel([backend])
 
 
-def _method(name: str, scale: float, shapes: str = "grid"):
-    """``fn(q, k, v, params)`` of a method: "default" (the spec's call: GQA without copies) or
-    "<backend>" (K/V expanded to the query heads, that SDPA backend forced); bucket batches
-    sized by ``shapes``."""
+def _method(name: str, scale: float, buckets: str = "plan_free"):
+    """``fn(q, k, v, params)`` of a method: "default" (the spec's call: GQA without copies,
+    documents of mixed lengths run as ``buckets`` says) or "<backend>" (K/V expanded to the
+    query heads, that SDPA backend forced, buckets "exact")."""
     if name == "varlen":
         from torch.nn.attention.varlen import varlen_attn
 
@@ -73,7 +74,8 @@ def _method(name: str, scale: float, shapes: str = "grid"):
 
     def run(q, k, v, params):
         with _backend_ctx(name):
-            return packed_causal_attention(q, k, v, params, sdpa=call, shapes=shapes)
+            how = buckets if name == "default" else "exact"  # "exact": the forced backend rules
+            return packed_causal_attention(q, k, v, params, sdpa=call, buckets=how)
 
     return run
 
@@ -114,27 +116,27 @@ def plan_cost(args, device, dtype) -> list[dict]:
     k, v = (torch.randn(args.tokens, args.kv_heads, args.head_dim, generator=g, device=device,
                         dtype=dtype, requires_grad=True) for _ in range(2))  # fmt: skip
     grad = torch.randn_like(q)
-    print("| method | shapes | distinct shapes | cold ms / micro-batch | warm ms / micro-batch "
+    print("| method | buckets | distinct shapes | cold ms / micro-batch | warm ms / micro-batch "
           "| cold - warm |\n|---|---|---|---|---|---|")  # fmt: skip
     rows = []
-    for i, (method, shapes) in enumerate(
-        (m, s) for m in args.methods.split(",") for s in args.shapes.split(",")
-    ):
-        fn = _method(method, scale, shapes)
+    runs = [(m, b) for m in args.methods.split(",")
+            for b in (args.buckets.split(",") if m == "default" else ["exact"])]  # fmt: skip
+    for i, (method, buckets) in enumerate(runs):
+        fn = _method(method, scale, buckets)
         # other seeds per row: a shape one row built must not warm the next
         layouts = [_mixed_params(lo, hi, args.tokens, 1000 * i + j, device)
                    for j in range(args.layouts)]  # fmt: skip
         distinct = {tuple(b.index.shape) for p in layouts
-                    for b in document_layout(p, device, shapes).buckets}  # fmt: skip
+                    for b in document_layout(p, device, buckets).buckets}  # fmt: skip
 
         def passes(fn=fn, layouts=layouts) -> None:
             for p in layouts:
                 fn(q, k, v, p).backward(grad)
 
         cold, warm = (_time_once(passes, device) / args.layouts for _ in range(2))
-        rows.append(dict(method=method, shapes=shapes, distinct_shapes=len(distinct),
+        rows.append(dict(method=method, buckets=buckets, distinct_shapes=len(distinct),
                          cold_ms=cold, warm_ms=warm, mixed=args.mixed, layouts=args.layouts))  # fmt: skip
-        print(f"| {method} | {shapes} | {len(distinct)} | {cold:.2f} | {warm:.2f} | "
+        print(f"| {method} | {buckets} | {len(distinct)} | {cold:.2f} | {warm:.2f} | "
               f"{cold - warm:.2f} |", flush=True)  # fmt: skip
     return rows
 
@@ -160,7 +162,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--mixed", default=None, help="LO-HI: the plan-cost mode (see above)")
     ap.add_argument("--layouts", type=int, default=24, help="micro-batches of --mixed")
-    ap.add_argument("--shapes", default="grid,exact", help="bucket sizings of --mixed")
+    ap.add_argument("--buckets", default="plan_free,grid,exact", help="--mixed: how "
+                    "\"default\" runs the buckets (packed_attention.BUCKETS)")  # fmt: skip
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()

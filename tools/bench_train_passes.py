@@ -99,10 +99,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--mixed", default=None, help="LO-HI: one more row of documents with "
                     "lengths uniform in [LO, HI], new ones in every micro-batch of every pass "
                     "(as a trainer sees them: new attention bucket shapes)")  # fmt: skip
-    ap.add_argument("--rope", default="auto", help="comma list of variants ROPE[/LAYER[/SHAPES]]"
-                    ": the packed RoPE impl (auto, torch, triton, megatron), optionally the norm "
-                    "+ SwiGLU kernels (auto, torch, triton; default auto) and the attention's "
-                    "bucket shapes (grid, exact; default grid), e.g. megatron/torch,auto for "
+    ap.add_argument("--rope", default="auto", help="comma list of variants "
+                    "ROPE[/LAYER[/BUCKETS]]: the packed RoPE impl (auto, torch, triton, "
+                    "megatron), optionally the norm + SwiGLU kernels (auto, torch, triton; "
+                    "default auto) and how the attention runs documents of mixed lengths "
+                    "(plan_free, grid, exact; default plan_free), e.g. megatron/torch,auto for "
                     "before/after")  # fmt: skip
     ap.add_argument("--logprob-path", default="fused", help="GRPOStep.logprob_path (the "
                     "trainer's lm_head.path; default fused)")  # fmt: skip
@@ -165,8 +166,8 @@ from megatron_grpo.megatron import (  # noqa: E402
     pack_sequences,
     unwrap,
 )
-from megatron_grpo.megatron.layer_spec import set_bucket_shapes, set_layer_impl  # noqa: E402
-from megatron_grpo.megatron.packed_attention import SHAPES  # noqa: E402
+from megatron_grpo.megatron.layer_spec import set_layer_impl, set_packed_buckets  # noqa: E402
+from megatron_grpo.megatron.packed_attention import BUCKETS  # noqa: E402
 from megatron_grpo.megatron.packed_rope import IMPLS, set_packed_rope  # noqa: E402
 from megatron_grpo.ops.dispatch import IMPLS as LAYER_IMPLS  # noqa: E402
 
@@ -347,12 +348,12 @@ class Passes:
 
 
 def use_rope(chunks, variant: str) -> int:
-    """Apply a ``ROPE[/LAYER[/SHAPES]]`` variant: the packed RoPE impl, the layer's element-wise
-    kernels (``set_layer_impl``, default "auto") and the attention's bucket shapes
-    (``set_bucket_shapes``, default "grid")."""
-    impl, layer, shapes = (variant.split("/") + ["", ""])[:3]
+    """Apply a ``ROPE[/LAYER[/BUCKETS]]`` variant: the packed RoPE impl, the layer's
+    element-wise kernels (``set_layer_impl``, default "auto") and how the attention runs
+    documents of mixed lengths (``set_packed_buckets``, default "plan_free")."""
+    impl, layer, buckets = (variant.split("/") + ["", ""])[:3]
     set_layer_impl(chunks, layer or "auto")
-    set_bucket_shapes(chunks, shapes or "grid")
+    set_packed_buckets(chunks, buckets or "plan_free")
     count = set_packed_rope(chunks, impl)
     if count == 0:
         raise SystemExit(f"set_packed_rope(chunks, {impl!r}) set no attention module: --rope "
@@ -597,13 +598,13 @@ def main() -> int:
 
     def known(variant: str) -> bool:
         parts = variant.split("/")
-        choices = (IMPLS, ("", *LAYER_IMPLS), ("", *SHAPES))
+        choices = (IMPLS, ("", *LAYER_IMPLS), ("", *BUCKETS))
         return len(parts) <= 3 and all(p in c for p, c in zip(parts, choices, strict=False))
 
     unknown = [r for r in args.rope if not known(r)]
     if unknown or not args.rope:
         raise SystemExit(f"--rope: {unknown or args.rope}: ROPE in {IMPLS}, LAYER in "
-                         f"{LAYER_IMPLS}, SHAPES in {SHAPES}")  # fmt: skip
+                         f"{LAYER_IMPLS}, BUCKETS in {BUCKETS}")  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg, chunks = build(args, dev)

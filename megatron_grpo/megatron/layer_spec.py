@@ -56,7 +56,7 @@ from megatron.core.transformer.transformer_layer import (
 
 from megatron_grpo.megatron.compat import define_te_general_gemm
 from megatron_grpo.megatron.cp_attention import cp_causal_attention
-from megatron_grpo.megatron.packed_attention import SHAPES, packed_causal_attention
+from megatron_grpo.megatron.packed_attention import BUCKETS, packed_causal_attention
 from megatron_grpo.megatron.packed_rope import PackedRopeSelfAttention, RopedPackedSeqParams
 from megatron_grpo.ops.dispatch import IMPLS
 from megatron_grpo.ops.rms_norm import rms_norm
@@ -185,16 +185,15 @@ def set_layer_impl(model: torch.nn.Module | list[torch.nn.Module], impl: str) ->
     return len(modules)
 
 
-def set_bucket_shapes(model: torch.nn.Module | list[torch.nn.Module], shapes: str) -> int:
-    """Size the packed attention's bucket batches of every ``SDPAttention`` of ``model`` (a
-    module or the list of chunks) by ``shapes`` (``packed_attention.SHAPES``); returns how many
-    attention modules were set."""
-    if shapes not in SHAPES:
-        raise ValueError(f"bucket shapes must be one of {SHAPES}, got {shapes!r}")
+def set_packed_buckets(model: torch.nn.Module | list[torch.nn.Module], buckets: str) -> int:
+    """How every ``SDPAttention`` of ``model`` (a module or the list of chunks) runs packed
+    documents of mixed lengths (``packed_attention.BUCKETS``); returns how many were set."""
+    if buckets not in BUCKETS:
+        raise ValueError(f"packed attention buckets must be one of {BUCKETS}, got {buckets!r}")
     chunks = model if isinstance(model, list) else [model]
     modules = [m for c in chunks for m in c.modules() if isinstance(m, SDPAttention)]
     for m in modules:
-        m.bucket_shapes = shapes
+        m.buckets = buckets
     return len(modules)
 
 
@@ -218,7 +217,9 @@ def sdpa(
     a boolean ``attn_mask`` (True = attend) broadcastable to ``[b, n_q, s_q, s_k]``."""
     groups = q.size(1) // k.size(1)
     extra = {}
-    if groups > 1 and _SDPA_HAS_GQA:
+    # fp32 on CUDA: no fused kernel takes GQA (flash and cuDNN need 16 bits, memory-efficient
+    # no GQA), so expanded K/V reach memory-efficient instead of the math fallback
+    if groups > 1 and _SDPA_HAS_GQA and not (q.is_cuda and q.dtype == torch.float32):
         extra["enable_gqa"] = True
     elif groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -290,7 +291,7 @@ class SDPAttention(MegatronModule):
         self.dropout_p = (
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
-        self.bucket_shapes = "grid"  # packed_attention.SHAPES; set_bucket_shapes changes it
+        self.buckets = "plan_free"  # packed_attention.BUCKETS; set_packed_buckets changes it
 
     def _sdpa(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object = None
@@ -332,7 +333,7 @@ class SDPAttention(MegatronModule):
             if thd:
                 return packed_causal_attention(
                     query, key, value, packed_seq_params, sdpa=self._sdpa,
-                    shapes=self.bucket_shapes,
+                    buckets=self.buckets,
                 )  # fmt: skip
             # [s, b, n, d] -> [b, n, s, d]
             q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))

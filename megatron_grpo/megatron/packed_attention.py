@@ -8,13 +8,15 @@ real. Padding costs at most 2x a group's tokens; the number of SDPA calls is at 
 ``log2(longest document) + 1`` instead of one per document (a micro-batch of hundreds of short
 rollouts would otherwise launch hundreds of attention kernels per layer).
 
-Bucket shapes are rounded up to a grid (``shapes="grid"``, the default): ``B`` and ``S`` to
-two values per power of two (..., 8, 12, 16, 24, 32, ...). Each new ``[B, n, S, d]`` shape costs
-cuDNN's SDPA an execution-plan build (tens to hundreds of ms, forward and backward), and RL
-micro-batches of mixed lengths would otherwise bring new shapes every micro-batch; on the grid
-a run sees a few dozen. The extra rows and columns are padding (at most 1.5x per dimension,
-exact under the causal mask, zero outputs dropped). ``shapes="exact"`` pads to each bucket's
-own count and longest document.
+RL micro-batches of mixed lengths bring new bucket shapes ``[B, n, S, d]`` in every
+micro-batch, and cuDNN's SDPA (torch's first choice on Hopper) builds an execution plan per new
+shape: about 15 ms per shape forward + backward on an H200, 0.37 s per micro-batch of 20-600
+token documents against 7 ms of attention (tools/bench_packed_attention.py --mixed). So the
+buckets (``BUCKETS``) run by default on the SDPA backends that need no plan ("plan_free":
+flash, memory-efficient, math; as fast as cuDNN on these short documents). "grid" keeps torch's
+choice and rounds ``B`` and ``S`` up to two values per power of two (..., 8, 12, 16, 24, ...),
+so a run meets a few dozen shapes (the padding is exact under the causal mask, its outputs are
+dropped); "exact" is torch's choice on each bucket's own shape.
 
 Documents of one length that tile the input (one long document, or equal ones) skip the gather:
 the input is reshaped to ``[B, S, ...]``. The document layout (bounds, buckets, gather indices)
@@ -24,16 +26,19 @@ backward, reuses it without a device-to-host sync.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # sdpa(q, k, v[, attn_mask]) on [B, n, S, d] batches: causal without a mask
 SDPA = Callable[..., torch.Tensor]
-# how bucket batches are sized: "grid" (few distinct shapes) or "exact" (least padding)
-SHAPES = ("grid", "exact")
+# how the gathered buckets run (see the module docstring)
+BUCKETS = ("plan_free", "grid", "exact")
+_PLAN_FREE = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def grid_size(n: int) -> int:
@@ -78,11 +83,12 @@ def cached_layout(params: PackedSeqParams, name: str, device: torch.device, buil
 
 
 def document_layout(
-    params: PackedSeqParams, device: torch.device, shapes: str = "grid"
+    params: PackedSeqParams, device: torch.device, buckets: str = "plan_free"
 ) -> DocumentLayout:
-    """The (cached) layout of ``params``' documents, bucket shapes sized by ``shapes``."""
-    if shapes not in SHAPES:
-        raise ValueError(f"shapes must be one of {SHAPES}, got {shapes!r}")
+    """The (cached) layout of ``params``' documents, bucket shapes as ``buckets`` has them."""
+    if buckets not in BUCKETS:
+        raise ValueError(f"packed attention buckets must be one of {BUCKETS}, got {buckets!r}")
+    shapes = "grid" if buckets == "grid" else "exact"
     return cached_layout(
         params, f"_grpo_document_layout_{shapes}", device, lambda b: _layout(b, device, shapes)
     )
@@ -128,14 +134,14 @@ def packed_causal_attention(
     params: PackedSeqParams,
     *,
     sdpa: SDPA,
-    shapes: str = "grid",
+    buckets: str = "plan_free",
 ) -> torch.Tensor:
     """Per-document causal attention: ``q [T, n_q, d]``, ``k, v [T, n_kv, d]`` -> ``[T, n_q, d]``.
 
     ``sdpa(q, k, v)`` is the caller's causal SDPA on ``[B, n, S, d]`` batches, with its GQA,
-    dropout and softmax scale. ``shapes``: how bucket batches are sized (``SHAPES``).
+    dropout and softmax scale. ``buckets``: how documents of mixed lengths run (``BUCKETS``).
     """
-    layout = document_layout(params, q.device, shapes)
+    layout = document_layout(params, q.device, buckets)
     if layout.equal is not None:  # e.g. one long document: no gather
         b, s = layout.equal
         qb, kb, vb = (
@@ -147,9 +153,11 @@ def packed_causal_attention(
     # A zero row at position T stands for padding (gather index -1 reads it).
     ext = [torch.cat([x, x.new_zeros(1, *x.shape[1:])]) for x in (q, k, v)]
     out = q.new_zeros(q.shape)
-    for b in layout.buckets:
-        # [B, S, n, d] -> [B, n, S, d]
-        qb, kb, vb = (x[b.index].transpose(1, 2) for x in ext)
-        ob = sdpa(qb, kb, vb).transpose(1, 2)  # [B, S, n_q, d]
-        out = out.index_put((b.dest,), ob.flatten(0, 1).index_select(0, b.flat))
+    # the backward runs on the forward's backend: no context needed there
+    with sdpa_kernel(_PLAN_FREE) if buckets == "plan_free" else contextlib.nullcontext():
+        for b in layout.buckets:
+            # [B, S, n, d] -> [B, n, S, d]
+            qb, kb, vb = (x[b.index].transpose(1, 2) for x in ext)
+            ob = sdpa(qb, kb, vb).transpose(1, 2)  # [B, S, n_q, d]
+            out = out.index_put((b.dest,), ob.flatten(0, 1).index_select(0, b.flat))
     return out
