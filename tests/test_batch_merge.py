@@ -56,8 +56,12 @@ def test_groups_respect_the_budget_and_the_carried_fields():
         merge_groups(batches, 0)
 
 
-def _model_body(rank: int, world: int) -> None:
-    parallel = ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
+def _model_body(rank: int, world: int, cp: bool = False) -> None:
+    parallel = (
+        ParallelConfig(context_parallel_size=2)
+        if cp
+        else ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
+    )
     chunks = build_layout(parallel, tiny_model())
     step = GRPOStep(GRPOLossConfig(), vocab_size=tiny_model().vocab_size)
     batches = _batches(multiple=2)
@@ -67,5 +71,6 @@ def _model_body(rank: int, world: int) -> None:
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-6, msg=f"batch {i}")
 
 
-def test_merged_logprobs_equal_the_separate_batches():
-    run_distributed(_model_body, 2)
+@pytest.mark.parametrize("cp", [False, True], ids=["tp2_sp", "cp2"])
+def test_merged_logprobs_equal_the_separate_batches(cp):
+    run_distributed(_model_body, 2, cp)

@@ -135,6 +135,8 @@ def _kernel_case(dtype, interleaved, percent, device):
     got = _run(lambda v: _ours(v, cu, freqs, interleaved, "triton"), x, grad)
     for name, a, b in zip(("out", "grad"), got, want, strict=True):
         assert torch.equal(a, b), f"{name}: max diff {(a.float() - b.float()).abs().max()}"
+    with torch.no_grad():  # the no-graph path (no autograd.Function) computes the same
+        assert torch.equal(_ours(x, cu, freqs, interleaved, "triton"), got[0])
 
 
 _KERNEL_CASES = pytest.mark.parametrize(

@@ -147,3 +147,17 @@ def test_checkpoint_architecture_check_names_the_field(tmp_path):
                         rotary_base=500000)  # fmt: skip
     with pytest.raises(ConfigError, match="rotary_base"):
         check_checkpoint_architecture(other, str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "overrides, merge",
+    [
+        ([], 32768),  # "auto" on a dense model
+        (["model.num_moe_experts=4"], None),  # "auto" on MoE: the update's micro-batches
+        (["training.logprob_max_tokens_per_micro_batch=4096"], 4096),
+        (["training.logprob_max_tokens_per_micro_batch=null"], None),
+    ],
+)
+def test_logprob_merge_auto_is_resolved_per_model(overrides, merge):
+    cfg = load_train_config(RECIPE, overrides)
+    assert cfg.logprob_merge_tokens == merge

@@ -17,8 +17,10 @@ CPU dry run of the same logic (tiny model; run by tests/test_tools.py)::
 
 The passes are the trainer's own calls (``megatron_grpo/train/trainer.py``):
 
-* log-prob: ``GRPOStep.compute_logprobs(chunks, micro_batches)``, the no-grad pass of the old and
-  reference log-probs (megatron-core's forward-only schedule, results copied to the host);
+* log-prob: ``GRPOStep.compute_logprobs(chunks, micro_batches, max_tokens)``, the no-grad pass
+  of the old and reference log-probs (megatron-core's forward-only schedule, results copied to
+  the host), over micro-batches merged up to ``--logprob-merge`` tokens as the trainer's
+  default merges them (``0``: one forward per micro-batch);
 * fwd+bwd: megatron-core's ``forward_backward_func`` with ``GRPOStep.forward_step`` over the
   micro-batches (``forward_only=False``), as ``Trainer._forward_backward``: the GRPO loss, the
   backward into the DDP gradient buffers and the schedule's ``finalize_model_grads``. No
@@ -29,10 +31,17 @@ takes the rest when L does not divide it), prompt = the first half, response (lo
 second; advantages random per document, old log-probs = the log-prob pass's output (as the
 trainer sets them), reference log-probs = old + noise (``--kl-coef`` uses them).
 
-``--rope`` (a comma list) is applied with ``megatron_grpo.megatron.packed_rope.set_packed_rope``
-on the same model, the rows of one L back to back: "megatron" is megatron-core's per-document
-loop (the "before"), "auto" / "torch" / "triton" our packed RoPE. The comparison table gives each
-impl's time over the first impl's (after / before; < 1 is faster).
+``--mixed LO-HI`` adds a row of documents with lengths uniform in [LO, HI], new ones in every
+micro-batch of every timed pass, as a trainer meets them (each pass brings the attention new
+bucket shapes; FLOPs and MFU are those of the first batches).
+
+``--rope`` (a comma list of ``ROPE[/LAYER[/BUCKETS]]``) is applied with
+``megatron_grpo.megatron.packed_rope.set_packed_rope`` (and ``set_layer_impl``,
+``set_packed_buckets``) on the same model, the rows of one L back to back: "megatron" is
+megatron-core's per-document loop (the "before"), "auto" / "torch" / "triton" our packed RoPE;
+BUCKETS "exact" runs mixed-length documents on torch's SDPA choice (cuDNN on Hopper, a plan
+per new shape), the default "plan_free" on flash / memory-efficient. The comparison table gives
+each variant's time over the first one's (after / before; < 1 is faster).
 
 Timing: ``--warmup`` iterations, then the median of ``--iters``, each between
 ``synchronize`` + ``perf_counter``. Tokens/s counts all packed tokens (prompt too). MFU = model
@@ -50,6 +59,9 @@ includes the weights, fp32 gradient buffers and inputs).
 pass and one fwd+bwd pass per rope impl under ``torch.profiler``: the top ``--top`` kernels (calls,
 total ms, % of GPU time), kernel launches per pass, GPU busy time (the union of kernel
 intervals) vs wall time; a gzipped Chrome trace each under ``--out``.
+
+``--host-profile``: cProfile of one pass of each kind at ``--profile-len`` (the last variant):
+the ``--top`` Python functions by own time, where a host-bound pass spends it.
 
 ``--out DIR``: ``results.json`` (args, device, versions, model, FLOPs, rows, comparison,
 profile).
@@ -107,6 +119,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "before/after")  # fmt: skip
     ap.add_argument("--logprob-path", default="fused", help="GRPOStep.logprob_path (the "
                     "trainer's lm_head.path; default fused)")  # fmt: skip
+    ap.add_argument("--logprob-merge", type=int, default=None, help="the log-prob pass merges "
+                    "micro-batches up to this many tokens, as the trainer does (default: its "
+                    "training.logprob_max_tokens_per_micro_batch \"auto\" for a dense model, "
+                    "LOGPROB_MERGE_TOKENS); 0: one forward per micro-batch")  # fmt: skip
     ap.add_argument("--top", type=int, default=15, help="kernels listed per profile")
     ap.add_argument("--kl-coef", type=float, default=0.001, help="loss.kl_coef (uses the ref)")
     ap.add_argument("--warmup", type=int, default=None, help="default 2 (--tiny: 1)")
@@ -135,6 +151,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.rope = [x.strip() for x in a.rope.split(",") if x.strip()]
     a.warmup = a.warmup if a.warmup is not None else (1 if a.tiny else 2)
     a.iters = a.iters or (1 if a.tiny else 3)
+    if a.logprob_merge is None:
+        from megatron_grpo.train.config import LOGPROB_MERGE_TOKENS
+
+        a.logprob_merge = LOGPROB_MERGE_TOKENS
     if min(a.doc_lens) < 2 or a.tokens < 2:
         ap.error("--doc-lens and --tokens must be >= 2")
     a.doc_lens = [min(L, a.tokens) for L in a.doc_lens]  # a document fills a micro-batch at most
@@ -325,11 +345,11 @@ def gemm_floor(gpt, args, dev, scored_rows: int) -> dict:
 class Passes:
     """The trainer's two passes over a list of micro-batches."""
 
-    def __init__(self, step: GRPOStep, chunks: list[torch.nn.Module]):
-        self.step, self.chunks = step, chunks
+    def __init__(self, step: GRPOStep, chunks: list[torch.nn.Module], merge: int):
+        self.step, self.chunks, self.merge = step, chunks, merge or None
 
     def logprob(self, batches: list[PackedBatch]) -> list[torch.Tensor]:
-        return self.step.compute_logprobs(self.chunks, batches)
+        return self.step.compute_logprobs(self.chunks, batches, self.merge)
 
     def zero_grads(self) -> None:
         for c in self.chunks:
@@ -611,7 +631,7 @@ def main() -> int:
     gpt = unwrap(chunks[0])
     step = GRPOStep(GRPOLossConfig(kl_coef=args.kl_coef), vocab_size=cfg.vocab_size,
                     logprob_path=args.logprob_path)  # fmt: skip
-    passes = Passes(step, chunks)
+    passes = Passes(step, chunks, args.logprob_merge)
     info = run_info(args, dev)
     decoder, head = matmul_params(gpt, cfg.vocab_size)
     info["model"] = dict(
@@ -629,7 +649,8 @@ def main() -> int:
           f"{'tied' if args.tied else 'untied'}, {info['model']['dtype']}, "
           f"{info['model']['params'] / 1e6:.1f}M params ({(decoder + head) / 1e6:.1f}M matmul "
           f"incl. the head); {args.micro_batches} x {args.tokens} tokens; logprob_path "
-          f"{args.logprob_path}; fwd+bwd without optimizer step", flush=True)  # fmt: skip
+          f"{args.logprob_path}; log-prob pass merged to {args.logprob_merge or 'no'} tokens; "
+          "fwd+bwd without optimizer step", flush=True)  # fmt: skip
     rows, first = [], {}
     for L in args.doc_lens:
         for impl in args.rope:

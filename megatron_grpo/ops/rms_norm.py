@@ -51,4 +51,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, *, impl: str = "auto") -> Te
         )
     if resolve_impl(impl, x.device.type) == "torch":
         return rms_norm_torch(x, weight, eps)
+    if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        from megatron_grpo.kernels import rms_norm_fwd
+
+        return rms_norm_fwd(x, weight, eps)[0]  # no graph to record: skip Function.apply's cost
     return _RMSNormTriton.apply(x, weight, eps)

@@ -40,14 +40,18 @@ def apply_rotary_torch(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -
     return rope_reference(x, cos[:, None], sin[:, None], interleaved)  # [T, 1, ROT]: every head
 
 
+def _rope_triton(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+    from megatron_grpo.kernels import rope
+
+    return rope(x if x.stride(-1) == 1 else x.contiguous(), cos, sin, interleaved=interleaved)
+
+
 class _RotaryTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
-        from megatron_grpo.kernels import rope
-
         ctx.save_for_backward(cos, sin)
         ctx.interleaved = interleaved
-        return rope(x if x.stride(-1) == 1 else x.contiguous(), cos, sin, interleaved=interleaved)
+        return _rope_triton(x, cos, sin, interleaved)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -74,4 +78,6 @@ def apply_rotary(
         )
     if resolve_impl(impl, x.device.type) == "torch":
         return apply_rotary_torch(x, cos, sin, interleaved)
+    if not (torch.is_grad_enabled() and x.requires_grad):  # no graph: skip Function.apply
+        return _rope_triton(x, cos.contiguous(), sin.contiguous(), interleaved)
     return _RotaryTriton.apply(x, cos.contiguous(), sin.contiguous(), interleaved)

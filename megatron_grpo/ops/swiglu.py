@@ -22,15 +22,19 @@ def swiglu_torch(x: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+def _swiglu_triton(rows: Tensor, shape: torch.Size) -> Tensor:
+    from megatron_grpo.kernels import swiglu
+
+    return swiglu(rows).view(*shape[:-1], shape[-1] // 2)
+
+
 class _SwiGLUTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor) -> Tensor:
-        from megatron_grpo.kernels import swiglu
-
         rows = x.reshape(-1, x.size(-1)).contiguous()
         ctx.save_for_backward(rows)
         ctx.shape = x.shape
-        return swiglu(rows).view(*x.shape[:-1], x.size(-1) // 2)
+        return _swiglu_triton(rows, x.shape)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -48,4 +52,6 @@ def swiglu(x: Tensor, *, impl: str = "auto") -> Tensor:
         raise ValueError(f"swiglu: the last dim of x must be even (2F), got {list(x.shape)}")
     if resolve_impl(impl, x.device.type) == "torch":
         return swiglu_torch(x)
+    if not (torch.is_grad_enabled() and x.requires_grad):  # no graph: skip Function.apply
+        return _swiglu_triton(x.reshape(-1, x.size(-1)).contiguous(), x.shape)
     return _SwiGLUTriton.apply(x)

@@ -119,6 +119,10 @@ class DatasetConfig:
 
 # rollout.source values besides "module:Class" / "path/to/file.py:Class".
 ROLLOUT_SOURCES = ("generate", "files")
+# training.logprob_max_tokens_per_micro_batch "auto" for dense models: on one H200 the no-grad
+# pass of a 0.6B model runs at 0.45-0.50 MFU at 32k tokens against 0.23-0.42 at 8k
+# (tools/bench_train_passes.py); one layer's activations of 32k tokens stay small
+LOGPROB_MERGE_TOKENS = 32768
 # Extra rounds of a step draw prompts from a block of this many rounds (see dynamic_sampling).
 MAX_EXTRA_ROUNDS = 1024
 
@@ -399,8 +403,10 @@ class TrainingConfig:
             consecutive update micro-batches merged into micro-batches of up to this many
             tokens (a no-grad forward keeps one layer's activations at a time, and the host's
             launch cost is per layer and micro-batch, so a larger one keeps the GPU busy); the
-            log-probs are the same. null: the update's micro-batches. Dense models only (MoE
-            passes are collectives over DP ranks that must run the same micro-batches).
+            log-probs are the same. "auto" (default): ``LOGPROB_MERGE_TOKENS`` (32768) for a
+            dense model, the update's micro-batches for MoE. null: the update's micro-batches.
+            A number is for dense models only (MoE passes are collectives over DP ranks that
+            must run the same micro-batches).
         exit_signals: signals that stop the run cleanly (``train/stop.py``): every rank
             finishes the current step, saves a checkpoint (with ``checkpoint.dir``) and exits
             with code 3; a second signal exits at once. ``[]``: the signals' default actions.
@@ -414,7 +420,7 @@ class TrainingConfig:
     mini_batches_per_step: int = 1
     micro_batch_size: int | None = 16
     max_tokens_per_micro_batch: int | None = None
-    logprob_max_tokens_per_micro_batch: int | None = None
+    logprob_max_tokens_per_micro_batch: int | Literal["auto"] | None = "auto"
     advantage_estimator: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
     use_reference_model: bool = False
     max_consecutive_nonfinite_skips: int = 3
@@ -431,10 +437,9 @@ class TrainingConfig:
         repeated = sorted({s for s in self.exit_signals if self.exit_signals.count(s) > 1})
         if repeated:
             raise ValueError(f"exit_signals lists {', '.join(repeated)} more than once")
-        check_positive(
-            self, "micro_batch_size", "max_tokens_per_micro_batch",
-            "logprob_max_tokens_per_micro_batch",
-        )  # fmt: skip
+        check_positive(self, "micro_batch_size", "max_tokens_per_micro_batch")
+        if self.logprob_max_tokens_per_micro_batch != "auto":
+            check_positive(self, "logprob_max_tokens_per_micro_batch")
         if (self.micro_batch_size is None) == (self.max_tokens_per_micro_batch is None):
             raise ValueError(
                 "set exactly one of micro_batch_size and max_tokens_per_micro_batch, got "
@@ -541,7 +546,7 @@ class TrainConfig:
         if self.loss.kl_coef > 0 and not self.training.use_reference_model:
             raise ValueError("loss.kl_coef > 0 needs training.use_reference_model: true")
         if (
-            self.training.logprob_max_tokens_per_micro_batch is not None
+            self.training.logprob_max_tokens_per_micro_batch not in (None, "auto")
             and self.model.num_moe_experts is not None
         ):
             raise ValueError(
@@ -592,6 +597,15 @@ class TrainConfig:
     @property
     def optimizer_steps(self) -> int:
         return self.training.steps * self.training.mini_batches_per_step
+
+    @property
+    def logprob_merge_tokens(self) -> int | None:
+        """What the log-prob passes merge micro-batches up to (None: they don't), with
+        ``training.logprob_max_tokens_per_micro_batch`` "auto" resolved for this model."""
+        merge = self.training.logprob_max_tokens_per_micro_batch
+        if merge == "auto":
+            return None if self.model.num_moe_experts is not None else LOGPROB_MERGE_TOKENS
+        return merge
 
 
 # Keys moved into rollout.sampling / rollout.engine (kept for one release, with a warning).

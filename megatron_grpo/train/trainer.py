@@ -265,7 +265,7 @@ class Trainer:
         mini-batches with them attached. On-policy (``self.on_policy``) the old pass is skipped:
         ``old_logprobs`` stay None and the loss uses the update's own log-probs, detached."""
         flat = [mb for mini in mini_batches for mb in mini]
-        merge = self.cfg.training.logprob_max_tokens_per_micro_batch
+        merge = self.cfg.logprob_merge_tokens
         old = ref = None
         if not self.on_policy:
             old = self.step_fn.compute_logprobs(self.model, flat, merge)
