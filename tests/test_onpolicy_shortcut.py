@@ -155,6 +155,8 @@ def _trainer_body(rank: int, world: int, tmp: Path) -> None:
             f"logging.dir={tmp / name}",
             "logging.progress_bar=false",
             "checkpoint.dir=null",
+            # the update's own micro-batches: the exact-equality premise (merged passes: below)
+            "training.logprob_max_tokens_per_micro_batch=null",
             *extra,
         ]
         trainer = Trainer(load_train_config(RECIPE, overrides))

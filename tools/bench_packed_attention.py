@@ -126,8 +126,8 @@ def plan_cost(args, device, dtype) -> list[dict]:
         # other seeds per row: a shape one row built must not warm the next
         layouts = [_mixed_params(lo, hi, args.tokens, 1000 * i + j, device)
                    for j in range(args.layouts)]  # fmt: skip
-        distinct = {tuple(b.index.shape) for p in layouts
-                    for b in document_layout(p, device, buckets).buckets}  # fmt: skip
+        distinct = {shape for p in layouts
+                    for shape in document_layout(p, device, buckets).buckets.shapes}  # fmt: skip
 
         def passes(fn=fn, layouts=layouts) -> None:
             for p in layouts:

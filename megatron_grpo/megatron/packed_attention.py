@@ -50,10 +50,14 @@ def grid_size(n: int) -> int:
 
 
 @dataclass
-class _Bucket:
-    index: torch.Tensor  # [B, S] token positions; padding -1 (reads an appended zero row)
-    dest: torch.Tensor  # [n] the real tokens' positions, in [B, S] row-major order
-    flat: torch.Tensor  # [n] where they are in the flattened [B * S] batch
+class _Buckets:
+    """The gathered buckets of a micro-batch, as "slots": bucket after bucket, each ``B * S``
+    slots row-major. Padding slots read token 0: right padding is only ever seen by padding
+    queries under the causal mask, whose outputs are dropped (so no gradient reaches it)."""
+
+    shapes: list[tuple[int, int]]  # (B, S) of each bucket
+    slots: torch.Tensor  # [sum B * S] the token each slot reads
+    source: torch.Tensor  # [end] the slot of each token before ``end`` (each slot once)
 
 
 @dataclass
@@ -61,7 +65,7 @@ class DocumentLayout:
     """Where the documents of a packed micro-batch lie; built once per ``PackedSeqParams``."""
 
     end: int  # cu_seqlens[-1]: tokens at or after it are padding
-    buckets: list[_Bucket]
+    buckets: _Buckets | None
     # (B, S) when B documents of S tokens tile [0, end): q[:end] is then viewed as [B, S, ...]
     equal: tuple[int, int] | None
 
@@ -99,32 +103,36 @@ def _layout(bounds: list[int], device: torch.device, shapes: str) -> DocumentLay
     lens = torch.tensor(bounds[1:], dtype=torch.long) - starts
     n = len(lens)
     equal = (n, bounds[-1] // n) if n and bool((lens == lens[0]).all()) and lens[0] > 0 else None
-    buckets = [] if equal else _buckets(starts, lens, device, shapes == "grid")
+    buckets = None if equal else _buckets(starts, lens, bounds[-1], device, shapes == "grid")
     return DocumentLayout(end=bounds[-1], buckets=buckets, equal=equal)
 
 
-def _buckets(starts: torch.Tensor, lens: torch.Tensor, device, grid: bool) -> list[_Bucket]:
-    """Documents grouped by ``ceil(log2(length))``, as right-padded gather indices; with
-    ``grid``, the batch and length of each bucket rounded up by ``grid_size``."""
+def _buckets(starts: torch.Tensor, lens: torch.Tensor, end: int, device, grid: bool) -> _Buckets:
+    """Documents grouped by ``ceil(log2(length))`` into right-padded ``[B, S]`` buckets; with
+    ``grid``, ``B`` and ``S`` rounded up by ``grid_size``. Built on the host: a boolean mask on
+    the device would sync at every layer."""
     groups: dict[int, list[int]] = {}
     for doc, n in enumerate(lens.tolist()):
         if n > 0:
             groups.setdefault((n - 1).bit_length(), []).append(doc)
-    buckets = []
+    shapes, slots = [], []
+    source = torch.empty(end, dtype=torch.long)
+    offset = 0
     for docs in groups.values():
         d = torch.tensor(docs)
         longest = int(lens[d].max())
-        if grid:  # padding rows: an empty document (every index -1)
+        if grid:  # padding rows: empty documents
             d = torch.cat([d, d.new_full((grid_size(len(docs)) - len(docs),), -1)])
             longest = grid_size(longest)
         doc_lens = torch.where(d >= 0, lens[d.clamp(min=0)], 0)
-        offsets = torch.arange(longest)
-        valid = offsets[None, :] < doc_lens[:, None]
-        index = torch.where(valid, starts[d.clamp(min=0), None] + offsets[None, :], -1)
-        # host-side selections: a boolean mask on the device would sync at every layer
-        flat = valid.flatten().nonzero().flatten()
-        buckets.append(_Bucket(index.to(device), index.flatten()[flat].to(device), flat.to(device)))
-    return buckets
+        cols = torch.arange(longest)
+        valid = (cols[None, :] < doc_lens[:, None]).flatten()
+        tokens = (starts[d.clamp(min=0), None] + cols[None, :]).flatten()
+        source[tokens[valid]] = offset + valid.nonzero().flatten()
+        slots.append(torch.where(valid, tokens, 0))
+        shapes.append((len(d), longest))
+        offset += len(d) * longest
+    return _Buckets(shapes, torch.cat(slots).to(device), source.to(device))
 
 
 def packed_causal_attention(
@@ -150,14 +158,18 @@ def packed_causal_attention(
         out = sdpa(qb, kb, vb).transpose(1, 2).reshape(layout.end, *q.shape[1:])
         pad = q.size(0) - layout.end
         return out if pad == 0 else torch.cat([out, out.new_zeros(pad, *out.shape[1:])])
-    # A zero row at position T stands for padding (gather index -1 reads it).
-    ext = [torch.cat([x, x.new_zeros(1, *x.shape[1:])]) for x in (q, k, v)]
-    out = q.new_zeros(q.shape)
+    # One gather per input into every bucket's slots and one back: each backward is an
+    # index_add whose only repeated index (token 0, read by padding) receives exact zeros.
+    b = layout.buckets
+    sizes = [n * s for n, s in b.shapes]
+    parts = [x.index_select(0, b.slots).split(sizes) for x in (q, k, v)]
+    outs = []
     # the backward runs on the forward's backend: no context needed there
     with sdpa_kernel(_PLAN_FREE) if buckets == "plan_free" else contextlib.nullcontext():
-        for b in layout.buckets:
-            # [B, S, n, d] -> [B, n, S, d]
-            qb, kb, vb = (x[b.index].transpose(1, 2) for x in ext)
-            ob = sdpa(qb, kb, vb).transpose(1, 2)  # [B, S, n_q, d]
-            out = out.index_put((b.dest,), ob.flatten(0, 1).index_select(0, b.flat))
-    return out
+        for (n, s), *qkv in zip(b.shapes, *parts, strict=True):
+            # [B * S, h, d] -> [B, h, S, d]
+            qb, kb, vb = (x.view(n, s, *x.shape[1:]).transpose(1, 2) for x in qkv)
+            outs.append(sdpa(qb, kb, vb).transpose(1, 2).reshape(n * s, *q.shape[1:]))
+    out = torch.cat(outs).index_select(0, b.source)
+    pad = q.size(0) - layout.end
+    return out if pad == 0 else torch.cat([out, out.new_zeros(pad, *out.shape[1:])])
