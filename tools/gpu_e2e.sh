@@ -8,8 +8,8 @@
 #   bash tools/gpu_e2e.sh maxctx    # longest packed micro-batch per log-prob path, one GPU
 #   bash tools/gpu_e2e.sh step      # the dense twin's step on 2 GPUs (TP2+SP), toy task with
 #                                   # 256-digit prompts: on-policy (1 mini-batch, old-log-prob
-#                                   # pass skipped), on-policy with larger micro-batches, and 2
-#                                   # mini-batches; STEPS steps each
+#                                   # pass skipped), the same with 8k micro-batches (mb1small),
+#                                   # and 2 mini-batches; STEPS steps each, STEP_TAGS picks
 #   bash tools/gpu_e2e.sh all       # dense, moe, maxctx (may exceed a 10-minute command limit)
 # Each mode runs every path of PATHS ("fused megatron"); the trainer must expose
 # lm_head.path (GRPOStep.logprob_path). Results under $OUT (at most 4 files):
@@ -139,11 +139,14 @@ step_split() {
     local status=0 tag
     local digits=(--set rollout.reverse_digits.num_digits=256 --set rollout.max_prompt_length=260
         --set rollout.max_response_length=257 --set training.steps="$STEPS")
-    for tag in ${STEP_TAGS:-mb1 mb1big mb2}; do
+    # mb1: on-policy (one optimizer step), the recipe's micro-batches; mb1small: the same with
+    # 8k-token update micro-batches and unmerged log-prob passes (the recipe before 2026-11-26);
+    # mb2: two optimizer steps per rollout batch (the old-log-prob pass runs)
+    for tag in ${STEP_TAGS:-mb1 mb1small mb2}; do
         local extra=(--set training.mini_batches_per_step="${tag:2:1}")
-        if [ "$tag" = mb1big ]; then
-            extra+=(--set training.logprob_max_tokens_per_micro_batch=65536
-                --set training.max_tokens_per_micro_batch=32768)
+        if [ "$tag" = mb1small ]; then
+            extra+=(--set training.logprob_max_tokens_per_micro_batch=null
+                --set training.max_tokens_per_micro_batch=8192)
         fi
         train "step_${tag}_fused" qwen3_8b_long_sp_twin fused "${digits[@]}" "${extra[@]}" ||
             status=1
