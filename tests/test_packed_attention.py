@@ -97,33 +97,11 @@ def test_documents_never_attend_to_each_other():
 
 def test_layout_is_cached_and_rebuilt_when_bounds_change():
     params = _params([4, 4])
-    first = pa.document_layout(params, torch.device("cpu"), "exact")
-    assert pa.document_layout(params, torch.device("cpu"), "exact") is first
+    first = pa.document_layout(params, torch.device("cpu"))
+    assert pa.document_layout(params, torch.device("cpu")) is first
     params.cu_seqlens_q[1] = 2  # in-place edit: a new layout
-    second = pa.document_layout(params, torch.device("cpu"), "exact")
+    second = pa.document_layout(params, torch.device("cpu"))
     assert second is not first and sorted(s for _, s in second.buckets.shapes) == [2, 6]
-
-
-def test_grid_size_two_values_per_octave_and_at_most_one_and_a_half_times():
-    sizes = [pa.grid_size(n) for n in range(1, 4097)]
-    assert sizes[:9] == [1, 2, 3, 4, 6, 6, 8, 8, 12]
-    assert all(n <= s <= max(n, 1.5 * n) for n, s in zip(range(1, 4097), sizes, strict=True))
-    assert len(set(sizes)) == 2 + 2 * 11  # 1, 2, then two per octave: (2, 4] .. (2048, 4096]
-    assert all(pa.grid_size(s) == s for s in sizes)  # grid values are fixed points
-
-
-def test_grid_buckets_bring_few_distinct_shapes_over_many_random_layouts():
-    g = torch.Generator().manual_seed(0)
-    seen = {"grid": set(), "exact": set()}
-    for _ in range(40):
-        lens = torch.randint(20, 600, (int(torch.randint(8, 40, (1,), generator=g)),),
-                             generator=g).tolist()  # fmt: skip
-        for shapes, found in seen.items():
-            layout = pa.document_layout(_params(lens), torch.device("cpu"), shapes)
-            found.update(layout.buckets.shapes)
-    for shape in pa.document_layout(_params(lens), torch.device("cpu"), "grid").buckets.shapes:
-        assert all(pa.grid_size(n) == n for n in shape)
-    assert len(seen["grid"]) < len(seen["exact"]) / 2, seen
 
 
 @pytest.mark.parametrize("buckets", pa.BUCKETS)
@@ -144,8 +122,9 @@ def test_plan_free_buckets_run_without_cudnn_and_equal_documents_keep_torchs_cho
 
 
 def test_unknown_buckets_is_an_error_naming_the_choices():
+    q, k, v = _inputs(8)
     with pytest.raises(ValueError, match="plan_free"):
-        pa.document_layout(_params([3, 5]), torch.device("cpu"), "round")
+        pa.packed_causal_attention(q, k, v, _params([3, 5]), sdpa=_sdpa, buckets="round")
 
 
 @pytest.mark.gpu

@@ -70,7 +70,7 @@ def test_profile_lm_head_dry_run(tmp_path):
 
 
 def test_bench_packed_attention_plan_cost_dry_run(tmp_path):
-    """--mixed: a row per (method, buckets); the grid meets fewer distinct shapes than exact."""
+    """--mixed: a row per (method, buckets), each with its count of distinct bucket shapes."""
     stdout = run_tool(
         "bench_packed_attention.py", "--tokens", "256", "--heads", "4", "--kv-heads", "2",
         "--head-dim", "16", "--mixed", "10-60", "--layouts", "6", "--methods",
@@ -78,10 +78,8 @@ def test_bench_packed_attention_plan_cost_dry_run(tmp_path):
     )  # fmt: skip
     rows = json.loads((tmp_path / "bench_packed_attention_mixed.json").read_text())
     runs = {(r["method"], r["buckets"]): r for r in rows}
-    assert list(runs) == [("default", b) for b in ("plan_free", "grid", "exact")] + [
-        ("flash", "exact")
-    ]
-    assert runs["default", "grid"]["distinct_shapes"] < runs["default", "exact"]["distinct_shapes"]
+    assert list(runs) == [("default", "plan_free"), ("default", "exact"), ("flash", "exact")]
+    assert all(r["distinct_shapes"] >= 1 for r in rows)
     assert all(r["cold_ms"] > 0 and r["warm_ms"] > 0 for r in rows)
     assert "| default | plan_free |" in stdout
 

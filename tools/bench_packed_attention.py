@@ -127,7 +127,7 @@ def plan_cost(args, device, dtype) -> list[dict]:
         layouts = [_mixed_params(lo, hi, args.tokens, 1000 * i + j, device)
                    for j in range(args.layouts)]  # fmt: skip
         distinct = {shape for p in layouts
-                    for shape in document_layout(p, device, buckets).buckets.shapes}  # fmt: skip
+                    for shape in document_layout(p, device).buckets.shapes}  # fmt: skip
 
         def passes(fn=fn, layouts=layouts) -> None:
             for p in layouts:
@@ -162,7 +162,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--mixed", default=None, help="LO-HI: the plan-cost mode (see above)")
     ap.add_argument("--layouts", type=int, default=24, help="micro-batches of --mixed")
-    ap.add_argument("--buckets", default="plan_free,grid,exact", help="--mixed: how "
+    ap.add_argument("--buckets", default="plan_free,exact", help="--mixed: how "
                     "\"default\" runs the buckets (packed_attention.BUCKETS)")  # fmt: skip
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", type=Path, default=None)

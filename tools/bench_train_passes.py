@@ -115,7 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "ROPE[/LAYER[/BUCKETS]]: the packed RoPE impl (auto, torch, triton, "
                     "megatron), optionally the norm + SwiGLU kernels (auto, torch, triton; "
                     "default auto) and how the attention runs documents of mixed lengths "
-                    "(plan_free, grid, exact; default plan_free), e.g. megatron/torch,auto for "
+                    "(plan_free, exact; default plan_free), e.g. megatron/torch,auto for "
                     "before/after")  # fmt: skip
     ap.add_argument("--logprob-path", default="fused", help="GRPOStep.logprob_path (the "
                     "trainer's lm_head.path; default fused)")  # fmt: skip

@@ -178,11 +178,7 @@ def set_layer_impl(model: torch.nn.Module | list[torch.nn.Module], impl: str) ->
     chunks); returns how many modules were set."""
     if impl not in IMPLS:
         raise ValueError(f"layer impl must be one of {IMPLS}, got {impl!r}")
-    chunks = model if isinstance(model, list) else [model]
-    modules = [m for c in chunks for m in c.modules() if isinstance(m, (Norm, SwiGLUMLP))]
-    for module in modules:
-        module.impl = impl
-    return len(modules)
+    return _set_on(model, (Norm, SwiGLUMLP), "impl", impl)
 
 
 def set_packed_buckets(model: torch.nn.Module | list[torch.nn.Module], buckets: str) -> int:
@@ -190,10 +186,15 @@ def set_packed_buckets(model: torch.nn.Module | list[torch.nn.Module], buckets: 
     documents of mixed lengths (``packed_attention.BUCKETS``); returns how many were set."""
     if buckets not in BUCKETS:
         raise ValueError(f"packed attention buckets must be one of {BUCKETS}, got {buckets!r}")
+    return _set_on(model, (SDPAttention,), "buckets", buckets)
+
+
+def _set_on(model: torch.nn.Module | list[torch.nn.Module], types: tuple, name: str, value) -> int:
+    """Set attribute ``name`` of every module of ``types`` in ``model`` (or its chunks)."""
     chunks = model if isinstance(model, list) else [model]
-    modules = [m for c in chunks for m in c.modules() if isinstance(m, SDPAttention)]
+    modules = [m for c in chunks for m in c.modules() if isinstance(m, types)]
     for m in modules:
-        m.buckets = buckets
+        setattr(m, name, value)
     return len(modules)
 
 

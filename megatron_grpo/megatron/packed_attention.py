@@ -10,13 +10,11 @@ rollouts would otherwise launch hundreds of attention kernels per layer).
 
 RL micro-batches of mixed lengths bring new bucket shapes ``[B, n, S, d]`` in every
 micro-batch, and cuDNN's SDPA (torch's first choice on Hopper) builds an execution plan per new
-shape: about 15 ms per shape forward + backward on an H200, 0.37 s per micro-batch of 20-600
-token documents against 7 ms of attention (tools/bench_packed_attention.py --mixed). So the
-buckets (``BUCKETS``) run by default on the SDPA backends that need no plan ("plan_free":
-flash, memory-efficient, math; as fast as cuDNN on these short documents). "grid" keeps torch's
-choice and rounds ``B`` and ``S`` up to two values per power of two (..., 8, 12, 16, 24, ...),
-so a run meets a few dozen shapes (the padding is exact under the causal mask, its outputs are
-dropped); "exact" is torch's choice on each bucket's own shape.
+shape: 0.37 s per micro-batch of 20-600 token documents against 7 ms of attention on an H200
+(tools/bench_packed_attention.py --mixed; rounding B and S to two sizes per power of two still
+left 0.11 s, and doubled the attention). So the buckets (``BUCKETS``) run by default on the SDPA
+backends that need no plan ("plan_free": flash, memory-efficient, math; as fast as cuDNN on
+these short documents); "exact" leaves the choice to torch.
 
 Documents of one length that tile the input (one long document, or equal ones) skip the gather:
 the input is reshaped to ``[B, S, ...]``. The document layout (bounds, buckets, gather indices)
@@ -37,16 +35,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 # sdpa(q, k, v[, attn_mask]) on [B, n, S, d] batches: causal without a mask
 SDPA = Callable[..., torch.Tensor]
 # how the gathered buckets run (see the module docstring)
-BUCKETS = ("plan_free", "grid", "exact")
+BUCKETS = ("plan_free", "exact")
 _PLAN_FREE = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-def grid_size(n: int) -> int:
-    """``n`` rounded up to the grid of two values per power of two: 1, 2, 3, 4, 6, 8, 12, ..."""
-    if n <= 2:
-        return n
-    step = 1 << ((n - 1).bit_length() - 2)  # a quarter of the next power of two
-    return -(-n // step) * step
 
 
 @dataclass
@@ -56,6 +46,7 @@ class _Buckets:
     queries under the causal mask, whose outputs are dropped (so no gradient reaches it)."""
 
     shapes: list[tuple[int, int]]  # (B, S) of each bucket
+    sizes: list[int]  # B * S of each bucket
     slots: torch.Tensor  # [sum B * S] the token each slot reads
     source: torch.Tensor  # [end] the slot of each token before ``end`` (each slot once)
 
@@ -86,31 +77,23 @@ def cached_layout(params: PackedSeqParams, name: str, device: torch.device, buil
     return layout
 
 
-def document_layout(
-    params: PackedSeqParams, device: torch.device, buckets: str = "plan_free"
-) -> DocumentLayout:
-    """The (cached) layout of ``params``' documents, bucket shapes as ``buckets`` has them."""
-    if buckets not in BUCKETS:
-        raise ValueError(f"packed attention buckets must be one of {BUCKETS}, got {buckets!r}")
-    shapes = "grid" if buckets == "grid" else "exact"
-    return cached_layout(
-        params, f"_grpo_document_layout_{shapes}", device, lambda b: _layout(b, device, shapes)
-    )
+def document_layout(params: PackedSeqParams, device: torch.device) -> DocumentLayout:
+    """The (cached) layout of ``params``' documents."""
+    return cached_layout(params, "_grpo_document_layout", device, lambda b: _layout(b, device))
 
 
-def _layout(bounds: list[int], device: torch.device, shapes: str) -> DocumentLayout:
+def _layout(bounds: list[int], device: torch.device) -> DocumentLayout:
     starts = torch.tensor(bounds[:-1], dtype=torch.long)
     lens = torch.tensor(bounds[1:], dtype=torch.long) - starts
     n = len(lens)
     equal = (n, bounds[-1] // n) if n and bool((lens == lens[0]).all()) and lens[0] > 0 else None
-    buckets = None if equal else _buckets(starts, lens, bounds[-1], device, shapes == "grid")
+    buckets = None if equal else _buckets(starts, lens, bounds[-1], device)
     return DocumentLayout(end=bounds[-1], buckets=buckets, equal=equal)
 
 
-def _buckets(starts: torch.Tensor, lens: torch.Tensor, end: int, device, grid: bool) -> _Buckets:
-    """Documents grouped by ``ceil(log2(length))`` into right-padded ``[B, S]`` buckets; with
-    ``grid``, ``B`` and ``S`` rounded up by ``grid_size``. Built on the host: a boolean mask on
-    the device would sync at every layer."""
+def _buckets(starts: torch.Tensor, lens: torch.Tensor, end: int, device) -> _Buckets:
+    """Documents grouped by ``ceil(log2(length))`` into right-padded ``[B, S]`` buckets. Built on
+    the host: a boolean mask on the device would sync at every layer."""
     groups: dict[int, list[int]] = {}
     for doc, n in enumerate(lens.tolist()):
         if n > 0:
@@ -120,19 +103,15 @@ def _buckets(starts: torch.Tensor, lens: torch.Tensor, end: int, device, grid: b
     offset = 0
     for docs in groups.values():
         d = torch.tensor(docs)
-        longest = int(lens[d].max())
-        if grid:  # padding rows: empty documents
-            d = torch.cat([d, d.new_full((grid_size(len(docs)) - len(docs),), -1)])
-            longest = grid_size(longest)
-        doc_lens = torch.where(d >= 0, lens[d.clamp(min=0)], 0)
-        cols = torch.arange(longest)
-        valid = (cols[None, :] < doc_lens[:, None]).flatten()
-        tokens = (starts[d.clamp(min=0), None] + cols[None, :]).flatten()
+        cols = torch.arange(int(lens[d].max()))
+        valid = (cols[None, :] < lens[d, None]).flatten()
+        tokens = (starts[d, None] + cols[None, :]).flatten()
         source[tokens[valid]] = offset + valid.nonzero().flatten()
         slots.append(torch.where(valid, tokens, 0))
-        shapes.append((len(d), longest))
-        offset += len(d) * longest
-    return _Buckets(shapes, torch.cat(slots).to(device), source.to(device))
+        shapes.append((len(d), len(cols)))
+        offset += len(d) * len(cols)
+    sizes = [b * s for b, s in shapes]
+    return _Buckets(shapes, sizes, torch.cat(slots).to(device), source.to(device))
 
 
 def packed_causal_attention(
@@ -149,7 +128,9 @@ def packed_causal_attention(
     ``sdpa(q, k, v)`` is the caller's causal SDPA on ``[B, n, S, d]`` batches, with its GQA,
     dropout and softmax scale. ``buckets``: how documents of mixed lengths run (``BUCKETS``).
     """
-    layout = document_layout(params, q.device, buckets)
+    if buckets not in BUCKETS:
+        raise ValueError(f"packed attention buckets must be one of {BUCKETS}, got {buckets!r}")
+    layout = document_layout(params, q.device)
     if layout.equal is not None:  # e.g. one long document: no gather
         b, s = layout.equal
         qb, kb, vb = (
@@ -161,8 +142,7 @@ def packed_causal_attention(
     # One gather per input into every bucket's slots and one back: each backward is an
     # index_add whose only repeated index (token 0, read by padding) receives exact zeros.
     b = layout.buckets
-    sizes = [n * s for n, s in b.shapes]
-    parts = [x.index_select(0, b.slots).split(sizes) for x in (q, k, v)]
+    parts = [x.index_select(0, b.slots).split(b.sizes) for x in (q, k, v)]
     outs = []
     # the backward runs on the forward's backend: no context needed there
     with sdpa_kernel(_PLAN_FREE) if buckets == "plan_free" else contextlib.nullcontext():
