@@ -70,6 +70,7 @@ profile).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -398,7 +399,7 @@ def run_row(L: int | str, impl: str, passes: Passes, gpt, args, dev, params: tup
         torch.cuda.empty_cache()
     passes.zero_grads()
     report = reduce_metrics(passes.train(batches))  # a warm-up too; the loss of the row
-    box, fresh = [batches], iter(range(10**6))
+    box, fresh = [batches], itertools.count()
 
     def renew() -> None:  # --mixed: every pass sees new layouts (random old / ref log-probs)
         if isinstance(L, str):
