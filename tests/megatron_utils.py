@@ -3,6 +3,9 @@ here: named test_* to stay inside the test_megatron_* files this area owns)."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -77,8 +80,30 @@ def build_layout(parallel: ParallelConfig, model_cfg: ModelConfig, seed: int = 7
 
 
 def full_params(chunks: list) -> dict[str, torch.Tensor]:
-    """Parameters of a TP=1, PP=1 model by name (clones)."""
-    return {n: p.detach().clone() for n, p in unwrap(chunks[0]).named_parameters()}
+    """Parameters of a TP=1, PP=1 model by name (clones; experts one entry each)."""
+    return {n: t.detach().clone() for n, _, t, _ in named_tensors(unwrap(chunks[0]))}
+
+
+_STACKED = re.compile(r"(.*\.experts\.)weight([12])")
+
+
+def named_tensors(gpt, grads: bool = False) -> Iterator[tuple[str, object, torch.Tensor, int]]:
+    """``(name, param, tensor, partition dim)`` of every parameter (``grads``: its main_grad);
+    grouped experts' stacked ``experts.weight<n> [E, ...]`` as SequentialMLP's per-expert
+    ``experts.local_experts.<e>.linear_fc<n>.weight`` views, so one layout serves both."""
+    for name, p in gpt.named_parameters():
+        t = p.main_grad if grads else p
+        match = _STACKED.fullmatch(name)
+        if match is None:
+            yield name, p, t, getattr(p, "partition_dim", -1)
+            continue
+        for e in range(t.shape[0]):
+            yield (
+                f"{match[1]}local_experts.{e}.linear_fc{match[2]}.weight",
+                p,
+                t[e],
+                p.partition_dim - 1,
+            )
 
 
 def _glu_shard(full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
@@ -111,21 +136,36 @@ def _prepare_names(gpt, model_cfg: ModelConfig) -> tuple[int, bool]:
     return offset, model_cfg.share_embeddings_and_output_weights
 
 
+def _tp_of(name: str) -> tuple[int, int, object]:
+    """(size, rank, group) of the TP dimension parameter ``name`` is sharded over: expert-TP
+    for routed experts (``parallel.expert_tensor_parallel_size``), else TP."""
+    ps = parallel_state
+    if ".experts." in name:
+        return (
+            ps.get_expert_tensor_parallel_world_size(),
+            ps.get_expert_tensor_parallel_rank(),
+            ps.get_expert_tensor_parallel_group(),
+        )
+    return (
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_tensor_model_parallel_group(),
+    )
+
+
 def load_full(chunks: list, full: dict[str, torch.Tensor], model_cfg: ModelConfig) -> None:
     """Copy TP=1 weights into this rank's TP/PP shard (real vocab rows only; padding 0)."""
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    rank = parallel_state.get_tensor_model_parallel_rank()
     gpt = unwrap(chunks[0])
     offset, tied = _prepare_names(gpt, model_cfg)
     with torch.no_grad():
-        for name, p in gpt.named_parameters():
+        for name, param, p, dim in named_tensors(gpt):
+            tp, rank, _ = _tp_of(name)
             src = full[_global_name(name, offset, tied)]
             if name.endswith("word_embeddings.weight") or name.endswith("output_layer.weight"):
                 rows = torch.zeros(p.shape[0] * tp, p.shape[1])
                 rows[:VOCAB] = src[:VOCAB]
                 src = rows.chunk(tp)[rank]
-            elif getattr(p, "tensor_model_parallel", False) and tp > 1:
-                dim = p.partition_dim
+            elif getattr(param, "tensor_model_parallel", False) and tp > 1:
                 glu = name.endswith("linear_fc1.weight") and model_cfg.gated_linear_unit
                 src = _glu_shard(src, rank, tp) if glu else src.chunk(tp, dim=dim)[rank]
             p.copy_(src)
@@ -134,13 +174,12 @@ def load_full(chunks: list, full: dict[str, torch.Tensor], model_cfg: ModelConfi
 def gather_full_grads(chunks: list, model_cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """main_grad of every parameter, un-sharded over TP (same layout as :func:`full_params`),
     on the ranks that hold it (PP: only this stage's layers, by global name)."""
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    group = parallel_state.get_tensor_model_parallel_group()
     gpt = unwrap(chunks[0])
     offset, tied = _prepare_names(gpt, model_cfg)
     out = {}
-    for name, p in gpt.named_parameters():
-        g = p.main_grad.detach().clone()
+    for name, p, grad, dim in named_tensors(gpt, grads=True):
+        tp, _, group = _tp_of(name)
+        g = grad.detach().clone()
         if getattr(p, "tensor_model_parallel", False) and tp > 1:
             parts = [torch.empty_like(g) for _ in range(tp)]
             dist.all_gather(parts, g, group=group)
@@ -151,7 +190,7 @@ def gather_full_grads(chunks: list, model_cfg: ModelConfig) -> dict[str, torch.T
                     [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
                 )
             else:
-                g = torch.cat(parts, dim=p.partition_dim)
+                g = torch.cat(parts, dim=dim)
         if name.endswith("word_embeddings.weight") or name.endswith("output_layer.weight"):
             g = g[:VOCAB]
         out[_global_name(name, offset, tied)] = g

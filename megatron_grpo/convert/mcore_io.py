@@ -78,9 +78,14 @@ def cpu_moe_overrides(model_cfg: ModelConfig) -> dict[str, Any]:
 def meta_model(model_cfg: ModelConfig) -> torch.nn.Module:
     """The GPTModel at TP=PP=EP=1 on the meta device (needs :func:`single_process_megatron`).
 
-    Uses the portable layer spec: its checkpoint keys equal the Transformer Engine spec's.
+    Uses the portable layer spec: its checkpoint keys equal the Transformer Engine spec's. MoE
+    experts as megatron-core's SequentialMLP (one state-dict entry per expert, the converter's
+    rules): the grouped experts write the same checkpoint tensors (``expert_checkpoint``).
     """
-    cfg = dataclasses.replace(model_cfg, transformer_impl="local")
+    moe = model_cfg.num_moe_experts is not None
+    cfg = dataclasses.replace(
+        model_cfg, transformer_impl="local", moe_grouped_gemm=False if moe else None
+    )
     overrides = {"moe_token_dispatcher_type": "allgather", "variable_seq_lengths": False}
     if cfg.num_moe_experts is None:
         overrides = {}

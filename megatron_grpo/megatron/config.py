@@ -49,6 +49,7 @@ class ModelConfig:
     ids are never sampled or scored. ``params_dtype="auto"`` means float32 on CPU and bfloat16
     on GPU. ``transformer_impl="auto"`` uses Transformer Engine's layer spec when
     ``transformer_engine`` imports, else our portable spec (``layer_spec.py``).
+    ``moe_grouped_gemm=None`` runs the experts as grouped GEMMs (``grouped_experts.py``).
     ``moe_token_dispatcher_type=None`` picks "alltoall" on GPU and "allgather" on CPU (megatron's
     all-to-all dispatcher needs CUDA streams).
     ``rope_scaling`` is Llama 3.x RoPE scaling (GPTModel's ``rope_scaling``): inverse frequencies
@@ -114,7 +115,10 @@ class ModelConfig:
     moe_router_topk_scaling_factor: float | None = None
     moe_router_dtype: Literal["fp32", "fp64"] | None = "fp32"
     moe_token_dispatcher_type: Literal["alltoall", "allgather"] | None = None
-    moe_grouped_gemm: bool = False
+    # Grouped GEMMs over the local experts: Transformer Engine's TEGroupedMLP on its spec, the
+    # portable spec's GroupedExperts (torch's grouped_mm) otherwise; None = on for MoE models.
+    # False = megatron-core's SequentialMLP (a Python loop over the experts: the reference).
+    moe_grouped_gemm: bool | None = None
     # Rollout Routing Replay (R3): replay the generator's top-k expert ids in the log-prob and
     # training forwards (megatron_grpo.megatron.routing_replay; needs megatron-core >= 0.16).
     moe_enable_routing_replay: bool = False
@@ -437,7 +441,7 @@ def _moe_kwargs(model: ModelConfig) -> dict[str, Any]:
         moe_router_pre_softmax=model.moe_router_pre_softmax,
         moe_router_topk_scaling_factor=model.moe_router_topk_scaling_factor,
         moe_router_dtype=model.moe_router_dtype,
-        moe_grouped_gemm=model.moe_grouped_gemm,
+        moe_grouped_gemm=model.moe_grouped_gemm is not False,
     )
 
 

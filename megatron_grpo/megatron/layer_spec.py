@@ -56,6 +56,7 @@ from megatron.core.transformer.transformer_layer import (
 
 from megatron_grpo.megatron.compat import define_te_general_gemm
 from megatron_grpo.megatron.cp_attention import cp_causal_attention
+from megatron_grpo.megatron.grouped_experts import GroupedExperts
 from megatron_grpo.megatron.packed_attention import BUCKETS, packed_causal_attention
 from megatron_grpo.megatron.packed_rope import PackedRopeSelfAttention, RopedPackedSeqParams
 from megatron_grpo.ops.dispatch import IMPLS
@@ -364,11 +365,11 @@ def _attention_spec(qk_layernorm: bool) -> ModuleSpec:
 def portable_layer_spec(config: TransformerConfig, moe: bool) -> ModuleSpec:
     """One decoder layer of the portable spec (dense MLP, or megatron-core MoE when ``moe``)."""
     if moe:
-        if config.moe_grouped_gemm:
-            raise ValueError("moe_grouped_gemm needs Transformer Engine; set it to false")
         mlp = get_moe_module_spec_for_backend(
             LocalSpecProvider(), num_experts=config.num_moe_experts, moe_grouped_gemm=False
         )
+        if config.moe_grouped_gemm:  # SequentialMLP's drop-in: all local experts in 2 GEMMs
+            mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
         # Same keys as the TE spec: only the attention norm is fused there for MoE layers.
         keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
     else:

@@ -1,0 +1,198 @@
+"""The portable spec's MoE experts: every local expert of a layer in two grouped GEMMs.
+
+megatron-core without Transformer Engine builds ``SequentialMLP`` for the experts: a Python loop
+over the local experts, three GEMMs each, in every layer, micro-batch, backward and decode step
+(launch-bound: ~0.3 ms per expert on an H200 whatever the token count). :class:`GroupedExperts`
+is its drop-in (same constructor, forward contract and checkpoint): the local experts' weights
+are two stacked parameters and the forward is
+
+    h = grouped_mm(x, weight1, ends)         # [M, 2F/ETP]  gate and up halves, as linear_fc1
+    h = swiglu(h) * probs                    # [M, F/ETP]   megatron-core's order and roundings
+    y = grouped_mm(h, weight2, ends)         # [M, H]       partial sums over expert-TP ranks
+
+on the rows the token dispatcher permuted (sorted by local expert; ``ends`` their cumulative
+counts). As in megatron-core's expert MLPs, no communication happens here: the dispatcher
+gathers the tokens and reduces the expert-TP partial sums. ``impl`` picks the grouped GEMM
+(``ops.grouped_mm``), ``act_impl`` the SwiGLU kernel (``set_layer_impl``).
+
+Checkpoints: :meth:`sharded_state_dict` writes exactly SequentialMLP's tensors (keys, global
+shapes, expert and TP offsets, swiglu halves, replica ids: ``expert_checkpoint``), so
+torch_dist checkpoints move between the two layouts in both directions, and plain state dicts
+of SequentialMLP (``local_experts.<e>.linear_fc<n>.weight``) load into the stacked parameters.
+"""
+
+from __future__ import annotations
+
+import re
+from copy import deepcopy
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.random import (
+    get_cuda_rng_tracker,
+    get_expert_parallel_rng_tracker_name,
+)
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_grpo.megatron.expert_checkpoint import (
+    ExpertShards,
+    expert_extra_states,
+    stacked_expert_factory,
+)
+from megatron_grpo.ops.grouped_mm import grouped_mm
+from megatron_grpo.ops.swiglu import swiglu
+
+_LEGACY_KEY = re.compile(r"local_experts\.(\d+)\.linear_fc([12])\.(weight|_extra_state)")
+
+
+def grouped_experts_unsupported(config: TransformerConfig) -> str | None:
+    """Why :class:`GroupedExperts` cannot compute this config's experts, or None. It computes
+    bias-free SwiGLU (Qwen3-MoE, Mixtral, DeepSeek) or a plain activation, in bf16/fp16/fp32."""
+    checks = (
+        (config.add_bias_linear, "model.add_bias_linear (expert biases)"),
+        (config.gated_linear_unit and config.activation_func is not F.silu, "a GLU other than SwiGLU"),
+        (getattr(config, "activation_func_clamp_value", None) is not None, "activation clamping"),
+        (getattr(config, "glu_linear_offset", 0.0) != 0.0, "glu_linear_offset"),
+        (config.fp8 is not None or getattr(config, "fp4", None) is not None, "FP8 / FP4 experts"),
+        (getattr(config, "delay_wgrad_compute", False), "delay_wgrad_compute"),
+    )  # fmt: skip
+    found = [what for bad, what in checks if bad]
+    return ", ".join(found) or None
+
+
+def _expert_groups(pg_collection) -> tuple:
+    """(expert-TP, EP, expert-DP) groups: the layer's collection (megatron-core >= 0.15) or
+    parallel_state's (older versions pass none)."""
+    if pg_collection is not None and hasattr(pg_collection, "expt_tp"):
+        return pg_collection.expt_tp, pg_collection.ep, pg_collection.expt_dp
+    ps = parallel_state
+    return (
+        ps.get_expert_tensor_parallel_group(),
+        ps.get_expert_model_parallel_group(),
+        ps.get_expert_data_parallel_group(),
+    )
+
+
+class GroupedExperts(MegatronModule):
+    """All local experts of an MoE layer as grouped GEMMs; drop-in for ``SequentialMLP``.
+
+    Parameters: ``weight1 [E_local, 2F/ETP, H]`` (each expert's ``linear_fc1.weight``: its
+    gate rows, then its up rows) and ``weight2 [E_local, H, F/ETP]`` (``linear_fc2.weight``).
+    """
+
+    impl: str = "auto"  # ops.grouped_mm.GROUPED_MM_IMPLS; set_grouped_mm_impl sets it per model
+    act_impl: str = "auto"  # the SwiGLU kernel (ops.dispatch.IMPLS); set_layer_impl
+
+    def __init__(self, num_local_experts: int, config: TransformerConfig, submodules=None,
+                 pg_collection=None) -> None:  # fmt: skip
+        why = grouped_experts_unsupported(config)
+        if why:
+            raise ValueError(
+                f"grouped MoE experts do not support {why}: set model.moe_grouped_gemm=false "
+                "(megatron-core's SequentialMLP)"
+            )
+        if config.moe_ffn_hidden_size != config.ffn_hidden_size:  # as SequentialMLP does
+            config = deepcopy(config)
+            config.ffn_hidden_size = config.moe_ffn_hidden_size
+        super().__init__(config=config)
+        self.num_local_experts = num_local_experts
+        self.tp_group, self.ep_group, self.dp_group = _expert_groups(pg_collection)
+        etp = self.tp_group.size()
+        if config.moe_ffn_hidden_size % etp:
+            raise ValueError(
+                f"model.moe_ffn_hidden_size={config.moe_ffn_hidden_size} is not divisible by "
+                f"parallel.expert_tensor_parallel_size={etp}"
+            )
+        ffn = config.moe_ffn_hidden_size // etp
+        fc1_rows = 2 * ffn if config.gated_linear_unit else ffn
+        self.weight1 = self._weight((num_local_experts, fc1_rows, config.hidden_size), 1)
+        self.weight2 = self._weight((num_local_experts, config.hidden_size, ffn), 2)
+        self._init(self.weight1, config.init_method)
+        self._init(self.weight2, config.output_layer_init_method)
+        self._register_load_state_dict_pre_hook(_stack_legacy_keys, with_module=True)
+
+    def _weight(self, shape: tuple[int, int, int], partition_dim: int) -> torch.nn.Parameter:
+        cfg = self.config
+        device = "cpu" if cfg.use_cpu_initialization else torch.cuda.current_device()
+        if torch.get_default_device().type == "meta":  # the converter's shape-only model
+            device = "meta"
+        w = torch.nn.Parameter(torch.empty(shape, dtype=cfg.params_dtype, device=device))
+        # megatron-core's expert linear layers' attributes: TP-sharded (norms count it on every
+        # TP rank) along the per-expert dim, and expert-DP reduced when experts are EP-sharded
+        w.tensor_model_parallel, w.partition_dim, w.partition_stride = True, partition_dim, 1
+        w.allreduce = not cfg.expert_model_parallel_size > 1
+        return w
+
+    def _init(self, weight: torch.nn.Parameter, init_method) -> None:
+        if self.config.perform_initialization and weight.device.type != "meta":
+            with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+                init_method(weight.data)
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
+                permuted_probs: torch.Tensor) -> tuple[torch.Tensor, None]:  # fmt: skip
+        """``[M, H]`` rows sorted by local expert, ``tokens_per_expert [E_local]`` (host or
+        device), ``permuted_probs [M]`` -> (``[M, H]`` partial over expert-TP, no bias)."""
+        x, probs = permuted_local_hidden_states, permuted_probs
+        if self.config.moe_apply_probs_on_input:  # top-1 only (megatron-core checks it)
+            x = (probs.unsqueeze(-1) * x).to(x.dtype)
+            probs = None
+        ends = torch.cumsum(tokens_per_expert.to(x.device, non_blocking=True), 0)
+        h = grouped_mm(x, self.weight1, ends, impl=self.impl)
+        if self.config.gated_linear_unit:
+            h = swiglu(h, impl=self.act_impl)
+        else:
+            h = self.config.activation_func(h)
+        if probs is not None:  # megatron-core's MLP: scale in the probs' dtype, then round
+            h = (h * probs.unsqueeze(-1)).to(h.dtype)
+        return grouped_mm(h, self.weight2, ends, impl=self.impl), None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None) -> dict:  # fmt: skip
+        """SequentialMLP's checkpoint tensors, built from the stacked weights on save and
+        stacked back on load (``expert_checkpoint``)."""
+        shards = ExpertShards(
+            num_local=self.num_local_experts,
+            ep_rank=self.ep_group.rank(),
+            ep_size=self.ep_group.size(),
+            tp_rank=self.tp_group.rank(),
+            tp_size=self.tp_group.size(),
+            dp_rank=self.dp_group.rank(),
+            singleton=bool((metadata or {}).get("singleton_local_shards", False)),
+        )
+        glu = self.config.gated_linear_unit
+        return {
+            **expert_extra_states(prefix, shards, sharded_offsets),
+            f"{prefix}weight1": stacked_expert_factory(
+                f"{prefix}experts.linear_fc1.weight", self.weight1, shards, sharded_offsets,
+                tp_axis=0, glu=glu,
+            ),
+            f"{prefix}weight2": stacked_expert_factory(
+                f"{prefix}experts.linear_fc2.weight", self.weight2, shards, sharded_offsets,
+                tp_axis=1, glu=False,
+            ),
+        }  # fmt: skip
+
+    def backward_dw(self) -> None:
+        raise RuntimeError("GroupedExperts computes weight gradients in backward (no delay)")
+
+
+def _stack_legacy_keys(module, state_dict, prefix, *args, **kwargs) -> None:
+    """Load hook: SequentialMLP's ``local_experts.<e>.linear_fc<n>.weight`` entries become
+    the stacked ``weight<n>`` (a plain state dict written before grouped experts)."""
+    found: dict[str, dict[int, torch.Tensor]] = {"1": {}, "2": {}}
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        match = _LEGACY_KEY.fullmatch(key[len(prefix) :])
+        if match and match.group(3) == "_extra_state":
+            state_dict.pop(key)  # megatron-core's local linear layers keep none
+        elif match:
+            found[match.group(2)][int(match.group(1))] = state_dict.pop(key)
+    for n, experts in found.items():
+        if experts:
+            if sorted(experts) != list(range(module.num_local_experts)):
+                raise KeyError(
+                    f"{prefix}local_experts: expected experts 0..{module.num_local_experts - 1} "
+                    f"of linear_fc{n}, got {sorted(experts)}"
+                )
+            state_dict[f"{prefix}weight{n}"] = torch.stack([experts[e] for e in sorted(experts)])

@@ -1,0 +1,252 @@
+"""Grouped MoE experts (``GroupedExperts``, ``ops.grouped_mm``) against megatron-core's
+``SequentialMLP`` on the same weights: the op, the experts module (zero-token experts, uneven
+loads, fp32 and bf16), whole models (top-k 1/2/8, router gradients), op counts that must not grow
+with the number of experts, checkpoints in both directions, and EP 2 / TP 2 + SP + EP 2."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+
+from megatron_grpo.loss import GRPOLossConfig
+from megatron_grpo.megatron import GRPOStep, ParallelConfig, unwrap
+from megatron_grpo.megatron.grouped_experts import GroupedExperts
+from megatron_grpo.ops.grouped_mm import grouped_mm, resolve_grouped_mm
+from tests.dist_utils import run_distributed
+from tests.megatron_utils import (
+    assert_close,
+    build_layout,
+    full_params,
+    gather_full_grads,
+    load_full,
+    make_sequences,
+    pack,
+    tiny_model,
+    train_grads,
+)
+from tests.op_count import CountOps
+
+COUNTS = [0, 13, 1, 0, 3, 0, 2, 1]  # zero-token experts and one heavy expert (E = 8)
+
+
+def _loop64(x, w, counts):
+    """float64 ground truth: one matmul per group."""
+    parts = torch.split(x.double(), counts)
+    return torch.cat([p @ w[g].double().T for g, p in enumerate(parts)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("impl", ["auto", "padded_bmm"])
+@pytest.mark.parametrize("k", [16, 12])  # K=12 bf16 (24 bytes) is not aligned: the padded path
+def test_grouped_mm_matches_float64_loop(dtype, impl, k):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(sum(COUNTS), k, generator=g).to(dtype).requires_grad_()
+    w = torch.randn(len(COUNTS), 24, k, generator=g).to(dtype).requires_grad_()
+    ends = torch.tensor(COUNTS).cumsum(0)
+    y = grouped_mm(x, w, ends, impl=impl)
+    gy = torch.randn(y.shape, generator=g).to(dtype)
+    gx, gw = torch.autograd.grad(y, (x, w), gy)
+    want = _loop64(x, w, COUNTS)
+    same_dtype = _loop64(x, w, COUNTS).to(dtype)  # a same-dtype reference's rounding
+    ref_err = (same_dtype.double() - want).abs().max().item()
+    tol = 1e-6 if dtype == torch.float32 else 2 * ref_err + 1e-2
+    assert (y.double() - want).abs().max().item() <= tol * max(1.0, want.abs().max().item())
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    gx64, gw64 = torch.autograd.grad(_loop64(x64, w64, COUNTS), (x64, w64), gy.double())
+    assert (gx.double() - gx64).abs().max().item() <= tol * max(1.0, gx64.abs().max().item())
+    assert (gw.double() - gw64).abs().max().item() <= tol * max(1.0, gw64.abs().max().item())
+    assert gw[0].abs().max() == 0 and gw[3].abs().max() == 0  # experts without tokens
+
+
+def test_grouped_mm_decision_is_explicit():
+    x, w = torch.zeros(4, 6), torch.zeros(2, 8, 6)
+    assert resolve_grouped_mm("auto", x, w) == "padded_bmm"  # rows of 24 bytes: not aligned
+    assert resolve_grouped_mm("auto", x[:, :4], w[..., :4]) == "grouped_mm"  # 16 bytes
+    assert resolve_grouped_mm("padded_bmm", torch.zeros(4, 16), torch.zeros(2, 8, 16)) == (
+        "padded_bmm"
+    )
+    with pytest.raises(ValueError, match="grouped_mm"):
+        resolve_grouped_mm("grouped_mm", torch.zeros(4, 6), torch.zeros(2, 8, 6))
+    with pytest.raises(ValueError, match="one of"):
+        resolve_grouped_mm("loop", x, w)
+    with pytest.raises(ValueError, match="ends must be"):
+        grouped_mm(x, w, torch.tensor([4]))
+    empty = grouped_mm(torch.zeros(0, 16), w.new_zeros(2, 8, 16), torch.zeros(2))
+    assert empty.shape == (0, 8)
+
+
+def _moe_cfg(topk: int = 2, experts: int = 8, grouped: bool = True, **kw):
+    kw.setdefault("moe_router_pre_softmax", topk == 1)  # megatron-core requires it at top-1
+    return tiny_model(
+        num_moe_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=32,
+        moe_grouped_gemm=grouped, **kw,
+    )  # fmt: skip
+
+
+def _experts(chunks) -> torch.nn.Module:
+    return unwrap(chunks[0]).decoder.layers[0].mlp.experts
+
+
+def _pair(parallel: ParallelConfig, topk: int = 2, experts: int = 8, **kw):
+    """(SequentialMLP model, GroupedExperts model) with the same weights."""
+    seq = build_layout(parallel, _moe_cfg(topk, experts, grouped=False, **kw))
+    weights = full_params(seq)
+    grp = build_layout(parallel, _moe_cfg(topk, experts, grouped=True, **kw))
+    load_full(grp, weights, _moe_cfg(topk, experts, **kw))
+    assert isinstance(_experts(grp), GroupedExperts)
+    assert type(_experts(seq)).__name__ == "SequentialMLP"
+    return seq, grp, weights
+
+
+def _module_run(experts, x, probs, dtype):
+    experts = experts.to(dtype)
+    xi = x.to(dtype).requires_grad_()
+    pi = probs.clone().requires_grad_()
+    out, bias = experts(xi, torch.tensor(COUNTS), pi)
+    assert bias is None
+    grads = torch.autograd.grad(out, [xi, pi, *experts.parameters()], torch.ones_like(out))
+    w_grads = grads[2:]
+    if isinstance(experts, GroupedExperts):
+        w_grads = [g[e] for e in range(len(COUNTS)) for g in w_grads]  # per expert: fc1, fc2
+    return [out, grads[0], grads[1], *w_grads]
+
+
+def _check_module(seq, grp) -> None:
+    """Experts module alone, fp32 (1e-6 relative) and bf16 (within a bf16 reference's error
+    of the float64 result), forward and every backward, on zero-token and uneven loads."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(sum(COUNTS), 64, generator=g)
+    probs = torch.rand(sum(COUNTS), generator=g)
+    want64 = _module_run(seq, x, probs, torch.float64)
+    for dtype, rel in ((torch.float32, 1e-6), (torch.bfloat16, None)):
+        ref = _module_run(seq, x, probs, dtype)
+        got = _module_run(grp, x, probs, dtype)
+        for i, (a, b, w) in enumerate(zip(got, ref, want64, strict=True)):
+            scale = max(1.0, w.abs().max().item())
+            err = (a.double() - w).abs().max().item()
+            bound = rel * scale if rel else (b.double() - w).abs().max().item() * 2 + 1e-2 * scale
+            assert err <= bound, f"{dtype} output/grad {i}: {err:.3e} > {bound:.3e}"
+    seq.float(), grp.float()
+
+
+def _check_models(seq, grp, batches) -> None:
+    """Whole-model log-probs and every gradient (router included) equal in fp32."""
+    step = GRPOStep(GRPOLossConfig(), vocab_size=100)
+    for a, b in zip(step.compute_logprobs(grp, batches), step.compute_logprobs(seq, batches),
+                    strict=True):  # fmt: skip
+        assert_close("logprobs", a, b, tol=1e-6)
+    train_grads(seq, step, batches)
+    train_grads(grp, step, batches)
+    cfg = _moe_cfg()
+    want, got = gather_full_grads(seq, cfg), gather_full_grads(grp, cfg)
+    assert any("router" in n for n in want)
+    for name, g in got.items():
+        assert_close(f"grad {name}", g, want[name], tol=1e-6)
+
+
+def _layer_ops(experts: int, grouped: bool) -> int:
+    """aten ops of one MoE layer's forward + backward (router, dispatch, experts)."""
+    chunks = build_layout(ParallelConfig(), _moe_cfg(2, experts, grouped=grouped))
+    mlp = unwrap(chunks[0]).decoder.layers[0].mlp
+    x = torch.randn(24, 1, 64, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    with CountOps() as mode:
+        out, _ = mlp(x)
+        out.sum().backward()
+    return mode.count
+
+
+def _check_checkpoints(seq, grp) -> None:
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    from megatron_grpo.convert.mcore_io import checkpoint_io
+
+    def layout(chunks):
+        sd = unwrap(chunks[0]).sharded_state_dict()
+        apply_factories(sd)
+        flat = [t for v in sd.values() for t in (v if isinstance(v, list) else [v])]
+        return sorted(
+            (t.key, t.global_shape, t.global_offset, t.axis_fragmentations, str(t.replica_id))
+            for t in flat
+            if isinstance(t, ShardedTensor) and ".experts." in t.key
+        )
+
+    assert layout(seq) == layout(grp) and layout(grp)
+    for src, dst in ((seq, grp), (grp, seq)):
+        with tempfile.TemporaryDirectory() as d, checkpoint_io():
+            dist_checkpointing.save(unwrap(src[0]).sharded_state_dict(), d)
+            with torch.no_grad():
+                for p in unwrap(dst[0]).parameters():
+                    p.zero_()
+            loaded = dist_checkpointing.load(unwrap(dst[0]).sharded_state_dict(), d)
+            unwrap(dst[0]).load_state_dict(loaded)
+        a, b = full_params(src), full_params(dst)
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.equal(a[name], b[name]), name
+    # a plain state dict of SequentialMLP (local_experts.<e>.linear_fc<n>.weight) loads too
+    with torch.no_grad():
+        for p in unwrap(grp[0]).parameters():
+            p.zero_()
+    unwrap(grp[0]).load_state_dict(unwrap(seq[0]).state_dict(), strict=True)
+    assert all(torch.equal(full_params(grp)[n], t) for n, t in full_params(seq).items())
+
+
+def _body_single(rank: int, world: int) -> None:
+    seqs = make_sequences(6, seed=3)
+    batches = [pack(seqs[:3]), pack(seqs[3:])]
+    for topk in (1, 2, 8):
+        seq, grp, _ = _pair(ParallelConfig(), topk)
+        if topk == 2:
+            _check_module(_experts(seq), _experts(grp))
+            _check_checkpoints(seq, grp)
+        _check_models(seq, grp, batches)
+    # no per-expert loop: the op count of a layer's forward + backward does not grow with E
+    grouped = [_layer_ops(e, grouped=True) for e in (4, 16)]
+    looped = [_layer_ops(e, grouped=False) for e in (4, 16)]
+    assert grouped[0] == grouped[1], grouped
+    assert looped[1] > looped[0] + 12 * 3, looped  # the loop the count test catches
+
+
+@pytest.mark.slow
+def test_grouped_experts_equal_sequential_mlp():
+    run_distributed(_body_single, 1)
+
+
+def _body_parallel(rank: int, world: int, parallel: ParallelConfig) -> None:
+    seqs = make_sequences(4, seed=5)
+    batches = [pack(seqs[:2], multiple=2), pack(seqs[2:], multiple=2)]
+    cfg = _moe_cfg(2)
+    step = GRPOStep(GRPOLossConfig(), vocab_size=cfg.vocab_size)
+    ref = build_layout(ParallelConfig(), _moe_cfg(2, grouped=False))  # EP 1, the loop
+    weights = full_params(ref)
+    ref_logp = step.compute_logprobs(ref, batches)
+    train_grads(ref, step, batches)
+    ref_grads = gather_full_grads(ref, cfg)
+    chunks = build_layout(parallel, cfg)
+    load_full(chunks, weights, cfg)
+    assert isinstance(_experts(chunks), GroupedExperts)
+    assert _experts(chunks).weight1.shape[0] == 8 // parallel.expert_model_parallel_size
+    for got, want in zip(step.compute_logprobs(chunks, batches), ref_logp, strict=True):
+        assert_close("logprobs", got, want, tol=1e-5)
+    train_grads(chunks, step, batches)
+    for name, g in gather_full_grads(chunks, cfg).items():
+        assert_close(f"grad {name}", g, ref_grads[name], tol=5e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        ParallelConfig(expert_model_parallel_size=2),
+        ParallelConfig(
+            tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
+            expert_tensor_parallel_size=1,
+        ),
+    ],
+    ids=["ep2", "tp2_sp_ep2"],
+)  # fmt: skip
+def test_grouped_experts_expert_parallel(parallel):
+    run_distributed(_body_parallel, 2, parallel)
