@@ -165,7 +165,7 @@ def _ep_body(rank: int, world: int, dispatcher: str) -> None:
     prompts = _prompts(3 + 4 * rank, seed=10 + rank)
     # (The teacher-forced pass would need equal token counts per rank under allgather.)
     engine = KVCacheEngine(unwrap(chunks[0]))
-    assert (engine.decode.path, engine.decode.reason) == ("modules", "MoE layers")
+    assert engine.decode.path == "modules" and engine.decode.reason.startswith("MoE layers")
     with pytest.raises(ValueError, match="fused decode path does not cover this model: MoE"):
         KVCacheEngine(unwrap(chunks[0]), EngineOptions(decode_path="fused"))
     _compare(chunks, prompts, _params(top_k=1), forced=False)

@@ -108,8 +108,12 @@ def test_unknown_keys_and_bad_values_name_the_field(override, message):
         (["checkpoint.keep_last=0"], "keep_last must be positive"),
         (["training.logprob_max_tokens_per_micro_batch=0"], "must be positive"),
         (
-            ["model.num_moe_experts=4", "training.logprob_max_tokens_per_micro_batch=4096"],
-            "logprob_max_tokens_per_micro_batch is for dense models",
+            [
+                "model.num_moe_experts=4",
+                "parallel.expert_model_parallel_size=2",
+                "training.logprob_max_tokens_per_micro_batch=4096",
+            ],
+            "logprob_max_tokens_per_micro_batch needs parallel.expert_model_parallel_size=1",
         ),
     ],
 )
@@ -153,7 +157,9 @@ def test_checkpoint_architecture_check_names_the_field(tmp_path):
     "overrides, merge",
     [
         ([], 32768),  # "auto" on a dense model
-        (["model.num_moe_experts=4"], None),  # "auto" on MoE: the update's micro-batches
+        (["model.num_moe_experts=4"], 32768),  # MoE at EP 1: merged as dense models
+        # MoE at EP 2: every MoE forward is a collective, the update's micro-batches
+        (["model.num_moe_experts=4", "parallel.expert_model_parallel_size=2"], None),
         (["training.logprob_max_tokens_per_micro_batch=4096"], 4096),
         (["training.logprob_max_tokens_per_micro_batch=null"], None),
     ],

@@ -70,6 +70,7 @@ profile).
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import os
@@ -84,6 +85,11 @@ from pathlib import Path
 QWEN3_0_6B = dict(layers=28, hidden=1024, ffn=3072, heads=16, kv_heads=8, head_dim=128,
                   vocab=151936, tied=True)  # fmt: skip
 TINY = dict(layers=2, hidden=64, ffn=128, heads=4, kv_heads=2, head_dim=16, vocab=512, tied=True)
+# --moe: Qwen3-30B-A3B's layer shape (48 layers there), every layer MoE
+QWEN3_30B_A3B = dict(layers=12, hidden=2048, ffn=6144, heads=32, kv_heads=4, head_dim=128,
+                     vocab=151936, tied=False, num_experts=128, topk=8, moe_ffn=768)  # fmt: skip
+TINY_MOE = dict(TINY, num_experts=8, topk=2, moe_ffn=32)
+EXPERTS = ("sequential", "grouped")  # megatron-core's SequentialMLP / our GroupedExperts
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -104,6 +110,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--transformer-impl", choices=["local", "auto", "transformer_engine"],
                     default="local", help="ModelConfig.transformer_impl (local = the portable "
                     "spec, the one --rope acts on)")  # fmt: skip
+    ap.add_argument("--moe", action="store_true", help="an MoE model: Qwen3-30B-A3B's layer "
+                    "shape (12 layers, hidden 2048, 128 experts top-8 of FFN 768, heads 32/4x128, "
+                    "vocab 151936, untied), 2 micro-batches of 8192 tokens, L = 8192; MFU counts "
+                    "active FLOPs (attention projections, router, top-k experts, LM head)")  # fmt: skip
+    ap.add_argument("--experts", default="grouped", help="--moe: comma list of expert "
+                    f"implementations {EXPERTS}, a model each (same seed), e.g. "
+                    "sequential,grouped for before/after")  # fmt: skip
+    ap.add_argument("--num-experts", type=int, default=None, help="--moe: default 128")
+    ap.add_argument("--topk", type=int, default=None, help="--moe: default 8")
+    ap.add_argument("--moe-ffn", type=int, default=None, help="--moe: default 768")
     ap.add_argument("--micro-batches", type=int, default=None, help="default 4")
     ap.add_argument("--tokens", type=int, default=None, help="packed tokens per micro-batch "
                     "(default 8192)")  # fmt: skip
@@ -140,15 +156,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     a = ap.parse_args(argv)
     a.tiny = a.tiny or a.device == "cpu"  # the CPU run is a dry run: the tiny preset
-    shape = TINY if a.tiny else QWEN3_0_6B
+    shape = (TINY_MOE if a.tiny else QWEN3_30B_A3B) if a.moe else (TINY if a.tiny else QWEN3_0_6B)
     for name, value in shape.items():
         if name != "tied" and getattr(a, name) is None:
             setattr(a, name, value)
-    a.tied = not a.untied
-    a.micro_batches = a.micro_batches or (2 if a.tiny else 4)
+    a.tied = not a.untied and shape["tied"]
+    a.experts = [x.strip() for x in a.experts.split(",") if x.strip()] if a.moe else ["dense"]
+    if any(x not in EXPERTS for x in a.experts) and a.moe:
+        ap.error(f"--experts: each of {EXPERTS}, got {a.experts}")
+    a.micro_batches = a.micro_batches or (2 if a.tiny or a.moe else 4)
     a.tokens = a.tokens or (256 if a.tiny else 8192)
-    a.doc_lens = [int(x) for x in (a.doc_lens or ("256,32" if a.tiny else "8192,1024,128,32"))
-                  .split(",")]  # fmt: skip
+    default_lens = "256,32" if a.tiny else ("8192" if a.moe else "8192,1024,128,32")
+    a.doc_lens = [int(x) for x in (a.doc_lens or default_lens).split(",")]
     a.rope = [x.strip() for x in a.rope.split(",") if x.strip()]
     a.warmup = a.warmup if a.warmup is not None else (1 if a.tiny else 2)
     a.iters = a.iters or (1 if a.tiny else 3)
@@ -197,8 +216,12 @@ GIB = 2**30
 # ----------------------------------------------------------------------------- model, batches
 
 
-def build(args, dev: torch.device):
-    """(ModelConfig, DDP-wrapped chunks) of the trainer's builder; TP = PP = 1."""
+def build(args, dev: torch.device, experts: str):
+    """(ModelConfig, DDP-wrapped chunks) of the trainer's builder; TP = PP = EP = 1."""
+    moe = {}
+    if args.moe:
+        moe = dict(num_moe_experts=args.num_experts, moe_router_topk=args.topk,
+                   moe_ffn_hidden_size=args.moe_ffn, moe_grouped_gemm=experts == "grouped")  # fmt: skip
     cfg = ModelConfig(
         vocab_size=args.vocab, num_layers=args.layers, hidden_size=args.hidden,
         ffn_hidden_size=args.ffn, num_attention_heads=args.heads, num_query_groups=args.kv_heads,
@@ -206,7 +229,7 @@ def build(args, dev: torch.device):
         normalization="RMSNorm", layernorm_epsilon=1e-6, qk_layernorm=True,
         gated_linear_unit=True, activation_func="silu", rotary_base=1000000,
         share_embeddings_and_output_weights=args.tied, transformer_impl=args.transformer_impl,
-        params_dtype="bfloat16" if dev.type == "cuda" else "float32",
+        params_dtype="bfloat16" if dev.type == "cuda" else "float32", **moe,
     )  # fmt: skip
     parallel = ParallelConfig()
     initialize_parallel(parallel, seed=args.seed)
@@ -258,11 +281,16 @@ def set_old_logprobs(batches: list[PackedBatch], logprobs: list[torch.Tensor], s
 
 
 def matmul_params(gpt, vocab: int) -> tuple[int, int]:
-    """(decoder matmul weights, LM-head weights vocab x hidden) of the GPTModel."""
-    decoder = sum(
-        p.numel() for n, p in gpt.named_parameters() if p.dim() == 2 and n.startswith("decoder.")
-    )
-    return decoder, vocab * gpt.config.hidden_size
+    """(decoder matmul weights a token meets, LM-head weights vocab x hidden) of the GPTModel;
+    MoE: the routed experts count ``topk`` experts' weights (the active ones), the router its."""
+    decoder = sum(p.numel() for n, p in gpt.named_parameters()
+                  if p.dim() == 2 and n.startswith("decoder.") and ".experts." not in n)  # fmt: skip
+    cfg = gpt.config
+    if cfg.num_moe_experts:
+        glu = 3 if cfg.gated_linear_unit else 2
+        per_expert = glu * cfg.hidden_size * cfg.moe_ffn_hidden_size
+        decoder += cfg.num_layers * cfg.moe_router_topk * per_expert
+    return decoder, vocab * cfg.hidden_size
 
 
 def forward_flops(batches: list[PackedBatch], args, decoder: int, head: int) -> dict:
@@ -328,11 +356,15 @@ def gemm_floor(gpt, args, dev, scored_rows: int) -> dict:
     """cuBLAS time of the dense GEMMs of one pass over all micro-batches: every decoder weight
     [n, k] on ``--tokens`` rows per layer, the LM head on the micro-batch's loss-mask rows."""
     dtype = next(gpt.parameters()).dtype
-    layer0 = [p for n, p in gpt.named_parameters()
-              if p.dim() == 2 and n.startswith("decoder.layers.0.")]  # fmt: skip
+    shapes = [(args.tokens, p.shape[1], p.shape[0]) for n, p in gpt.named_parameters()
+              if p.dim() == 2 and n.startswith("decoder.layers.0.") and ".experts." not in n]  # fmt: skip
+    cfg = gpt.config
+    if cfg.num_moe_experts:  # the routed rows through one expert's shapes: one ideal GEMM each
+        rows, fc1 = args.tokens * cfg.moe_router_topk, 2 * cfg.moe_ffn_hidden_size
+        shapes += [(rows, cfg.hidden_size, fc1), (rows, cfg.moe_ffn_hidden_size, cfg.hidden_size)]
     fwd = bwd = 0.0
-    for p in layer0:
-        f, di, dw = _mm_ms(args.tokens, p.shape[1], p.shape[0], dev, dtype, args.floor_reps)
+    for m, k, n in shapes:
+        f, di, dw = _mm_ms(m, k, n, dev, dtype, args.floor_reps)
         fwd, bwd = fwd + f * args.layers, bwd + (di + dw) * args.layers
     rows = max(1, round(scored_rows / args.micro_batches))
     f, di, dw = _mm_ms(rows, args.hidden, args.vocab, dev, dtype, args.floor_reps)
@@ -387,7 +419,7 @@ def run_row(L: int | str, impl: str, passes: Passes, gpt, args, dev, params: tup
     """One table row; ``first`` keeps the first impl's log-probs of each L (the same batches
     and weights: the others' max abs difference to them is ``logp_max_abs_vs_first``). A
     ``--mixed`` row times new batches in every pass (their FLOPs: those of the first ones)."""
-    use_rope(passes.chunks, impl)
+    use_rope(passes.chunks, impl.rpartition(":")[2])
     batches = make_batches(L, args, seed=_seed(L, args))
     logprobs = passes.logprob(batches)
     set_old_logprobs(batches, logprobs, seed=_seed(L, args) + 1)
@@ -509,16 +541,17 @@ def host_profile(passes: Passes, args, dev) -> None:
         )
 
 
-def run_profile(passes: Passes, args, dev, out: Path) -> list[dict]:
+def run_profile(passes: Passes, args, dev, out: Path, experts: str) -> list[dict]:
     L = args.profile_len
     results = []
-    for impl in args.rope:
-        use_rope(passes.chunks, impl)
+    for rope in args.rope:
+        impl = label(args, experts, rope)
+        use_rope(passes.chunks, rope)
         batches = make_batches(L, args, seed=_seed(L, args))
         set_old_logprobs(batches, passes.logprob(batches), seed=_seed(L, args) + 1)
         passes.zero_grads()
         passes.train(batches)  # warm (compiles, caches) before the profiled passes
-        tag = f"L{L}_{impl.replace('/', '-')}"
+        tag = f"L{L}_{impl.replace('/', '-').replace(':', '_')}"
         for name, fn in (("logprob", passes.logprob), ("train", passes.train)):
             r = profile_pass(name, partial(fn, batches), passes.zero_grads, args, dev, out, tag)
             r.update(L=L, rope=impl)
@@ -610,6 +643,64 @@ def run_info(args, dev) -> dict:
 # ----------------------------------------------------------------------------- main
 
 
+def label(args, experts: str, rope: str) -> str:
+    """A row's variant: the rope variant, prefixed with the expert implementation (--moe)."""
+    return f"{experts}:{rope}" if args.moe else rope
+
+
+def run_model(args, dev, experts: str, out: Path, acc: tuple, info: dict, weights):
+    """Build the model with ``experts`` (a fresh one per implementation; MoE models after the
+    first load the first one's weights: the log-prob column then compares them), run every
+    row, profile; returns the weights for the next (host copies) or None."""
+    rows, first, prof = acc
+    cfg, chunks = build(args, dev, experts)
+    gpt = unwrap(chunks[0])
+    if weights is not None:  # SequentialMLP's per-expert keys load into GroupedExperts too
+        gpt.load_state_dict(weights)
+    elif len(args.experts) > 1:
+        weights = {k: v.cpu() if torch.is_tensor(v) else v for k, v in gpt.state_dict().items()}
+    step = GRPOStep(GRPOLossConfig(kl_coef=args.kl_coef), vocab_size=cfg.vocab_size,
+                    logprob_path=args.logprob_path)  # fmt: skip
+    passes = Passes(step, chunks, args.logprob_merge)
+    decoder, head = matmul_params(gpt, cfg.vocab_size)
+    info.setdefault("models", {})[experts] = dict(
+        config={k: v for k, v in vars(cfg).items() if not k.startswith("yarn")},
+        params=sum(p.numel() for p in gpt.parameters()), decoder_matmul_params=decoder,
+        head_params=head, dtype=str(next(gpt.parameters()).dtype), optimizer_step=False,
+    )  # fmt: skip
+    moe = f", {args.num_experts} experts top-{args.topk} FFN {args.moe_ffn} ({experts})"
+    print(f"model: {args.layers} layers, hidden {args.hidden}, ffn {args.ffn}, heads "
+          f"{args.heads}/{args.kv_heads}x{args.head_dim}, vocab {args.vocab}"
+          f"{moe if args.moe else ''}, {'tied' if args.tied else 'untied'}, "
+          f"{info['models'][experts]['dtype']}, {info['models'][experts]['params'] / 1e6:.1f}M "
+          f"params ({(decoder + head) / 1e6:.1f}M matmul per token incl. the head); "
+          f"{args.micro_batches} x {args.tokens} tokens; logprob_path {args.logprob_path}; "
+          f"log-prob pass merged to {args.logprob_merge or 'no'} tokens; fwd+bwd without "
+          "optimizer step", flush=True)  # fmt: skip
+    for L in args.doc_lens:
+        for rope in args.rope:
+            name = label(args, experts, rope)
+            row = run_row(L, name, passes, gpt, args, dev, (decoder, head), first)
+            rows.append(row)
+            print(
+                f"L={L} {name}: logprob {row['logprob']['ms']:.1f} ms, fwd+bwd "
+                f"{row['train']['ms']:.1f} ms, loss {_g(row['loss'])}, log-probs vs the first "
+                f"variant: max abs {row['logp_max_abs_vs_first']:.3g}",
+                flush=True,
+            )
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    if args.profile:
+        prof += run_profile(passes, args, dev, out, experts)
+    if args.host_profile:
+        host_profile(passes, args, dev)
+    del passes, step, gpt, chunks
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return weights
+
+
 def main() -> int:
     args = ARGS or parse_args()
     dev = torch.device(args.device)
@@ -628,50 +719,19 @@ def main() -> int:
                          f"{LAYER_IMPLS}, BUCKETS in {BUCKETS}")  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg, chunks = build(args, dev)
-    gpt = unwrap(chunks[0])
-    step = GRPOStep(GRPOLossConfig(kl_coef=args.kl_coef), vocab_size=cfg.vocab_size,
-                    logprob_path=args.logprob_path)  # fmt: skip
-    passes = Passes(step, chunks, args.logprob_merge)
     info = run_info(args, dev)
-    decoder, head = matmul_params(gpt, cfg.vocab_size)
-    info["model"] = dict(
-        config={k: v for k, v in vars(cfg).items() if not k.startswith(("yarn", "moe"))},
-        params=sum(p.numel() for p in gpt.parameters()), decoder_matmul_params=decoder,
-        head_params=head, dtype=str(next(gpt.parameters()).dtype),
-        optimizer_step=False,
-    )  # fmt: skip
     print(
         f"device: {info['device']}  torch {info['torch']}  megatron-core "
         f"{info['megatron_core']}  peak {args.peak_tflops:g} TFLOP/s"
     )
-    print(f"model: {args.layers} layers, hidden {args.hidden}, ffn {args.ffn}, heads "
-          f"{args.heads}/{args.kv_heads}x{args.head_dim}, vocab {args.vocab}, "
-          f"{'tied' if args.tied else 'untied'}, {info['model']['dtype']}, "
-          f"{info['model']['params'] / 1e6:.1f}M params ({(decoder + head) / 1e6:.1f}M matmul "
-          f"incl. the head); {args.micro_batches} x {args.tokens} tokens; logprob_path "
-          f"{args.logprob_path}; log-prob pass merged to {args.logprob_merge or 'no'} tokens; "
-          "fwd+bwd without optimizer step", flush=True)  # fmt: skip
-    rows, first = [], {}
-    for L in args.doc_lens:
-        for impl in args.rope:
-            row = run_row(L, impl, passes, gpt, args, dev, (decoder, head), first)
-            rows.append(row)
-            print(
-                f"L={L} rope={impl}: logprob {row['logprob']['ms']:.1f} ms, fwd+bwd "
-                f"{row['train']['ms']:.1f} ms, loss {_g(row['loss'])}, log-probs vs "
-                f"{args.rope[0]}: max abs {row['logp_max_abs_vs_first']:.3g}",
-                flush=True,
-            )
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
+    rows, first, prof, weights = [], {}, [], None
+    for experts in args.experts:
+        weights = run_model(args, dev, experts, out, (rows, first, prof), info, weights)
+    labels = [label(args, e, r) for e in args.experts for r in args.rope]
     print_rows(rows)
-    comp = comparison(rows, args.rope)
+    comp = comparison(rows, labels)
     print_comparison(comp)
-    prof = run_profile(passes, args, dev, out) if args.profile else None
-    if args.host_profile:
-        host_profile(passes, args, dev)
-    result = dict(info, rows=rows, comparison=comp, profile=prof)
+    result = dict(info, rows=rows, comparison=comp, profile=prof or None)
     (out / "results.json").write_text(json.dumps(result, indent=1, default=str))
     print(f"\nwrote {out / 'results.json'}")
     return 0

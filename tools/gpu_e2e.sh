@@ -4,13 +4,17 @@
 # On a 1- or 2-GPU H200 machine, from the repository root, with the wheels carried in .whl/
 # (megatron-core and cut-cross-entropy for python 3.12; see /work/.library/device/README.md):
 #   bash tools/gpu_e2e.sh dense     # the dense twin: toy-task trajectory + 8k synthetic rollouts
-#   bash tools/gpu_e2e.sh moe       # the MoE twin (2 GPUs): toy task + 4k synthetic rollouts
+#   bash tools/gpu_e2e.sh moe       # one GPU (TP1 EP1): the MoE twin's step split at 128
+#                                   # digits next to the dense twin's at 256 digits (on-policy,
+#                                   # 512 samples; MOE_EXPERTS "grouped" or "sequential grouped"
+#                                   # for megatron-core's SequentialMLP before it), STEPS each
+#   bash tools/gpu_e2e.sh moe_twin  # the MoE twin (2 GPUs): toy task + 4k synthetic rollouts
 #   bash tools/gpu_e2e.sh maxctx    # longest packed micro-batch per log-prob path, one GPU
 #   bash tools/gpu_e2e.sh step      # the dense twin's step on 2 GPUs (TP2+SP), toy task with
 #                                   # 256-digit prompts: on-policy (1 mini-batch, old-log-prob
 #                                   # pass skipped), the same with 8k micro-batches (mb1small),
 #                                   # and 2 mini-batches; STEPS steps each, STEP_TAGS picks
-#   bash tools/gpu_e2e.sh all       # dense, moe, maxctx (may exceed a 10-minute command limit)
+#   bash tools/gpu_e2e.sh all       # dense, moe_twin, maxctx (may exceed a 10-minute limit)
 # Each mode runs every path of PATHS ("fused megatron"); the trainer must expose
 # lm_head.path (GRPOStep.logprob_path). Results under $OUT (at most 4 files):
 #   summary.md    tables: tokens/s, peak memory, final reward/loss, longest context per path
@@ -79,6 +83,7 @@ train() {
     local tag=$1 recipe=$2 path=$3
     shift 3
     local nproc=$((NGPU >= 2 ? 2 : 1))
+    nproc=${NPROC:-$nproc}
     local layout=()
     if [ "$nproc" -eq 1 ]; then
         layout=(--set parallel.tensor_model_parallel_size=1 --set parallel.sequence_parallel=false
@@ -151,6 +156,26 @@ step_split() {
         train "step_${tag}_fused" qwen3_8b_long_sp_twin fused "${digits[@]}" "${extra[@]}" ||
             status=1
     done
+    return $status
+}
+
+# moe: the step split of the MoE twin (128-digit prompts) and the dense twin (256 digits) on
+# one GPU at TP1 EP1, on-policy, 512 samples per step, fused path; MOE_EXPERTS picks the expert
+# implementations of the MoE runs (model.moe_grouped_gemm: sequential = false).
+moe_split() {
+    local status=0 e
+    local common=(--set training.steps="$STEPS" --set training.mini_batches_per_step=1)
+    for e in ${MOE_EXPERTS:-grouped}; do
+        local grouped=true
+        [ "$e" = sequential ] && grouped=false
+        NPROC=1 train "moe1gpu_${e}_fused" qwen3_30b_a3b_moe_twin fused "${common[@]}" \
+            --set rollout.reverse_digits.num_digits=128 --set rollout.max_prompt_length=132 \
+            --set rollout.max_response_length=129 --set model.moe_grouped_gemm="$grouped" ||
+            status=1
+    done
+    NPROC=1 train "dense1gpu_fused" qwen3_8b_long_sp_twin fused "${common[@]}" \
+        --set rollout.reverse_digits.num_digits=256 --set rollout.max_prompt_length=260 \
+        --set rollout.max_response_length=257 || status=1
     return $status
 }
 
@@ -256,8 +281,9 @@ old = [json.loads(l) for l in results.read_text().splitlines()] if results.exist
 rows = [r for r in old if r.get("kind", "").startswith("maxctx")]
 table = ["| run | log-prob path | steps | tokens/s (mean, step >= 2) | peak GiB (torch) | "
          "peak MiB/GPU (nvidia-smi) | reward first -> last | loss first -> last | "
-         "s per step: step / rollout / logprob / update (mean, step >= 2) |",
-         "|---|---|---|---|---|---|---|---|---|"]
+         "s per step: step / rollout / logprob / update (mean, step >= 2) | "
+         "generation tokens/s (mean, step >= 2) |",
+         "|---|---|---|---|---|---|---|---|---|---|"]
 def first_last(steps, key):
     v = [s[key] for s in steps if s.get(key) is not None]
     return f"{v[0]:.3f} -> {v[-1]:.3f}" if v else "n/a"
@@ -282,6 +308,9 @@ for run in sorted(p for p in work.iterdir() if (p / "metrics.jsonl").exists()):
     cells = [name, path, len(steps), tps, f"{max(peak):.1f}" if peak else "not logged",
              max(used) if used else "n/a", first_last(steps, "reward/mean"),
              first_last(steps, "loss/loss"), split(steps[1:])]
+    gen = [s["perf/generation_tokens_per_s"] for s in steps[1:]
+           if s.get("perf/generation_tokens_per_s")]
+    cells.append(f"{sum(gen) / len(gen):.0f}" if gen else "n/a")
     table.append("| " + " | ".join(map(str, cells)) + " |")
 ctx = ["| log-prob path | decoder layers | tokens per document | longest fitting micro-batch "
        "| first OOM | fwd+bwd tokens/s at 16k |", "|---|---|---|---|---|---|"]
@@ -300,7 +329,8 @@ EOF
 status=0
 case "$MODE" in
     dense) { setup && twin dense qwen3_8b_long_sp_twin 8192 4; } || status=1 ;;
-    moe) { setup && twin moe qwen3_30b_a3b_moe_twin 4096 8; } || status=1 ;;
+    moe) { setup && moe_split; } || status=1 ;;
+    moe_twin) { setup && twin moe qwen3_30b_a3b_moe_twin 4096 8; } || status=1 ;;
     maxctx) { setup && maxctx; } || status=1 ;;
     step) { setup && step_split; } || status=1 ;;
     all)
@@ -310,7 +340,7 @@ case "$MODE" in
         maxctx || status=1
         ;;
     *)
-        echo "usage: $0 [dense|moe|maxctx|step|all]"
+        echo "usage: $0 [dense|moe|moe_twin|maxctx|step|all]"
         exit 2
         ;;
 esac

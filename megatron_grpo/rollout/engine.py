@@ -105,6 +105,13 @@ class EngineOptions:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
+# Why MoE models decode without CUDA graphs (the start-up line says it).
+MOE_NO_GRAPHS = (
+    "MoE (megatron-core's token dispatchers size their buffers from the routed counts, "
+    "a host sync in every layer)"
+)
+
+
 class KVCacheEngine:
     """``KVCacheEngine(model, options).generate(prompts, params, generator)``; keep one per
     model so its CUDA graphs are captured once and reused across calls."""
@@ -128,7 +135,9 @@ class KVCacheEngine:
             )
         self.use_graphs = (cuda and not moe and not expandable) if graphs is None else graphs
         # why graphs are off where they would be on (the start-up line says it)
-        self.graphs_off = f"off: {expandable}" if graphs is None and cuda and expandable else ""
+        self.graphs_off = ""
+        if graphs is None and cuda and (moe or expandable):
+            self.graphs_off = f"off: {expandable}" if expandable else f"off: {MOE_NO_GRAPHS}"
         self.graphs = DecodeGraphs() if self.use_graphs else None
         o = self.options
         self.decode = fd.plan_decode(model, o.decode_path, o.decode_impl, o.decode_attention)

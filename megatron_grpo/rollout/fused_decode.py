@@ -95,7 +95,8 @@ def unsupported(model: torch.nn.Module) -> str:
     cfg = model.config
     tp = parallel_state.get_tensor_model_parallel_world_size()
     checks = (
-        (cfg.num_moe_experts is None, "MoE layers"),
+        # MoE decodes through the model's modules (router, dispatcher, grouped experts)
+        (cfg.num_moe_experts is None, "MoE layers (the fused step covers dense MLPs)"),
         (cfg.normalization == "RMSNorm", f"normalization={cfg.normalization}"),
         (cfg.gated_linear_unit and cfg.activation_func is F.silu, "the MLP is not SwiGLU"),
         (getattr(cfg, "activation_func_clamp_value", None) is None, "a clamped GLU"),

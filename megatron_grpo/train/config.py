@@ -403,10 +403,12 @@ class TrainingConfig:
             consecutive update micro-batches merged into micro-batches of up to this many
             tokens (a no-grad forward keeps one layer's activations at a time, and the host's
             launch cost is per layer and micro-batch, so a larger one keeps the GPU busy); the
-            log-probs are the same. "auto" (default): ``LOGPROB_MERGE_TOKENS`` (32768) for a
-            dense model, the update's micro-batches for MoE. null: the update's micro-batches.
-            A number is for dense models only (MoE passes are collectives over DP ranks that
-            must run the same micro-batches).
+            log-probs are the same. "auto" (default): ``LOGPROB_MERGE_TOKENS`` (32768), except
+            for MoE at ``parallel.expert_model_parallel_size > 1``: there every MoE forward is
+            a collective over the expert-parallel ranks, which must then run the same number
+            of forwards, and a token budget merges each rank's micro-batches differently; such
+            passes run the update's micro-batches (and a number is a config error). null: the
+            update's micro-batches.
         exit_signals: signals that stop the run cleanly (``train/stop.py``): every rank
             finishes the current step, saves a checkpoint (with ``checkpoint.dir``) and exits
             with code 3; a second signal exits at once. ``[]``: the signals' default actions.
@@ -547,11 +549,13 @@ class TrainConfig:
             raise ValueError("loss.kl_coef > 0 needs training.use_reference_model: true")
         if (
             self.training.logprob_max_tokens_per_micro_batch not in (None, "auto")
-            and self.model.num_moe_experts is not None
+            and self._moe_forwards_are_collective
         ):
             raise ValueError(
-                "training.logprob_max_tokens_per_micro_batch is for dense models: MoE log-prob "
-                "passes are collectives over DP ranks that must run the update's micro-batches"
+                "training.logprob_max_tokens_per_micro_batch needs "
+                "parallel.expert_model_parallel_size=1 for MoE: at EP > 1 MoE log-prob passes "
+                "are collectives over the expert-parallel ranks that must run the update's "
+                "micro-batches"
             )
         if self.training.log_mismatch_without_replay and not self.model.moe_enable_routing_replay:
             raise ValueError(
@@ -604,8 +608,14 @@ class TrainConfig:
         ``training.logprob_max_tokens_per_micro_batch`` "auto" resolved for this model."""
         merge = self.training.logprob_max_tokens_per_micro_batch
         if merge == "auto":
-            return None if self.model.num_moe_experts is not None else LOGPROB_MERGE_TOKENS
+            return None if self._moe_forwards_are_collective else LOGPROB_MERGE_TOKENS
         return merge
+
+    @property
+    def _moe_forwards_are_collective(self) -> bool:
+        """Whether every MoE forward is a collective over ranks with different batches (EP)."""
+        moe = self.model.num_moe_experts is not None
+        return moe and self.parallel.expert_model_parallel_size > 1
 
 
 # Keys moved into rollout.sampling / rollout.engine (kept for one release, with a warning).
