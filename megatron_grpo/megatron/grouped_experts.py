@@ -86,7 +86,7 @@ class GroupedExperts(MegatronModule):
     act_impl: str = "auto"  # the SwiGLU kernel (ops.dispatch.IMPLS); set_layer_impl
 
     def __init__(self, num_local_experts: int, config: TransformerConfig, submodules=None,
-                 pg_collection=None) -> None:  # fmt: skip
+                 pg_collection=None, name: str | None = None) -> None:  # fmt: skip
         why = grouped_experts_unsupported(config)
         if why:
             raise ValueError(

@@ -26,6 +26,8 @@ so a torch_dist checkpoint moves between the two specs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import logging
 import math
 
@@ -369,7 +371,7 @@ def portable_layer_spec(config: TransformerConfig, moe: bool) -> ModuleSpec:
             LocalSpecProvider(), num_experts=config.num_moe_experts, moe_grouped_gemm=False
         )
         if config.moe_grouped_gemm:  # SequentialMLP's drop-in: all local experts in 2 GEMMs
-            mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
+            mlp = _with_grouped_experts(mlp)
         # Same keys as the TE spec: only the attention norm is fused there for MoE layers.
         keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
     else:
@@ -393,6 +395,16 @@ def portable_layer_spec(config: TransformerConfig, moe: bool) -> ModuleSpec:
             sharded_state_dict_keys_map=keys_map,
         ),
     )
+
+
+def _with_grouped_experts(mlp):
+    """megatron-core's MoE layer spec with :class:`GroupedExperts` for its experts: a
+    ``ModuleSpec`` (megatron-core <= 0.18) or ``partial(MoELayer, submodules=...)`` (0.19)."""
+    if isinstance(mlp, ModuleSpec):
+        mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
+        return mlp
+    submodules = dataclasses.replace(mlp.keywords["submodules"], experts=GroupedExperts)
+    return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules})
 
 
 def moe_layer_pattern(config: TransformerConfig) -> list[bool]:
