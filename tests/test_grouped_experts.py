@@ -298,3 +298,32 @@ def _gpu_body(rank: int, world: int) -> None:
 @pytest.mark.gpu
 def test_gpu_grouped_experts_equal_sequential_bf16():
     run_distributed(_gpu_body, 1, backend="nccl")
+
+
+@pytest.mark.parametrize("ranks, experts", [(1, 8), (2, 4), (4, 3)])
+def test_chunk_sort_equals_megatron_split_cat(ranks, experts):
+    """The dispatcher's chunk order by local expert (and back) as one gather equals
+    megatron-core's split + cat, zero-size chunks included; the identity order copies nothing."""
+    from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
+
+    from megatron_grpo.megatron.moe_permute import sort_chunks_by_index
+
+    g = torch.Generator().manual_seed(ranks)
+    sizes = torch.randint(0, 4, (ranks * experts,), generator=g)
+    chunks = torch.arange(ranks * experts)
+    by_expert = chunks.reshape(-1, experts).T.ravel()  # the dispatcher's two orders
+    back = chunks.reshape(experts, -1).T.ravel()
+    x = torch.randn(int(sizes.sum()), 5, generator=g, requires_grad=True)
+    probs = torch.rand(x.shape[0], generator=g)
+    got, got_p = sort_chunks_by_index(x, sizes, by_expert, probs=probs)
+    want, want_p = sort_chunks_by_idxs(x, sizes, by_expert, probs=probs)
+    assert torch.equal(got, want) and torch.equal(got_p, want_p)
+    back_sizes = sizes.reshape(-1, experts).T.ravel()
+    restored, _ = sort_chunks_by_index(got, back_sizes, back)
+    assert torch.equal(restored, x)
+    (gx,) = torch.autograd.grad(restored, x, torch.ones_like(x))
+    assert torch.equal(gx, torch.ones_like(x))
+    if ranks == 1:
+        assert sort_chunks_by_index(x, sizes, by_expert)[0] is x
+    with pytest.raises(ValueError, match="fused"):
+        sort_chunks_by_index(x, sizes, by_expert, fused=True)

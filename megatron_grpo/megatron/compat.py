@@ -98,3 +98,22 @@ def define_te_general_gemm() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def use_index_chunk_sort() -> bool:
+    """Make megatron-core's all-to-all dispatcher order tokens by local expert with one gather
+    (``moe_permute.sort_chunks_by_index``) instead of a split + ``cat`` over every (rank, local
+    expert) chunk; False when already installed.
+
+    Writes the module attribute ``transformer.moe.token_dispatcher.sort_chunks_by_idxs`` (the
+    name it imports from ``moe_utils`` and calls in ``dispatch_postprocess`` /
+    ``combine_preprocess``; checked in 0.16.1 and 0.19.2). Installed by the first
+    ``GroupedExperts`` built, so a process of SequentialMLP models runs megatron-core's own."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    from megatron_grpo.megatron.moe_permute import sort_chunks_by_index
+
+    if token_dispatcher.sort_chunks_by_idxs is sort_chunks_by_index:
+        return False
+    token_dispatcher.sort_chunks_by_idxs = sort_chunks_by_index
+    return True

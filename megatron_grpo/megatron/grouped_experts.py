@@ -12,7 +12,8 @@ are two stacked parameters and the forward is
 
 on the rows the token dispatcher permuted (sorted by local expert; ``ends`` their cumulative
 counts). As in megatron-core's expert MLPs, no communication happens here: the dispatcher
-gathers the tokens and reduces the expert-TP partial sums. ``impl`` picks the grouped GEMM
+gathers the tokens and reduces the expert-TP partial sums (and orders them by local expert with
+one gather: ``moe_permute``, installed with the first GroupedExperts). ``impl`` picks the grouped GEMM
 (``ops.grouped_mm``), ``act_impl`` the SwiGLU kernel (``set_layer_impl``).
 
 Checkpoints: :meth:`sharded_state_dict` writes exactly SequentialMLP's tensors (keys, global
@@ -36,6 +37,7 @@ from megatron.core.tensor_parallel.random import (
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_grpo.megatron.compat import use_index_chunk_sort
 from megatron_grpo.megatron.expert_checkpoint import (
     ExpertShards,
     expert_extra_states,
@@ -112,6 +114,7 @@ class GroupedExperts(MegatronModule):
         self._init(self.weight1, config.init_method)
         self._init(self.weight2, config.output_layer_init_method)
         self._register_load_state_dict_pre_hook(_stack_legacy_keys, with_module=True)
+        use_index_chunk_sort()  # the dispatcher's per-expert split + cat, as one gather
 
     def _weight(self, shape: tuple[int, int, int], partition_dim: int) -> torch.nn.Parameter:
         cfg = self.config

@@ -1,0 +1,51 @@
+"""Token permutation of megatron-core's MoE dispatchers without a per-expert Python loop.
+
+megatron-core's all-to-all dispatcher orders the received tokens by local expert (and back,
+before the combine) with ``moe_utils.sort_chunks_by_idxs``: without Transformer Engine
+(``moe_permute_fusion``) that splits the rows into one chunk per (rank, local expert), ``cat``s
+them in the new order (a loop over 128 chunks for Qwen3-30B-A3B at EP 1, where the order does
+not even change) and syncs with the host twice (``tolist``). :func:`sort_chunks_by_index` is the
+same permutation as one gather (``index_select``, whose backward is one scatter), with the row
+indices built on the device; at the identity order (EP = TP = 1) it copies nothing.
+``compat.use_index_chunk_sort`` installs it in the dispatcher; tests compare it with
+megatron-core's own.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def chunk_sort_rows(split_sizes: Tensor, sorted_idxs: Tensor, device: torch.device) -> Tensor:
+    """Row indices ``[T]`` of the chunks of ``split_sizes [S]`` concatenated in the order
+    ``sorted_idxs [S]`` (one index per chunk): ``rows[j]`` is the input row at output row ``j``.
+    No host sync (``T`` comes from ``split_sizes`` where it is on the host)."""
+    sizes = split_sizes.to(device=device, dtype=torch.long)
+    order = sorted_idxs.to(device=device, dtype=torch.long)
+    starts = torch.cumsum(sizes, 0) - sizes  # input start of each chunk
+    out_sizes = sizes[order]
+    out_starts = torch.cumsum(out_sizes, 0) - out_sizes
+    total = int(split_sizes.sum()) if split_sizes.device.type == "cpu" else None
+    shift = torch.repeat_interleave(starts[order] - out_starts, out_sizes, output_size=total)
+    return torch.arange(shift.numel(), device=device) + shift
+
+
+def sort_chunks_by_index(
+    input: Tensor,
+    split_sizes: Tensor,
+    sorted_idxs: Tensor,
+    probs: Tensor | None = None,
+    fused: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """megatron-core's ``sort_chunks_by_idxs`` contract: ``input [T, ...]`` (and ``probs [T]``)
+    split into chunks of ``split_sizes [S]`` and concatenated in the order ``sorted_idxs
+    [S]``. ``fused`` (Transformer Engine's kernels) is refused: the dispatcher only asks for it
+    with ``moe_permute_fusion``, which megatron-core itself rejects without TE."""
+    if fused:
+        raise ValueError("sort_chunks_by_index has no fused (Transformer Engine) variant")
+    n = sorted_idxs.numel()
+    if sorted_idxs.device.type == "cpu" and torch.equal(sorted_idxs, torch.arange(n)):
+        return input, probs  # the identity order (one rank): nothing moves
+    rows = chunk_sort_rows(split_sizes, sorted_idxs, input.device)
+    return input.index_select(0, rows), None if probs is None else probs.index_select(0, rows)
