@@ -204,7 +204,7 @@ class KVCacheEngine:
 
     def _reset_stats(self) -> None:
         names = ("prefill_forwards", "decode_steps", "decode_rows", "decode_live_rows",
-                 "prefill_seconds", "decode_seconds")  # fmt: skip
+                 "generated_tokens", "prefill_seconds", "decode_seconds")  # fmt: skip
         self.stats = dict.fromkeys(names, 0)
 
     def _restore_kv(self, run: Run, requests: list[Request]) -> None:
@@ -489,6 +489,7 @@ class KVCacheEngine:
         )
         io.broadcast_from_tp_src(tokens, logp)
         done = run.record(torch.tensor(sampled), tokens.cpu(), logp.cpu())
+        self.stats["generated_tokens"] += len(sampled)
         self._retire(run, [first + fresh[j] for j in done.nonzero()[:, 0].tolist()])
 
     def _decode(self, run: Run, rows: int) -> None:
@@ -556,6 +557,7 @@ class KVCacheEngine:
         keep[list(skip)] = False
         out = step.out[:, keep]
         done = run.record(step.samples[keep], out[0].long(), out[1])
+        self.stats["generated_tokens"] += int(keep.sum())
         return keep.nonzero()[:, 0][done].tolist()
 
     def _meta_checkpoint(self, b: int):
