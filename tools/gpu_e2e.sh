@@ -14,6 +14,9 @@
 #                                   # 256-digit prompts: on-policy (1 mini-batch, old-log-prob
 #                                   # pass skipped), the same with 8k micro-batches (mb1small),
 #                                   # and 2 mini-batches; STEPS steps each, STEP_TAGS picks
+#   bash tools/gpu_e2e.sh partial   # the dense twin on one GPU, toy task num_digits [8, 512]:
+#                                   # rollout.partial off vs on (tools/bench_partial.py; STEPS_PARTIAL,
+#                                   # 6 here; PARTIAL_MODES "off recompute"): bench_partial.md
 #   bash tools/gpu_e2e.sh all       # dense, moe_twin, maxctx (may exceed a 10-minute limit)
 # Each mode runs every path of PATHS ("fused megatron"); the trainer must expose
 # lm_head.path (GRPOStep.logprob_path). Results under $OUT (at most 4 files):
@@ -333,6 +336,13 @@ case "$MODE" in
     moe_twin) { setup && twin moe qwen3_30b_a3b_moe_twin 4096 8; } || status=1 ;;
     maxctx) { setup && maxctx; } || status=1 ;;
     step) { setup && step_split; } || status=1 ;;
+    partial)
+        { setup && python3 tools/bench_partial.py --steps "${STEPS_PARTIAL:-6}" \
+            --modes "${PARTIAL_MODES:-off recompute}" --work "$WORK" --out "$OUT" 2>&1 |
+            tee -a "$LOG"; } || status=1
+        echo "gpu_e2e partial: exit $status; results in $OUT"
+        exit "$status"
+        ;;
     all)
         setup || exit 1
         twin dense qwen3_8b_long_sp_twin 8192 4 || status=1
@@ -340,7 +350,7 @@ case "$MODE" in
         maxctx || status=1
         ;;
     *)
-        echo "usage: $0 [dense|moe|moe_twin|maxctx|step|all]"
+        echo "usage: $0 [dense|moe|moe_twin|maxctx|step|partial|all]"
         exit 2
         ;;
 esac

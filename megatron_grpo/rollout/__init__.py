@@ -34,18 +34,20 @@ def generate(
     *,
     engine: str | KVCacheEngine = "kv_cache",
     record_routes: bool = False,
+    limits: list[int | None] | None = None,
 ) -> Generation:
     """Sample a response for each prompt (the model is in eval mode while sampling).
 
     ``engine``: ``"kv_cache"`` (a one-off :class:`KVCacheEngine`; pass an engine instance to
     reuse its CUDA graphs across calls) or ``"recompute"`` (no cache: the test oracle).
-    ``record_routes``: also record the routes of each sample (MoE only)."""
+    ``record_routes``: also record the routes of each sample (MoE only). ``limits``: per
+    sample its own response limit (None: ``params.max_new_tokens``)."""
     if isinstance(engine, KVCacheEngine):
         if engine.model is not model:
             raise ValueError("the KVCacheEngine passed as engine was built for another model")
-        return engine.generate(prompts, params, generator, record_routes)
+        return engine.generate(prompts, params, generator, record_routes, limits)
     if engine == "kv_cache":
-        return KVCacheEngine(model).generate(prompts, params, generator, record_routes)
+        return KVCacheEngine(model).generate(prompts, params, generator, record_routes, limits)
     if engine != "recompute":
         raise ValueError(f"engine must be one of {ENGINES} or a KVCacheEngine, got {engine!r}")
     model_io.check_layout()
@@ -56,7 +58,9 @@ def generate(
     model.eval()
     try:
         with recording(routes):
-            responses, logprobs = generate_recompute(model, prompts, params, uniforms, routes)
+            responses, logprobs = generate_recompute(
+                model, prompts, params, uniforms, routes, limits
+            )
     finally:
         model.train(was_training)
     return Generation.of(responses, logprobs, routes)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -41,6 +41,7 @@ from megatron_grpo.rollout import kv_cache as kvc
 from megatron_grpo.rollout import model_io as io
 from megatron_grpo.rollout.graphs import DecodeGraphs, expandable_segments
 from megatron_grpo.rollout.params import SamplingParams
+from megatron_grpo.rollout.requests import Request, start_run, write_back
 from megatron_grpo.rollout.routes import RouteLog, recording
 from megatron_grpo.rollout.run_state import Generation, Launched, Run
 from megatron_grpo.rollout.sampling import sample
@@ -157,29 +158,84 @@ class KVCacheEngine:
         params: SamplingParams,
         generator: torch.Generator,
         record_routes: bool = False,
+        limits: list[int | None] | None = None,
     ) -> Generation:
         """Responses and log-probs, and with ``record_routes`` per sample its routes
-        ``[P + R, L, k]`` (MoE only; ``megatron_grpo.rollout.routes``)."""
+        ``[P + R, L, k]`` (MoE only; ``megatron_grpo.rollout.routes``). ``limits``: per
+        sample its own response limit (None: ``params.max_new_tokens``)."""
         io.check_layout()
         io.check_prompts(prompts, params, self.model.max_sequence_length)
         device = io.model_device(self.model)
         uniforms = torch.rand(len(prompts), params.max_new_tokens, generator=generator)
-        run = Run.start(prompts, params, uniforms.to(device))
+        run = Run.start(prompts, params, uniforms.to(device), limits)
         if record_routes:
             run.routes = RouteLog(self.model, run.prompts, params.max_new_tokens)
-        self.stats = dict.fromkeys(
-            (
-                "prefill_forwards",
-                "decode_steps",
-                "decode_rows",
-                "prefill_seconds",
-                "decode_seconds",
-            ),
-            0,
-        )
+        self._reset_stats()
         with self._generation_mode(run), recording(run.routes):
             self._loop(run)
         return Generation.of(*run.results(), run.routes)
+
+    @torch.no_grad()
+    def run_requests(
+        self,
+        requests: list[Request],
+        params: SamplingParams,
+        version: int,
+        stop: Callable[[torch.Tensor], bool] | None = None,
+        keep_kv: bool = False,
+        record_routes: bool = False,
+    ) -> None:
+        """Continue ``requests`` (none finished; ``megatron_grpo.rollout.requests``) until all
+        finished or ``stop(finished [N] bool)`` is true between engine steps (an expert group
+        stops when all its ranks' ``stop`` are); new tokens are tagged ``version``. Paused
+        requests keep their cached rows on the host with ``keep_kv``; with ``record_routes``
+        each request's ``routes`` hold its fed positions' routes (carried ones kept)."""
+        io.check_layout()
+        io.check_prompts([r.prompt for r in requests], params, self.model.max_sequence_length)
+        run = start_run(requests, params, io.model_device(self.model))
+        if record_routes:
+            run.routes = RouteLog(self.model, run.prompts, params.max_new_tokens)
+            for i, r in enumerate(requests):
+                if r.routes is not None:
+                    run.routes.restore(i, r.routes)
+        self._reset_stats()
+        with self._generation_mode(run), recording(run.routes):
+            self._restore_kv(run, requests)
+            self._loop(run, stop)
+            write_back(run, requests, version)
+            if keep_kv:
+                for slot, i in enumerate(run.rows):
+                    r = requests[i]
+                    r.kv = self.cache.kv[:, :, slot, :, : r.fed].to("cpu", copy=True)
+        if run.routes is not None:
+            for i, r in enumerate(requests):
+                r.routes = run.routes.sample_rows(i, len(r.prompt) + len(r.tokens))
+
+    def _reset_stats(self) -> None:
+        names = ("prefill_forwards", "decode_steps", "decode_rows", "decode_live_rows",
+                 "generated_tokens", "prefill_seconds", "decode_seconds")  # fmt: skip
+        self.stats = dict.fromkeys(names, 0)
+
+    def _restore_kv(self, run: Run, requests: list[Request]) -> None:
+        """Requests paused with their cached rows (``keep``) go straight into slots."""
+        restored = [i for i in run.waiting if requests[i].kv is not None]
+        if len(restored) > self.cache.slots:
+            raise RuntimeError(
+                f"rollout.partial.kv=keep: {len(restored)} paused requests kept their KV rows "
+                f"but the cache holds {self.cache.slots} sequences now; use kv: recompute or a "
+                "larger rollout.engine.kv_cache_gib / kv_cache_fraction"
+            )
+        device = self.cache.kv.device
+        for i in restored:
+            kv, slot = requests[i].kv, len(run.rows)
+            want = (*self.cache.kv.shape[:2], self.cache.kv.shape[3], requests[i].fed,
+                    self.cache.kv.shape[5])  # fmt: skip
+            if tuple(kv.shape) != want:
+                raise ValueError(f"a kept KV row has shape {list(kv.shape)}, expected {list(want)}")
+            self.cache.kv[:, :, slot, :, : kv.shape[3]].copy_(kv.to(device))
+            run.waiting.remove(i)
+            run.rows.append(i)
+        self._rows_moved = True
 
     # ------------------------------------------------------------------ setup
     @contextlib.contextmanager
@@ -342,11 +398,13 @@ class KVCacheEngine:
             self.graphs.clear()
 
     # ------------------------------------------------------------------ the loop
-    def _loop(self, run: Run) -> None:
+    def _loop(self, run: Run, stop: Callable[[torch.Tensor], bool] | None = None) -> None:
         group = io.expert_group(self.model)
         while True:
+            if stop is not None and self._stopping(run, stop, group):
+                return
             new = self._admit(run)
-            tokens = sum(len(run.prompts[i]) for i in new)
+            tokens = sum(run.prefix_len(i) for i in new)
             if group is not None:
                 work = int(bool(new or run.rows or run.waiting))
                 work, tokens = io.group_max([work, tokens], group)
@@ -371,6 +429,17 @@ class KVCacheEngine:
             self.stats["prefill_seconds"] += t1 - t0
             self.stats["decode_seconds"] += time.perf_counter() - t1
 
+    @staticmethod
+    def _stopping(
+        run: Run, stop: Callable[[torch.Tensor], bool], group: dist.ProcessGroup | None
+    ) -> bool:
+        """``stop`` (between engine steps); an expert group stops when every rank would (one
+        keeps generating for the others meanwhile: its finished requests wait for later)."""
+        local = bool(stop(run.finished))
+        if group is None:
+            return local
+        return io.group_max([int(not local)], group)[0] == 0
+
     def _admissible(self, run: Run) -> bool:
         """Waiting samples are admitted once a quarter of the slots (or every waiting sample's
         worth, or the whole cache) is free."""
@@ -385,7 +454,7 @@ class KVCacheEngine:
         free = self.cache.slots - len(run.rows)
         new, tokens = [], 0
         while run.waiting and len(new) < free:
-            n = len(run.prompts[run.waiting[0]])
+            n = run.prefix_len(run.waiting[0])
             if new and tokens + n > self.options.max_prefill_tokens:
                 break
             new.append(run.waiting.popleft())
@@ -393,8 +462,9 @@ class KVCacheEngine:
         return new
 
     def _prefill(self, run: Run, new: list[int], num_tokens: int | None) -> None:
-        """Prefill ``new`` into slots after the active rows; sample their first tokens."""
-        seqs = [run.prompts[i] for i in new] or [[0]]  # a dummy document keeps EP in step
+        """Prefill ``new`` into slots after the active rows; sample the first tokens of the
+        fresh ones (resumed requests are prefilled up to their last token, which decode feeds)."""
+        seqs = [run.prefix(i) for i in new] or [[0]]  # a dummy document keeps EP in step
         ids, pos, packed = io.packed_inputs(seqs, 1, num_tokens)
         slot = torch.full_like(pos[0], self.cache.scratch)
         first = len(run.rows)
@@ -405,22 +475,31 @@ class KVCacheEngine:
         ids, pos, packed = ids.to(device), pos.to(device), io.packed_to(packed, device)
         self.cache.plan_prefill(packed, slot.to(device), pos[0])
         hidden = self._forward(ids, pos)[packed.cu_seqlens_q[1:].long() - 1, 0]
+        fresh = [j for j, i in enumerate(new) if run.lengths[i] == 0]
         if run.routes is not None:  # document j is sample new[j]; a dummy one is dropped
-            run.routes.packed(new, packed.cu_seqlens_q)
+            # a resumed request's routes are the carried ones (the forwards that fed them)
+            starts = [0 if run.lengths[i] == 0 else len(s) for i, s in zip(new, seqs, strict=False)]
+            run.routes.packed(new, packed.cu_seqlens_q, starts)
         self.stats["prefill_forwards"] += 1
         if device.type == "cuda":
             self.stats["prefill_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         if not new:
             return
-        logits = io.head_logits(self.model, hidden)
-        tokens, logp = sample(
-            logits, run.uniforms[new, 0], run.params, self.decode.kernels.sample_rows
-        )
-        io.broadcast_from_tp_src(tokens, logp)
-        done = run.record(torch.tensor(new), tokens.cpu(), logp.cpu())
         run.rows.extend(new)
         self._rows_moved = True
-        self._retire(run, [first + j for j in done.nonzero()[:, 0].tolist()])
+        if not fresh:
+            return
+        if len(fresh) < len(new):
+            hidden = hidden[fresh]
+        sampled = [new[j] for j in fresh]
+        logits = io.head_logits(self.model, hidden)
+        tokens, logp = sample(
+            logits, run.uniforms[sampled, 0], run.params, self.decode.kernels.sample_rows
+        )
+        io.broadcast_from_tp_src(tokens, logp)
+        done = run.record(torch.tensor(sampled), tokens.cpu(), logp.cpu())
+        self.stats["generated_tokens"] += len(sampled)
+        self._retire(run, [first + fresh[j] for j in done.nonzero()[:, 0].tolist()])
 
     def _decode(self, run: Run, rows: int) -> None:
         """One token for every active row (``rows`` >= them: the group's padded batch)."""
@@ -470,6 +549,7 @@ class KVCacheEngine:
             run.routes.rows(run.rows, positions.tolist())
         self.stats["decode_steps"] += 1
         self.stats["decode_rows"] += b
+        self.stats["decode_live_rows"] += n
         host = self._host_out[self.stats["decode_steps"] % 2]
         host[:, :n].copy_(self._out[:, :n], non_blocking=True)
         event = None
@@ -486,6 +566,7 @@ class KVCacheEngine:
         keep[list(skip)] = False
         out = step.out[:, keep]
         done = run.record(step.samples[keep], out[0].long(), out[1])
+        self.stats["generated_tokens"] += int(keep.sum())
         return keep.nonzero()[:, 0][done].tolist()
 
     def _meta_checkpoint(self, b: int):

@@ -29,9 +29,12 @@ def generate_recompute(
     params: SamplingParams,
     uniforms: torch.Tensor,
     routes: RouteLog | None = None,
+    limits: list[int | None] | None = None,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """``uniforms [N, max_new_tokens]``: the uniform number of each (sample, position).
-    ``routes`` (recording): each token's route is kept from the step that first fed it."""
+    ``routes`` (recording): each token's route is kept from the step that first fed it.
+    ``limits``: per sample its own response limit (None: ``max_new_tokens``)."""
+    caps = [params.max_new_tokens if k is None else k for k in (limits or [None] * len(prompts))]
     responses: list[list[int]] = [[] for _ in prompts]
     logprobs: list[list[float]] = [[] for _ in prompts]
     active = list(range(len(prompts)))
@@ -66,5 +69,7 @@ def generate_recompute(
         for i, tok, lp in zip(active, tokens.tolist(), logp.tolist(), strict=True):
             responses[i].append(tok)
             logprobs[i].append(lp)
-        active = [i for i in active if responses[i][-1] not in stops]
+        active = [
+            i for i in active if responses[i][-1] not in stops and len(responses[i]) < caps[i]
+        ]
     return responses, logprobs

@@ -93,6 +93,16 @@ class RouteLog:
             out.append(r)
         return out
 
+    def restore(self, i: int, routes: Tensor) -> None:
+        """Sample ``i``'s routes carried from an earlier call (rows ``0 ..``)."""
+        start = int(self.offsets[i])
+        self.buf[start : start + len(routes)] = routes.to(self.buf.dtype)
+
+    def sample_rows(self, i: int, n: int) -> Tensor:
+        """Sample ``i``'s first ``n`` rows, int64 (-1 where no forward fed them yet)."""
+        start = int(self.offsets[i])
+        return self.buf[start : start + n].long()
+
     def _take(self) -> Tensor:
         if self._rec is None:
             raise RuntimeError("RouteLog: a forward ran outside RouteLog.recording()")

@@ -50,16 +50,27 @@ class Run:
     lengths: torch.Tensor  # [N] response tokens so far
     prompt_lens: torch.Tensor  # [N]
     stops: torch.Tensor  # ids that end a response
+    limits: torch.Tensor  # [N] response tokens each sample may have (<= max_new_tokens)
+    finished: torch.Tensor  # [N] bool
     routes: RouteLog | None = None  # MoE routing replay: routes of every forward
 
     @classmethod
-    def start(cls, prompts: list[list[int]], params: SamplingParams, uniforms: torch.Tensor):
+    def start(
+        cls,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        uniforms: torch.Tensor,
+        limits: list[int | None] | None = None,
+    ):
+        """``limits``: per sample its own response limit (None: ``max_new_tokens``)."""
         n, m = len(prompts), params.max_new_tokens
+        caps = [m if k is None else min(k, m) for k in (limits or [None] * n)]
         return cls(
             [list(map(int, p)) for p in prompts], params, uniforms, deque(range(n)), [],
             torch.zeros(n, m, dtype=torch.long), torch.zeros(n, m, dtype=torch.float64),
             torch.zeros(n, dtype=torch.long), torch.tensor([len(p) for p in prompts]),
             torch.tensor(sorted(params.stops), dtype=torch.long),
+            torch.tensor(caps, dtype=torch.long), torch.zeros(n, dtype=torch.bool),
         )  # fmt: skip
 
     def record(self, samples: torch.Tensor, tokens: torch.Tensor, logps: torch.Tensor):
@@ -68,7 +79,18 @@ class Run:
         self.tokens[samples, at] = tokens
         self.logps[samples, at] = logps.double()
         self.lengths[samples] = at + 1
-        return (at + 1 >= self.params.max_new_tokens) | torch.isin(tokens, self.stops)
+        done = (at + 1 >= self.limits[samples]) | torch.isin(tokens, self.stops)
+        self.finished[samples[done]] = True
+        return done
+
+    def prefix(self, i: int) -> list[int]:
+        """What sample ``i``'s cache holds before its next decode step: the prompt and every
+        response token but the last (which the next step feeds)."""
+        fed = max(int(self.lengths[i]) - 1, 0)
+        return self.prompts[i] + self.tokens[i, :fed].tolist()
+
+    def prefix_len(self, i: int) -> int:
+        return int(self.prompt_lens[i]) + max(int(self.lengths[i]) - 1, 0)
 
     def feeds(self, samples: torch.Tensor) -> torch.Tensor:
         """``[4, k]``: token, position, sample and response length each row feeds next."""

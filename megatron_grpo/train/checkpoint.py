@@ -104,6 +104,12 @@ def _rng_object(data: Any) -> ShardedObject:
     return ShardedObject("rng_state", data, (world,), (_rank(),), replica_id=0)
 
 
+def _rank_object(data: Any) -> ShardedObject:
+    """This rank's own trainer data (partial rollouts' requests in flight), like its RNG."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return ShardedObject("rank_state", data, (world,), (_rank(),), replica_id=0)
+
+
 def _model_state(chunks: list[torch.nn.Module]) -> dict[str, Any]:
     if len(chunks) == 1:
         return {"model": unwrap(chunks[0]).sharded_state_dict()}
@@ -164,12 +170,19 @@ def _sharded_state(chunks, optimizer, is_loading: bool) -> dict[str, Any]:
 
 
 def write_checkpoint(
-    root: str | Path, step: int, chunks, optimizer, scheduler, trainer_state: dict[str, Any]
+    root: str | Path,
+    step: int,
+    chunks,
+    optimizer,
+    scheduler,
+    trainer_state: dict[str, Any],
+    rank_state: Any = None,
 ) -> Path:
     """Write step ``step`` into ``root/.tmp_step_N`` (all ranks); not yet visible to resume.
 
     ``trainer_state["config"]`` is the run's resolved config (``to_dict(TrainConfig)``); its
-    ``model`` section becomes ``model_config.yaml``.
+    ``model`` section becomes ``model_config.yaml``. ``rank_state``: this rank's own data
+    (restored only at the same world size), or None.
     """
     config = trainer_state.get("config")
     if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
@@ -187,7 +200,9 @@ def write_checkpoint(
     state = _sharded_state(chunks, optimizer, is_loading=False)
     state["rng"] = _rng_object(_rng_state())
     state["scheduler"] = scheduler.state_dict() if scheduler is not None else None
-    state["trainer_state"] = dict(trainer_state, step=step)
+    state["trainer_state"] = dict(trainer_state, step=step, rank_state=rank_state is not None)
+    if rank_state is not None:
+        state["rank_state"] = _rank_object(rank_state)
     with cuda_compat():
         dist_checkpointing.save(state, str(tmp))
     if _rank() == 0:
@@ -257,9 +272,10 @@ def save_checkpoint(
     scheduler,
     trainer_state: dict[str, Any],
     keep_last: int,
+    rank_state: Any = None,
 ) -> Path:
     """Write then publish a checkpoint (see the module docstring); returns ``root/step_N``."""
-    tmp = write_checkpoint(root, step, chunks, optimizer, scheduler, trainer_state)
+    tmp = write_checkpoint(root, step, chunks, optimizer, scheduler, trainer_state, rank_state)
     return commit_checkpoint(root, tmp, step, keep_last)
 
 
@@ -299,7 +315,8 @@ def check_checkpoint_files(path: str | Path) -> None:
 def load_checkpoint(path: str | Path, chunks, optimizer, scheduler) -> dict[str, Any]:
     """Restore model, optimizer, LR schedule and (same world size) RNG states from ``path``.
 
-    Returns the saved trainer state (``step``, ``data_position``, ...). A damaged directory
+    Returns the saved trainer state (``step``, ``data_position``, ...; ``rank_state``: this
+    rank's saved data at the same world size, else None). A damaged directory
     raises :class:`CheckpointError` naming the file.
     """
     check_checkpoint_files(path)
@@ -319,8 +336,11 @@ def _load_checkpoint(path: str | Path, chunks, optimizer, scheduler) -> dict[str
     world = dist.get_world_size() if dist.is_initialized() else 1
     same_world = common["trainer_state"].get("world_size") == world
     state = _sharded_state(chunks, optimizer, is_loading=True)
+    has_rank_state = same_world and bool(common["trainer_state"].get("rank_state"))
     if same_world:
         state["rng"] = _rng_object(None)
+    if has_rank_state:
+        state["rank_state"] = _rank_object(None)
     with cuda_compat():
         loaded = dist_checkpointing.load(state, str(path))
     _load_model(chunks, loaded)
@@ -333,7 +353,8 @@ def _load_checkpoint(path: str | Path, chunks, optimizer, scheduler) -> dict[str
         scheduler.load_state_dict(loaded["scheduler"])
     if same_world:
         _set_rng_state(loaded["rng"])
-    return dict(loaded["trainer_state"], rng_restored=same_world)
+    rank_state = loaded["rank_state"] if has_rank_state else None
+    return dict(loaded["trainer_state"], rng_restored=same_world, rank_state=rank_state)
 
 
 def _load_model(chunks, loaded: dict[str, Any]) -> None:

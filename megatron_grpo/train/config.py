@@ -43,14 +43,28 @@ BUILTIN_VERIFIERS = ("exact_match", "math")
 class ReverseDigitsConfig:
     """The toy task: ``<bos> d1 .. dk =`` -> ``dk .. d1 <eos>`` (see ``tasks/reverse_digits.py``).
 
-    ``num_digits``: k. The reward is the fraction of the k + 1 target tokens (digits, then
-    ``<eos>``) that the response matches position by position.
+    ``num_digits``: k, an int, or ``[lo, hi]``: k drawn per prompt log-uniformly in
+    ``[lo, hi]`` (from the prompt's seed), and each response cut at its answer's k + 1 tokens,
+    so response lengths are long-tailed (the partial-rollout benchmark's task). The reward is
+    the fraction of the k + 1 target tokens (digits, then ``<eos>``) that the response matches
+    position by position.
     """
 
-    num_digits: int = 3
+    num_digits: int | list[int] = 3
 
     def __post_init__(self) -> None:
-        check_positive(self, "num_digits")
+        k = self.num_digits
+        if isinstance(k, list):
+            if len(k) != 2 or not 0 < k[0] <= k[1]:
+                raise ValueError(
+                    f"num_digits must be an int or [lo, hi] with 0 < lo <= hi, got {k}"
+                )
+        else:
+            check_positive(self, "num_digits")
+
+    @property
+    def max_digits(self) -> int:
+        return self.num_digits[1] if isinstance(self.num_digits, list) else self.num_digits
 
 
 @dataclass
@@ -165,6 +179,45 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class PartialConfig:
+    """Partial rollouts (``train/partial.py``): keep the decode batch full across steps.
+
+    Attributes:
+        enabled: off by default (every step generates its prompts to the end).
+        over_provision: prompt groups beyond ``num_prompts`` kept in flight, as a fraction of
+            it (0.5 = 50% more). A step ends as soon as ``num_prompts`` whole groups finished;
+            the unfinished requests are paused and continue next step under the new weights.
+        max_staleness: policy versions (training steps) a token may lag behind the step that
+            trains on it; a group that would exceed it is dropped (``rollout/partial_dropped``).
+            0 needs ``over_provision: 0`` (then nothing is ever carried: synchronous).
+        kv: a paused request's KV cache across the update: ``recompute`` (default: prefilled
+            again under the new weights, so every token's behaviour log-prob is exactly the
+            policy version that sampled it) or ``keep`` (the cached rows are copied to host
+            memory and back: no re-prefill, but tokens after the update attend to keys of the
+            old weights, so their log-probs belong to no single policy version).
+    """
+
+    enabled: bool = False
+    over_provision: float = 0.5
+    max_staleness: int = 1
+    kv: Literal["keep", "recompute"] = "recompute"
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.over_provision < float("inf"):
+            raise ValueError(
+                f"over_provision must be a finite number >= 0, got {self.over_provision}"
+            )
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.enabled and self.max_staleness == 0 and self.over_provision > 0:
+            raise ValueError(
+                f"max_staleness: 0 drops every carried group, so over_provision="
+                f"{self.over_provision} would train only on the groups that finish first (the "
+                "short responses); set over_provision: 0 or max_staleness >= 1"
+            )
+
+
+@dataclass
 class RolloutConfig:
     """What each step generates (or reads) and how it is scored.
 
@@ -210,6 +263,7 @@ class RolloutConfig:
         output_dir: write each step's rollouts to ``output_dir/rollouts_step{N:08d}_dp{d:04d}.{fmt}``
             (one file per step and data-parallel rank; e.g. ``rollouts_step00000001_dp0000.jsonl``).
         filter_groups: dynamic sampling (:class:`FilterGroupsConfig`); needs generation.
+        partial: partial rollouts across steps (:class:`PartialConfig`); needs generation.
     """
 
     num_prompts: int = 16
@@ -231,6 +285,7 @@ class RolloutConfig:
     output_dir: str | None = None
     output_format: Literal["jsonl", "parquet"] = "jsonl"
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    partial: PartialConfig = field(default_factory=PartialConfig)
 
     def __post_init__(self) -> None:
         check_positive(self, "num_prompts", "max_prompt_length", "max_response_length")
@@ -276,6 +331,16 @@ class RolloutConfig:
             raise ValueError(
                 "filter_groups.enabled needs generated rollouts (dropped groups are replaced by "
                 "new generations); with input_path, filter the files when writing them"
+            )
+        if self.partial.enabled and self.source != "generate":
+            raise ValueError(
+                f"partial.enabled needs source: generate (the policy's own engine pauses and "
+                f"resumes requests), got source: {self.source}"
+            )
+        if self.partial.enabled and self.engine.kind != "kv_cache":
+            raise ValueError(
+                "partial.enabled needs engine.kind: kv_cache (the recompute engine cannot pause "
+                "requests)"
             )
 
     def _check_source(self) -> None:
@@ -574,6 +639,13 @@ class TrainConfig:
                 f"model.max_sequence_length = {self.model.max_sequence_length}"
             )
         self._check_evaluation()
+        p = self.rollout.partial
+        if p.enabled and p.max_staleness > 0 and self.loss.is_correction_level is None:
+            raise ValueError(
+                f"rollout.partial.max_staleness={p.max_staleness} trains on tokens of older "
+                "policy versions: set loss.is_correction_level (token, sequence or "
+                "sequence_mean: the decoupled IS correction behaviour -> proximal policy)"
+            )
 
     def _check_evaluation(self) -> None:
         """Evaluation generates with the policy from the dataset task's validation prompts."""

@@ -109,20 +109,25 @@ def select_groups(groups: list[Group], count: int) -> tuple[list[Group], int]:
 
 def merge_round_metrics(rounds: list[dict[str, float]]) -> dict[str, float]:
     """The inner source's metrics over all rounds of a step: counts and seconds add up,
-    ``rollout/kv_slots`` is the largest, ``rollout/decode_batch_mean`` weighs by decode steps."""
+    ``rollout/kv_slots`` is the largest, ``rollout/decode_batch_mean`` / ``_fill`` weigh by
+    decode steps."""
     out: dict[str, float] = {}
     for m in rounds:
         for k, v in m.items():
             if k == "rollout/kv_slots":
                 out[k] = max(out.get(k, v), v)
-            elif k == "rollout/decode_batch_mean":
+            elif k in STEP_WEIGHTED:
                 out[k] = out.get(k, 0.0) + v * m.get("rollout/decode_steps", 1.0)
             else:
                 out[k] = out.get(k, 0.0) + v
-    if "rollout/decode_batch_mean" in out:
-        steps = sum(m.get("rollout/decode_steps", 1.0) for m in rounds)
-        out["rollout/decode_batch_mean"] /= max(steps, 1.0)
+    steps = sum(m.get("rollout/decode_steps", 1.0) for m in rounds)
+    for k in STEP_WEIGHTED:
+        if k in out:
+            out[k] /= max(steps, 1.0)
     return out
+
+
+STEP_WEIGHTED = ("rollout/decode_batch_mean", "rollout/decode_batch_fill")
 
 
 class FilteredRollouts:

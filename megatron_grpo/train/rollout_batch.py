@@ -27,6 +27,8 @@ class RolloutBatch:
             name, NaN where a sample has none): a dict reward's keys besides ``score`` and
             ``timeouts`` (1.0 where the reward call timed out), logged as ``reward/<name>``.
             ``None`` when there are none.
+        policy_versions: per response token, the policy version (training step) whose weights
+            sampled it (partial rollouts, ``train/partial.py``); ``None``: all of this step's.
     """
 
     prompt_ids: list[list[int]]
@@ -38,6 +40,7 @@ class RolloutBatch:
     routed_experts: list[Tensor] | None = field(default=None, compare=False)
     origins: list[str] | None = field(default=None, compare=False)
     reward_extras: dict[str, list[float]] | None = field(default=None, compare=False)
+    policy_versions: list[list[int]] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.prompt_ids)
@@ -60,6 +63,11 @@ class RolloutBatch:
                         f"sample {i}: rollout_logprobs has {len(lp)} values for {len(r)} "
                         "response tokens"
                     )
+        for i, (r, v) in enumerate(
+            zip(self.response_ids, self.policy_versions or [], strict=False)
+        ):
+            if len(v) != len(r):
+                raise ValueError(f"sample {i}: {len(v)} policy_versions for {len(r)} tokens")
         if self.rewards is not None:
             bad = [i for i, r in enumerate(self.rewards) if not math.isfinite(r)]
             if bad:
@@ -98,6 +106,7 @@ class RolloutBatch:
             routed_experts=pick(self.routed_experts),
             origins=pick(self.origins),
             reward_extras=None if extras is None else {k: pick(v) for k, v in extras.items()},
+            policy_versions=pick(self.policy_versions),
         )
 
     @staticmethod
@@ -117,6 +126,7 @@ class RolloutBatch:
             routed_experts=cat("routed_experts"),
             origins=cat("origins"),
             reward_extras=_concat_extras(batches),
+            policy_versions=cat("policy_versions"),
         )
 
 
@@ -131,4 +141,4 @@ def _concat_extras(batches: list[RolloutBatch]) -> dict[str, list[float]] | None
     }
 
 
-_EXTRA = ("routed_experts", "origins")
+_EXTRA = ("routed_experts", "origins", "policy_versions")

@@ -155,6 +155,21 @@ def build_engine(cfg: TrainConfig, model: torch.nn.Module) -> KVCacheEngine | No
     return engine
 
 
+def engine_metrics(s: dict[str, float]) -> dict[str, float]:
+    """Metrics of a :class:`KVCacheEngine` call's ``stats`` (see ``GeneratedRollouts.metrics``)."""
+    steps = max(s["decode_steps"], 1)
+    return {
+        "rollout/kv_slots": float(s["slots"]),
+        "rollout/prefill_forwards": float(s["prefill_forwards"]),
+        "rollout/decode_steps": float(s["decode_steps"]),
+        "rollout/decode_batch_mean": s["decode_rows"] / steps,
+        "rollout/decode_batch_fill": s["decode_live_rows"] / (steps * max(s["slots"], 1)),
+        "rollout/engine_tokens": float(s["generated_tokens"]),
+        "perf/prefill_seconds": float(s["prefill_seconds"]),
+        "perf/decode_seconds": float(s["decode_seconds"]),
+    }
+
+
 class GeneratedRollouts:
     """The policy generates ``group_size`` responses per prompt; the task's reward scores them
     once per model replica (:class:`~megatron_grpo.train.scoring.RewardScorer`).
@@ -178,19 +193,13 @@ class GeneratedRollouts:
     def metrics(self) -> dict[str, float]:
         """The KV-cached engine's counters of the last call: ``rollout/kv_slots`` (sequences the
         cache held at once), ``rollout/prefill_forwards``, ``rollout/decode_steps``,
-        ``rollout/decode_batch_mean`` (rows per decode step), ``perf/prefill_seconds`` and
+        ``rollout/decode_batch_mean`` (rows per decode step), ``rollout/decode_batch_fill``
+        (unfinished rows per decode step / cache slots), ``rollout/engine_tokens`` (tokens
+        sampled, whether trained on, carried or dropped), ``perf/prefill_seconds`` and
         ``perf/decode_seconds``. None for ``rollout.engine.kind: recompute``."""
         if self.engine is None:
             return {}
-        s = self.engine.stats
-        return {
-            "rollout/kv_slots": float(s["slots"]),
-            "rollout/prefill_forwards": float(s["prefill_forwards"]),
-            "rollout/decode_steps": float(s["decode_steps"]),
-            "rollout/decode_batch_mean": s["decode_rows"] / max(s["decode_steps"], 1),
-            "perf/prefill_seconds": float(s["prefill_seconds"]),
-            "perf/decode_seconds": float(s["decode_seconds"]),
-        }
+        return engine_metrics(self.engine.stats)
 
     def next(self, step: int, round: int = 0, count: int | None = None) -> RolloutBatch:
         """Step ``step``'s prompts; ``round`` >= 1: an extra round of fresh prompts (dynamic
@@ -207,7 +216,7 @@ class GeneratedRollouts:
             )
         expanded = [p for p in prompts for _ in range(r.group_size)]
         samples = [list(p.ids) for p in expanded]
-        out = self._generate(samples, step, round)
+        out = self._generate(samples, [p.max_new_tokens for p in expanded], step, round)
         group_ids = [start + i for i in range(len(prompts)) for _ in range(r.group_size)]
         scores = self.scorer.score(expanded, out.responses, group_ids)
         return RolloutBatch(
@@ -215,14 +224,17 @@ class GeneratedRollouts:
             routed_experts=out.routes, reward_extras=scores.extras or None,
         )  # fmt: skip
 
-    def _generate(self, samples: list[list[int]], step: int, round: int) -> Generation:
+    def _generate(
+        self, samples: list[list[int]], limits: list[int | None], step: int, round: int
+    ) -> Generation:
         """With ``model.moe_enable_routing_replay`` the routes of every sample's tokens as the
         generation's routers chose them, int64 ``[P + R, L, k]`` (``RolloutBatch.routed_experts``;
-        the last row -1)."""
+        the last row -1). ``limits``: the task's per-prompt response limits."""
         engine = self.engine if self.engine is not None else "recompute"
         return generate(
             self.model, samples, self.params, self._generator(step, round), engine=engine,
             record_routes=self.cfg.model.moe_enable_routing_replay,
+            limits=None if all(k is None for k in limits) else limits,
         )  # fmt: skip
 
     def _first_prompt(self, step: int, round: int) -> int:

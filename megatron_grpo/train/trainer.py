@@ -43,6 +43,7 @@ from megatron_grpo.train.evaluation import Evaluator
 from megatron_grpo.train.monitor import Monitor, truncate_jsonl, write_resolved_config
 from megatron_grpo.train.nonfinite import NonFiniteError, NonFiniteGuard
 from megatron_grpo.train.optim import build_optimizer, optimizer_step, zero_grads
+from megatron_grpo.train.partial import PartialRollouts, offpolicy_metrics, partial_source
 from megatron_grpo.train.rollout_batch import RolloutBatch
 from megatron_grpo.train.rollout_io import write_rollouts
 from megatron_grpo.train.rollout_source import (
@@ -98,11 +99,15 @@ class Trainer:
             build_source(factory, cfg, task, policy, *dp) if factory is not None else files
         )
         dp_group = parallel_state.get_data_parallel_group()
+        if r.partial.enabled:  # requests outlive a step (train/partial.py)
+            self.source = PartialRollouts(self.source, cfg, *dp, dp_group)
         self.source = maybe_filter(cfg, self.source, self.dp_size, dp_group)  # filter_groups
         # One optimizer step per rollout batch: the old policy is the current one, so the
-        # update's own detached log-probs are the old log-probs (no old-log-prob pass).
+        # update's own detached log-probs are the old log-probs (no old-log-prob pass). Not
+        # with tokens of older versions: the old pass is the proximal policy of the IS correction.
         t = cfg.training
-        self.on_policy = t.on_policy_shortcut and t.mini_batches_per_step == 1
+        stale = r.partial.enabled and r.partial.max_staleness > 0
+        self.on_policy = t.on_policy_shortcut and t.mini_batches_per_step == 1 and not stale
         self.step_fn = GRPOStep.from_options(
             cfg.loss,
             dataclasses.replace(
@@ -167,7 +172,27 @@ class Trainer:
         step = int(state["step"])
         if torch.distributed.get_rank() == 0:
             print(f"resumed from {latest} at step {step}", flush=True)
+        self._restore_partial(state)
         return step, int(state.get("skipped_steps", 0))
+
+    def _restore_partial(self, state: dict[str, Any]) -> None:
+        """The partial rollouts' requests in flight continue, or (a checkpoint without them, or
+        of another world size) start afresh, said in one line."""
+        partial = partial_source(self.source)
+        if partial is None:
+            return
+        saved = state.get("rank_state") or {}
+        if "partial" in saved:
+            partial.load_state_dict(saved["partial"])
+            return
+        partial.position = int(state["step"]) * partial.per_rank  # the synchronous run's prompts
+        if torch.distributed.get_rank() == 0:
+            print(
+                "resume: rollout.partial starts with no requests in flight (the checkpoint "
+                "holds none for this world size: a run without partial rollouts, or another "
+                "number of ranks)",
+                flush=True,
+            )
 
     def _claim_run_dirs(self, resume: bool, overwrite: bool) -> None:
         c = self.cfg
@@ -201,7 +226,7 @@ class Trainer:
                 with sm.timed(stages, "update"):
                     metrics = self.update(mini_batches)
                 stages["step"] = time.perf_counter() - t0
-                metrics.update(self.rollout_metrics(batch, stages))
+                metrics.update(self.rollout_metrics(batch, stages, step))
                 metrics.update(self.evaluator.after_step(step + 1))  # eval/* when due
                 self.monitor.log(step + 1, metrics)
                 history.append(metrics)
@@ -301,10 +326,15 @@ class Trainer:
         metrics.update(sm.optim_metrics(norms, lr, self.guard.skipped, skipped_now, self.on_policy))
         return metrics
 
-    def rollout_metrics(self, batch: RolloutBatch, stages: dict[str, float]) -> dict[str, float]:
-        """Rewards, lengths, stage seconds and throughputs (``step_metrics``)."""
+    def rollout_metrics(
+        self, batch: RolloutBatch, stages: dict[str, float], step: int
+    ) -> dict[str, float]:
+        """Rewards, lengths, stage seconds and throughputs (``step_metrics``); the off-policy
+        share of partial rollouts' tokens."""
         extras = self.cfg.rollout.input_path is None  # rollout files carry no reward extras
-        return sm.rollout_metrics(batch, stages, self.source, self.dp_size, extras)
+        metrics = sm.rollout_metrics(batch, stages, self.source, self.dp_size, extras)
+        dp_group = parallel_state.get_data_parallel_group()
+        return metrics | offpolicy_metrics(batch, step, dp_group)
 
     def maybe_save(self, step: int, stop: str | None = None) -> None:
         """Save after ``step`` steps: every ``save_interval`` steps, after the last one, and when
@@ -320,9 +350,12 @@ class Trainer:
                 "world_size": torch.distributed.get_world_size(),
                 "config": to_dict(self.cfg),
             }
+            partial = partial_source(self.source)
+            rank_state = None if partial is None else {"partial": partial.state_dict()}
             path = ckpt.save_checkpoint(
-                cfg.dir, step, self.model, self.optimizer, self.scheduler, state, cfg.keep_last
-            )
+                cfg.dir, step, self.model, self.optimizer, self.scheduler, state, cfg.keep_last,
+                rank_state,
+            )  # fmt: skip
             self._saved_step = step
             if stop is None:
                 self.monitor.message(f"saved checkpoint {path} (step {step})")

@@ -28,6 +28,8 @@ class Prompt:
     ``data_source`` (which dataset / reward family the row belongs to), ``extra_info`` (the
     row's free-form JSON object, passed to rewards; not part of equality or hashing) and
     ``source`` (where the prompt came from, ``"path:row"``, for error messages).
+    ``max_new_tokens``: the task's own response limit for this prompt (None: only
+    ``rollout.max_response_length``; a longer one is cut at ``max_response_length``).
     """
 
     ids: tuple[int, ...]
@@ -36,6 +38,7 @@ class Prompt:
     data_source: str = ""
     extra_info: dict | None = field(default=None, hash=False, compare=False)
     source: str = ""
+    max_new_tokens: int | None = None
 
 
 class Task(Protocol):

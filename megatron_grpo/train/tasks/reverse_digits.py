@@ -9,6 +9,7 @@ learns from rewards alone in a few dozen steps.
 
 from __future__ import annotations
 
+import math
 import random
 
 from megatron_grpo.train.tasks.base import Prompt
@@ -56,12 +57,19 @@ class DigitTokenizer:
 
 
 class ReverseDigitsTask:
-    """Prompt ``i`` is drawn from ``random.Random(f"{seed}/{i}")``: reproducible by index."""
+    """Prompt ``i`` is drawn from ``random.Random(f"{seed}/{i}")``: reproducible by index.
 
-    def __init__(self, num_digits: int, seed: int) -> None:
-        if num_digits <= 0:
-            raise ValueError(f"num_digits must be positive, got {num_digits}")
+    ``num_digits``: k, or ``[lo, hi]``: k drawn per prompt log-uniformly in ``[lo, hi]`` (long
+    tails: most prompts short, a few long), each response limited to its answer's k + 1 tokens
+    (``Prompt.max_new_tokens``) so that response lengths follow k."""
+
+    def __init__(self, num_digits: int | list[int], seed: int) -> None:
+        lo, hi = num_digits if isinstance(num_digits, (list, tuple)) else (num_digits, num_digits)
+        if not 0 < lo <= hi:
+            raise ValueError(f"num_digits must be positive (lo <= hi), got {num_digits}")
         self.num_digits = num_digits
+        self.ranged = isinstance(num_digits, (list, tuple))
+        self.lo, self.hi = lo, hi
         self.seed = seed
         self.tokenizer = DigitTokenizer()
 
@@ -69,10 +77,18 @@ class ReverseDigitsTask:
         out = []
         for i in range(start, start + n):
             rng = random.Random(f"{self.seed}/{i}")
-            digits = "".join(rng.choice(_DIGITS) for _ in range(self.num_digits))
+            k = self._length(rng) if self.ranged else self.lo
+            digits = "".join(rng.choice(_DIGITS) for _ in range(k))
             text = f"<bos>{digits}="
-            out.append(Prompt(tuple(self.tokenizer.encode(text)), text, digits[::-1]))
+            limit = k + 1 if self.ranged else None
+            out.append(Prompt(tuple(self.tokenizer.encode(text)), text, digits[::-1],
+                              max_new_tokens=limit))  # fmt: skip
         return out
+
+    def _length(self, rng: random.Random) -> int:
+        """Log-uniform on ``[lo, hi]``: ``floor(exp(U[log lo, log(hi + 1))))``."""
+        k = int(math.exp(rng.uniform(math.log(self.lo), math.log(self.hi + 1))))
+        return min(max(k, self.lo), self.hi)
 
     def reward(self, prompt: Prompt, response_ids: list[int]) -> float:
         target = self.tokenizer.encode(prompt.answer) + [self.tokenizer.eos_id]
