@@ -117,8 +117,16 @@ class KVCacheEngine:
     """``KVCacheEngine(model, options).generate(prompts, params, generator)``; keep one per
     model so its CUDA graphs are captured once and reused across calls."""
 
-    def __init__(self, model: torch.nn.Module, options: EngineOptions | None = None) -> None:
+    def __init__(
+        self, model: torch.nn.Module, options: EngineOptions | None = None,
+        max_context: int | None = None,
+    ) -> None:  # fmt: skip
+        """``max_context``: the longest prompt + response any call will bring (the trainer's
+        ``max_prompt_length + max_response_length``): the first cache is sized for it, so a
+        later call with a longer prompt does not re-allocate once training state holds the
+        memory (fewer slots). None: each call's own longest."""
         self.model = model
+        self.max_context = max_context
         self.options = options or EngineOptions()
         cuda = io.model_device(model).type == "cuda"
         moe = model.config.num_moe_experts is not None
@@ -263,6 +271,7 @@ class KVCacheEngine:
     def _allocate(self, run: Run) -> kvc.KVCache:
         shape = kvc.CacheShape.of(self.model)
         longest = max(len(p) for p in run.prompts) + run.params.max_new_tokens
+        longest = max(longest, self.max_context or 0)
         bucket = self.options.context_bucket
         seq_len = min(-(-longest // bucket) * bucket, self.model.max_sequence_length)
         kept, self.cache = self.cache, None

@@ -148,7 +148,8 @@ def build_engine(cfg: TrainConfig, model: torch.nn.Module) -> KVCacheEngine | No
     ``recompute``; pass ``engine or "recompute"`` to ``generate``."""
     if cfg.rollout.engine.kind != "kv_cache":
         return None
-    engine = KVCacheEngine(model, cfg.rollout.engine)
+    r = cfg.rollout
+    engine = KVCacheEngine(model, r.engine, r.max_prompt_length + r.max_response_length)
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         graphs = "CUDA graphs " + ("on" if engine.use_graphs else engine.graphs_off or "off")
         print(f"rollout: decode steps run {engine.decode}, {graphs}", flush=True)
