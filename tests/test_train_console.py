@@ -134,3 +134,27 @@ def test_tty_redraws_one_fitted_line(tmp_path, capsys, monkeypatch):
     assert out.count("\r") == 3 and out.endswith("\n") and out.count("\n") == 1
     for line in out.rstrip("\n").split("\r")[1:]:
         assert len(line.removesuffix("\x1b[K")) <= 59
+
+
+class _Warns(__import__("torch").Tensor):
+    """A tensor subclass that warns at its caller (torch's deprecated ShardedTensor does)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        warnings.warn("subclass deprecated", FutureWarning, stacklevel=2)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_subclass_warning_under_cuda_compat_names_the_caller_not_our_mode():
+    """megatron_grpo/megatron/parallel.py's CPU mode passes a subclass's calls through: their
+    warnings name the torch call's site (a third-party file in a run, for warnings.log)."""
+    import torch
+
+    from megatron_grpo.megatron import parallel
+
+    t = torch.zeros(2).as_subclass(_Warns)
+    with warnings.catch_warnings(record=True) as caught, parallel.cuda_compat():
+        warnings.simplefilter("always")
+        t.device  # noqa: B018 - a property read dispatched through __torch_function__
+    files = {w.filename for w in caught if "subclass deprecated" in str(w.message)}
+    assert files == {__file__}, files
