@@ -32,13 +32,15 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_
 
 import yaml
 
+from megatron_grpo.errors import InputError
+
 T = TypeVar("T")
 
 # ``field(metadata=RUNTIME_ONLY)``: a value the program fills in, not a recipe key.
 RUNTIME_ONLY: Mapping[str, bool] = MappingProxyType({"recipe": False})
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A config key or value is invalid; the message names its dotted path."""
 
 

@@ -267,11 +267,13 @@ class CheckpointError(RuntimeError):
     """A checkpoint directory is damaged or unreadable (the message names the failing file)."""
 
 
-def check_checkpoint_files(path: str | Path) -> None:
+def check_checkpoint_files(path: str | Path, fix: str | None = None) -> None:
     """Cheap integrity check of a torch_dist directory before loading: ``metadata.json``,
     ``common.pt`` and ``.metadata`` read, and every shard file is as long as ``.metadata`` says
-    (a truncated shard otherwise surfaces as a bare ``EOFError`` deep inside torch)."""
+    (a truncated shard otherwise surfaces as a bare ``EOFError`` deep inside torch). ``fix``:
+    what the error says to do (default: resume from an earlier step)."""
     path = Path(path)
+    fix = fix or f"Point {path.parent / LATEST} at an earlier step_* directory to resume from it"
     current = path / "metadata.json"
     try:
         json.loads(current.read_text())
@@ -291,8 +293,7 @@ def check_checkpoint_files(path: str | Path) -> None:
                 )
     except Exception as e:  # noqa: BLE001 - any failure here means a damaged directory
         raise CheckpointError(
-            f"checkpoint {path} is damaged: {current.name}: {type(e).__name__}: {e}. Point "
-            f"{Path(path).parent / LATEST} at an earlier step_* directory to resume from it"
+            f"checkpoint {path} is damaged: {current.name}: {type(e).__name__}: {e}. {fix}"
         ) from e
 
 
@@ -306,13 +307,24 @@ def load_checkpoint(path: str | Path, chunks, optimizer, scheduler) -> dict[str,
     try:
         return _load_checkpoint(path, chunks, optimizer, scheduler)
     except (EOFError, pickle.UnpicklingError, RuntimeError, OSError) as e:
-        raise CheckpointError(f"loading checkpoint {path} failed: {type(e).__name__}: {e}") from e
+        raise CheckpointError(f"loading checkpoint {path} failed: {_one_line(e)}") from e
+
+
+def _one_line(e: BaseException) -> str:
+    """``Type: message`` in one line: torch's CheckpointException holds every rank's whole
+    traceback; its last line is the error itself."""
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    return (
+        f"{type(e).__name__}: {lines[-1] if lines else ''}"
+        if len(lines) > 1
+        else f"{type(e).__name__}: {e}"
+    )
 
 
 def _load_checkpoint(path: str | Path, chunks, optimizer, scheduler) -> dict[str, Any]:
     common = dist_checkpointing.load_common_state_dict(str(path))
     if "trainer_state" not in common:
-        raise ValueError(
+        raise CheckpointError(
             f"{path} is not a trainer checkpoint (no trainer_state); use "
             "checkpoint.load for model-only checkpoints"
         )
@@ -349,7 +361,14 @@ def load_model_weights(path: str | Path, chunks) -> None:
     one written by ``tools/convert_checkpoint.py``)."""
     path = Path(path)
     if not (path / "metadata.json").is_file():
-        raise ValueError(f"checkpoint.load {str(path)!r} is not a dist_checkpointing directory")
-    with cuda_compat():
-        loaded = dist_checkpointing.load(_model_state(chunks), str(path))
+        raise CheckpointError(
+            f"checkpoint.load {str(path)!r} is not a dist_checkpointing directory (no "
+            "metadata.json): convert a Hugging Face model with tools/convert_checkpoint.py"
+        )
+    check_checkpoint_files(path, fix="checkpoint.load needs an intact checkpoint")
+    try:
+        with cuda_compat():
+            loaded = dist_checkpointing.load(_model_state(chunks), str(path))
+    except (EOFError, pickle.UnpicklingError, RuntimeError, OSError) as e:
+        raise CheckpointError(f"loading checkpoint.load {path} failed: {_one_line(e)}") from e
     _load_model(chunks, loaded)

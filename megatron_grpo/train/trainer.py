@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from megatron.core import parallel_state
 
-from megatron_grpo.config import to_dict
+from megatron_grpo.config import ConfigError, to_dict
+from megatron_grpo.errors import InputError
 from megatron_grpo.loss import compute_advantages
 from megatron_grpo.megatron.batch import PackedBatch
 from megatron_grpo.megatron.config import dispatcher_type
@@ -81,7 +82,7 @@ class Trainer:
                 install_writer_queue()
         self.dp_rank, self.dp_size = comm.dp_rank_size()
         if cfg.rollout.num_prompts % self.dp_size:
-            raise ValueError(
+            raise ConfigError(
                 f"rollout.num_prompts={cfg.rollout.num_prompts} must be divisible by the "
                 f"data-parallel size {self.dp_size}"
             )
@@ -158,7 +159,7 @@ class Trainer:
         if not resume:
             return 0, 0
         if cfg.dir is None:
-            raise ValueError("--resume needs checkpoint.dir")
+            raise ConfigError("--resume needs checkpoint.dir (it is null)")
         latest = ckpt.latest_checkpoint(cfg.dir)
         if latest is None:  # claim_run_dirs checked already; the directory changed since
             raise RunDirError(f"--resume: no checkpoint in {cfg.dir}")
@@ -221,7 +222,7 @@ class Trainer:
 
     def advantages(self, batch: RolloutBatch) -> torch.Tensor:
         if batch.rewards is None:  # a RolloutSource contract: next() returns scored batches
-            raise ValueError(f"{type(self.source).__name__}.next returned a batch without rewards")
+            raise InputError(f"{type(self.source).__name__}.next returned a batch without rewards")
         return compute_advantages(
             torch.tensor(batch.rewards, dtype=torch.float32),
             torch.tensor(batch.group_ids),
