@@ -110,20 +110,23 @@ def config_summary(cfg: TrainConfig, dp_size: int, path: Path | str) -> str:
     )
     task = f"rollouts from {r.input_path}" if r.input_path else str(r.task)
     if r.reward_fn:
-        task += f" (reward {r.reward_fn})"
+        task += f", reward {r.reward_fn}"
     steps = (
-        f"{t.steps} steps x {r.num_prompts} prompts x {r.group_size} samples, "
+        f"{t.steps} x {r.num_prompts} prompts x {r.group_size} samples, "
         f"{t.mini_batches_per_step} mini-batch(es) per step"
     )
     lines = [
         f"config: {path} (the resolved config)",
         f"  model:  {model}",
         f"  layout: {layout}",
-        f"  task:   {task}; {steps}",
+        f"  task:   {task}",
+        f"  steps:  {steps}",
         f"  logs:   {cfg.logging.dir}",
     ]
     if cfg.checkpoint.dir is not None:
-        lines.append(f"  checkpoints: {cfg.checkpoint.dir} (every {cfg.checkpoint.save_interval})")
+        every = cfg.checkpoint.save_interval
+        when = f"every {every} steps and after the last" if every else "after the last step"
+        lines.append(f"  checkpoints: {cfg.checkpoint.dir} ({when})")
     return "\n".join(lines)
 
 
@@ -187,9 +190,8 @@ def results_summary(rows: list[dict[str, Any]]) -> list[str]:
         rate = (
             f"{means['perf/tokens_per_s']:.0f} tokens/s, " if "perf/tokens_per_s" in means else ""
         )
-        lines.append(
-            f"  speed:       {rate}{_time_split(means)} per step (means over {len(timed)} steps)"
-        )
+        # means over every logged step (a resumed run's earlier steps too); under 100 columns
+        lines.append(f"  speed:       {rate}per step {_time_split(means)}")
     return lines
 
 
