@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.dist_utils import run_distributed
 
@@ -203,3 +204,31 @@ def test_trainer_checkpoint_carries_model_config(tmp_path):
         torch.testing.assert_close(hf[name], full, rtol=0, atol=0)
     norm = shards[0]["decoder.final_layernorm.weight"]
     torch.testing.assert_close(hf["model.norm.weight"], norm, rtol=0, atol=0)
+
+
+def _saved_layout(tmp_path: Path, **parallel) -> Path:
+    """A directory whose common.pt holds a trainer config with ``parallel`` (what
+    check_resume_layout reads; no tensors needed)."""
+    from megatron_grpo.config import to_dict
+    from megatron_grpo.megatron.config import ParallelConfig
+
+    config = {"parallel": to_dict(ParallelConfig(**parallel))}
+    torch.save({"trainer_state": {"config": config}}, tmp_path / "common.pt")
+    (tmp_path / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    return tmp_path
+
+
+def test_resume_refuses_another_model_parallel_layout_naming_both(tmp_path):
+    from megatron_grpo.config import ConfigError
+    from megatron_grpo.megatron.config import ParallelConfig
+    from megatron_grpo.train.checkpoint import check_resume_layout
+
+    saved = _saved_layout(tmp_path, tensor_model_parallel_size=2)
+    check_resume_layout(saved, ParallelConfig(tensor_model_parallel_size=2))  # the same: fine
+    with pytest.raises(ConfigError) as e:
+        check_resume_layout(saved, ParallelConfig(tensor_model_parallel_size=1))
+    assert str(e.value) == (
+        f"--resume: {saved} was saved with parallel tensor_model_parallel_size=2; this run has "
+        "tensor_model_parallel_size=1. Resume with the saved layout "
+        "(--set parallel.tensor_model_parallel_size=2)"
+    )

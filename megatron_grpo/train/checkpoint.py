@@ -42,7 +42,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer import DistributedOptimizer
 from megatron.core.tensor_parallel import random as mcore_random
 
-from megatron_grpo.config import from_dict
+from megatron_grpo.config import ConfigError, from_dict
 from megatron_grpo.convert.layout import HF_ASSETS_DIR, copy_hf_assets, write_model_config
 from megatron_grpo.megatron.config import ModelConfig
 from megatron_grpo.megatron.model import unwrap
@@ -295,6 +295,42 @@ def check_checkpoint_files(path: str | Path, fix: str | None = None) -> None:
         raise CheckpointError(
             f"checkpoint {path} is damaged: {current.name}: {type(e).__name__}: {e}. {fix}"
         ) from e
+
+
+# The parallel sizes that shape a checkpoint's model and optimizer shards. DP may change on
+# resume (the trainer's optimizer states reload at any DP size); these may not.
+LAYOUT_FIELDS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+)
+
+
+def check_resume_layout(path: str | Path, parallel: Any) -> None:
+    """Refuse (ConfigError naming both layouts) to resume checkpoint ``path`` with a model
+    parallel layout other than the one that saved it: the optimizer state of the distributed
+    optimizer does not reshard across TP / PP, and exact resume holds only in the same layout.
+    A checkpoint without a saved config (none of this trainer's) is not checked."""
+    common = dist_checkpointing.load_common_state_dict(str(path))
+    saved = ((common.get("trainer_state") or {}).get("config") or {}).get("parallel")
+    if not isinstance(saved, dict):
+        return
+    differ = [k for k in LAYOUT_FIELDS if saved.get(k) != getattr(parallel, k)]
+    if differ:
+        then = ", ".join(f"{k}={saved.get(k)}" for k in differ)
+        now = ", ".join(f"{k}={getattr(parallel, k)}" for k in differ)
+        sets = " ".join(f"--set parallel.{k}={_yaml(saved.get(k))}" for k in differ)
+        raise ConfigError(
+            f"--resume: {path} was saved with parallel {then}; this run has {now}. "
+            f"Resume with the saved layout ({sets})"
+        )
+
+
+def _yaml(value: Any) -> str:
+    return "null" if value is None else str(value)
 
 
 def load_checkpoint(path: str | Path, chunks, optimizer, scheduler) -> dict[str, Any]:

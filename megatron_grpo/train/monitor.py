@@ -84,12 +84,15 @@ def progress_line(step: int, total: int, metrics: dict[str, float], width: int |
     return line[:limit]
 
 
-def write_resolved_config(cfg: TrainConfig, resolved: dict[str, Any], dp_size: int) -> Path:
-    """Save the resolved config as ``logging.dir/config.yaml`` and print a short summary of it
-    (:func:`config_summary`)."""
+def write_resolved_config(
+    cfg: TrainConfig, resolved: dict[str, Any], dp_size: int, write: bool = True
+) -> Path:
+    """Save the resolved config as ``logging.dir/config.yaml`` (unless ``write`` is False: a
+    finished run's file stays) and print a short summary of it (:func:`config_summary`)."""
     path = Path(cfg.logging.dir) / "config.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(resolved, sort_keys=False))
+    if write:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(resolved, sort_keys=False))
     print(config_summary(cfg, dp_size, path), flush=True)
     return path
 

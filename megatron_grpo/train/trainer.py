@@ -77,6 +77,9 @@ class Trainer:
         self.stopped: Stopped | None = None  # set when the run stopped early (``train/stop.py``)
         self.layout = initialize_parallel(cfg.parallel, cfg.training.seed)
         self._claim_run_dirs(resume, overwrite)
+        if resume and cfg.checkpoint.dir is not None:  # before the slow model build
+            if (latest := ckpt.latest_checkpoint(cfg.checkpoint.dir)) is not None:
+                ckpt.check_resume_layout(latest, cfg.parallel)
         if cfg.checkpoint.dir is not None:  # outlives a signal to the process group, for the save
             with self.stop.shielding_children():
                 install_writer_queue()
@@ -127,7 +130,9 @@ class Trainer:
         )
         self.stop.announce = self.monitor.enabled
         if self.monitor.enabled:
-            write_resolved_config(cfg, to_dict(cfg), self.dp_size)
+            # A resume with no step left (a finished run) keeps the run's config.yaml as it is.
+            finished = resume and self.start_step >= cfg.training.steps
+            write_resolved_config(cfg, to_dict(cfg), self.dp_size, write=not finished)
             truncate_jsonl(cfg.logging.metrics_path, self.start_step)
         self.evaluator.attach(policy, self.source, self.monitor)
 
