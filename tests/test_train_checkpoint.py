@@ -232,3 +232,20 @@ def test_resume_refuses_another_model_parallel_layout_naming_both(tmp_path):
         "tensor_model_parallel_size=1. Resume with the saved layout "
         "(--set parallel.tensor_model_parallel_size=2)"
     )
+
+
+def _finished_resume_body(rank: int, world: int, tmp: Path) -> None:
+    ck = [f"checkpoint.dir={tmp / 'ckpt'}", "parallel.tensor_model_parallel_size=1"]
+    _run(tmp, "run", 1, ck)
+    config = tmp / "run" / "config.yaml"
+    before = config.read_text()
+    # a no-op resume (the run is finished) with another setting: config.yaml stays the run's
+    resumed = _run(tmp, "run", 1, [*ck, "optimizer.lr=0.5"], resume=True)
+    assert resumed.start_step == 1 and config.read_text() == before
+    _run(tmp, "run", 2, [*ck, "optimizer.lr=0.5"], resume=True)  # steps left: the new config
+    assert "lr: 0.5" in config.read_text()
+
+
+@pytest.mark.slow
+def test_a_resume_of_a_finished_run_keeps_its_config(tmp_path):
+    run_distributed(_finished_resume_body, 1, tmp_path)
