@@ -87,3 +87,57 @@ def test_megatron_usage_doc_shows_the_readme_example():
     """docs/megatron_usage.md repeats the README's Megatron example: it must not drift."""
     usage = (README.parent / "docs" / "megatron_usage.md").read_text()
     assert re.findall(r"```python\n(.*?)```", usage, re.S) == [_python_blocks()[1]]
+
+
+# A count of tests in the README: "1,107 tests", "44 multi-process" / "44 slow" runs, or a run's
+# "922 passed" / "141 skipped" (which --collect-only cannot confirm: always stale, never stated).
+_COUNT = re.compile(r"(\d[\d,]*) (tests|passed|skipped|slow|multi-process)\b")
+
+
+def readme_counts(text: str) -> list[tuple[int, str]]:
+    return [(int(n.replace(",", "")), kind) for n, kind in _COUNT.findall(text)]
+
+
+def count_mismatches(claims: list[tuple[int, str]], collected: dict[str, int]) -> list[str]:
+    """The README's claims that ``collected`` (``tests``: all, ``slow``: marked slow)
+    contradicts."""
+    kinds = {"tests": "tests", "slow": "slow", "multi-process": "slow"}
+    return [
+        f"README says {n} {kind}; --collect-only: {collected[kinds[kind]]}"
+        if kind in kinds
+        else f"README says {n} {kind}: a run's outcome, not checkable; remove it"
+        for n, kind in claims
+        if kind not in kinds or collected[kinds[kind]] != n
+    ]
+
+
+def _collected(*marker: str) -> int:
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "--collect-only",
+        "-q",
+        *marker,
+        str(README.parent / "tests"),
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600).stdout
+    return int(re.search(r"(\d+)(?:/\d+)? tests? collected", out).group(1))
+
+
+def test_readme_test_counts_agree_with_collect_only():
+    """Collects only when the README states a count (it states none: counts go stale with every
+    test added)."""
+    claims = readme_counts(README.read_text())
+    if claims:
+        collected = {"tests": _collected(), "slow": _collected("-m", "slow")}
+        assert not count_mismatches(claims, collected)
+
+
+def test_a_stale_readme_count_is_reported():
+    text = "runs 1,107 tests; without the 44 multi-process runs: 922 passed, 141 skipped"
+    assert count_mismatches(readme_counts(text), {"tests": 1225, "slow": 44}) == [
+        "README says 1107 tests; --collect-only: 1225",
+        "README says 922 passed: a run's outcome, not checkable; remove it",
+        "README says 141 skipped: a run's outcome, not checkable; remove it",
+    ]

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.dist_utils import run_distributed
 
@@ -203,3 +204,48 @@ def test_trainer_checkpoint_carries_model_config(tmp_path):
         torch.testing.assert_close(hf[name], full, rtol=0, atol=0)
     norm = shards[0]["decoder.final_layernorm.weight"]
     torch.testing.assert_close(hf["model.norm.weight"], norm, rtol=0, atol=0)
+
+
+def _saved_layout(tmp_path: Path, **parallel) -> Path:
+    """A directory whose common.pt holds a trainer config with ``parallel`` (what
+    check_resume_layout reads; no tensors needed)."""
+    from megatron_grpo.config import to_dict
+    from megatron_grpo.megatron.config import ParallelConfig
+
+    config = {"parallel": to_dict(ParallelConfig(**parallel))}
+    torch.save({"trainer_state": {"config": config}}, tmp_path / "common.pt")
+    (tmp_path / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    return tmp_path
+
+
+def test_resume_refuses_another_model_parallel_layout_naming_both(tmp_path):
+    from megatron_grpo.config import ConfigError
+    from megatron_grpo.megatron.config import ParallelConfig
+    from megatron_grpo.train.checkpoint import check_resume_layout
+
+    saved = _saved_layout(tmp_path, tensor_model_parallel_size=2)
+    check_resume_layout(saved, ParallelConfig(tensor_model_parallel_size=2))  # the same: fine
+    with pytest.raises(ConfigError) as e:
+        check_resume_layout(saved, ParallelConfig(tensor_model_parallel_size=1))
+    assert str(e.value) == (
+        f"--resume: {saved} was saved with parallel tensor_model_parallel_size=2; this run has "
+        "tensor_model_parallel_size=1. Resume with the saved layout "
+        "(--set parallel.tensor_model_parallel_size=2)"
+    )
+
+
+def _finished_resume_body(rank: int, world: int, tmp: Path) -> None:
+    ck = [f"checkpoint.dir={tmp / 'ckpt'}", "parallel.tensor_model_parallel_size=1"]
+    _run(tmp, "run", 1, ck)
+    config = tmp / "run" / "config.yaml"
+    before = config.read_text()
+    # a no-op resume (the run is finished) with another setting: config.yaml stays the run's
+    resumed = _run(tmp, "run", 1, [*ck, "optimizer.lr=0.5"], resume=True)
+    assert resumed.start_step == 1 and config.read_text() == before
+    _run(tmp, "run", 2, [*ck, "optimizer.lr=0.5"], resume=True)  # steps left: the new config
+    assert "lr: 0.5" in config.read_text()
+
+
+@pytest.mark.slow
+def test_a_resume_of_a_finished_run_keeps_its_config(tmp_path):
+    run_distributed(_finished_resume_body, 1, tmp_path)

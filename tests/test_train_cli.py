@@ -49,7 +49,7 @@ def test_help_reads_as_plain_text(columns, monkeypatch, capsys):
     description = out.split("\n\n")[1:5]
     assert description[0].startswith("--dry-run [--world-size N] prints the rank layout")
     assert description[1].startswith("Runs under torchrun (single node")
-    assert " ".join(description[3].split()).startswith("Exit codes: 0 done, 1 run-directory")
+    assert " ".join(description[3].split()).startswith("Exit codes: 0 done, 1 a failed run")
     assert all(len(line) <= min(columns, 100) - 2 for p in description for line in p.splitlines())
     assert "python -m megatron_grpo.train --config recipes/tiny.yaml" not in out
 
@@ -83,8 +83,11 @@ def _failing_reward_body(rank: int, world: int, tmp_path: Path) -> None:
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         assert main(argv) == 1
-    line = err.getvalue().strip().splitlines()[-1]
-    assert line.startswith("error: ") and "ZeroDivisionError" in line and "score" in line, line
+    lines = err.getvalue().strip().splitlines()
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(errors) == 1 and "ZeroDivisionError" in errors[0] and "score" in errors[0], lines
+    # then the user's own frame (file:line and its source), none of megatron_grpo's
+    assert lines[lines.index(errors[0]) + 1 :] == [f"  {reward}:2: return 1 / 0"], lines
     assert "Traceback" not in err.getvalue()
 
 

@@ -167,3 +167,30 @@ def test_checkpoint_architecture_check_names_the_field(tmp_path):
 def test_logprob_merge_auto_is_resolved_per_model(overrides, merge):
     cfg = load_train_config(RECIPE, overrides)
     assert cfg.logprob_merge_tokens == merge
+
+
+RECIPE_WITH_ERRORS = """\
+rollout:
+  task: reverse_digits
+  num_prompt: 8
+  sampling:
+    temperature: -1
+"""
+
+
+@pytest.mark.parametrize(
+    ("fix", "overrides", "message"),
+    [
+        ("", [], "{path}:3: unknown config key 'rollout.num_prompt'; did you mean 'num_prompts'?"),
+        ("num_prompts", [], "{path}:5: rollout.sampling.temperature must be > 0, got -1.0"),
+        # a value from --set: no line of the file is at fault
+        ("num_prompts", ["rollout.sampling.temperature=-2"], "rollout.sampling.temperature must"),
+        ("num_prompts", ["training.seeds=1"], "unknown config key 'training.seeds'; did you mean"),
+    ],
+)
+def test_errors_in_a_recipe_name_its_file_and_line(tmp_path, fix, overrides, message):
+    path = tmp_path / "r.yaml"
+    path.write_text(RECIPE_WITH_ERRORS.replace("num_prompt:", f"{fix or 'num_prompt'}:"))
+    with pytest.raises(ConfigError) as e:
+        load_train_config(path, overrides)
+    assert str(e.value).startswith(message.format(path=path)), str(e.value)

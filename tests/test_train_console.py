@@ -78,7 +78,7 @@ def test_summary_gives_rewards_eval_throughput_and_time_split(tmp_path):
     assert "0.060 (step 1) -> 0.800 (step 4), best 0.900 (step 3)" in text
     assert "eval:        reward 0.750, pass@1 0.700 (step 4)" in text
     assert "3900 tokens/s" in text
-    assert "0.65s = rollout 0.12 + logprob 0.18 + update 0.21 per step (means over 4 steps)" in text
+    assert "3900 tokens/s, per step 0.65s = rollout 0.12 + logprob 0.18 + update 0.21" in text
     assert "warnings:    3 warning(s) in x" in text
     assert "reward:" not in _summary(cfg, 0, 1.0, [])  # no metrics: no results lines
 
@@ -89,7 +89,16 @@ def test_config_summary_is_short(tmp_path):
     assert len(text.splitlines()) <= 7
     assert "0.5M parameters, 2 layers, hidden 128" in text
     assert "TP 2 PP 1 CP 1 EP 1 DP 1" in text
-    assert "reverse_digits" in text and "60 steps" in text and "ck" in text
+    assert "reverse_digits" in text and "steps:  60 x 32 prompts x 8 samples" in text
+    assert "checkpoints: ck (every 20 steps and after the last)" in text
+
+
+def test_config_summary_fits_100_columns_and_says_when_it_saves(tmp_path):
+    sets = ["checkpoint.dir=runs/byo_task/checkpoints", "checkpoint.save_interval=0"]
+    sets += ["rollout.reward_fn=rewards/byo_reward.py:compute_score"]
+    text = config_summary(load_train_config("recipes/tiny.yaml", sets), 1, "runs/x/config.yaml")
+    assert all(len(line) <= 100 for line in text.splitlines()), text
+    assert "checkpoints: runs/byo_task/checkpoints (after the last step)" in text
 
 
 def test_megatron_warnings_go_to_the_log_and_the_console_gets_a_count(tmp_path, capsys):
@@ -103,7 +112,7 @@ def test_megatron_warnings_go_to_the_log_and_the_console_gets_a_count(tmp_path, 
             warnings.warn_explicit("ours", UserWarning, "/x/megatron_grpo/c.py", 3)
         print(log.count_line())
     captured = capsys.readouterr()
-    assert captured.out == f"3 warning(s) from megatron-core and torch in {path}\n"
+    assert captured.out == f"3 third-party warning(s) in {path}\n"
     assert "Apex" not in captured.err and "DEPRECATED" not in captured.err
     text = path.read_text()
     assert "Apex is not installed" in text and "GPTModel IS DEPRECATED" in text
@@ -134,3 +143,27 @@ def test_tty_redraws_one_fitted_line(tmp_path, capsys, monkeypatch):
     assert out.count("\r") == 3 and out.endswith("\n") and out.count("\n") == 1
     for line in out.rstrip("\n").split("\r")[1:]:
         assert len(line.removesuffix("\x1b[K")) <= 59
+
+
+class _Warns(__import__("torch").Tensor):
+    """A tensor subclass that warns at its caller (torch's deprecated ShardedTensor does)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        warnings.warn("subclass deprecated", FutureWarning, stacklevel=2)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_subclass_warning_under_cuda_compat_names_the_caller_not_our_mode():
+    """megatron_grpo/megatron/parallel.py's CPU mode passes a subclass's calls through: their
+    warnings name the torch call's site (a third-party file in a run, for warnings.log)."""
+    import torch
+
+    from megatron_grpo.megatron import parallel
+
+    t = torch.zeros(2).as_subclass(_Warns)
+    with warnings.catch_warnings(record=True) as caught, parallel.cuda_compat():
+        warnings.simplefilter("always")
+        t.device  # noqa: B018 - a property read dispatched through __torch_function__
+    files = {w.filename for w in caught if "subclass deprecated" in str(w.message)}
+    assert files == {__file__}, files

@@ -32,14 +32,21 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_
 
 import yaml
 
+from megatron_grpo.errors import InputError
+
 T = TypeVar("T")
 
 # ``field(metadata=RUNTIME_ONLY)``: a value the program fills in, not a recipe key.
 RUNTIME_ONLY: Mapping[str, bool] = MappingProxyType({"recipe": False})
 
 
-class ConfigError(ValueError):
-    """A config key or value is invalid; the message names its dotted path."""
+class ConfigError(InputError):
+    """A config key or value is invalid; the message names its dotted path. ``key``: that path
+    when one key is at fault (``rollout.num_prompts``), so a loader can point at its line."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 def _closest(key: str, valid: Sequence[str]) -> str:
@@ -157,11 +164,15 @@ def from_dict(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:
     fields = {f.name: f for f in recipe_fields(cls)}
     kwargs = {}
     for key, value in data.items():
+        dotted = _join(path, key)
         if key not in fields:
-            raise ConfigError(
-                f"unknown config key '{_join(path, key)}'{_closest(key, list(fields))}"
-            )
-        kwargs[key] = _coerce(value, hints[key], _join(path, key))
+            message = f"unknown config key '{dotted}'{_closest(key, list(fields))}"
+            raise ConfigError(message, key=dotted)
+        try:
+            kwargs[key] = _coerce(value, hints[key], dotted)
+        except ConfigError as e:
+            e.key = e.key or dotted  # the innermost field that holds the bad value
+            raise
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as e:
@@ -169,7 +180,44 @@ def from_dict(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:
             raise
         if not path:  # the root: its messages name their sections
             raise ConfigError(f"{cls.__name__}: {e}") from e
-        raise ConfigError(field_message(path, str(e), list(fields))) from e
+        message = field_message(path, str(e), list(fields))
+        head = message[len(path) + 1 :].split(" ")[0].split(".")[0].split("[")[0]
+        raise ConfigError(message, key=_join(path, head) if head in fields else path) from e
+
+
+def yaml_key_lines(text: str) -> dict[str, int]:
+    """The 1-based line of every mapping key of a YAML document, by dotted path (``a.b.c``)."""
+    lines: dict[str, int] = {}
+
+    def walk(node: yaml.Node, prefix: str) -> None:
+        if not isinstance(node, yaml.MappingNode):
+            return
+        for key, value in node.value:
+            if isinstance(key, yaml.ScalarNode):
+                dotted = _join(prefix, str(key.value))
+                lines[dotted] = key.start_mark.line + 1
+                walk(value, dotted)
+
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    if root is not None:
+        walk(root, "")
+    return lines
+
+
+def recipe_line(path: str | Path, key: str | None, overrides: Sequence[str]) -> int | None:
+    """The line of the recipe that set ``key`` (or its closest enclosing section); None when
+    no key is at fault or an override (``--set``) set it or a section above it."""
+    if key is None:
+        return None
+    given = [item.split("=", 1)[0].strip() for item in overrides]
+    if any(key == g or key.startswith(g + ".") for g in given):
+        return None
+    lines = yaml_key_lines(Path(path).read_text(encoding="utf-8"))
+    parts = key.split(".")
+    for n in range(len(parts), 0, -1):
+        if (line := lines.get(".".join(parts[:n]))) is not None:
+            return line
+    return None
 
 
 def check_positive(obj: Any, *names: str) -> None:
@@ -338,4 +386,6 @@ __all__ = [
     "rename_keys",
     "RUNTIME_ONLY",
     "to_dict",
+    "recipe_line",
+    "yaml_key_lines",
 ]

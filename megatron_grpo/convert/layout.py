@@ -23,6 +23,8 @@ MODEL_CONFIG_NAME = "model_config.yaml"
 HF_ASSETS_DIR = "hf"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+# Not the model's: the warnings a conversion of it logged (megatron_grpo/warning_log.py).
+_NOT_ASSETS = (*_WEIGHT_INDEXES, "warnings.log")
 
 
 def write_model_config(ckpt_dir: Path, model_cfg: ModelConfig) -> None:
@@ -47,5 +49,5 @@ def copy_hf_assets(src: Path, dst: Path) -> None:
     """Copy the non-weight files of an HF directory (config, tokenizer, generation config)."""
     dst.mkdir(parents=True, exist_ok=True)
     for f in sorted(src.iterdir()):
-        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name not in _WEIGHT_INDEXES:
+        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name not in _NOT_ASSETS:
             shutil.copy2(f, dst / f.name)

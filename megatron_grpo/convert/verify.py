@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 from megatron_grpo.convert.errors import ConversionError
 from megatron_grpo.convert.layout import MODEL_CONFIG_NAME, read_model_config
 from megatron_grpo.convert.mcore_io import cpu_moe_overrides, single_process_megatron
+from megatron_grpo.warning_log import run_collecting
 
 PROMPTS = (
     "The capital of France is",
@@ -135,6 +136,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_WORKER = f"{__name__}:_worker"  # run_collecting imports it in the spawned process
+
+
 def _worker(
     rank: int, world: int, port: int, ckpt_dir: str, ids: list, weight_dtype, results
 ) -> None:
@@ -166,7 +170,10 @@ def spawn_megatron_logits(
     results = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, tp, port, str(ckpt_dir), ids, weight_dtype, results))
+        ctx.Process(
+            target=run_collecting,
+            args=(_WORKER, r, tp, port, str(ckpt_dir), ids, weight_dtype, results),
+        )
         for r in range(tp)
     ]
     for p in procs:

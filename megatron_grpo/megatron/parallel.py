@@ -22,8 +22,10 @@ import os
 import random
 import sys
 import threading
+import warnings
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import torch
@@ -68,6 +70,29 @@ def redirect_cuda_device_to_cpu() -> None:
     torch.cuda.current_device = current_device  # type: ignore[assignment]
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_ISSUED: set[tuple] = set()
+
+
+def _call_attributed(func, args: tuple, kwargs: dict) -> Any:
+    """``func(*args, **kwargs)`` for a tensor subclass, its warnings re-issued at the code that
+    made the torch call: a subclass's ``__torch_function__`` (torch's deprecated ShardedTensor,
+    which dist-checkpoint loads touch) warns at its caller, which would be this mode's frame
+    rather than the third-party file that ``WarningLog`` sends to ``warnings.log``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = func(*args, **kwargs)
+    caller = sys._getframe(2)  # 0: here, 1: __torch_function__, 2: the torch call's site
+    for w in caught:
+        here = w.filename == __file__
+        site = (caller.f_code.co_filename, caller.f_lineno) if here else (w.filename, w.lineno)
+        key = (*site, w.category, str(w.message))
+        if key not in _ISSUED:  # once per site (catch_warnings resets the usual registries)
+            _ISSUED.add(key)
+            warnings.warn_explicit(w.message, w.category, *site)
+    return result
+
+
 class _CudaOnCpu(TorchFunctionMode):
     """Tensors asked for on ``device="cuda"`` (or moved with ``.cuda()``) stay on the CPU, and
     ``tensor.type()`` reports CUDA type names (megatron-core's gradient clipping and distributed
@@ -78,15 +103,18 @@ class _CudaOnCpu(TorchFunctionMode):
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        to_cpu = device is not None and torch.device(device).type == "cuda"
+        if not to_cpu and func not in (torch.Tensor.cuda, torch.Tensor.type):
+            if any(t not in _PLAIN_TENSORS for t in types):
+                return _call_attributed(func, args, kwargs)
+            return func(*args, **kwargs)
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             return func(*args).replace("torch.", "torch.cuda.", 1)
-        kwargs = kwargs or {}
-        device = kwargs.get("device")
-        if device is not None and torch.device(device).type == "cuda":
-            kwargs = {**kwargs, "device": "cpu"}
-        return func(*args, **kwargs)
+        return func(*args, **{**kwargs, "device": "cpu"} if to_cpu else kwargs)
 
 
 @contextlib.contextmanager

@@ -376,12 +376,13 @@ class KVCacheEngine:
         self._reported_slots = cache.slots
         if dist.is_initialized() and dist.get_rank() != 0:
             return
-        print(
-            f"rollout: KV cache {_size(cache.kv.numel() * cache.kv.element_size())}: "
-            f"{cache.slots} slots of {cache.seq_len} tokens for {samples} samples "
-            f"(room for {budget}: {sizing})",
-            flush=True,
-        )
+        size = _size(cache.kv.numel() * cache.kv.element_size())
+        lines = [
+            f"rollout: KV cache {size}: {cache.slots} slots of {cache.seq_len} tokens for "
+            f"{samples} samples (room for {budget})",
+            *(f"  sized by {part}" for part in sizing.split("; ")),  # short lines: no wrapping
+        ]
+        print("\n".join(lines), flush=True)
 
     def _prepare_static(self, run: Run) -> None:
         """Static decode inputs/outputs, the RoPE table and the fused decoder's weights: what a

@@ -8,7 +8,10 @@ Runs under ``torchrun`` (single node or multi-node rendezvous) or as a plain ``p
 A signal (``training.exit_signals``: SIGTERM, SIGINT, SIGUSR1) or ``training.max_wall_minutes``
 stops the run after the current step: it saves a checkpoint and prints the command that resumes.
 
-Exit codes: 0 done, 1 run-directory or checkpoint error, 2 config error, 3 stopped.
+Exit codes: 0 done, 1 a failed run (the reward function raised), 2 bad input (config, data
+files, rows, user code named in the recipe, run directory, checkpoint), 3 stopped. An error is
+one line from one rank, without a traceback. Under torchrun these are the ranks' codes: torchrun
+itself exits 1 when any rank exits non-zero, after its own ChildFailedError report.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_grpo.config import ConfigError
+from megatron_grpo.errors import InputError
 from megatron_grpo.train.monitor import WarningLog, read_metrics, results_summary
 from megatron_grpo.train.stop import STOP_EXIT_CODE, StopRequest
 
@@ -110,8 +114,7 @@ def _main(args: argparse.Namespace, argv: list[str], log: WarningLog) -> int:
     try:
         cfg = load_train_config(args.config, args.overrides)
     except (ConfigError, FileNotFoundError) as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return report_error(e)
     if args.dry_run:
         from megatron_grpo.megatron.dry_run import dry_run
 
@@ -121,13 +124,11 @@ def _main(args: argparse.Namespace, argv: list[str], log: WarningLog) -> int:
         try:
             dry_run(cfg, world)
         except ValueError as e:
-            print(f"config error: {e}", file=sys.stderr)
-            return 2
+            return report_error(ConfigError(str(e)))
         return 0
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % smallest_world_size(cfg.parallel):
-        print(f"config error: {world_size_hint(cfg.parallel, world)}", file=sys.stderr)
-        return 2
+        return report_error(ConfigError(world_size_hint(cfg.parallel, world)))
     # Handlers first: a signal during the (slow) set-up stops the run before its first step.
     stop = StopRequest.from_config(cfg.training)
     stop.install()
@@ -189,14 +190,24 @@ def _train(cfg, resume: bool, overwrite: bool, stop: StopRequest, argv: list[str
             rows = read_metrics(cfg.logging.metrics_path)
             summary = _summary(cfg, start, time.perf_counter() - t0, rows, log.count_line())
             trainer.monitor.message(summary)
-    except (RunDirError, CheckpointError, RewardError) as e:
-        # every rank raises the same error (a reward error reaches a replica's peers from its
-        # scoring rank): one line, from rank 0. A refusal (run dir, checkpoint) is an input
-        # error like a config error (2); a failing reward function is a failed run (1).
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        return 1 if isinstance(e, RewardError) else 2
+    except (InputError, RunDirError, CheckpointError, RewardError) as e:
+        return report_error(e)
     return 0
+
+
+def report_error(e: BaseException) -> int:
+    """Print ``e`` as one ``error:`` line (``config error:`` for a config) from rank 0 only and
+    return the exit code: 1 for a failed reward function (a failed run), 2 for bad input.
+
+    Every rank meets the same error: all of them read the config, the data and the checkpoint,
+    and a reward error reaches a replica's peers from its scoring rank (``train/scoring.py``)."""
+    from megatron_grpo.train.tasks.reward import RewardError
+
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        prefix = "config error" if isinstance(e, (ConfigError, FileNotFoundError)) else "error"
+        print(f"{prefix}: {e}", file=sys.stderr, flush=True)
+    return 1 if isinstance(e, RewardError) else 2
 
 
 def _summary(

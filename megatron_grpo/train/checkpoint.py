@@ -42,7 +42,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer import DistributedOptimizer
 from megatron.core.tensor_parallel import random as mcore_random
 
-from megatron_grpo.config import from_dict
+from megatron_grpo.config import ConfigError, from_dict
 from megatron_grpo.convert.layout import HF_ASSETS_DIR, copy_hf_assets, write_model_config
 from megatron_grpo.megatron.config import ModelConfig
 from megatron_grpo.megatron.model import unwrap
@@ -283,11 +283,13 @@ class CheckpointError(RuntimeError):
     """A checkpoint directory is damaged or unreadable (the message names the failing file)."""
 
 
-def check_checkpoint_files(path: str | Path) -> None:
+def check_checkpoint_files(path: str | Path, fix: str | None = None) -> None:
     """Cheap integrity check of a torch_dist directory before loading: ``metadata.json``,
     ``common.pt`` and ``.metadata`` read, and every shard file is as long as ``.metadata`` says
-    (a truncated shard otherwise surfaces as a bare ``EOFError`` deep inside torch)."""
+    (a truncated shard otherwise surfaces as a bare ``EOFError`` deep inside torch). ``fix``:
+    what the error says to do (default: resume from an earlier step)."""
     path = Path(path)
+    fix = fix or f"Point {path.parent / LATEST} at an earlier step_* directory to resume from it"
     current = path / "metadata.json"
     try:
         json.loads(current.read_text())
@@ -307,9 +309,44 @@ def check_checkpoint_files(path: str | Path) -> None:
                 )
     except Exception as e:  # noqa: BLE001 - any failure here means a damaged directory
         raise CheckpointError(
-            f"checkpoint {path} is damaged: {current.name}: {type(e).__name__}: {e}. Point "
-            f"{Path(path).parent / LATEST} at an earlier step_* directory to resume from it"
+            f"checkpoint {path} is damaged: {current.name}: {type(e).__name__}: {e}. {fix}"
         ) from e
+
+
+# The parallel sizes that shape a checkpoint's model and optimizer shards. DP may change on
+# resume (the trainer's optimizer states reload at any DP size); these may not.
+LAYOUT_FIELDS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+)
+
+
+def check_resume_layout(path: str | Path, parallel: Any) -> None:
+    """Refuse (ConfigError naming both layouts) to resume checkpoint ``path`` with a model
+    parallel layout other than the one that saved it: the optimizer state of the distributed
+    optimizer does not reshard across TP / PP, and exact resume holds only in the same layout.
+    A checkpoint without a saved config (none of this trainer's) is not checked."""
+    common = dist_checkpointing.load_common_state_dict(str(path))
+    saved = ((common.get("trainer_state") or {}).get("config") or {}).get("parallel")
+    if not isinstance(saved, dict):
+        return
+    differ = [k for k in LAYOUT_FIELDS if saved.get(k) != getattr(parallel, k)]
+    if differ:
+        then = ", ".join(f"{k}={saved.get(k)}" for k in differ)
+        now = ", ".join(f"{k}={getattr(parallel, k)}" for k in differ)
+        sets = " ".join(f"--set parallel.{k}={_yaml(saved.get(k))}" for k in differ)
+        raise ConfigError(
+            f"--resume: {path} was saved with parallel {then}; this run has {now}. "
+            f"Resume with the saved layout ({sets})"
+        )
+
+
+def _yaml(value: Any) -> str:
+    return "null" if value is None else str(value)
 
 
 def load_checkpoint(path: str | Path, chunks, optimizer, scheduler) -> dict[str, Any]:
@@ -323,13 +360,24 @@ def load_checkpoint(path: str | Path, chunks, optimizer, scheduler) -> dict[str,
     try:
         return _load_checkpoint(path, chunks, optimizer, scheduler)
     except (EOFError, pickle.UnpicklingError, RuntimeError, OSError) as e:
-        raise CheckpointError(f"loading checkpoint {path} failed: {type(e).__name__}: {e}") from e
+        raise CheckpointError(f"loading checkpoint {path} failed: {_one_line(e)}") from e
+
+
+def _one_line(e: BaseException) -> str:
+    """``Type: message`` in one line: torch's CheckpointException holds every rank's whole
+    traceback; its last line is the error itself."""
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    return (
+        f"{type(e).__name__}: {lines[-1] if lines else ''}"
+        if len(lines) > 1
+        else f"{type(e).__name__}: {e}"
+    )
 
 
 def _load_checkpoint(path: str | Path, chunks, optimizer, scheduler) -> dict[str, Any]:
     common = dist_checkpointing.load_common_state_dict(str(path))
     if "trainer_state" not in common:
-        raise ValueError(
+        raise CheckpointError(
             f"{path} is not a trainer checkpoint (no trainer_state); use "
             "checkpoint.load for model-only checkpoints"
         )
@@ -370,7 +418,14 @@ def load_model_weights(path: str | Path, chunks) -> None:
     one written by ``tools/convert_checkpoint.py``)."""
     path = Path(path)
     if not (path / "metadata.json").is_file():
-        raise ValueError(f"checkpoint.load {str(path)!r} is not a dist_checkpointing directory")
-    with cuda_compat():
-        loaded = dist_checkpointing.load(_model_state(chunks), str(path))
+        raise CheckpointError(
+            f"checkpoint.load {str(path)!r} is not a dist_checkpointing directory (no "
+            "metadata.json): convert a Hugging Face model with tools/convert_checkpoint.py"
+        )
+    check_checkpoint_files(path, fix="checkpoint.load needs an intact checkpoint")
+    try:
+        with cuda_compat():
+            loaded = dist_checkpointing.load(_model_state(chunks), str(path))
+    except (EOFError, pickle.UnpicklingError, RuntimeError, OSError) as e:
+        raise CheckpointError(f"loading checkpoint.load {path} failed: {_one_line(e)}") from e
     _load_model(chunks, loaded)

@@ -25,6 +25,7 @@ from megatron_grpo.config import (
     rename_keys,
     to_dict,
 )
+from megatron_grpo.config.base import recipe_line
 from megatron_grpo.convert.errors import ConversionError
 from megatron_grpo.convert.hf_config import check_same_architecture
 from megatron_grpo.convert.layout import MODEL_CONFIG_NAME, read_model_config
@@ -717,6 +718,16 @@ def load_train_config(path: str | Path | None, overrides: Sequence[str] = ()) ->
     checkpoint into, e.g., a model with another rotary base without any error.
     """
     data = _load_yaml(path) if path is not None else {}
+    try:
+        return _train_config(data, overrides)
+    except ConfigError as e:
+        line = recipe_line(path, e.key, overrides) if path is not None else None
+        if line is None:
+            raise
+        raise ConfigError(f"{path}:{line}: {e}", key=e.key) from None
+
+
+def _train_config(data: dict, overrides: Sequence[str]) -> TrainConfig:
     model_from_checkpoint = "model" not in data
     overrides = rename_keys(data, overrides, RENAMED_KEYS)
     apply_overrides(data, overrides, root=TrainConfig)

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import shutil
 import sys
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
+
+from megatron_grpo.warning_log import WarningLog  # noqa: F401 - re-exported (train.__main__)
 
 if TYPE_CHECKING:  # not imported at run time: the config imports megatron-core (see WarningLog)
     from megatron_grpo.train.config import LoggingConfig, TrainConfig
@@ -84,12 +84,15 @@ def progress_line(step: int, total: int, metrics: dict[str, float], width: int |
     return line[:limit]
 
 
-def write_resolved_config(cfg: TrainConfig, resolved: dict[str, Any], dp_size: int) -> Path:
-    """Save the resolved config as ``logging.dir/config.yaml`` and print a short summary of it
-    (:func:`config_summary`)."""
+def write_resolved_config(
+    cfg: TrainConfig, resolved: dict[str, Any], dp_size: int, write: bool = True
+) -> Path:
+    """Save the resolved config as ``logging.dir/config.yaml`` (unless ``write`` is False: a
+    finished run's file stays) and print a short summary of it (:func:`config_summary`)."""
     path = Path(cfg.logging.dir) / "config.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(resolved, sort_keys=False))
+    if write:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(resolved, sort_keys=False))
     print(config_summary(cfg, dp_size, path), flush=True)
     return path
 
@@ -110,20 +113,23 @@ def config_summary(cfg: TrainConfig, dp_size: int, path: Path | str) -> str:
     )
     task = f"rollouts from {r.input_path}" if r.input_path else str(r.task)
     if r.reward_fn:
-        task += f" (reward {r.reward_fn})"
+        task += f", reward {r.reward_fn}"
     steps = (
-        f"{t.steps} steps x {r.num_prompts} prompts x {r.group_size} samples, "
+        f"{t.steps} x {r.num_prompts} prompts x {r.group_size} samples, "
         f"{t.mini_batches_per_step} mini-batch(es) per step"
     )
     lines = [
         f"config: {path} (the resolved config)",
         f"  model:  {model}",
         f"  layout: {layout}",
-        f"  task:   {task}; {steps}",
+        f"  task:   {task}",
+        f"  steps:  {steps}",
         f"  logs:   {cfg.logging.dir}",
     ]
     if cfg.checkpoint.dir is not None:
-        lines.append(f"  checkpoints: {cfg.checkpoint.dir} (every {cfg.checkpoint.save_interval})")
+        every = cfg.checkpoint.save_interval
+        when = f"every {every} steps and after the last" if every else "after the last step"
+        lines.append(f"  checkpoints: {cfg.checkpoint.dir} ({when})")
     return "\n".join(lines)
 
 
@@ -187,90 +193,9 @@ def results_summary(rows: list[dict[str, Any]]) -> list[str]:
         rate = (
             f"{means['perf/tokens_per_s']:.0f} tokens/s, " if "perf/tokens_per_s" in means else ""
         )
-        lines.append(
-            f"  speed:       {rate}{_time_split(means)} per step (means over {len(timed)} steps)"
-        )
+        # means over every logged step (a resumed run's earlier steps too); under 100 columns
+        lines.append(f"  speed:       {rate}per step {_time_split(means)}")
     return lines
-
-
-# Warnings of these libraries (by file) and records of these loggers go to the run's warnings log.
-_NOISY_PATHS = tuple(
-    os.sep + os.path.join(*p) + os.sep
-    for p in (("megatron", "core"), ("torch",), ("transformer_engine",), ("apex",))
-)
-_NOISY_LOGGERS = ("megatron", "torch", "transformer_engine", "apex")
-
-
-class WarningLog:
-    """A context that collects megatron-core's and torch's warnings (``warnings.warn`` from
-    their files, and their loggers' records at WARNING and above) instead of printing them.
-    ``attach(path)`` (rank 0, once the run directory is claimed) writes them, and those after,
-    to ``path``; a rank that never attaches drops them. Other warnings print as usual."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.path: Path | None = None
-        self._buffer: list[str] = []
-        self._file = None
-
-    def __enter__(self) -> WarningLog:
-        self._show = warnings.showwarning
-        warnings.showwarning = self._showwarning
-        self._handler = _ListHandler(self._add)
-        self._loggers = []
-        for name in _NOISY_LOGGERS:
-            logger = logging.getLogger(name)
-            self._loggers.append((logger, logger.propagate))
-            logger.addHandler(self._handler)
-            logger.propagate = False
-        return self
-
-    def __exit__(self, *exc) -> None:
-        warnings.showwarning = self._show
-        for logger, propagate in self._loggers:
-            logger.removeHandler(self._handler)
-            logger.propagate = propagate
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-    def attach(self, path: Path | str) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 (closed in __exit__)
-        for text in self._buffer:
-            self._file.write(text + "\n")
-        self._file.flush()
-        self._buffer = []
-
-    def count_line(self) -> str | None:
-        """The console's line about the collected warnings (None: there are none)."""
-        if not self.count or self.path is None:
-            return None
-        return f"{self.count} warning(s) from megatron-core and torch in {self.path}"
-
-    def _showwarning(self, message, category, filename, lineno, file=None, line=None) -> None:
-        if not any(p in str(filename) for p in _NOISY_PATHS):
-            self._show(message, category, filename, lineno, file, line)
-            return
-        self._add(warnings.formatwarning(message, category, filename, lineno, line).rstrip())
-
-    def _add(self, text: str) -> None:
-        self.count += 1
-        if self._file is not None:
-            self._file.write(text + "\n")
-            self._file.flush()
-        else:
-            self._buffer.append(text)
-
-
-class _ListHandler(logging.Handler):
-    def __init__(self, add) -> None:
-        super().__init__(logging.WARNING)
-        self._add_text = add
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self._add_text(f"{record.levelname} {record.name}: {record.getMessage()}")
 
 
 def _tensorboard_writer(log_dir: str):

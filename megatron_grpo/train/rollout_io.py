@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from megatron_grpo.errors import InputError
 from megatron_grpo.train.rollout_batch import RolloutBatch
 
 SUFFIXES = (".jsonl", ".parquet")
@@ -81,10 +82,10 @@ def _routes(value: Any, prompt: int, response: int, where: str) -> Tensor:
     try:
         r = torch.tensor(value, dtype=torch.long)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{where}: routed_experts is not a [tokens][layers][top_k] list") from e
+        raise InputError(f"{where}: routed_experts is not a [tokens][layers][top_k] list") from e
     full = prompt + response
     if r.dim() != 3 or r.shape[0] not in (full, full - 1, response):
-        raise ValueError(
+        raise InputError(
             f"{where}: routed_experts has {r.shape[0] if r.dim() else 0} tokens (shape "
             f"{list(r.shape)}); expected [{full}, L, k] (prompt + response), {full - 1} "
             f"(without the final token) or {response} (response only)"
@@ -102,12 +103,12 @@ def _batch(rows: list[dict[str, Any]], source: str, where: list[str] | None = No
     for key in ("prompt_ids", "response_ids", "group_id"):
         missing = [origins[i] for i, r in enumerate(rows) if r.get(key) is None]
         if missing:
-            raise ValueError(f"{', '.join(missing[:8])}: no {key!r}")
+            raise InputError(f"{', '.join(missing[:8])}: no {key!r}")
 
     def optional(key: str):
         have = [r.get(key) is not None for r in rows]
         if any(have) and not all(have):
-            raise ValueError(f"{source}: {key!r} is present in some rows but not all")
+            raise InputError(f"{source}: {key!r} is present in some rows but not all")
         return [r[key] for r in rows] if rows and all(have) else None
 
     for row, loc in zip(rows, where, strict=True):
@@ -144,24 +145,24 @@ def _check_row(row: dict[str, Any], where: str) -> None:
     for key in ("prompt_ids", "response_ids"):
         ids = row[key]
         if not isinstance(ids, (list, tuple)) or not ids:
-            raise ValueError(f"{where}: {key} must be a non-empty list of token ids")
+            raise InputError(f"{where}: {key} must be a non-empty list of token ids")
         for j, t in enumerate(ids):
             if not _is_int(t) or t < 0:
-                raise ValueError(f"{where}: {key}[{j}] = {t!r} is not a token id (an int >= 0)")
+                raise InputError(f"{where}: {key}[{j}] = {t!r} is not a token id (an int >= 0)")
     if not _is_int(row["group_id"]):
-        raise ValueError(f"{where}: group_id = {row['group_id']!r} is not an int")
+        raise InputError(f"{where}: group_id = {row['group_id']!r} is not an int")
     reward = row.get("reward")
     if reward is not None and not (_is_number(reward) and math.isfinite(reward)):
-        raise ValueError(f"{where}: reward = {reward!r} is not a finite number")
+        raise InputError(f"{where}: reward = {reward!r} is not a finite number")
     logprobs = row.get("rollout_logprobs")
     if logprobs is not None:  # non-finite values are kept: the trainer skips and reports them
         if not isinstance(logprobs, (list, tuple)) or len(logprobs) != len(row["response_ids"]):
-            raise ValueError(
+            raise InputError(
                 f"{where}: rollout_logprobs must be a list of one number per response token"
             )
         bad = [j for j, x in enumerate(logprobs) if not _is_number(x)]
         if bad:
-            raise ValueError(
+            raise InputError(
                 f"{where}: rollout_logprobs[{bad[0]}] = {logprobs[bad[0]]!r} is not a number"
             )
 
@@ -175,12 +176,12 @@ def check_against_model(
         for key, ids in (("prompt_ids", p), ("response_ids", r)):
             top = max(ids)
             if top >= vocab_size:
-                raise ValueError(
+                raise InputError(
                     f"{where[i]}: {key}[{ids.index(top)}] = {top} is not below "
                     f"model.vocab_size = {vocab_size}"
                 )
         if len(p) + len(r) > max_sequence_length:
-            raise ValueError(
+            raise InputError(
                 f"{where[i]}: prompt_ids + response_ids = {len(p)} + {len(r)} tokens exceed "
                 f"model.max_sequence_length = {max_sequence_length}"
             )
@@ -188,7 +189,7 @@ def check_against_model(
 
 def _check_suffix(path: Path) -> None:
     if path.suffix not in SUFFIXES:
-        raise ValueError(f"rollout file {str(path)!r} must end in one of {list(SUFFIXES)}")
+        raise InputError(f"rollout file {str(path)!r} must end in one of {list(SUFFIXES)}")
 
 
 def write_rollouts(batch: RolloutBatch, path: str | Path) -> None:
@@ -225,9 +226,9 @@ def read_rollouts_located(path: str | Path) -> tuple[RolloutBatch, list[str]]:
                     try:
                         rows.append(json.loads(line))
                     except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{lineno}: invalid JSON: {e}") from e
+                        raise InputError(f"{path}:{lineno}: invalid JSON: {e}") from e
                     if not isinstance(rows[-1], dict):
-                        raise ValueError(f"{path}:{lineno}: a row must be a JSON object")
+                        raise InputError(f"{path}:{lineno}: a row must be a JSON object")
                     where.append(f"{path}:{lineno}")
     else:
         rows = _pyarrow().parquet.read_table(path).to_pylist()
@@ -247,11 +248,11 @@ class RolloutFileSource:
         if path.is_dir():
             files = sorted(p for p in path.iterdir() if p.suffix in SUFFIXES)
             if not files:
-                raise ValueError(f"rollout.input_path {str(path)!r} holds no .jsonl/.parquet files")
+                raise InputError(f"rollout.input_path {str(path)!r} holds no .jsonl/.parquet files")
         elif path.exists():
             files = [path]
         else:
-            raise ValueError(f"rollout.input_path {str(path)!r} does not exist")
+            raise InputError(f"rollout.input_path {str(path)!r} does not exist")
         self.groups: list[tuple[RolloutBatch, list[int]]] = []
         self.files: list[tuple[RolloutBatch, list[str]]] = []
         for f in files:
@@ -272,7 +273,7 @@ class RolloutFileSource:
 
     def take(self, start: int, n: int) -> RolloutBatch:
         if start + n > len(self.groups):
-            raise ValueError(
+            raise InputError(
                 f"rollout input has {len(self.groups)} groups; groups {start}..{start + n} "
                 "were requested"
             )

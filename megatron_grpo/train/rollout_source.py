@@ -24,7 +24,8 @@ from typing import Protocol
 
 import torch
 
-from megatron_grpo.config.base import field_message, recipe_fields
+from megatron_grpo.config.base import ConfigError, field_message, recipe_fields
+from megatron_grpo.errors import InputError
 from megatron_grpo.rollout import Generation, KVCacheEngine, SamplingParams, generate
 from megatron_grpo.train.config import ROLLOUT_SOURCES, TrainConfig
 from megatron_grpo.train.dynamic_sampling import extra_round_first_prompt
@@ -92,13 +93,13 @@ class FileRollouts:
         self.files = RolloutFileSource(cfg.rollout.input_path)
         needed = cfg.training.steps * cfg.rollout.num_prompts
         if len(self.files) < needed:
-            raise ValueError(
+            raise InputError(
                 f"rollout.input_path has {len(self.files)} groups, training.steps * "
                 f"rollout.num_prompts needs {needed}"
             )
         for batch, where in self.files.files:
             if len(batch) and batch.rewards is None:
-                raise ValueError(
+                raise InputError(
                     f"{where[0]}: rollouts from rollout.input_path must carry a 'reward' column"
                 )
         self.files.check_against_model(cfg.model.vocab_size, cfg.model.max_sequence_length)
@@ -116,7 +117,7 @@ def build_checked_task(cfg: TrainConfig) -> Task:
     task = build_task(cfg.rollout, cfg.training.seed)
     vocab = task.tokenizer.vocab_size
     if vocab > cfg.model.vocab_size:
-        raise ValueError(
+        raise InputError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the task tokenizer's "
             f"vocabulary ({vocab})"
         )
@@ -140,7 +141,7 @@ def sampling_params(
     except ValueError as e:  # name the recipe's field (e.g. a stop id beyond the vocabulary)
         origin = f" (the task adds stop ids {list(task_stop_ids)})" if task_stop_ids else ""
         names = [f.name for f in recipe_fields(SamplingParams)]
-        raise ValueError(field_message("rollout.sampling", f"{e}{origin}", names)) from e
+        raise ConfigError(field_message("rollout.sampling", f"{e}{origin}", names)) from e
 
 
 def build_engine(cfg: TrainConfig, model: torch.nn.Module) -> KVCacheEngine | None:
@@ -211,7 +212,7 @@ class GeneratedRollouts:
         prompts = self.task.prompts(start, self.per_rank if count is None else count)
         too_long = [p for p in prompts if len(p.ids) > r.max_prompt_length]
         if too_long:
-            raise ValueError(
+            raise InputError(
                 f"a prompt has {len(too_long[0].ids)} tokens > rollout.max_prompt_length="
                 f"{r.max_prompt_length}: {too_long[0].text[:80]!r}"
             )
@@ -261,11 +262,11 @@ def source_class(spec: str) -> SourceFactory:
     if spec == "generate":
         return GeneratedRollouts
     if spec in ROLLOUT_SOURCES:
-        raise ValueError(f"rollout.source: {spec} is not constructed from a class")
+        raise InputError(f"rollout.source: {spec} is not constructed from a class")
     cls = load_object(spec, "rollout.source", _SPEC_FORMS, kind="class")
     missing = [m for m in ("next", "metrics") if not callable(getattr(cls, m, None))]
     if isinstance(cls, type) and missing:
-        raise ValueError(
+        raise InputError(
             f"rollout.source {spec!r}: {cls.__name__} has no {' / '.join(missing)} method (the "
             "RolloutSource protocol, megatron_grpo/train/rollout_source.py)"
         )
@@ -288,14 +289,14 @@ def build_source(
     if not hasattr(source, "generated"):
         missing.append("generated")
     if missing:
-        raise ValueError(
+        raise InputError(
             f"{what}: {type(source).__name__} lacks {', '.join(missing)} (the RolloutSource "
             "protocol, megatron_grpo/train/rollout_source.py)"
         )
     if cfg.rollout.filter_groups.enabled:
         params = inspect.signature(source.next).parameters
         if not {"round", "count"} <= set(params):
-            raise ValueError(
+            raise InputError(
                 f"{what}: rollout.filter_groups.enabled calls next(step, round, count), but "
                 f"{type(source).__name__}.next takes ({', '.join(params)})"
             )

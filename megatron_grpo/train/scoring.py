@@ -35,9 +35,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_grpo.errors import InputError
 from megatron_grpo.train.config import RolloutConfig
 from megatron_grpo.train.tasks.base import Prompt, Task
 from megatron_grpo.train.tasks.reward import PluginReward, RewardError, reward_value
+from megatron_grpo.train.user_frames import user_frames
 
 TIMEOUTS = "timeouts"  # the extras column of timed-out samples (1.0) -> reward/timeouts
 Call = tuple[tuple, dict[str, Any]]
@@ -85,7 +87,7 @@ class RewardPool:
         try:
             pickle.dumps(fn)
         except Exception as e:
-            raise ValueError(
+            raise InputError(
                 f"rollout.reward_workers={workers}: {what} cannot be sent to worker processes "
                 f"({type(e).__name__}: {e}); use rollout.reward_workers: 0"
             ) from e
@@ -299,7 +301,9 @@ class RewardScorer:
         what = f"{type(error).__name__}: {error}"
         if type(error).__name__ == "BrokenProcessPool":
             what = f"its worker process died ({error})"
-        return RewardError(f"{self.name} failed on {where}: {what}")
+        code = getattr(getattr(self.fn, "fn", self.fn), "__code__", None)
+        frames = user_frames(error, code.co_filename if code is not None else None)
+        return RewardError("\n".join([f"{self.name} failed on {where}: {what}", *frames]))
 
     # -------------------------------------------------------------- all ranks
     def _broadcast(self, t: torch.Tensor) -> None:
@@ -331,7 +335,9 @@ class RewardScorer:
         if failed:
             if error is not None:
                 _reraise(error, message)
-            raise RewardError(f"{info['error']} (from this model replica's scoring rank)")
+            first, *frames = info["error"].split("\n")
+            from_scorer = f"{first} (from this model replica's scoring rank)"
+            raise RewardError("\n".join([from_scorer, *frames]))
         values = torch.zeros(n, ncols, dtype=torch.float64, device=device)
         if scores is not None:
             rows = [scores.rewards, *scores.extras.values()]

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from megatron.core import parallel_state
 
-from megatron_grpo.config import to_dict
+from megatron_grpo.config import ConfigError, to_dict
+from megatron_grpo.errors import InputError
 from megatron_grpo.loss import compute_advantages
 from megatron_grpo.megatron.batch import PackedBatch
 from megatron_grpo.megatron.config import dispatcher_type
@@ -77,12 +78,15 @@ class Trainer:
         self.stopped: Stopped | None = None  # set when the run stopped early (``train/stop.py``)
         self.layout = initialize_parallel(cfg.parallel, cfg.training.seed)
         self._claim_run_dirs(resume, overwrite)
+        if resume and cfg.checkpoint.dir is not None:  # before the slow model build
+            if (latest := ckpt.latest_checkpoint(cfg.checkpoint.dir)) is not None:
+                ckpt.check_resume_layout(latest, cfg.parallel)
         if cfg.checkpoint.dir is not None:  # outlives a signal to the process group, for the save
             with self.stop.shielding_children():
                 install_writer_queue()
         self.dp_rank, self.dp_size = comm.dp_rank_size()
         if cfg.rollout.num_prompts % self.dp_size:
-            raise ValueError(
+            raise ConfigError(
                 f"rollout.num_prompts={cfg.rollout.num_prompts} must be divisible by the "
                 f"data-parallel size {self.dp_size}"
             )
@@ -131,7 +135,9 @@ class Trainer:
         )
         self.stop.announce = self.monitor.enabled
         if self.monitor.enabled:
-            write_resolved_config(cfg, to_dict(cfg), self.dp_size)
+            # A resume with no step left (a finished run) keeps the run's config.yaml as it is.
+            finished = resume and self.start_step >= cfg.training.steps
+            write_resolved_config(cfg, to_dict(cfg), self.dp_size, write=not finished)
             truncate_jsonl(cfg.logging.metrics_path, self.start_step)
         self.evaluator.attach(policy, self.source, self.monitor)
 
@@ -163,7 +169,7 @@ class Trainer:
         if not resume:
             return 0, 0
         if cfg.dir is None:
-            raise ValueError("--resume needs checkpoint.dir")
+            raise ConfigError("--resume needs checkpoint.dir (it is null)")
         latest = ckpt.latest_checkpoint(cfg.dir)
         if latest is None:  # claim_run_dirs checked already; the directory changed since
             raise RunDirError(f"--resume: no checkpoint in {cfg.dir}")
@@ -246,7 +252,7 @@ class Trainer:
 
     def advantages(self, batch: RolloutBatch) -> torch.Tensor:
         if batch.rewards is None:  # a RolloutSource contract: next() returns scored batches
-            raise ValueError(f"{type(self.source).__name__}.next returned a batch without rewards")
+            raise InputError(f"{type(self.source).__name__}.next returned a batch without rewards")
         return compute_advantages(
             torch.tensor(batch.rewards, dtype=torch.float32),
             torch.tensor(batch.group_ids),

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_grpo.errors import InputError
 from megatron_grpo.train.config import DatasetConfig
 from megatron_grpo.train.tasks.base import Prompt
 from megatron_grpo.train.tasks.math import HFTokenizer, last_number
@@ -85,7 +86,7 @@ def _jsonl_records(path: str) -> Iterator[tuple[int, Any]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise ValueError(
+                raise InputError(
                     f"{path}:{lineno}: not UTF-8 text ({e.reason} at byte {e.start} of the line)"
                 ) from None
             if not line.strip():
@@ -93,7 +94,7 @@ def _jsonl_records(path: str) -> Iterator[tuple[int, Any]]:
             try:
                 yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(
+                raise InputError(
                     f"{path}:{lineno}: invalid JSON at column {e.colno}: {e.msg}"
                 ) from None
 
@@ -117,9 +118,9 @@ def _parquet_records(path: str, field: str, prompt_key: str) -> Iterator[tuple[i
         wanted = [c for c in names if c == prompt_key or c in _COLUMNS]
         table = pq.read_table(path, columns=wanted)
     except Exception as e:  # pyarrow's errors (ArrowInvalid, OSError) on a damaged file
-        raise ValueError(f"{path}: cannot read as Parquet: {e}") from None
+        raise InputError(f"{path}: cannot read as Parquet: {e}") from None
     if table.num_rows and prompt_key not in names:
-        raise ValueError(
+        raise InputError(
             f"{path}:1: no column {prompt_key!r} ({SECTION}.prompt_key; columns: "
             f"{', '.join(names)})"
         )
@@ -137,29 +138,29 @@ def _describe(value: Any) -> str:
 
 def _check_prompt(value: Any, where: str, key: str) -> str | list[dict]:
     if value is None:
-        raise ValueError(f"{where}: column {key!r} is null")
+        raise InputError(f"{where}: column {key!r} is null")
     if isinstance(value, str):
         if not value:
-            raise ValueError(f"{where}: column {key!r} is an empty string")
+            raise InputError(f"{where}: column {key!r} is an empty string")
         return value
     if not isinstance(value, list):
-        raise ValueError(
+        raise InputError(
             f"{where}: column {key!r}: expected a string or a list of {{role, content}} "
             f"messages, got {_describe(value)}"
         )
     if not value:
-        raise ValueError(f"{where}: column {key!r} is an empty message list")
+        raise InputError(f"{where}: column {key!r} is an empty message list")
     for i, message in enumerate(value):
         col = f"{key}[{i}]"
         if not isinstance(message, dict):
-            raise ValueError(
+            raise InputError(
                 f"{where}: column {col!r}: expected a {{role, content}} message, got "
                 f"{_describe(message)}"
             )
         for part in ("role", "content"):
             if not isinstance(message.get(part), str):
                 got = "nothing" if part not in message else _describe(message[part])
-                raise ValueError(f"{where}: column '{col}.{part}': expected a string, got {got}")
+                raise InputError(f"{where}: column '{col}.{part}': expected a string, got {got}")
     return value
 
 
@@ -167,19 +168,19 @@ def _ground_truth(record: dict, where: str) -> str:
     if record.get("reward_model") is not None:
         rm = record["reward_model"]
         if not isinstance(rm, dict):
-            raise ValueError(
+            raise InputError(
                 f"{where}: column 'reward_model': expected an object with 'ground_truth', got "
                 f"{_describe(rm)}"
             )
         if rm.get("ground_truth") is None:
-            raise ValueError(f"{where}: column 'reward_model.ground_truth' is missing or null")
+            raise InputError(f"{where}: column 'reward_model.ground_truth' is missing or null")
         value, col = rm["ground_truth"], "reward_model.ground_truth"
     elif "answer" in record:
         value, col = record["answer"], "answer"
         if value is None:
-            raise ValueError(f"{where}: column 'answer' is null")
+            raise InputError(f"{where}: column 'answer' is null")
     else:
-        raise ValueError(
+        raise InputError(
             f"{where}: no ground truth: expected column 'reward_model.ground_truth' (verl's "
             "layout) or 'answer'"
         )
@@ -188,16 +189,16 @@ def _ground_truth(record: dict, where: str) -> str:
     try:
         return json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{where}: column {col!r}: not JSON data ({e})") from None
+        raise InputError(f"{where}: column {col!r}: not JSON data ({e})") from None
 
 
 def parse_record(record: Any, where: str, prompt_key: str = "prompt") -> Row:
     """A checked :class:`Row` of one JSON object / Parquet row; ``where`` is ``"path:row"``."""
     if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {_describe(record)}")
+        raise InputError(f"{where}: expected a JSON object, got {_describe(record)}")
     if prompt_key not in record:
         present = ", ".join(sorted(map(str, record))) or "none"
-        raise ValueError(
+        raise InputError(
             f"{where}: no column {prompt_key!r} ({SECTION}.prompt_key; columns: {present})"
         )
     prompt = _check_prompt(record[prompt_key], where, prompt_key)
@@ -206,7 +207,7 @@ def parse_record(record: Any, where: str, prompt_key: str = "prompt") -> Row:
     if data_source is None:
         data_source = ""
     elif not isinstance(data_source, str):
-        raise ValueError(
+        raise InputError(
             f"{where}: column 'data_source': expected a string, got {_describe(data_source)}"
         )
     extra_info = record.get("extra_info")
@@ -215,7 +216,7 @@ def parse_record(record: Any, where: str, prompt_key: str = "prompt") -> Row:
     ):  # a Parquet map column reads as (key, value) pairs
         extra_info = dict(extra_info)
     if extra_info is not None and not isinstance(extra_info, dict):
-        raise ValueError(
+        raise InputError(
             f"{where}: column 'extra_info': expected a JSON object, got {_describe(extra_info)}"
         )
     return Row(where, prompt, answer, data_source, extra_info)
@@ -226,16 +227,16 @@ def read_rows(path: str, field: str, prompt_key: str = "prompt") -> list[Row]:
     ``rollout.dataset.train_files[0]``) is named when the file is missing or empty."""
     p = Path(path)
     if not p.exists():
-        raise ValueError(f"{field}: no such file {path!r}")
+        raise InputError(f"{field}: no such file {path!r}")
     if not p.is_file():
-        raise ValueError(f"{field}: {path!r} is not a file")
+        raise InputError(f"{field}: {path!r} is not a file")
     if path.endswith(".parquet"):
         records = _parquet_records(path, field, prompt_key)
     else:
         records = _jsonl_records(path)
     rows = [parse_record(rec, f"{path}:{row}", prompt_key) for row, rec in records]
     if not rows:
-        raise ValueError(f"{field}: {path!r} has no rows")
+        raise InputError(f"{field}: {path!r} has no rows")
     return rows
 
 
@@ -253,7 +254,7 @@ class PromptEncoder:
         self.tokenizer, self.cfg = tokenizer, cfg
         has = tokenizer.has_chat_template
         if cfg.chat_template is True and not has:
-            raise ValueError(
+            raise InputError(
                 f"{SECTION}.chat_template is true but the tokenizer in {cfg.tokenizer_dir!r} has "
                 "no chat template"
             )
@@ -269,7 +270,7 @@ class PromptEncoder:
                         if self.cfg.chat_template is False
                         else f"the tokenizer in {self.cfg.tokenizer_dir!r} has none"
                     )
-                    raise ValueError(
+                    raise InputError(
                         f"{row.source}: column {self.cfg.prompt_key!r}: a message list needs a "
                         f"chat template and {why}"
                     )
@@ -285,7 +286,7 @@ class PromptEncoder:
                     try:
                         self.tokenizer.render_chat([_messages(row.prompt)], add)
                     except Exception as e:
-                        raise ValueError(
+                        raise InputError(
                             f"{row.source}: column {self.cfg.prompt_key!r}: the chat template "
                             f"failed: {type(e).__name__}: {' '.join(str(e).split())}"
                         ) from None
@@ -299,7 +300,7 @@ class PromptEncoder:
             ids += self.tokenizer.encode_batch(texts[lo : lo + _BATCH])
         for row, row_ids in zip(rows, ids, strict=True):
             if not row_ids:
-                raise ValueError(
+                raise InputError(
                     f"{row.source}: column {self.cfg.prompt_key!r}: the prompt encodes to no tokens"
                 )
         return list(zip(texts, ids, strict=True))
@@ -347,9 +348,9 @@ class DatasetTask:
 
     def __init__(self, cfg: DatasetConfig, max_prompt_length: int, seed: int) -> None:
         if not cfg.train_files:
-            raise ValueError(f"{SECTION}.train_files is empty")
+            raise InputError(f"{SECTION}.train_files is empty")
         if not cfg.tokenizer_dir:
-            raise ValueError(f"{SECTION}.tokenizer_dir is required")
+            raise InputError(f"{SECTION}.tokenizer_dir is required")
         self.cfg, self.seed, self.max_prompt_length = cfg, seed, max_prompt_length
         self.tokenizer = HFTokenizer(cfg.tokenizer_dir, field=f"{SECTION}.tokenizer_dir")
         eos = self.tokenizer.eos_id
@@ -364,7 +365,7 @@ class DatasetTask:
         if dropped and _is_rank0():
             print(overlong_report(dropped, counts, max_prompt_length), flush=True)
         if not self._train:
-            raise ValueError(
+            raise InputError(
                 f"{SECTION}.train_files: all {counts['train'][1]} prompts are longer than "
                 f"rollout.max_prompt_length={max_prompt_length} tokens"
             )
@@ -385,7 +386,7 @@ class DatasetTask:
             for row, (text, ids) in zip(rows, encoder.encode(rows), strict=True):
                 if len(ids) > self.max_prompt_length:
                     if not self.cfg.filter_overlong_prompts:
-                        raise ValueError(
+                        raise InputError(
                             f"{row.source}: column {self.cfg.prompt_key!r}: the prompt has "
                             f"{len(ids)} tokens > rollout.max_prompt_length="
                             f"{self.max_prompt_length} (after the chat template; "

@@ -13,6 +13,7 @@ import random
 import re
 from pathlib import Path
 
+from megatron_grpo.errors import InputError
 from megatron_grpo.train.tasks.base import Prompt
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -35,14 +36,18 @@ class HFTokenizer:
     def __init__(self, tokenizer_dir: str, field: str = "math.tokenizer_dir") -> None:
         """``field``: the config field named in errors."""
         if not Path(tokenizer_dir).is_dir():
-            raise ValueError(f"{field} {tokenizer_dir!r} is not a directory")
+            raise InputError(f"{field} {tokenizer_dir!r} is not a directory")
         from transformers import AutoTokenizer
 
         self.dir = Path(tokenizer_dir)
 
-        self.hf = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+        try:
+            self.hf = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+        except (OSError, ValueError) as e:  # no or broken tokenizer files
+            why = " ".join(str(e).split())[:300] or type(e).__name__  # one line
+            raise InputError(f"{field} {tokenizer_dir!r}: cannot load a tokenizer: {why}") from e
         if self.hf.eos_token_id is None:
-            raise ValueError(f"the tokenizer in {tokenizer_dir!r} has no eos token")
+            raise InputError(f"the tokenizer in {tokenizer_dir!r} has no eos token")
 
     @property
     def vocab_size(self) -> int:
@@ -95,10 +100,10 @@ class HFTokenizer:
         try:
             value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
         except (ValueError, AttributeError) as e:
-            raise ValueError(f"{path}: not a JSON object ({e})") from None
+            raise InputError(f"{path}: not a JSON object ({e})") from None
         ids = value if isinstance(value, list) else [] if value is None else [value]
         if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-            raise ValueError(f"{path}: eos_token_id must be an id or a list of ids, got {value!r}")
+            raise InputError(f"{path}: eos_token_id must be an id or a list of ids, got {value!r}")
         return tuple(ids)
 
 
@@ -112,17 +117,17 @@ def read_jsonl_rows(path: str) -> list[tuple[str, str]]:
             row = json.loads(line)
             for key in ("prompt", "answer"):
                 if key not in row:
-                    raise ValueError(f"{path}:{lineno}: row has no {key!r} field")
+                    raise InputError(f"{path}:{lineno}: row has no {key!r} field")
             rows.append((str(row["prompt"]), str(row["answer"])))
     if not rows:
-        raise ValueError(f"math.data_path {path!r} has no rows")
+        raise InputError(f"math.data_path {path!r} has no rows")
     return rows
 
 
 class MathTask:
     def __init__(self, data_path: str, tokenizer_dir: str, prompt_template: str, seed: int):
         if "{prompt}" not in prompt_template:
-            raise ValueError("math.prompt_template must contain '{prompt}'")
+            raise InputError("math.prompt_template must contain '{prompt}'")
         self.rows = read_jsonl_rows(data_path)
         self.tokenizer = HFTokenizer(tokenizer_dir)
         self.template = prompt_template

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron_grpo.errors import InputError
 from megatron_grpo.train.plugins import load_object
 from megatron_grpo.train.tasks.base import Prompt, Tokenizer
 from megatron_grpo.train.tasks.verifiers import VERIFIERS
@@ -68,7 +69,7 @@ def _verl_keywords(fn: Callable[..., Any], spec: str) -> tuple[str, ...] | None:
         try:
             sig.bind("", "", "")
         except TypeError as e:
-            raise ValueError(
+            raise InputError(
                 f"rollout.reward_fn {spec!r} must take verl's keywords ({', '.join(VERL_KEYWORDS)})"
                 f" or (prompt, response, answer): {e}"
             ) from None
@@ -79,7 +80,7 @@ def _verl_keywords(fn: Callable[..., Any], spec: str) -> tuple[str, ...] | None:
         if p.kind in named and p.default is inspect.Parameter.empty and p.name not in names
     ]
     if required:
-        raise ValueError(
+        raise InputError(
             f"rollout.reward_fn {spec!r} takes verl's keywords but also requires {required}, "
             "which are never passed"
         )
