@@ -1,4 +1,4 @@
-"""Merged micro-batches for the no-grad log-prob passes (megatron/batch_merge.py): the merged
+"""Merged micro-batches for the no-grad log-prob passes (megatron/batch/merge.py): the merged
 batch holds every sequence in order, and its log-probs cut back per batch equal those of the
 separate batches (fp32, TP 2 + SP, where each batch is padded to the TP multiple)."""
 
@@ -11,7 +11,7 @@ import torch
 
 from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.megatron import GRPOStep, ParallelConfig
-from megatron_grpo.megatron.batch_merge import merge_groups, merge_packed, split_merged
+from megatron_grpo.megatron.batch.merge import merge_groups, merge_packed, split_merged
 from tests.dist_utils import run_distributed
 from tests.megatron_utils import build_layout, make_sequences, pack, tiny_model
 

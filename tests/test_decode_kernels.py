@@ -201,7 +201,7 @@ def _attention_test(dtype, device="cpu", b=5, groups=2, heads=3, d=24, seq=768):
     float64, bounded by the same-dtype SDPA with a key-padding mask."""
     from megatron_grpo.kernels import decode_attention
 
-    from megatron_grpo.megatron.layer_spec import sdpa
+    from megatron_grpo.megatron.model.layer_spec import sdpa
 
     g = torch.Generator().manual_seed(4)
     q = torch.randn(b, groups, heads, d, generator=g)

@@ -12,7 +12,7 @@ import torch
 
 from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.megatron import GRPOStep, ParallelConfig, unwrap
-from megatron_grpo.megatron.grouped_experts import GroupedExperts
+from megatron_grpo.megatron.moe.grouped_experts import GroupedExperts
 from megatron_grpo.ops.grouped_mm import grouped_mm, resolve_grouped_mm
 from tests.dist_utils import run_distributed
 from tests.megatron_utils import (
@@ -306,7 +306,7 @@ def test_chunk_sort_equals_megatron_split_cat(ranks, experts):
     megatron-core's split + cat, zero-size chunks included; the identity order copies nothing."""
     from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
 
-    from megatron_grpo.megatron.moe_permute import sort_chunks_by_index
+    from megatron_grpo.megatron.moe.permute import sort_chunks_by_index
 
     g = torch.Generator().manual_seed(ranks)
     sizes = torch.randint(0, 4, (ranks * experts,), generator=g)

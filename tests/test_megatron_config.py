@@ -16,7 +16,7 @@ from megatron_grpo.megatron import (
     split_for_context_parallel,
     to_transformer_config,
 )
-from megatron_grpo.megatron.batch import padded_layout, thd_partition_index
+from megatron_grpo.megatron.batch.packing import padded_layout, thd_partition_index
 
 BASE = {"vocab_size": 100, "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4}
 

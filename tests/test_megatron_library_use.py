@@ -63,7 +63,7 @@ def test_grpo_step_checks_the_model_config_and_eval_writes_no_gradients():
 def _reference_grads(ref, step, batches) -> dict[str, torch.Tensor]:
     """d(sum of loss sums / sum of counts) by plain autograd on an unwrapped model."""
     from megatron_grpo.megatron import unwrap
-    from megatron_grpo.megatron.transport import prepare_batch, run_model
+    from megatron_grpo.megatron.batch.transport import prepare_batch, run_model
 
     gpt = unwrap(ref[0])
     gpt.zero_grad(set_to_none=True)

@@ -107,7 +107,7 @@ def test_megatron_path_rejects_entropy_bonus():
 
 def test_logprob_path_is_chosen_once():
     """The step's path object is chosen when it is built; a wrong name fails there."""
-    from megatron_grpo.megatron.logprob_paths import HeadOpPath, MegatronPath
+    from megatron_grpo.megatron.step.logprob_paths import HeadOpPath, MegatronPath
 
     cfg = GRPOLossConfig()
     step = GRPOStep(cfg, vocab_size=VOCAB)

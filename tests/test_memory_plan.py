@@ -13,13 +13,7 @@ from megatron.core import parallel_state
 
 from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.megatron import ModelConfig, ParallelConfig, unwrap
-from megatron_grpo.megatron.dry_run import (
-    check_layout,
-    format_layout,
-    orthogonal_groups,
-    rank_layout,
-)
-from megatron_grpo.megatron.memory_plan import (
+from megatron_grpo.megatron.plan.memory import (
     GIB,
     ROW_BYTES,
     format_plan,
@@ -32,6 +26,12 @@ from megatron_grpo.ops import fused_grpo_loss
 from megatron_grpo.ops.plan import DEFAULT_MEMORY_BUDGET, TILE_FRACTION
 from megatron_grpo.ops.reference import STATS_BLOCK
 from megatron_grpo.ops.tiling import TILE_BYTES, Tiling
+from megatron_grpo.train.dry_run import (
+    check_layout,
+    format_layout,
+    orthogonal_groups,
+    rank_layout,
+)
 from tests.dist_utils import run_distributed
 from tests.megatron_utils import build_layout, tiny_model
 

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron_grpo.loss.segments import check_cu_seqlens
-from megatron_grpo.megatron import cp_attention as cpa
-from megatron_grpo.megatron.batch import (
+from megatron_grpo.megatron.attention import cp as cpa
+from megatron_grpo.megatron.batch.packing import (
     PackedBatch,
     pack_sequences,
     padded_layout,

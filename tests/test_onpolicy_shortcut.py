@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from megatron_grpo.loss import GRPOLossConfig, grpo_loss
-from megatron_grpo.megatron.batch import pack_sequences
-from megatron_grpo.megatron.forward import GRPOStep
+from megatron_grpo.megatron.batch.packing import pack_sequences
+from megatron_grpo.megatron.step.forward import GRPOStep
 from megatron_grpo.ops import fused_grpo_loss, vocab_parallel_logprobs
 from tests.dist_utils import run_distributed
 

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_grpo.megatron import packed_attention as pa
+from megatron_grpo.megatron.attention import packed as pa
 
 
 def _params(lens: list[int], padded: list[int] | None = None) -> PackedSeqParams:
@@ -135,7 +135,7 @@ def test_spec_sdpa_with_gqa_on_every_bucket_way_on_gpu(dtype):
     the same answer as the per-document float64 loop, within the dtype's error."""
     from functools import partial
 
-    from megatron_grpo.megatron.layer_spec import sdpa
+    from megatron_grpo.megatron.model.layer_spec import sdpa
 
     lens = [5, 1, 300, 3, 1024, 77, 640]
     q, k, v = _inputs(sum(lens), n_q=8, n_kv=2, d=128, dtype=dtype, dev="cuda")
@@ -175,8 +175,8 @@ def test_bf16_on_gpu_within_per_document_sdpa_error():
 def _cp_body(rank: int, world: int) -> None:
     import torch.distributed as dist
 
-    from megatron_grpo.megatron.batch import thd_partition_index
-    from megatron_grpo.megatron.cp_attention import cp_causal_attention
+    from megatron_grpo.megatron.attention.cp import cp_causal_attention
+    from megatron_grpo.megatron.batch.packing import thd_partition_index
     from megatron_grpo.megatron.parallel import redirect_cuda_device_to_cpu
 
     redirect_cuda_device_to_cpu()  # as initialize_parallel does: megatron's gather asks for it
@@ -216,7 +216,7 @@ def test_context_parallel_attention_matches_the_full_sequence(world):
 def test_no_host_sync_after_the_first_layer():
     """The layout (and the RoPE positions) are built once per micro-batch: later layers'
     attention and RoPE forwards run without a device-to-host sync."""
-    from megatron_grpo.megatron.packed_rope import PackedRope
+    from megatron_grpo.megatron.attention.rope import PackedRope
 
     lens = [5, 17, 3, 9, 33, 2]  # several length buckets
     params = _params(lens)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from megatron.core.models.common.embeddings import rope_utils
 
-from megatron_grpo.megatron.packed_rope import packed_positions
+from megatron_grpo.megatron.attention.rope import packed_positions
 from megatron_grpo.ops.rope import apply_rotary
 
 LAYOUTS = {

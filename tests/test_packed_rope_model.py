@@ -8,7 +8,7 @@ import torch
 
 from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.megatron import GRPOStep, ParallelConfig, pack_sequences
-from megatron_grpo.megatron.packed_rope import PackedRopeSelfAttention, set_packed_rope
+from megatron_grpo.megatron.attention.rope import PackedRopeSelfAttention, set_packed_rope
 from tests.dist_utils import run_distributed
 from tests.megatron_utils import (
     VOCAB,

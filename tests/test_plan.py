@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.loss import GRPOLossConfig, grpo_loss
-from megatron_grpo.megatron.memory_plan import GIB, loss_working_set
+from megatron_grpo.megatron.plan.memory import GIB, loss_working_set
 from megatron_grpo.ops import (
     DEFAULT_MEMORY_BUDGET,
     HeadShape,

@@ -13,8 +13,8 @@ from transformers import Qwen3Config, Qwen3MoeConfig
 from megatron_grpo.config import to_dict
 from megatron_grpo.convert.families import FAMILIES
 from megatron_grpo.convert.hf_config import check_same_architecture, model_config_from_hf
-from megatron_grpo.megatron.dry_run import dry_run
 from megatron_grpo.train.config import TrainConfig, load_train_config
+from megatron_grpo.train.dry_run import dry_run
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 FULL = ("qwen3_8b_long_sp", "qwen3_30b_a3b_moe")

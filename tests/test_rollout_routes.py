@@ -14,7 +14,7 @@ from megatron.core import parallel_state
 
 from megatron_grpo.loss import GRPOLossConfig, reduce_metrics
 from megatron_grpo.megatron import GRPOStep, ParallelConfig, unwrap
-from megatron_grpo.megatron.routing_replay import (
+from megatron_grpo.megatron.moe.routing_replay import (
     check_routes,
     record_routes,
     replay_mismatch,

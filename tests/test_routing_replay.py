@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from megatron_grpo.loss import GRPOLossConfig, reduce_metrics
-from megatron_grpo.megatron import GRPOStep, ParallelConfig, routing_replay, unwrap
-from megatron_grpo.megatron.batch import PackedBatch
-from megatron_grpo.megatron.routing_replay import (
+from megatron_grpo.megatron import GRPOStep, ParallelConfig, unwrap
+from megatron_grpo.megatron.batch.packing import PackedBatch
+from megatron_grpo.megatron.moe import routing_replay
+from megatron_grpo.megatron.moe.routing_replay import (
     NoRoutingReplay,
     RoutingReplay,
     check_routes,

@@ -13,7 +13,7 @@ import torch
 from megatron.core.transformer.mlp import MLP
 
 from megatron_grpo.megatron import ParallelConfig
-from megatron_grpo.megatron.layer_spec import SwiGLUMLP, set_layer_impl
+from megatron_grpo.megatron.model.layer_spec import SwiGLUMLP, set_layer_impl
 from megatron_grpo.ops.swiglu import swiglu, swiglu_torch
 from tests.dist_utils import run_distributed
 from tests.megatron_utils import build_layout, tiny_model

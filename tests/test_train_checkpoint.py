@@ -92,7 +92,7 @@ def _interrupted_save(trainer, ck: Path) -> None:
 
     from megatron_grpo.config import to_dict
     from megatron_grpo.convert import MODEL_CONFIG_NAME, read_model_config
-    from megatron_grpo.megatron.model import unwrap
+    from megatron_grpo.megatron.model.build import unwrap
     from megatron_grpo.train import checkpoint as ckpt
 
     before = {
@@ -145,7 +145,7 @@ def _model_files_body(rank: int, world: int, tmp: Path) -> None:
     from megatron_grpo.convert import MODEL_CONFIG_NAME, read_model_config
     from megatron_grpo.convert.families import FAMILIES
     from megatron_grpo.convert.hf_config import hf_config_from_model
-    from megatron_grpo.megatron.model import unwrap
+    from megatron_grpo.megatron.model.build import unwrap
 
     a = _run(
         tmp, "a", 1, [f"checkpoint.dir={tmp / 'a_ckpt'}", "model.position_embedding_type=rope"]
@@ -210,7 +210,7 @@ def _saved_layout(tmp_path: Path, **parallel) -> Path:
     """A directory whose common.pt holds a trainer config with ``parallel`` (what
     check_resume_layout reads; no tensors needed)."""
     from megatron_grpo.config import to_dict
-    from megatron_grpo.megatron.config import ParallelConfig
+    from megatron_grpo.megatron.model.config import ParallelConfig
 
     config = {"parallel": to_dict(ParallelConfig(**parallel))}
     torch.save({"trainer_state": {"config": config}}, tmp_path / "common.pt")
@@ -220,7 +220,7 @@ def _saved_layout(tmp_path: Path, **parallel) -> Path:
 
 def test_resume_refuses_another_model_parallel_layout_naming_both(tmp_path):
     from megatron_grpo.config import ConfigError
-    from megatron_grpo.megatron.config import ParallelConfig
+    from megatron_grpo.megatron.model.config import ParallelConfig
     from megatron_grpo.train.checkpoint import check_resume_layout
 
     saved = _saved_layout(tmp_path, tensor_model_parallel_size=2)

@@ -241,7 +241,7 @@ def _dp_body(rank: int, world: int, tmp: Path) -> None:
 
     import torch.distributed as dist
 
-    from megatron_grpo.megatron.model import unwrap
+    from megatron_grpo.megatron.model.build import unwrap
     from megatron_grpo.train.rollout_source import GeneratedRollouts
     from megatron_grpo.train.trainer import Trainer
 

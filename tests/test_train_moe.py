@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_grpo.megatron.batch import pack_sequences, padded_layout
+from megatron_grpo.megatron.batch.packing import pack_sequences, padded_layout
 from megatron_grpo.train.batching import pad_micro_batch, split_to_count
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,8 +138,12 @@ def test_mismatch_without_replay_needs_replay():
 
 
 def test_tracked_losses_follow_the_router_config():
-    from megatron_grpo.megatron.config import ModelConfig, ParallelConfig, to_transformer_config
-    from megatron_grpo.megatron.moe_metrics import tracked_losses
+    from megatron_grpo.megatron.model.config import (
+        ModelConfig,
+        ParallelConfig,
+        to_transformer_config,
+    )
+    from megatron_grpo.megatron.moe.metrics import tracked_losses
 
     def names(**kw):
         model = ModelConfig(vocab_size=16, num_moe_experts=4, **kw)

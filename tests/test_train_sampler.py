@@ -98,11 +98,11 @@ def _tp_body(rank: int, world: int, temperature: float, sequence_parallel: bool)
     import torch.distributed as dist
 
     from megatron_grpo.loss import GRPOLossConfig
-    from megatron_grpo.megatron.batch import pack_sequences
-    from megatron_grpo.megatron.config import ModelConfig, ParallelConfig
-    from megatron_grpo.megatron.forward import GRPOStep
-    from megatron_grpo.megatron.model import build_model, unwrap
+    from megatron_grpo.megatron.batch.packing import pack_sequences
+    from megatron_grpo.megatron.model.build import build_model, unwrap
+    from megatron_grpo.megatron.model.config import ModelConfig, ParallelConfig
     from megatron_grpo.megatron.parallel import initialize_parallel
+    from megatron_grpo.megatron.step.forward import GRPOStep
     from megatron_grpo.rollout import generate
 
     model_cfg = ModelConfig(

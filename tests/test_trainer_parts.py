@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_grpo.megatron.batch import pack_sequences
+from megatron_grpo.megatron.batch.packing import pack_sequences
 from megatron_grpo.rollout import Generation
 from megatron_grpo.train.batching import attach_logprobs
 from megatron_grpo.train.nonfinite import NonFiniteError, NonFiniteGuard

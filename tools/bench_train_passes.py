@@ -36,7 +36,7 @@ micro-batch of every timed pass, as a trainer meets them (each pass brings the a
 bucket shapes; FLOPs and MFU are those of the first batches).
 
 ``--rope`` (a comma list of ``ROPE[/LAYER[/BUCKETS]]``) is applied with
-``megatron_grpo.megatron.packed_rope.set_packed_rope`` (and ``set_layer_impl``,
+``megatron_grpo.megatron.attention.rope.set_packed_rope`` (and ``set_layer_impl``,
 ``set_packed_buckets``) on the same model, the rows of one L back to back: "megatron" is
 megatron-core's per-document loop (the "before"), "auto" / "torch" / "triton" our packed RoPE;
 BUCKETS "exact" runs mixed-length documents on torch's SDPA choice (cuDNN on Hopper, a plan
@@ -206,9 +206,9 @@ from megatron_grpo.megatron import (  # noqa: E402
     pack_sequences,
     unwrap,
 )
-from megatron_grpo.megatron.layer_spec import set_layer_impl, set_packed_buckets  # noqa: E402
-from megatron_grpo.megatron.packed_attention import BUCKETS  # noqa: E402
-from megatron_grpo.megatron.packed_rope import IMPLS, set_packed_rope  # noqa: E402
+from megatron_grpo.megatron.attention.packed import BUCKETS  # noqa: E402
+from megatron_grpo.megatron.attention.rope import IMPLS, set_packed_rope  # noqa: E402
+from megatron_grpo.megatron.model.layer_spec import set_layer_impl, set_packed_buckets  # noqa: E402
 from megatron_grpo.ops.dispatch import IMPLS as LAYER_IMPLS  # noqa: E402
 
 GIB = 2**30

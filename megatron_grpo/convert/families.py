@@ -1,7 +1,7 @@
 """Declarative HF <-> Megatron name maps, one per model family.
 
 A :class:`Rule` pairs Megatron parameter-name templates (the names of the GPTModel that
-``megatron_grpo.megatron.model`` builds; alternatives cover the portable and the Transformer
+``megatron_grpo.megatron.model.build`` builds; alternatives cover the portable and the Transformer
 Engine layer specs, and the SequentialMLP / TEGroupedMLP expert layouts) with the HF tensor
 names it is made of and the layout :class:`~megatron_grpo.convert.transforms.Transform`
 between them. Templates hold ``{layer}`` and ``{expert}`` placeholders; nothing else is

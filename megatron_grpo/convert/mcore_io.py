@@ -1,7 +1,7 @@
 """The Megatron side: the converter's view of the GPTModel and its torch_dist checkpoint.
 
 The checkpoint layout is never written down here: it is whatever ``sharded_state_dict()`` of
-the GPTModel from ``megatron_grpo.megatron.model.build_gpt_chunk`` says. The converter builds
+the GPTModel from ``megatron_grpo.megatron.model.build.build_gpt_chunk`` says. The converter builds
 that model on the meta device at TP=PP=EP=1 (no parameter memory), asks it for its sharded
 state dict (global keys, shapes, layer/expert offsets, swiglu split) and fills in the data:
 memory-mapped tensors, so ``dist_checkpointing.save`` streams them to disk.
@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megatron_grpo.convert.errors import ConversionError
-from megatron_grpo.megatron.config import ModelConfig, ParallelConfig, to_transformer_config
-from megatron_grpo.megatron.model import build_gpt_chunk
+from megatron_grpo.megatron.model.build import build_gpt_chunk
+from megatron_grpo.megatron.model.config import ModelConfig, ParallelConfig, to_transformer_config
 from megatron_grpo.megatron.parallel import cuda_compat, destroy_parallel, initialize_parallel
 
 # dict key (model parameter name) -> its checkpoint shards (2 for a swiglu-split linear_fc1)

@@ -12,35 +12,35 @@ Your own GPTModel: ``decoder_block_spec(config, use_te=False)`` (or ``portable_l
 layer) is the portable spec, which takes packed batches without Transformer Engine.
 """
 
-from megatron_grpo.megatron.batch import (
+from megatron_grpo.megatron.batch.packing import (
     PackedBatch,
     pack_sequences,
     packed_seq_params,
     split_for_context_parallel,
     thd_partition_index,
 )
-from megatron_grpo.megatron.config import (
+from megatron_grpo.megatron.layout import ParallelLayout
+from megatron_grpo.megatron.model.build import build_model, padded_vocab_size
+from megatron_grpo.megatron.model.config import (
     ModelConfig,
     ParallelConfig,
     check_parallel,
     to_transformer_config,
 )
-from megatron_grpo.megatron.forward import GRPOStep, get_forward_backward_func
-from megatron_grpo.megatron.gpt import (
+from megatron_grpo.megatron.model.gpt import (
     check_training_config,
     hidden_states_only,
     output_weight,
     unwrap,
 )
-from megatron_grpo.megatron.layer_spec import decoder_block_spec, portable_layer_spec
-from megatron_grpo.megatron.layout import ParallelLayout
-from megatron_grpo.megatron.model import build_model, padded_vocab_size
+from megatron_grpo.megatron.model.layer_spec import decoder_block_spec, portable_layer_spec
 from megatron_grpo.megatron.parallel import (
     cuda_compat,
     destroy_parallel,
     initialize_parallel,
     seed_everything,
 )
+from megatron_grpo.megatron.step.forward import GRPOStep, get_forward_backward_func
 
 __all__ = [
     "GRPOStep",

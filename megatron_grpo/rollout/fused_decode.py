@@ -33,8 +33,8 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor
 
-from megatron_grpo.megatron.layer_spec import Norm, SwiGLUMLP
-from megatron_grpo.megatron.packed_rope import PackedRopeSelfAttention
+from megatron_grpo.megatron.attention.rope import PackedRopeSelfAttention
+from megatron_grpo.megatron.model.layer_spec import Norm, SwiGLUMLP
 from megatron_grpo.ops.dispatch import resolve_impl, triton_runs_on
 from megatron_grpo.rollout import decode_ops
 from megatron_grpo.rollout.decode_ops import DecodeKernels

@@ -30,8 +30,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from megatron_grpo.megatron.layer_spec import sdpa
-from megatron_grpo.megatron.packed_attention import packed_causal_attention
+from megatron_grpo.megatron.attention.packed import packed_causal_attention
+from megatron_grpo.megatron.model.layer_spec import sdpa
 from megatron_grpo.ops.rope import rope_reference
 
 
@@ -134,7 +134,7 @@ def activation_width(cfg, tp: int) -> int:
 
 def _output_rows(model: torch.nn.Module) -> int:
     """Rows of this rank's output layer (``V_padded / TP``)."""
-    from megatron_grpo.megatron.gpt import output_weight
+    from megatron_grpo.megatron.model.gpt import output_weight
 
     return output_weight(model).size(0)
 

@@ -5,7 +5,7 @@ tensor (the layout of ``RolloutBatch.routed_experts``): row ``t`` holds the top-
 that each of the L MoE layers' routers chose for *input* token ``t`` of ``prompt + response``
 in the generation forward that fed that token: the prefill for prompt tokens, the decode step
 that fed response token ``t - P`` to sample the next one (the recompute engine: the step that
-first fed it). Training replays row ``t`` for the same input token (``megatron/batch.py``:
+first fed it). Training replays row ``t`` for the same input token (``megatron/batch/packing.py``:
 routes belong to input tokens, not shifted), so every log-prob of a response token is computed
 with the routes that produced it.
 
@@ -26,7 +26,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from megatron_grpo.megatron.routing_replay import RouteRecorder, num_moe_layers, record_routes
+from megatron_grpo.megatron.moe.routing_replay import RouteRecorder, num_moe_layers, record_routes
 
 
 class RouteLog:

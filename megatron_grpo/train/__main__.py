@@ -116,7 +116,7 @@ def _main(args: argparse.Namespace, argv: list[str], log: WarningLog) -> int:
     except (ConfigError, FileNotFoundError) as e:
         return report_error(e)
     if args.dry_run:
-        from megatron_grpo.megatron.dry_run import dry_run
+        from megatron_grpo.train.dry_run import dry_run
 
         world = args.world_size
         if world is None:

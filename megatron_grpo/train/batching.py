@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_grpo.megatron.batch import PackedBatch, pack_sequences, padded_layout
+from megatron_grpo.megatron.batch.packing import PackedBatch, pack_sequences, padded_layout
 from megatron_grpo.megatron.layout import sequence_multiple
 from megatron_grpo.megatron.parallel import comm_device
 from megatron_grpo.train.rollout_batch import RolloutBatch

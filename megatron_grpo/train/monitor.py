@@ -136,8 +136,8 @@ def config_summary(cfg: TrainConfig, dp_size: int, path: Path | str) -> str:
 def _param_count(cfg: TrainConfig) -> int | None:
     """The model's parameters (all ranks together), or None where the count fails."""
     try:
-        from megatron_grpo.megatron.config import ParallelConfig
-        from megatron_grpo.megatron.memory_plan import stage_params
+        from megatron_grpo.megatron.model.config import ParallelConfig
+        from megatron_grpo.megatron.plan.memory import stage_params
 
         dense, expert = stage_params(cfg.model, ParallelConfig(), 0)
     except Exception:  # a summary line is not worth failing a run for

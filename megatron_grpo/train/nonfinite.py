@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from megatron_grpo.megatron.batch import PackedBatch
+from megatron_grpo.megatron.batch.packing import PackedBatch
 from megatron_grpo.train import comm
 from megatron_grpo.train.batching import PER_TOKEN_INPUTS, nonfinite_inputs
 

@@ -13,7 +13,7 @@ from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_grpo.megatron.model import unwrap
+from megatron_grpo.megatron.model.build import unwrap
 from megatron_grpo.megatron.parallel import cuda_compat
 from megatron_grpo.train.config import OptimizerConfig
 

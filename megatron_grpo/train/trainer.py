@@ -27,13 +27,13 @@ from megatron.core import parallel_state
 from megatron_grpo.config import ConfigError, to_dict
 from megatron_grpo.errors import InputError
 from megatron_grpo.loss import compute_advantages
-from megatron_grpo.megatron.batch import PackedBatch
-from megatron_grpo.megatron.config import dispatcher_type
-from megatron_grpo.megatron.forward import GRPOStep, get_forward_backward_func
-from megatron_grpo.megatron.model import build_model, unwrap
-from megatron_grpo.megatron.moe_metrics import moe_loss_metrics
+from megatron_grpo.megatron.batch.packing import PackedBatch
+from megatron_grpo.megatron.model.build import build_model, unwrap
+from megatron_grpo.megatron.model.config import dispatcher_type
+from megatron_grpo.megatron.moe.metrics import moe_loss_metrics
+from megatron_grpo.megatron.moe.routing_replay import RoutingReplay
 from megatron_grpo.megatron.parallel import initialize_parallel, seed_everything
-from megatron_grpo.megatron.routing_replay import RoutingReplay
+from megatron_grpo.megatron.step.forward import GRPOStep, get_forward_backward_func
 from megatron_grpo.train import checkpoint as ckpt
 from megatron_grpo.train import comm
 from megatron_grpo.train import step_metrics as sm

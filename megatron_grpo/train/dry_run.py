@@ -1,7 +1,7 @@
 """The ``--dry-run`` of the trainer: validate a config's parallel layout against a world size,
 print which global ranks form each group (Megatron's default order ``tp-cp-ep-dp-pp``, checked
 against megatron-core's own ``RankGenerator``) and the per-rank memory plan
-(:mod:`megatron_grpo.megatron.memory_plan`), without GPUs, torch.distributed or a model.
+(:mod:`megatron_grpo.megatron.plan.memory`), without GPUs, torch.distributed or a model.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from itertools import pairwise
 from operator import mul
 from typing import Any, TextIO
 
-from megatron_grpo.megatron.config import ModelConfig, ParallelConfig, check_parallel
-from megatron_grpo.megatron.memory_plan import MemoryPlan, expert_tp_size, format_plan, memory_plan
+from megatron_grpo.megatron.model.config import ModelConfig, ParallelConfig, check_parallel
+from megatron_grpo.megatron.plan.memory import MemoryPlan, expert_tp_size, format_plan, memory_plan
 
 
 def orthogonal_groups(sizes: list[int], members: list[bool]) -> list[list[int]]:

@@ -56,14 +56,14 @@ from torch import Tensor
 from megatron_grpo.loss import GRPOLossConfig, LossInputs, local_denominator
 from megatron_grpo.loss.metrics import MeanMetric
 from megatron_grpo.loss.segments import host_to_device
-from megatron_grpo.megatron.batch import PackedBatch
-from megatron_grpo.megatron.batch_merge import merge_groups, merge_packed, split_merged
-from megatron_grpo.megatron.gpt import check_training_config, unwrap
+from megatron_grpo.megatron.batch.merge import merge_groups, merge_packed, split_merged
+from megatron_grpo.megatron.batch.packing import PackedBatch
+from megatron_grpo.megatron.batch.transport import full_logprobs, prepare_batch, run_model
 from megatron_grpo.megatron.layout import ParallelLayout
-from megatron_grpo.megatron.logprob_paths import LogprobPath, choose_path
+from megatron_grpo.megatron.model.gpt import check_training_config, unwrap
+from megatron_grpo.megatron.moe.routing_replay import replay_routes, set_replay_routes
 from megatron_grpo.megatron.parallel import cuda_compat
-from megatron_grpo.megatron.routing_replay import replay_routes, set_replay_routes
-from megatron_grpo.megatron.transport import full_logprobs, prepare_batch, run_model
+from megatron_grpo.megatron.step.logprob_paths import LogprobPath, choose_path
 from megatron_grpo.ops.options import LMHeadOptions, LMHeadRequest
 
 
@@ -111,7 +111,7 @@ class GRPOStep:
             read at each forward.
 
     The options become one :class:`LMHeadOptions` (``self.options``, validated here) and the
-    path one :class:`~megatron_grpo.megatron.logprob_paths.LogprobPath` (``self.path``),
+    path one :class:`~megatron_grpo.megatron.step.logprob_paths.LogprobPath` (``self.path``),
     both when the step is built.
     """
 
@@ -251,7 +251,7 @@ class GRPOStep:
         Batches carrying ``routes`` replay them (MoE routing replay).
 
         ``max_tokens``: run consecutive batches merged into micro-batches of up to this many
-        tokens (:mod:`~megatron_grpo.megatron.batch_merge`; the host's cost is per layer and
+        tokens (:mod:`~megatron_grpo.megatron.batch.merge`; the host's cost is per layer and
         micro-batch, not per token). The result is the same per batch. Every rank of a model
         replica must pass the same batches; ranks whose forwards are collectives with other
         replicas (MoE expert parallelism over DP) must get the same number of merged groups.

@@ -25,16 +25,16 @@ from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_grpo.megatron.config import (
+from megatron_grpo.megatron.model.config import (
     ModelConfig,
     ParallelConfig,
     check_parallel,
     to_transformer_config,
 )
-from megatron_grpo.megatron.gpt import unwrap  # noqa: F401 (model.unwrap: a public name)
-from megatron_grpo.megatron.layer_spec import HAVE_TE, decoder_block_spec
+from megatron_grpo.megatron.model.gpt import unwrap  # noqa: F401 (model.unwrap: a public name)
+from megatron_grpo.megatron.model.layer_spec import HAVE_TE, decoder_block_spec
+from megatron_grpo.megatron.moe.routing_replay import route_hooks
 from megatron_grpo.megatron.parallel import cuda_compat
-from megatron_grpo.megatron.routing_replay import route_hooks
 
 
 def padded_vocab_size(model_cfg: ModelConfig, tp: int) -> int:

@@ -37,8 +37,8 @@ from megatron.core.tensor_parallel.random import (
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_grpo.megatron.compat import use_index_chunk_sort
-from megatron_grpo.megatron.expert_checkpoint import (
+from megatron_grpo.megatron.model.compat import use_index_chunk_sort
+from megatron_grpo.megatron.moe.expert_checkpoint import (
     ExpertShards,
     expert_extra_states,
     stacked_expert_factory,

@@ -7,7 +7,7 @@ working set. Parameter counts are exact for the models ``build_model`` builds (t
 them with ``numel``); activations and working sets are estimates whose assumptions the plan
 lists. The log-prob working set is that of the LM-head plan the step runs
 (:func:`megatron_grpo.ops.plan.plan_lm_head`: path, tiles, loop order, d_weight mode). The rank
-layout and ``--dry-run`` live in :mod:`megatron_grpo.megatron.dry_run`.
+layout and ``--dry-run`` live in :mod:`megatron_grpo.train.dry_run`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from megatron_grpo.loss import GRPOLossConfig
-from megatron_grpo.megatron.config import ModelConfig, ParallelConfig
 from megatron_grpo.megatron.layout import ParallelLayout
-from megatron_grpo.megatron.model import padded_vocab_size
+from megatron_grpo.megatron.model.build import padded_vocab_size
+from megatron_grpo.megatron.model.config import ModelConfig, ParallelConfig
 from megatron_grpo.ops.plan import REQUESTS, HeadShape, LMHeadPlan, plan_lm_head
 from megatron_grpo.ops.reference import STATS_BLOCK
 

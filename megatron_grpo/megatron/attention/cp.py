@@ -29,7 +29,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from torch.nn.attention.bias import causal_lower_right
 
-from megatron_grpo.megatron.packed_attention import SDPA, cached_layout
+from megatron_grpo.megatron.attention.packed import SDPA, cached_layout
 
 # A document whose chunk (padded length / (2 * CP)) has at least this many tokens gets a group of
 # its exact length: one flash-capable SDPA call per query chunk under a lower-right causal mask,

@@ -111,7 +111,7 @@ def use_index_chunk_sort() -> bool:
     ``GroupedExperts`` built, so a process of SequentialMLP models runs megatron-core's own."""
     from megatron.core.transformer.moe import token_dispatcher
 
-    from megatron_grpo.megatron.moe_permute import sort_chunks_by_index
+    from megatron_grpo.megatron.moe.permute import sort_chunks_by_index
 
     if token_dispatcher.sort_chunks_by_idxs is sort_chunks_by_index:
         return False

@@ -12,15 +12,15 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
 from megatron_grpo.loss.segments import host_to_device
-from megatron_grpo.megatron.batch import (
+from megatron_grpo.megatron.batch.packing import (
     PackedBatch,
     packed_seq_params,
     padded_layout,
     split_for_context_parallel,
     thd_partition_index,
 )
-from megatron_grpo.megatron.gpt import hidden_states_only, output_weight, unwrap
 from megatron_grpo.megatron.layout import ParallelLayout
+from megatron_grpo.megatron.model.gpt import hidden_states_only, output_weight, unwrap
 from megatron_grpo.megatron.parallel import comm_device
 
 

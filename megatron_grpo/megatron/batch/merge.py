@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from megatron_grpo.megatron.batch import PackedBatch
+from megatron_grpo.megatron.batch.packing import PackedBatch
 
 
 def merge_groups(batches: Sequence[PackedBatch], max_tokens: int) -> list[list[int]]:

@@ -7,7 +7,7 @@ a step needs on the last stage: the training loss of a micro-batch and its no-gr
 * :class:`HeadOpPath` ("fused", "fused_tiled", "fused_single_pass", "op"): the LM-head op on
   the output weight; the plan of each call picks how it runs (:mod:`megatron_grpo.ops.plan`).
 * :class:`MegatronPath` ("megatron"): Megatron's output layer and cross entropy
-  (:func:`megatron_grpo.megatron.baseline.megatron_logprobs`), then ``grpo_loss``.
+  (:func:`megatron_grpo.megatron.step.baseline.megatron_logprobs`), then ``grpo_loss``.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from torch import Tensor
 
 from megatron_grpo.loss import GRPOLossConfig, LossInputs, grpo_loss
 from megatron_grpo.loss.metrics import MetricDict
-from megatron_grpo.megatron.baseline import megatron_logprobs
-from megatron_grpo.megatron.gpt import output_weight
 from megatron_grpo.megatron.layout import ParallelLayout
+from megatron_grpo.megatron.model.gpt import output_weight
+from megatron_grpo.megatron.step.baseline import megatron_logprobs
 from megatron_grpo.ops import fused_grpo_loss, vocab_parallel_logprobs
 from megatron_grpo.ops.options import LMHeadOptions
 from megatron_grpo.ops.plan import resolve_request

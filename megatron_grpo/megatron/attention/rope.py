@@ -1,0 +1,193 @@
+"""RoPE of packed (THD) micro-batches in one op per tensor and layer, not one per document.
+
+megatron-core (0.14-0.19) applies RoPE to packed sequences in a Python loop over the documents,
+at every layer, for q and k, forward and backward (``_apply_rotary_pos_emb_thd``): hundreds of
+small kernels per layer on a batch of short rollouts. The portable spec's attention
+(:class:`PackedRopeSelfAttention`) instead hands the rotary table to the core attention, which
+gathers ``cos`` / ``sin`` at each token's position (:func:`packed_positions`, megatron's
+positions, context-parallel halves included) once per micro-batch and applies
+:func:`megatron_grpo.ops.rope.apply_rotary` to q and k: the same formula, mscale (YaRN),
+interleaving and partial rotary, equal bit for bit in the torch reference.
+
+The choice is data: ``PackedRopeSelfAttention.packed_rope`` is one of :data:`IMPLS` ("auto",
+"torch", "triton", or "megatron" = megatron-core's own loop, the baseline), set for a model with
+:func:`set_packed_rope`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer import attention as mcore_attention
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch import Tensor
+
+from megatron_grpo.megatron.attention.packed import cached_layout
+from megatron_grpo.ops.rope import apply_rotary
+
+IMPLS = ("auto", "torch", "triton", "megatron")
+
+
+def packed_positions(bounds: list[int], tokens: int, cp_size: int = 1, cp_rank: int = 0) -> Tensor:
+    """Each local token's position in its document, as megatron-core's THD RoPE assigns it.
+
+    ``bounds``: the documents' (padded) ``cu_seqlens`` of the whole batch; the local tensor holds
+    ``tokens`` rows: document i's ``(b[i+1] - b[i]) / cp_size`` tokens in turn, made of the two
+    halves (chunks ``cp_rank`` and ``2 * cp_size - 1 - cp_rank``) of the load-balanced CP split.
+    Rows after the last document (padding) get position 0. Returns int64 ``[tokens]`` (CPU).
+    """
+    cu = torch.tensor(bounds, dtype=torch.long) // cp_size
+    j = torch.arange(tokens)
+    doc = torch.searchsorted(cu[1:], j, right=True)  # first document ending after j
+    inside = doc < cu.numel() - 1
+    doc = doc.clamp(max=max(cu.numel() - 2, 0))
+    off = j - cu[doc] if cu.numel() > 1 else torch.zeros_like(j)
+    if cp_size > 1:
+        local = cu[doc + 1] - cu[doc]
+        half = local // 2
+        back = cp_size * local - (cp_rank + 1) * half + off - half
+        off = torch.where(off < half, cp_rank * half + off, back)
+    return torch.where(inside, off, 0)
+
+
+@dataclass(eq=False)
+class PackedRope:
+    """The rotary tables of one micro-batch's forward, applied by the core attention."""
+
+    q_freqs: Tensor  # [S_max, 1, 1, ROT] fp32: megatron-core's RotaryEmbedding output
+    k_freqs: Tensor
+    mscale: float  # YaRN's concentration factor, as megatron-core's attention applies it
+    interleaved: bool
+    impl: str  # "auto" | "torch" | "triton"
+    cp_size: int
+    cp_rank: int
+    _tables: dict = field(default_factory=dict, repr=False)
+
+    def apply(self, query: Tensor, key: Tensor, params: PackedSeqParams) -> tuple[Tensor, Tensor]:
+        """RoPE of ``query [T, n_q, d]`` and ``key [T, n_kv, d]``."""
+        qc, qs = self._table(self.q_freqs, query, params)
+        kc, ks = (
+            (qc, qs) if self.k_freqs is self.q_freqs else self._table(self.k_freqs, key, params)
+        )
+        query = apply_rotary(query, qc, qs, interleaved=self.interleaved, impl=self.impl)
+        key = apply_rotary(key, kc, ks, interleaved=self.interleaved, impl=self.impl)
+        return query, key
+
+    def _table(self, freqs: Tensor, x: Tensor, params: PackedSeqParams) -> tuple[Tensor, Tensor]:
+        """``cos, sin [T, ROT]`` in ``x``'s dtype at each token's position (cached)."""
+        key = (id(freqs), x.dtype, x.device)
+        if key not in self._tables:
+            pos = _positions(params, x.size(0), freqs.size(0), self.cp_size, self.cp_rank, x.device)
+            table = freqs.reshape(freqs.size(0), -1)  # [S_max, ROT]
+            # megatron-core: (cos(freqs) * mscale).to(dtype), per element
+            cos = (torch.cos(table) * self.mscale).to(x.dtype)[pos]
+            sin = (torch.sin(table) * self.mscale).to(x.dtype)[pos]
+            self._tables[key] = (cos, sin)
+        return self._tables[key]
+
+
+def _positions(
+    params: PackedSeqParams, tokens: int, rows: int, cp_size: int, cp_rank: int, device
+) -> Tensor:
+    """:func:`packed_positions` of ``params`` on ``device`` (cached on ``params``); an error when
+    a document is longer than the rotary table (megatron-core would fail on it too)."""
+
+    def build(bounds: list[int]) -> Tensor:
+        longest = max((b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)), default=0)
+        if longest > rows:
+            raise ValueError(
+                f"packed_seq_params: a document of {longest} tokens but the rotary table has "
+                f"{rows} rows (max_seqlen_q={params.max_seqlen_q} is below the longest document)"
+            )
+        return packed_positions(bounds, tokens, cp_size, cp_rank).to(device, non_blocking=True)
+
+    return cached_layout(params, f"_grpo_rope_positions_{tokens}", device, build)
+
+
+@dataclass(eq=False)
+class RopedPackedSeqParams(PackedSeqParams):
+    """``PackedSeqParams`` that carry the RoPE the core attention still has to apply."""
+
+    rope: PackedRope | None = None
+
+
+def is_thd(params: PackedSeqParams | None) -> bool:
+    return params is not None and params.qkv_format == "thd"
+
+
+def supports(config: TransformerConfig) -> bool:
+    """Whether the model's RoPE is the plain / YaRN / partial / interleaved kind handled here
+    (multi-latent attention and multimodal RoPE stay on megatron-core's path)."""
+    return not config.multi_latent_attention and getattr(config, "mrope_section", None) is None
+
+
+def _mscale(config: TransformerConfig) -> float:
+    # megatron-core >= 0.16 scales cos / sin by YaRN's concentration factor in the attention;
+    # 0.14 / 0.15 do not (their YaRN folds it elsewhere).
+    factor = getattr(mcore_attention, "_yarn_get_concentration_factor_from_config", None)
+    return 1.0 if factor is None else float(factor(config))
+
+
+def roped_params(
+    params: PackedSeqParams, emb: Tensor | tuple[Tensor, Tensor], config: TransformerConfig,
+    impl: str,
+) -> RopedPackedSeqParams:  # fmt: skip
+    """``params`` carrying the RoPE of ``emb`` (cached on ``params``: every layer and the
+    recompute in backward get the same object, hence the same position and cos / sin tables)."""
+    q_freqs, k_freqs = emb if isinstance(emb, tuple) else (emb, emb)
+    cached = params.__dict__.get("_grpo_roped")
+    if cached is not None and cached[0] is q_freqs and cached[1] is k_freqs and cached[2] == impl:
+        return cached[3]
+    cp = config.context_parallel_size
+    rope = PackedRope(
+        q_freqs, k_freqs, _mscale(config), bool(config.rotary_interleaved), impl, cp,
+        parallel_state.get_context_parallel_rank() if cp > 1 else 0,
+    )  # fmt: skip
+    # A copy of the fields (no __post_init__: nothing is recomputed), plus the rope.
+    roped = RopedPackedSeqParams.__new__(RopedPackedSeqParams)
+    roped.__dict__.update({f.name: getattr(params, f.name) for f in dataclasses.fields(params)})
+    roped.rope = rope
+    params.__dict__["_grpo_roped"] = (q_freqs, k_freqs, impl, roped)
+    return roped
+
+
+class PackedRopeSelfAttention(SelfAttention):
+    """megatron-core's ``SelfAttention``; on packed (THD) batches outside inference its RoPE is
+    left to the core attention (``RopedPackedSeqParams``), one op per tensor instead of
+    megatron-core's per-document loop. ``packed_rope`` ("auto" | "torch" | "triton" |
+    "megatron") picks the path; "megatron" keeps megatron-core's."""
+
+    packed_rope: str = "auto"
+
+    def forward(self, hidden_states: Tensor, *args, **kwargs):
+        emb, params = kwargs.get("rotary_pos_emb"), kwargs.get("packed_seq_params")
+        if (
+            self.packed_rope != "megatron"
+            and emb is not None
+            and is_thd(params)
+            and kwargs.get("inference_context") is None
+            and supports(self.config)
+        ):
+            kwargs["rotary_pos_emb"] = None
+            kwargs["packed_seq_params"] = roped_params(params, emb, self.config, self.packed_rope)
+        return super().forward(hidden_states, *args, **kwargs)
+
+
+def set_packed_rope(model: torch.nn.Module | list[torch.nn.Module], impl: str) -> int:
+    """Set how every portable-spec attention of ``model`` (a module or the list of chunks)
+    applies packed RoPE; returns how many attention modules were set."""
+    if impl not in IMPLS:
+        raise ValueError(f"packed_rope must be one of {IMPLS}, got {impl!r}")
+    chunks = model if isinstance(model, list) else [model]
+    count = 0
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, PackedRopeSelfAttention):
+                module.packed_rope = impl
+                count += 1
+    return count

@@ -1,0 +1,1 @@
+"""The per-rank memory plan, without GPUs and without a model (:mod:`.memory`)."""
