@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatron_grpo.config import ConfigError
+from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.train.config import TrainConfig, load_train_config
 from megatron_grpo.train.evaluation import (
     Evaluator,
@@ -159,7 +160,7 @@ def _dp2_body(rank: int, world: int) -> None:
     from megatron_grpo.megatron.parallel import destroy_parallel, initialize_parallel
     from megatron_grpo.rollout import Generation
 
-    initialize_parallel(ParallelConfig(tensor_model_parallel_size=1), seed=0)  # DP 2
+    layout = initialize_parallel(ParallelConfig(tensor_model_parallel_size=1), seed=0)  # DP 2
     generated: list[int] = []
 
     def fake_generate(model, samples, params, generator, *, engine):
@@ -173,7 +174,7 @@ def _dp2_body(rank: int, world: int) -> None:
         cfg = _cfg(f"evaluation.n_samples={N}", "evaluation.temperature=0.5",
                    f"training.steps={STEPS}", "rollout.engine.kind=recompute")  # fmt: skip
         task = _ValTask()
-        evaluator = Evaluator(cfg, task, rank, world)
+        evaluator = Evaluator(cfg, task, layout)
         monitor = _Monitor()
         evaluator.attach(torch.nn.Linear(1, 1), None, monitor)
         evaluator.log_initial(0, monitor)
@@ -204,10 +205,10 @@ def test_evaluator_over_two_dp_ranks():
 
 
 def test_evaluator_off_or_without_prompts():
-    off = Evaluator(load_train_config(RECIPE), None, 0, 1)
+    off = Evaluator(load_train_config(RECIPE), None, ParallelLayout())
     assert not off.enabled and off.after_step(5) == {}
     off.attach(None, None)  # no-ops
     with pytest.raises(ValueError, match="rollout.dataset.val_files has no prompts left"):
-        Evaluator(_cfg(), _ValTask(prompts=[]), 0, 1)
-    limited = Evaluator(_cfg("evaluation.max_prompts=2"), _ValTask(), 0, 1)
+        Evaluator(_cfg(), _ValTask(prompts=[]), ParallelLayout())
+    limited = Evaluator(_cfg("evaluation.max_prompts=2"), _ValTask(), ParallelLayout())
     assert [p.text for p in limited.prompts] == ["0", "1"] and limited.sources == ["even", "odd"]

@@ -36,6 +36,7 @@ def _requests(prompts, uniforms, limits=None):
 def _teacher_forced(model, reqs, params, version: int):
     """For every token of ``version``: the token and log-prob the recompute oracle samples from
     its prefix under the current weights with its uniform number."""
+    from megatron_grpo.megatron.layout import ParallelLayout
     from megatron_grpo.rollout import model_io as io
     from megatron_grpo.rollout.sampling import sample
 
@@ -48,8 +49,9 @@ def _teacher_forced(model, reqs, params, version: int):
                 want.append((r.tokens[t], r.logprobs[t]))
     model.eval()
     with torch.no_grad():
-        hidden = io.packed_last_hidden(model, *io.packed_inputs(seqs, 1))
-        tokens, logp = sample(io.head_logits(model, hidden), torch.stack(uniforms), params)
+        layout = ParallelLayout.current(model.config.sequence_parallel)
+        hidden = io.packed_last_hidden(model, *io.packed_inputs(seqs, 1), layout=layout)
+        tokens, logp = sample(io.head_logits(model, hidden, layout), torch.stack(uniforms), params)
     return want, list(zip(tokens.tolist(), logp.tolist(), strict=True))
 
 

@@ -289,6 +289,7 @@ def test_compaction_moves_each_row_from_where_its_cache_is():
 def test_expandable_segments_turn_decode_graphs_off(monkeypatch, env, found):
     """Decode graph capture stalled under expandable segments (measured on 2 H200s): auto
     graphs are off with the reason in the start-up line; explicit graphs are an error."""
+    from megatron_grpo.megatron.layout import ParallelLayout
     from megatron_grpo.rollout import EngineOptions, KVCacheEngine
     from megatron_grpo.rollout import engine as engine_mod
     from megatron_grpo.rollout.graphs import ALLOC_CONF_VARS, expandable_segments
@@ -304,9 +305,10 @@ def test_expandable_segments_turn_decode_graphs_off(monkeypatch, env, found):
     model = SimpleNamespace(config=SimpleNamespace(num_moe_experts=None))  # a dense GPU model
     monkeypatch.setattr(engine_mod.io, "model_device", lambda m: torch.device("cuda"))
     monkeypatch.setattr(engine_mod.fd, "plan_decode", lambda *a, **k: None)
-    engine = KVCacheEngine(model)
+    layout = ParallelLayout()
+    engine = KVCacheEngine(model, layout=layout)
     assert not engine.use_graphs and engine.graphs is None
     assert engine.graphs_off == f"off: {expandable_segments()}"
     with pytest.raises(ValueError, match="decode graphs do not capture with .*expandable"):
-        KVCacheEngine(model, EngineOptions(cuda_graphs=True))
-    assert KVCacheEngine(model, EngineOptions(cuda_graphs=False)).graphs_off == ""
+        KVCacheEngine(model, EngineOptions(cuda_graphs=True), layout=layout)
+    assert KVCacheEngine(model, EngineOptions(cuda_graphs=False), layout=layout).graphs_off == ""

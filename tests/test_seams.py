@@ -178,6 +178,21 @@ def test_parallel_layout_checks():
         ParallelLayout(cp_size=2, cp_rank=2)
 
 
+def test_parallel_layout_roles():
+    from megatron_grpo.megatron import ParallelLayout
+
+    one = ParallelLayout()
+    assert one.is_logging_rank and one.is_replica_writer and one.is_first_stage
+    assert one.is_last_stage and (one.dp_size, one.dp_group) == (1, None)
+    mid = ParallelLayout(tp_size=2, tp_rank=1, pp_size=2, pp_rank=1, dp_cp_size=2)
+    assert mid.is_last_stage and not mid.is_first_stage
+    assert not mid.is_logging_rank and not mid.is_replica_writer
+    assert ParallelLayout(pp_size=2, dp_cp_size=2, dp_cp_rank=1, cp_size=2).is_replica_writer
+    assert not ParallelLayout(pp_size=2, pp_rank=1, dp_cp_size=2, dp_cp_rank=1).is_logging_rank
+    with pytest.raises(ValueError, match="dp_rank"):
+        ParallelLayout(dp_size=2, dp_rank=2)
+
+
 def _current_body(rank: int, world: int) -> None:
     from megatron_grpo.megatron import ParallelConfig, ParallelLayout, initialize_parallel
 
@@ -185,7 +200,10 @@ def _current_body(rank: int, world: int) -> None:
     layout = initialize_parallel(par, seed=1)
     assert (layout.tp_size, layout.tp_rank, layout.token_multiple) == (2, rank, 2)
     assert layout.tp_group is not None and layout.cp_group is None
-    assert layout.is_pipeline_last_stage
+    assert layout.is_pipeline_last_stage and layout.is_last_stage
+    assert (layout.dp_size, layout.dp_cp_size, layout.tp_src_rank) == (1, 1, 0)
+    assert layout.dp_group is not None and layout.mp_group is not None
+    assert layout.is_replica_writer == (rank == 0) == layout.is_logging_rank
     assert ParallelLayout.current(sequence_parallel=True) == layout
 
 
@@ -193,6 +211,33 @@ def test_initialize_parallel_returns_the_layout():
     from tests.dist_utils import run_distributed
 
     run_distributed(_current_body, 2)
+
+
+# The modules that build the layout or the model, the only ones that read megatron-core's
+# parallel_state; every other module is handed a ParallelLayout (the reward scorer of a
+# plug-in's source looks it up through megatron/parallel.py's current_layout).
+READS_PARALLEL_STATE = {
+    "megatron_grpo.megatron.layout",  # ParallelLayout.current: the one read of every fact
+    "megatron_grpo.megatron.parallel",  # initializes it, seeds per rank
+    "megatron_grpo.megatron.model.build",  # pipeline stages of each chunk, checks the sizes
+    "megatron_grpo.megatron.model.layer_spec",  # the CP group of the model's attention
+    "megatron_grpo.megatron.attention.rope",  # the CP rank inside the model's RoPE
+    "megatron_grpo.megatron.moe.grouped_experts",  # the expert groups of the built layer
+    "megatron_grpo.megatron.moe.routing_replay",  # the TP split inside the router's hooks
+    "megatron_grpo.train.dry_run",  # megatron-core's RankGenerator class, no process state
+}
+
+
+def test_only_the_layout_and_model_builders_read_parallel_state():
+    readers = set()
+    for name, path in _modules().items():
+        targets = _imports(path, runtime_only=False)
+        if any(t.startswith("megatron.core.parallel_state") for t in targets):
+            readers.add(name)
+    assert readers <= READS_PARALLEL_STATE, (
+        "read the ParallelLayout instead of megatron-core's parallel_state in: "
+        + ", ".join(sorted(readers - READS_PARALLEL_STATE))
+    )
 
 
 # ---------------------------------------------------------------- one-way dependencies

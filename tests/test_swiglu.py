@@ -107,7 +107,9 @@ def _decode_support_body(rank: int, world: int) -> None:
 
     for bias in (False, True):
         chunks = build_layout(ParallelConfig(), tiny_model(add_bias_linear=bias))
-        assert unsupported(unwrap(chunks[0])) == "", "the fused decode step refuses the spec"
+        assert unsupported(unwrap(chunks[0]), tp_size=1) == "", (
+            "the fused decode step refuses the spec"
+        )
 
 
 def test_fused_decode_step_accepts_the_portable_spec():

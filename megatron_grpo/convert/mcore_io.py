@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, parallel_state
+from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
@@ -27,7 +27,12 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from megatron_grpo.convert.errors import ConversionError
 from megatron_grpo.megatron.model.build import build_gpt_chunk
 from megatron_grpo.megatron.model.config import ModelConfig, ParallelConfig, to_transformer_config
-from megatron_grpo.megatron.parallel import cuda_compat, destroy_parallel, initialize_parallel
+from megatron_grpo.megatron.parallel import (
+    cuda_compat,
+    destroy_parallel,
+    initialize_parallel,
+    parallel_initialized,
+)
 
 # dict key (model parameter name) -> its checkpoint shards (2 for a swiglu-split linear_fc1)
 Entries = dict[str, list[ShardedTensor]]
@@ -55,7 +60,7 @@ def single_process_megatron() -> Iterator[None]:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     elif dist.get_world_size() != 1:
         raise ConversionError("checkpoint conversion runs in one process, not under torchrun")
-    created_ps = not parallel_state.model_parallel_is_initialized()
+    created_ps = not parallel_initialized()
     try:
         initialize_parallel(ParallelConfig(), seed=0)
         yield

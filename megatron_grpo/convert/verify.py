@@ -84,8 +84,9 @@ def load_megatron_model(
     """The GPTModel of ``ckpt_dir`` at the initialized TP, fp32, weights loaded through
     ``dist_checkpointing`` (resharding to this TP) and rounded to ``weight_dtype`` when given.
     Call after ``initialize_parallel``."""
-    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core import dist_checkpointing
 
+    from megatron_grpo.megatron.layout import ParallelLayout
     from megatron_grpo.megatron.model.build import build_model, unwrap
     from megatron_grpo.megatron.model.config import ParallelConfig, to_transformer_config
     from megatron_grpo.megatron.parallel import cuda_compat
@@ -94,7 +95,7 @@ def load_megatron_model(
     cfg = dataclasses.replace(
         read_model_config(ckpt_dir / MODEL_CONFIG_NAME), params_dtype="float32"
     )
-    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tp = ParallelLayout.current(sequence_parallel=False).tp_size
     par = ParallelConfig(tensor_model_parallel_size=tp)
     tcfg = to_transformer_config(cfg, par, params_dtype=torch.float32, **cpu_moe_overrides(cfg))
     model = unwrap(build_model(cfg, par, wrap_ddp=False, transformer_config=tcfg)[0])

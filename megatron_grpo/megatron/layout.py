@@ -1,9 +1,15 @@
-"""``ParallelLayout``: this rank's place in the TP / SP / CP / EP / PP layout, as one value.
+"""``ParallelLayout``: this rank's place in the TP / SP / CP / EP / PP / DP layout, as one value.
 
-Read once from megatron-core's ``parallel_state`` after ``initialize_parallel``
-(:meth:`ParallelLayout.current`), or from a :class:`ParallelConfig` alone for planning before
-any process group exists (:meth:`ParallelLayout.of_config`: sizes, rank 0, no groups). The
-padding rules of packed micro-batches live here and nowhere else:
+Every process fact the package needs: sizes, ranks and groups of each dimension (DP, DP x CP and
+the MoE groups included) and the roles a rank plays (:attr:`~ParallelLayout.is_logging_rank`,
+:attr:`~ParallelLayout.is_replica_writer`, :attr:`~ParallelLayout.is_last_stage`, ...). Read once
+from megatron-core's ``parallel_state`` after ``initialize_parallel``
+(:meth:`ParallelLayout.current`), which returns it; the trainer passes it on to batching, the
+evaluator, the partial rollouts, the metrics and the step. Outside the modules that build the
+layout or the model nothing reads ``parallel_state`` (``tests/test_seams.py`` checks it). From a
+:class:`ParallelConfig` alone for planning before any process group exists
+(:meth:`ParallelLayout.of_config`: sizes, rank 0, no groups). The padding rules of packed
+micro-batches live here and nowhere else:
 
 * :attr:`ParallelLayout.token_multiple`: under sequence parallelism the decoder splits the
   packed tokens over the TP ranks, so a packed micro-batch (and each CP rank's shard of it) is
@@ -32,7 +38,11 @@ def sequence_multiple(cp_size: int, token_multiple: int) -> int:
 class ParallelLayout:
     """Sizes, this rank's ranks and the groups of each parallel dimension (module docstring).
 
-    A group is None where its size is 1 (the ops read None as "no TP / no CP").
+    A model-parallel group (TP, CP, EP, PP, the expert tensor-and-model group) is None where its
+    size is 1 (the ops read None as "no TP / no CP"). The data-parallel groups (DP, DP x CP, the
+    model-parallel group of one replica) are the groups themselves at any size, since a reduce
+    over None would span the world; None only in a layout without process groups (planning,
+    a single process). ``*_src_rank`` / ``pp_first_rank``: global ranks (broadcast sources).
     """
 
     tp_size: int = 1
@@ -48,9 +58,20 @@ class ParallelLayout:
     cp_group: dist.ProcessGroup | None = None
     ep_group: dist.ProcessGroup | None = None
     pp_group: dist.ProcessGroup | None = None
+    dp_size: int = 1
+    dp_rank: int = 0
+    dp_cp_size: int = 1
+    dp_cp_rank: int = 0
+    dp_group: dist.ProcessGroup | None = None
+    dp_cp_group: dist.ProcessGroup | None = None
+    mp_group: dist.ProcessGroup | None = None
+    expert_tp_ep_group: dist.ProcessGroup | None = None
+    tp_src_rank: int = 0
+    cp_src_rank: int = 0
+    pp_first_rank: int = 0
 
     def __post_init__(self) -> None:
-        for dim in ("tp", "cp", "ep", "pp"):
+        for dim in ("tp", "cp", "ep", "pp", "dp", "dp_cp"):
             size, rank = getattr(self, f"{dim}_size"), getattr(self, f"{dim}_rank")
             if not isinstance(size, int) or size < 1:
                 raise ValueError(f"{dim}_size must be an int >= 1, got {size!r}")
@@ -70,8 +91,27 @@ class ParallelLayout:
         return sequence_multiple(self.cp_size, self.token_multiple)
 
     @property
-    def is_pipeline_last_stage(self) -> bool:
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """The last pipeline stage (virtual stages aside): it holds the logits and the loss."""
         return self.pp_rank == self.pp_size - 1
+
+    is_pipeline_last_stage = is_last_stage
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """The one rank that holds the loss metrics and logs: the last pipeline stage's first
+        TP and DP x CP rank."""
+        return self.is_last_stage and self.tp_rank == 0 and self.dp_cp_rank == 0
+
+    @property
+    def is_replica_writer(self) -> bool:
+        """The one rank of each model replica (data-parallel rank) that writes its files: the
+        first TP, PP and CP rank."""
+        return self.tp_rank == 0 and self.pp_rank == 0 and self.cp_rank == 0
 
     @staticmethod
     def current(sequence_parallel: bool) -> ParallelLayout:
@@ -97,6 +137,17 @@ class ParallelLayout:
             cp_group=ps.get_context_parallel_group() if cp > 1 else None,
             ep_group=ps.get_expert_model_parallel_group() if ep > 1 else None,
             pp_group=ps.get_pipeline_model_parallel_group() if pp > 1 else None,
+            dp_size=ps.get_data_parallel_world_size(),
+            dp_rank=ps.get_data_parallel_rank(),
+            dp_cp_size=ps.get_data_parallel_world_size(with_context_parallel=True),
+            dp_cp_rank=ps.get_data_parallel_rank(with_context_parallel=True),
+            dp_group=ps.get_data_parallel_group(),
+            dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
+            mp_group=ps.get_model_parallel_group(),
+            expert_tp_ep_group=ps.get_expert_tensor_and_model_parallel_group() if ep > 1 else None,
+            tp_src_rank=ps.get_tensor_model_parallel_src_rank(),
+            cp_src_rank=ps.get_context_parallel_global_ranks()[0],
+            pp_first_rank=ps.get_pipeline_model_parallel_first_rank(),
         )
 
     @staticmethod

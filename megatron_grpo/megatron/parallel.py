@@ -276,6 +276,20 @@ def initialize_parallel(
     return ParallelLayout.current(parallel_cfg.sequence_parallel)
 
 
+def parallel_initialized() -> bool:
+    """Whether Megatron's parallel state is initialized (``initialize_parallel`` ran)."""
+    return parallel_state.model_parallel_is_initialized()
+
+
+def current_layout() -> ParallelLayout | None:
+    """This rank's layout where Megatron's parallel state is initialized, else None (a plain
+    process: the reward scorer then scores on every rank). For the places that are handed no
+    layout (a rollout source's reward scorer, built by a plug-in's factory)."""
+    if not (dist.is_initialized() and parallel_initialized()):
+        return None
+    return ParallelLayout.current(sequence_parallel=False)  # roles and groups: SP plays no part
+
+
 def destroy_parallel() -> None:
     """Tear down Megatron's parallel_state (torch.distributed itself stays initialized)."""
     parallel_state.destroy_model_parallel()

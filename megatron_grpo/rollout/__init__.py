@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.rollout import model_io
 from megatron_grpo.rollout.engine import EngineOptions, KVCacheEngine
 from megatron_grpo.rollout.params import SamplingParams
@@ -50,7 +51,7 @@ def generate(
         return KVCacheEngine(model).generate(prompts, params, generator, record_routes, limits)
     if engine != "recompute":
         raise ValueError(f"engine must be one of {ENGINES} or a KVCacheEngine, got {engine!r}")
-    model_io.check_layout()
+    model_io.check_layout(ParallelLayout.current(model.config.sequence_parallel))
     model_io.check_prompts(prompts, params, model.max_sequence_length)
     uniforms = torch.rand(len(prompts), params.max_new_tokens, generator=generator)
     routes = RouteLog(model, prompts, params.max_new_tokens) if record_routes else None

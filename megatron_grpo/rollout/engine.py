@@ -34,8 +34,8 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
+from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.rollout import fused_decode as fd
 from megatron_grpo.rollout import kv_cache as kvc
 from megatron_grpo.rollout import model_io as io
@@ -119,13 +119,17 @@ class KVCacheEngine:
 
     def __init__(
         self, model: torch.nn.Module, options: EngineOptions | None = None,
-        max_context: int | None = None,
+        max_context: int | None = None, layout: ParallelLayout | None = None,
     ) -> None:  # fmt: skip
         """``max_context``: the longest prompt + response any call will bring (the trainer's
         ``max_prompt_length + max_response_length``): the first cache is sized for it, so a
         later call with a longer prompt does not re-allocate once training state holds the
-        memory (fewer slots). None: each call's own longest."""
+        memory (fewer slots). None: each call's own longest. ``layout``: this rank's (None:
+        read once here from the initialized parallel state)."""
         self.model = model
+        if layout is None:
+            layout = ParallelLayout.current(model.config.sequence_parallel)
+        self.layout = layout
         self.max_context = max_context
         self.options = options or EngineOptions()
         cuda = io.model_device(model).type == "cuda"
@@ -149,7 +153,9 @@ class KVCacheEngine:
             self.graphs_off = f"off: {expandable}" if expandable else f"off: {MOE_NO_GRAPHS}"
         self.graphs = DecodeGraphs() if self.use_graphs else None
         o = self.options
-        self.decode = fd.plan_decode(model, o.decode_path, o.decode_impl, o.decode_attention)
+        self.decode = fd.plan_decode(
+            model, self.layout.tp_size, o.decode_path, o.decode_impl, o.decode_attention
+        )
         self._fused: fd.FusedDecoder | None = None
         self.cache: kvc.KVCache | None = None
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -171,7 +177,7 @@ class KVCacheEngine:
         """Responses and log-probs, and with ``record_routes`` per sample its routes
         ``[P + R, L, k]`` (MoE only; ``megatron_grpo.rollout.routes``). ``limits``: per
         sample its own response limit (None: ``params.max_new_tokens``)."""
-        io.check_layout()
+        io.check_layout(self.layout)
         io.check_prompts(prompts, params, self.model.max_sequence_length)
         device = io.model_device(self.model)
         uniforms = torch.rand(len(prompts), params.max_new_tokens, generator=generator)
@@ -198,7 +204,7 @@ class KVCacheEngine:
         stops when all its ranks' ``stop`` are); new tokens are tagged ``version``. Paused
         requests keep their cached rows on the host with ``keep_kv``; with ``record_routes``
         each request's ``routes`` hold its fed positions' routes (carried ones kept)."""
-        io.check_layout()
+        io.check_layout(self.layout)
         io.check_prompts([r.prompt for r in requests], params, self.model.max_sequence_length)
         run = start_run(requests, params, io.model_device(self.model))
         if record_routes:
@@ -279,7 +285,7 @@ class KVCacheEngine:
         for cached in (True, False):  # False: again, from the driver's free memory alone
             budget, sizing = self._budget_slots(run, shape, seq_len, kept, cached)
             slots = min(len(run.prompts), budget)
-            group = io.expert_group(self.model)
+            group = self.layout.expert_tp_ep_group
             if group is not None:  # equal slot counts: the group pads decode batches to its largest
                 slots = io.group_max([slots], group)[0]
             if (
@@ -336,9 +342,9 @@ class KVCacheEngine:
         """The groups whose ranks must hold equal slot counts: TP (the same decode batches),
         then EP's (every MoE forward is a collective; nested with TP in megatron's layouts)."""
         groups = []
-        if self.model.config.tensor_model_parallel_size > 1:
-            groups.append(parallel_state.get_tensor_model_parallel_group())
-        expert = io.expert_group(self.model)
+        if self.layout.tp_size > 1:
+            groups.append(self.layout.tp_group)
+        expert = self.layout.expert_tp_ep_group
         if expert is not None:
             groups.append(expert)
         return groups
@@ -394,7 +400,7 @@ class KVCacheEngine:
         if key == self._static_key:
             return
         if self.decode.path == "fused":
-            self._fused = fd.FusedDecoder(self.model, self.decode.kernels)
+            self._fused = fd.FusedDecoder(self.model, self.decode.kernels, self.layout.tp_group)
         self._meta = torch.zeros(4, cache.slots, dtype=torch.long, device=device)
         self._u = torch.zeros(cache.slots, dtype=torch.float32, device=device)
         self._out = torch.zeros(2, cache.slots, dtype=torch.float64, device=device)
@@ -409,7 +415,7 @@ class KVCacheEngine:
 
     # ------------------------------------------------------------------ the loop
     def _loop(self, run: Run, stop: Callable[[torch.Tensor], bool] | None = None) -> None:
-        group = io.expert_group(self.model)
+        group = self.layout.expert_tp_ep_group
         while True:
             if stop is not None and self._stopping(run, stop, group):
                 return
@@ -502,11 +508,11 @@ class KVCacheEngine:
         if len(fresh) < len(new):
             hidden = hidden[fresh]
         sampled = [new[j] for j in fresh]
-        logits = io.head_logits(self.model, hidden)
+        logits = io.head_logits(self.model, hidden, self.layout)
         tokens, logp = sample(
             logits, run.uniforms[sampled, 0], run.params, self.decode.kernels.sample_rows
         )
-        io.broadcast_from_tp_src(tokens, logp)
+        io.broadcast_from_tp_src(self.layout, tokens, logp)
         done = run.record(torch.tensor(sampled), tokens.cpu(), logp.cpu())
         self.stats["generated_tokens"] += len(sampled)
         self._retire(run, [first + fresh[j] for j in done.nonzero()[:, 0].tolist()])
@@ -592,9 +598,9 @@ class KVCacheEngine:
             hidden = self._fused(ids, pos, self.cache, self._rope)
         else:
             hidden = self._forward(ids[:, None], pos[:, None])[0]  # [b, H]
-        logits = io.head_logits(self.model, hidden)
+        logits = io.head_logits(self.model, hidden, self.layout)
         tokens, logp = sample(logits, self._u[:b], params, self.decode.kernels.sample_rows)
-        io.broadcast_from_tp_src(tokens, logp)
+        io.broadcast_from_tp_src(self.layout, tokens, logp)
         self._out[0, :b].copy_(tokens)
         self._out[1, :b].copy_(logp)
         # The next step's inputs, without a round trip through the host.

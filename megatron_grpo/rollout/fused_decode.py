@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from megatron.core import parallel_state
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.identity_op import IdentityOp
@@ -65,10 +64,14 @@ class DecodePlan:
 
 
 def plan_decode(
-    model: torch.nn.Module, path: str = "auto", impl: str = "auto", attention: str = "auto"
+    model: torch.nn.Module,
+    tp_size: int,
+    path: str = "auto",
+    impl: str = "auto",
+    attention: str = "auto",
 ) -> DecodePlan:
-    """The decode path of ``model``: ``path``/``impl`` "auto" picks the fused path where
-    :func:`unsupported` finds nothing, with Triton on GPU; an explicit "fused" that the model
+    """The decode path of ``model`` (``tp_size``: the layout's): ``path``/``impl`` "auto" picks
+    the fused path where :func:`unsupported` finds nothing, with Triton on GPU; an explicit "fused" that the model
     cannot take is an error naming the reason. ``attention`` "auto" follows ``impl``."""
     if path not in PATHS or impl not in IMPLS or attention not in ATTENTIONS:
         raise ValueError(f"decode path must be one of {PATHS}, impl one of {IMPLS} and "
@@ -81,7 +84,7 @@ def plan_decode(
         raise ValueError("decode impl 'triton' needs the model on GPU; use 'torch' or 'auto'")
     if attention == "auto":
         attention = "triton" if impl == "triton" else "sdpa"
-    reason = "" if path == "modules" else unsupported(model)
+    reason = "" if path == "modules" else unsupported(model, tp_size)
     if path == "fused" and reason:
         raise ValueError(f"the fused decode path does not cover this model: {reason}")
     kernels = decode_ops.decode_kernels(impl)  # the one lookup of the impl's functions
@@ -90,10 +93,10 @@ def plan_decode(
     return DecodePlan("fused", impl, kernels, "", attention)
 
 
-def unsupported(model: torch.nn.Module) -> str:
-    """Why the fused step would not reproduce ``model``'s layers ("" when it does)."""
-    cfg = model.config
-    tp = parallel_state.get_tensor_model_parallel_world_size()
+def unsupported(model: torch.nn.Module, tp_size: int) -> str:
+    """Why the fused step would not reproduce ``model``'s layers ("" when it does) under
+    ``tp_size``-way tensor parallelism."""
+    cfg, tp = model.config, tp_size
     checks = (
         # MoE decodes through the model's modules (router, dispatcher, grouped experts)
         (cfg.num_moe_experts is None, "MoE layers (the fused step covers dense MLPs)"),
@@ -184,22 +187,25 @@ def _linear(linear: torch.nn.Module) -> tuple[Tensor, Tensor | None]:
 
 
 class FusedDecoder:
-    """``FusedDecoder(model, plan.kernels)(ids, pos, cache, rope)``: final-normed hidden
-    ``[b, H]``."""
+    """``FusedDecoder(model, plan.kernels, layout.tp_group)(ids, pos, cache, rope)``:
+    final-normed hidden ``[b, H]``."""
 
-    def __init__(self, model: torch.nn.Module, kernels: DecodeKernels) -> None:
+    def __init__(
+        self, model: torch.nn.Module, kernels: DecodeKernels, tp_group: dist.ProcessGroup | None
+    ) -> None:
+        """``tp_group``: the layout's (None without TP)."""
         self.model = model
         self.add_norm, self.qkv_rope = kernels.add_rms_norm, kernels.qkv_rope_cache
         self.swiglu = kernels.swiglu
         cfg = model.config
-        tp = parallel_state.get_tensor_model_parallel_world_size()
+        tp = 1 if tp_group is None else dist.get_world_size(tp_group)
         self.groups = (cfg.num_query_groups or cfg.num_attention_heads) // tp
         self.per_group = cfg.num_attention_heads // (
             cfg.num_query_groups or cfg.num_attention_heads
         )
         self.layers = [_Layer.of(layer) for layer in model.decoder.layers]
         self.final = _norm(model.decoder.final_layernorm)
-        self.tp_group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
+        self.tp_group = tp_group
         self.scale = softmax_scale(model)
 
     def __call__(

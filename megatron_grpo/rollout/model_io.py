@@ -2,17 +2,19 @@
 
 Both engines call the training model's own modules and weights (no second copy). Only the rows
 that are sampled go through the LM head, in fp32 as in training (``mm_f32``), and only those
-``[A, V_local]`` rows are all-gathered across TP.
+``[A, V_local]`` rows are all-gathered across TP. The process facts come from the engine's
+:class:`~megatron_grpo.megatron.layout.ParallelLayout` (``layout``), read once per engine.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
+from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.megatron.model.gpt import hidden_states_only, output_weight
 from megatron_grpo.megatron.parallel import comm_device
 from megatron_grpo.ops.comm import TPInfo, all_gather_rows
@@ -75,7 +77,12 @@ def packed_to(params: PackedSeqParams, device: torch.device) -> PackedSeqParams:
 
 
 def packed_last_hidden(
-    model: torch.nn.Module, ids: Tensor, pos: Tensor, packed: PackedSeqParams
+    model: torch.nn.Module,
+    ids: Tensor,
+    pos: Tensor,
+    packed: PackedSeqParams,
+    *,
+    layout: ParallelLayout,
 ) -> Tensor:
     """Final-normed hidden states ``[A, H]`` at the last position of each of the A documents of
     a packed input (``packed_inputs``), from one forward; ``[T, V]`` logits are never formed."""
@@ -84,43 +91,31 @@ def packed_last_hidden(
     with hidden_states_only(model):
         hidden = model(ids.to(device), pos.to(device), None, packed_seq_params=packed)
     hidden = hidden.squeeze(1)  # [T_local, H]
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    if model.config.sequence_parallel and tp > 1:
-        hidden = all_gather_rows(
-            hidden, TPInfo.of(parallel_state.get_tensor_model_parallel_group())
-        )
+    if model.config.sequence_parallel and layout.tp_size > 1:
+        hidden = all_gather_rows(hidden, TPInfo.of(layout.tp_group))
     return hidden[packed.cu_seqlens_q[1:].long() - 1]
 
 
-def head_logits(model: torch.nn.Module, hidden: Tensor) -> Tensor:
+def head_logits(model: torch.nn.Module, hidden: Tensor, layout: ParallelLayout) -> Tensor:
     """Full-vocabulary fp32 logits ``[A, V_padded]`` of ``hidden [A, H]`` (gathered over TP)."""
     weight = output_weight(model)
     local = mm_f32(hidden.to(weight.dtype), weight.t())  # [A, V_local]
-    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+    if layout.tp_size == 1:
         return local
     return tensor_parallel.gather_from_tensor_model_parallel_region(local)
 
 
-def broadcast_from_tp_src(*tensors: Tensor) -> None:
+def broadcast_from_tp_src(layout: ParallelLayout, *tensors: Tensor) -> None:
     """Make every TP rank hold TP rank 0's values (no float nondeterminism can split ranks)."""
-    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+    if layout.tp_size == 1:
         return
-    src = parallel_state.get_tensor_model_parallel_src_rank()
-    group = parallel_state.get_tensor_model_parallel_group()
+    src, group = layout.tp_src_rank, layout.tp_group
     device = comm_device()
     for t in tensors:
         buf = t if t.device == device else t.to(device)
         dist.broadcast(buf, src, group=group)
         if buf is not t:
             t.copy_(buf)
-
-
-def expert_group(model: torch.nn.Module) -> dist.ProcessGroup | None:
-    """The group whose ranks must run the same forwards (every MoE forward is a collective over
-    the expert tensor-and-model group), or None for dense models and EP = 1."""
-    if parallel_state.get_expert_model_parallel_world_size() == 1:
-        return None
-    return parallel_state.get_expert_tensor_and_model_parallel_group()
 
 
 def pads_expert_inputs(model: torch.nn.Module) -> bool:
@@ -135,13 +130,13 @@ def group_max(values: list[int], group: dist.ProcessGroup) -> list[int]:
     return [int(x) for x in t.tolist()]
 
 
-def check_layout() -> None:
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+def check_layout(layout: ParallelLayout) -> None:
+    if layout.pp_size > 1:
         raise ValueError(
             "generation needs pipeline_model_parallel_size == 1; generate elsewhere "
             "and train on files (rollout.input_path)"
         )
-    if parallel_state.get_context_parallel_world_size() > 1:
+    if layout.cp_size > 1:
         raise ValueError(
             "generation needs context_parallel_size == 1; generate elsewhere and train on "
             "files (rollout.input_path)"

@@ -38,10 +38,11 @@ def generate_recompute(
     responses: list[list[int]] = [[] for _ in prompts]
     logprobs: list[list[float]] = [[] for _ in prompts]
     active = list(range(len(prompts)))
-    group, pad = io.expert_group(model), io.pads_expert_inputs(model)
+    # this rank's layout under the model's current sequence_parallel
+    layout = ParallelLayout.current(model.config.sequence_parallel)
+    group, pad = layout.expert_tp_ep_group, io.pads_expert_inputs(model)
     device, stops = io.model_device(model), params.stops
-    # the packed length's multiple under the model's current sequence_parallel
-    pad_to = ParallelLayout.current(model.config.sequence_parallel).token_multiple
+    pad_to = layout.token_multiple
     for step in range(params.max_new_tokens):
         # A finished rank of an expert-parallel group feeds a dummy token (logits unused).
         seqs = [list(prompts[i]) + responses[i] for i in active] if active else [[0]]
@@ -56,16 +57,16 @@ def generate_recompute(
         if not active and group is None:
             break
         inputs = io.packed_inputs(seqs, pad_to, num_tokens)
-        hidden = io.packed_last_hidden(model, *inputs)
+        hidden = io.packed_last_hidden(model, *inputs, layout=layout)
         if routes is not None:  # step 0 feeds the prompts, later steps one new token each
             new = [0 if step == 0 else len(s) - 1 for s in seqs]
             routes.packed(active, inputs[2].cu_seqlens_q, new)
         if not active:
             continue
-        logits = io.head_logits(model, hidden)
+        logits = io.head_logits(model, hidden, layout)
         u = uniforms[active, step].to(device)
         tokens, logp = sample(logits, u, params)
-        io.broadcast_from_tp_src(tokens, logp)
+        io.broadcast_from_tp_src(layout, tokens, logp)
         for i, tok, lp in zip(active, tokens.tolist(), logp.tolist(), strict=True):
             responses[i].append(tok)
             logprobs[i].append(lp)

@@ -40,8 +40,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from megatron.core import parallel_state
 
+from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.rollout import KVCacheEngine, SamplingParams, generate
 from megatron_grpo.train import comm
 from megatron_grpo.train.config import TrainConfig
@@ -122,8 +122,9 @@ class Evaluator:
     The trainer calls :meth:`log_initial` before its first step and merges
     :meth:`after_step` into each step's metrics."""
 
-    def __init__(self, cfg: TrainConfig, task: Task | None, dp_rank: int, dp_size: int) -> None:
-        self.cfg, self.dp_rank, self.dp_size = cfg, dp_rank, dp_size
+    def __init__(self, cfg: TrainConfig, task: Task | None, layout: ParallelLayout) -> None:
+        self.cfg, self.layout = cfg, layout
+        self.dp_rank, self.dp_size = layout.dp_rank, layout.dp_size
         self.enabled = cfg.evaluation.enabled
         if not self.enabled:
             return
@@ -164,7 +165,7 @@ class Evaluator:
             self.engine, self.scorer = generated.engine, generated.scorer
         else:
             self.engine = build_engine(self.cfg, model)
-            self.scorer = RewardScorer(self.task, self.cfg.rollout)
+            self.scorer = RewardScorer(self.task, self.cfg.rollout, self.layout)
 
     # ------------------------------------------------------------------ the trainer's calls
     def log_initial(self, start_step: int, monitor: Any) -> None:
@@ -204,7 +205,7 @@ class Evaluator:
             rewards = self.scorer.score(expanded, responses, indices).rewards
         lengths = [len(r) for r in responses]
         sums = group_sums(mine, rewards, lengths, n, self.sources)
-        totals = comm.all_reduce_sum(sums, parallel_state.get_data_parallel_group())
+        totals = comm.all_reduce_sum(sums, self.layout.dp_group)
         metrics = eval_metrics(totals, n, self.sources)
         metrics["perf/eval_seconds"] = comm.all_reduce_max([time.perf_counter() - t0])[0]
         if self.monitor is not None:

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
+from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.rollout.requests import Request
 from megatron_grpo.train import comm
 from megatron_grpo.train.config import TrainConfig
@@ -70,18 +70,16 @@ class PartialRollouts:
         self,
         inner: GeneratedRollouts,
         cfg: TrainConfig,
-        dp_rank: int,
-        dp_size: int,
-        dp_group: dist.ProcessGroup | None = None,
+        layout: ParallelLayout,
     ) -> None:
         if inner.engine is None:
             raise ValueError("rollout.partial.enabled needs rollout.engine.kind: kv_cache")
         self.inner, self.cfg, self.partial = inner, cfg, cfg.rollout.partial
-        self.dp_rank, self.per_rank = dp_rank, cfg.rollout.num_prompts // dp_size
+        self.dp_rank, self.per_rank = layout.dp_rank, cfg.rollout.num_prompts // layout.dp_size
         self.extra = math.ceil(self.per_rank * self.partial.over_provision)
         self.groups: list[Group] = []  # in flight, oldest first
         self.position = 0  # prompts of this rank's stream admitted so far
-        self.dp_group = dp_group
+        self.dp_group, self.mp_group = layout.dp_group, layout.mp_group
         self._metrics: dict[str, float] = {}
 
     def metrics(self) -> dict[str, float]:
@@ -191,7 +189,7 @@ class PartialRollouts:
     def _agree(self) -> None:
         """Every rank of a model replica holds the same requests (TP ranks sample the same
         tokens); checked by a fingerprint of what continues, so a divergence fails loudly."""
-        group = parallel_state.get_model_parallel_group()
+        group = self.mp_group
         if not dist.is_initialized() or dist.get_world_size(group) == 1:
             return
         fp = float(sum((g.index % 1000003 + 1) * (g.tokens() + 1) for g in self.groups) % 2**50)

@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,9 @@ from megatron_grpo.train.config import RolloutConfig
 from megatron_grpo.train.tasks.base import Prompt, Task
 from megatron_grpo.train.tasks.reward import PluginReward, RewardError, reward_value
 from megatron_grpo.train.user_frames import user_frames
+
+if TYPE_CHECKING:  # megatron-core loads only where a layout is looked up (scoring.py stays light)
+    from megatron_grpo.megatron.layout import ParallelLayout
 
 TIMEOUTS = "timeouts"  # the extras column of timed-out samples (1.0) -> reward/timeouts
 Call = tuple[tuple, dict[str, Any]]
@@ -175,31 +178,22 @@ class RewardPool:
 
 
 # ------------------------------------------------------------------ who scores, who receives
-def replica_layout() -> tuple[bool, list[tuple[Any, int]]]:
+def replica_layout(layout: ParallelLayout | None) -> tuple[bool, list[tuple[Any, int]]]:
     """``(scores, steps)``: whether this rank scores its replica's samples, and the broadcasts
     it takes part in, in order, as ``(group, source global rank)``: TP (first stage, CP rank 0),
-    CP (first stage), PP. A world of one, or no Megatron parallel state: every rank scores, no
-    broadcast."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    CP (first stage), PP. A world of one, or no layout (no Megatron parallel state): every rank
+    scores, no broadcast."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or layout is None:
         return True, []
-    from megatron.core import parallel_state as ps
-
-    if not ps.model_parallel_is_initialized():
-        return True, []
-    tp, cp = ps.get_tensor_model_parallel_rank(), ps.get_context_parallel_rank()
-    first = ps.is_pipeline_first_stage(ignore_virtual=True)
+    first, cp = layout.is_first_stage, layout.cp_rank
     steps = []
-    if first and cp == 0 and ps.get_tensor_model_parallel_world_size() > 1:
-        steps.append(
-            (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_src_rank())
-        )
-    if first and ps.get_context_parallel_world_size() > 1:
-        steps.append((ps.get_context_parallel_group(), ps.get_context_parallel_global_ranks()[0]))
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        steps.append(
-            (ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_first_rank())
-        )
-    return tp == 0 and cp == 0 and first, steps
+    if first and cp == 0 and layout.tp_size > 1:
+        steps.append((layout.tp_group, layout.tp_src_rank))
+    if first and layout.cp_size > 1:
+        steps.append((layout.cp_group, layout.cp_src_rank))
+    if layout.pp_size > 1:
+        steps.append((layout.pp_group, layout.pp_first_rank))
+    return layout.tp_rank == 0 and cp == 0 and first, steps
 
 
 def _reraise(error: BaseException, message: str) -> None:
@@ -220,7 +214,11 @@ class RewardScorer:
     sample ``i``; ``indices[i]`` its prompt's index, named in errors when the prompt has no
     ``source`` (``path:row``). Every rank of the replica must call it with the same samples."""
 
-    def __init__(self, task: Task, cfg: RolloutConfig) -> None:
+    def __init__(
+        self, task: Task, cfg: RolloutConfig, layout: ParallelLayout | None = None
+    ) -> None:
+        """``layout``: this rank's (default: the current one, None without Megatron's parallel
+        state), which decides who scores and who receives."""
         reward = task.reward
         if isinstance(reward, PluginReward):
             self.name = reward.name
@@ -230,7 +228,11 @@ class RewardScorer:
             self.name = f"{type(task).__name__}.reward"
             self.fn, self.call_args = reward, _task_reward_call
         self.timeout, self.on_timeout = cfg.reward_timeout_s, cfg.reward_on_timeout
-        self.is_scorer, self.steps = replica_layout()
+        if layout is None:
+            from megatron_grpo.megatron.parallel import current_layout
+
+            layout = current_layout()
+        self.is_scorer, self.steps = replica_layout(layout)
         self.pool = None
         if cfg.reward_workers > 0 and self.is_scorer:
             self.pool = RewardPool(self.fn, cfg.reward_workers, self.name)

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from megatron.core import parallel_state
 
 from megatron_grpo.loss import reduce_metrics
+from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.train import comm
 from megatron_grpo.train.rollout_batch import RolloutBatch
 from megatron_grpo.train.rollout_source import RolloutSource
@@ -31,11 +31,11 @@ def timed(stages: dict[str, float], name: str) -> Iterator[None]:
     stages[name] = time.perf_counter() - start
 
 
-def loss_metrics(reports: list[dict[str, Any]]) -> dict[str, float]:
+def loss_metrics(reports: list[dict[str, Any]], layout: ParallelLayout) -> dict[str, float]:
     """The loss reports of the step's micro-batches, reduced over DP x CP (last stage only)."""
-    if not comm.is_last_stage() or not reports:
+    if not layout.is_last_stage or not reports:
         return {}
-    metrics = reduce_metrics(reports, group=comm.dp_cp_group())
+    metrics = reduce_metrics(reports, group=layout.dp_cp_group)
     low, high = metrics.get("loss/pg_clipfrac_low"), metrics.get("loss/pg_clipfrac_high")
     if low is not None and high is not None:
         metrics["loss/clipfrac"] = low + high
@@ -58,7 +58,7 @@ def rollout_metrics(
     batch: RolloutBatch,
     stages: dict[str, float],
     source: RolloutSource,
-    dp_size: int,
+    layout: ParallelLayout,
     extras: bool,
 ) -> dict[str, float]:
     """Rewards and lengths (over DP), the time of each stage and the throughputs; the seconds
@@ -68,7 +68,7 @@ def rollout_metrics(
     resp = sum(len(r) for r in batch.response_ids)
     total, sq, n, resp_tokens, tokens = comm.all_reduce_sum(
         [sum(rewards), sum(r * r for r in rewards), len(rewards), resp, batch.num_tokens],
-        parallel_state.get_data_parallel_group(),
+        layout.dp_group,
     )
     mean = total / n
     metrics = {
@@ -77,7 +77,7 @@ def rollout_metrics(
         "response/length_mean": resp_tokens / n,
     }
     if extras:
-        metrics.update(reward_extra_metrics(batch, dp_size))
+        metrics.update(reward_extra_metrics(batch, layout))
     metrics.update(perf_metrics(stages, tokens, resp_tokens, source))
     if torch.cuda.is_available():
         # this step's peak (reset below for the next one), the max over all ranks
@@ -88,13 +88,13 @@ def rollout_metrics(
     return metrics
 
 
-def reward_extra_metrics(batch: RolloutBatch, dp_size: int) -> dict[str, float]:
+def reward_extra_metrics(batch: RolloutBatch, layout: ParallelLayout) -> dict[str, float]:
     """``reward/<name>`` of the batch's ``reward_extras`` (a dict reward's other keys) over DP:
     the mean over the samples that have the key; ``reward/timeouts``: the number of samples
     whose reward timed out. The names are the union over the DP ranks."""
     extras = batch.reward_extras or {}
     names = sorted(extras)
-    group = parallel_state.get_data_parallel_group()
+    group, dp_size = layout.dp_group, layout.dp_size
     if dp_size > 1:  # a rank's samples may lack a key the others have
         gathered: list[Any] = [None] * dp_size
         torch.distributed.all_gather_object(gathered, names, group=group)

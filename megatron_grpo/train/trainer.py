@@ -22,7 +22,6 @@ import time
 from typing import Any
 
 import torch
-from megatron.core import parallel_state
 
 from megatron_grpo.config import ConfigError, to_dict
 from megatron_grpo.errors import InputError
@@ -35,7 +34,6 @@ from megatron_grpo.megatron.moe.routing_replay import RoutingReplay
 from megatron_grpo.megatron.parallel import initialize_parallel, seed_everything
 from megatron_grpo.megatron.step.forward import GRPOStep, get_forward_backward_func
 from megatron_grpo.train import checkpoint as ckpt
-from megatron_grpo.train import comm
 from megatron_grpo.train import step_metrics as sm
 from megatron_grpo.train.batching import attach_logprobs, make_mini_batches
 from megatron_grpo.train.config import TrainConfig, check_checkpoint_architecture
@@ -84,7 +82,7 @@ class Trainer:
         if cfg.checkpoint.dir is not None:  # outlives a signal to the process group, for the save
             with self.stop.shielding_children():
                 install_writer_queue()
-        self.dp_rank, self.dp_size = comm.dp_rank_size()
+        self.dp_rank, self.dp_size = self.layout.dp_rank, self.layout.dp_size
         if cfg.rollout.num_prompts % self.dp_size:
             raise ConfigError(
                 f"rollout.num_prompts={cfg.rollout.num_prompts} must be divisible by the "
@@ -96,15 +94,15 @@ class Trainer:
         files = FileRollouts(cfg, *dp) if r.source == "files" else None
         task = build_checked_task(cfg) if files is None or cfg.evaluation.enabled else None
         factory = source_class(r.source) if files is None else None
-        self.evaluator = Evaluator(cfg, task, *dp)  # the evaluation: section (off: a no-op)
+        self.evaluator = Evaluator(cfg, task, self.layout)  # the evaluation: section (off: a no-op)
         self._setup_models()
         policy = unwrap(self.model[0])
         self.source: RolloutSource = (
             build_source(factory, cfg, task, policy, *dp) if factory is not None else files
         )
-        dp_group = parallel_state.get_data_parallel_group()
+        dp_group = self.layout.dp_group
         if r.partial.enabled:  # requests outlive a step (train/partial.py)
-            self.source = PartialRollouts(self.source, cfg, *dp, dp_group)
+            self.source = PartialRollouts(self.source, cfg, self.layout)
         self.source = maybe_filter(cfg, self.source, self.dp_size, dp_group)  # filter_groups
         # One optimizer step per rollout batch: the old policy is the current one, so the
         # update's own detached log-probs are the old log-probs (no old-log-prob pass). Not
@@ -129,7 +127,7 @@ class Trainer:
         )  # fmt: skip
         self.start_step, skipped = self._load(resume)
         self._saved_step = self.start_step  # the newest step with a checkpoint of this run
-        self.monitor = Monitor(cfg.logging, cfg.training.steps, comm.is_logging_rank())
+        self.monitor = Monitor(cfg.logging, cfg.training.steps, self.layout.is_logging_rank)
         self.guard = NonFiniteGuard(
             t.max_consecutive_nonfinite_skips, self.monitor.message, skipped
         )
@@ -245,7 +243,7 @@ class Trainer:
         """``rollout.output_dir/rollouts_step{N}_dp{d}.{fmt}``: one file per DP rank and step
         (name order = step order, so the directory can be fed back as ``rollout.input_path``)."""
         r = self.cfg.rollout
-        if r.output_dir is None or not self._is_tp_pp_cp_first():
+        if r.output_dir is None or not self.layout.is_replica_writer:
             return
         name = f"rollouts_step{step + 1:08d}_dp{self.dp_rank:04d}.{r.output_format}"
         write_rollouts(batch, f"{r.output_dir}/{name}")
@@ -280,13 +278,10 @@ class Trainer:
         group (padding carries loss_mask False). Dense models: (None, None), as before."""
         if self.cfg.model.num_moe_experts is None:
             return None, None
-        count = parallel_state.get_data_parallel_group() if self.dp_size > 1 else None
+        count = self.layout.dp_group if self.dp_size > 1 else None
         tokens = None
-        if (
-            parallel_state.get_expert_model_parallel_world_size() > 1
-            and dispatcher_type(self.cfg.model) == "allgather"
-        ):
-            tokens = parallel_state.get_expert_tensor_and_model_parallel_group()
+        if self.layout.ep_size > 1 and dispatcher_type(self.cfg.model) == "allgather":
+            tokens = self.layout.expert_tp_ep_group
         return count, tokens
 
     def old_and_ref_logprobs(
@@ -325,7 +320,7 @@ class Trainer:
             if norm is not None:
                 norms.append(norm)
         zero_grads(self.model, self.optimizer)
-        metrics = sm.loss_metrics(reports)
+        metrics = sm.loss_metrics(reports, self.layout)
         metrics.update(moe_loss_metrics(unwrap(self.model[0]).config, forwards))
         metrics.update(self.replay.metrics())
         lr = self.optimizer.param_groups[0]["lr"]
@@ -338,9 +333,8 @@ class Trainer:
         """Rewards, lengths, stage seconds and throughputs (``step_metrics``); the off-policy
         share of partial rollouts' tokens."""
         extras = self.cfg.rollout.input_path is None  # rollout files carry no reward extras
-        metrics = sm.rollout_metrics(batch, stages, self.source, self.dp_size, extras)
-        dp_group = parallel_state.get_data_parallel_group()
-        return metrics | offpolicy_metrics(batch, step, dp_group)
+        metrics = sm.rollout_metrics(batch, stages, self.source, self.layout, extras)
+        return metrics | offpolicy_metrics(batch, step, self.layout.dp_group)
 
     def maybe_save(self, step: int, stop: str | None = None) -> None:
         """Save after ``step`` steps: every ``save_interval`` steps, after the last one, and when
@@ -372,14 +366,6 @@ class Trainer:
             self.stop.complete()
 
     # ------------------------------------------------------------------ helpers
-    @staticmethod
-    def _is_tp_pp_cp_first() -> bool:
-        return (
-            parallel_state.get_tensor_model_parallel_rank() == 0
-            and parallel_state.get_pipeline_model_parallel_rank() == 0
-            and parallel_state.get_context_parallel_rank() == 0
-        )
-
     def _forward_backward(self, micro_batches: list[PackedBatch]) -> list[dict[str, Any]]:
         model = self.model if len(self.model) > 1 else self.model[0]
         with self.replay.scope():  # the whole schedule: recomputes in backward replay too
@@ -392,4 +378,4 @@ class Trainer:
                 micro_batch_size=1,
                 forward_only=False,
             )
-        return list(out) if comm.is_last_stage() else [{} for _ in micro_batches]
+        return list(out) if self.layout.is_last_stage else [{} for _ in micro_batches]
