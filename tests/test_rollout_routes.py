@@ -14,6 +14,7 @@ from megatron.core import parallel_state
 
 from megatron_grpo.loss import GRPOLossConfig, reduce_metrics
 from megatron_grpo.megatron import GRPOStep, ParallelConfig, unwrap
+from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.megatron.moe.routing_replay import (
     check_routes,
     record_routes,
@@ -78,13 +79,13 @@ def _generate(model, prompts) -> RolloutBatch:
     return batch
 
 
-def _pack(batch: RolloutBatch, multiple: int) -> list:
+def _pack(batch: RolloutBatch, layout: ParallelLayout) -> list:
     """The trainer's packing (micro-batches of 2 samples; under EP equal counts and tokens)."""
     ep = parallel_state.get_expert_model_parallel_world_size() > 1
     count = parallel_state.get_data_parallel_group() if ep else None
     tokens = parallel_state.get_expert_tensor_and_model_parallel_group() if ep else None
     adv = torch.randn(len(batch), generator=torch.Generator().manual_seed(1))
-    [mbs] = make_mini_batches(batch, adv, 1, 2, None, multiple, count_group=count,
+    [mbs] = make_mini_batches(batch, adv, 1, 2, None, layout, count_group=count,
                               token_group=tokens, with_routes=True)  # fmt: skip
     return mbs
 
@@ -104,14 +105,13 @@ def _check_teacher_forced_routes(step, chunks, mbs) -> None:
 
 
 def _body(rank: int, world: int, parallel: ParallelConfig) -> None:
-    multiple = parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1
     chunks = build_layout(parallel, _moe())
     _twin_routers(chunks)
     # DP ranks (EP) generate different prompts and lengths: dummy rows keep them in step.
     dp = parallel_state.get_data_parallel_rank()
     prompts = _prompts(5 + 2 * dp, seed=20 + dp)
     batch = _generate(unwrap(chunks[0]), prompts)
-    mbs = _pack(batch, multiple)
+    mbs = _pack(batch, ParallelLayout.of_config(parallel))
     step = GRPOStep(GRPOLossConfig(), vocab_size=VOCAB)
     _check_teacher_forced_routes(step, chunks, mbs)
     _perturb_routers(chunks)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_grpo.megatron.batch.packing import PackedBatch, pack_sequences, padded_layout
-from megatron_grpo.megatron.layout import sequence_multiple
+from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.megatron.parallel import comm_device
 from megatron_grpo.train.rollout_batch import RolloutBatch
 
@@ -75,21 +75,23 @@ def make_mini_batches(
     num_mini_batches: int,
     micro_batch_size: int | None,
     max_tokens: int | None,
-    pad_to_multiple_of: int = 1,
+    layout: ParallelLayout | None = None,
     *,
     count_group: dist.ProcessGroup | None = None,
     token_group: dist.ProcessGroup | None = None,
-    cp_size: int = 1,
     with_routes: bool = False,
 ) -> list[list[PackedBatch]]:
     """Split the samples in order into ``num_mini_batches`` equal parts (one optimizer step
-    each), then into packed micro-batches.
+    each), then into packed micro-batches, padded by ``layout``'s rules (its
+    ``token_multiple`` and, under CP, ``sequence_multiple``; None: no padding).
 
     ``count_group``: give each mini-batch the group's largest micro-batch count (by splitting
     the micro-batches with the most samples). ``token_group``: pad micro-batch ``i`` to the
     group's largest token count (after context-parallel per-document padding when
     ``cp_size > 1``), so that every rank's ``i``-th forward has the same local length.
     """
+    layout = layout or ParallelLayout()
+    multiple, cp_size = layout.token_multiple, layout.cp_size
     n = len(batch)
     if n % num_mini_batches:
         raise ValueError(
@@ -107,16 +109,16 @@ def make_mini_batches(
         targets = _group_max([len(groups) for groups in plan], count_group)
         plan = [split_to_count(groups, k) for groups, k in zip(plan, targets, strict=True)]
     out = [
-        [pack_samples(batch, g, advantages, pad_to_multiple_of, with_routes) for g in groups]
+        [pack_samples(batch, g, advantages, multiple, with_routes) for g in groups]
         for groups in plan
     ]
     if token_group is not None:
         flat = [mb for mini in out for mb in mini]
-        sizes = [_layout_tokens(mb, cp_size, pad_to_multiple_of) for mb in flat]
+        sizes = [_layout_tokens(mb, cp_size, multiple) for mb in flat]
         targets = iter(_group_max(sizes, token_group))
-        step = sequence_multiple(cp_size, pad_to_multiple_of)
+        step = layout.sequence_multiple
         out = [
-            [pad_micro_batch(mb, next(targets) - _layout_tokens(mb, cp_size, pad_to_multiple_of), step)
+            [pad_micro_batch(mb, next(targets) - _layout_tokens(mb, cp_size, multiple), step)
              for mb in mini]
             for mini in out
         ]  # fmt: skip

@@ -261,14 +261,12 @@ class Trainer:
         """Micro-batches; with ``model.moe_enable_routing_replay`` they carry the rollouts'
         routes (checked against the model: errors name the rollout file and line)."""
         t = self.cfg.training
-        multiple = self.layout.token_multiple
         count_group, token_group = self._moe_groups()
         self.replay.check(batch.routed_experts, batch.origin)
         return make_mini_batches(
             batch, advantages, t.mini_batches_per_step, t.micro_batch_size,
-            t.max_tokens_per_micro_batch, multiple, count_group=count_group,
-            token_group=token_group, cp_size=self.cfg.parallel.context_parallel_size,
-            with_routes=self.replay.enabled,
+            t.max_tokens_per_micro_batch, self.layout, count_group=count_group,
+            token_group=token_group, with_routes=self.replay.enabled,
         )  # fmt: skip
 
     def _moe_groups(self) -> tuple[Any, Any]:
