@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from megatron_grpo.convert.errors import ConversionError
 from megatron_grpo.megatron.model.build import build_gpt_chunk
+from megatron_grpo.megatron.model.compat import writer_memory_logging_without_psutil
 from megatron_grpo.megatron.model.config import ModelConfig, ParallelConfig, to_transformer_config
 from megatron_grpo.megatron.parallel import (
     cuda_compat,
@@ -130,24 +131,9 @@ def checkpoint_entries(model: torch.nn.Module) -> tuple[Entries, dict[str, Any]]
 def checkpoint_io() -> Iterator[None]:
     """megatron-core's torch_dist writer: CUDA calls redirected on CPU-only hosts
     (``cuda_compat``), and, without psutil, its writer processes' memory logging stubbed out
-    (they die importing it and the save then hangs; install psutil to avoid the stub)."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    try:
-        import psutil  # noqa: F401
-
-        stub = False
-    except ImportError:
-        stub = hasattr(filesystem_async, "_process_memory")
-    original = getattr(filesystem_async, "_process_memory", None)
-    if stub:
-        filesystem_async._process_memory = lambda: 0
-    try:
-        with cuda_compat():
-            yield
-    finally:
-        if stub:
-            filesystem_async._process_memory = original
+    (``compat.writer_memory_logging_without_psutil``)."""
+    with cuda_compat(), writer_memory_logging_without_psutil():
+        yield
 
 
 def save_checkpoint(tensors: Entries, others: dict[str, Any], ckpt_dir: Path) -> None:

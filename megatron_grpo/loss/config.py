@@ -20,6 +20,7 @@ LossAgg = Literal[
 ]
 NonFinitePolicy = Literal["raise", "count"]
 
+SEQUENCE_IS_LEVELS = ("sequence", "sequence_mean")  # IS weights of whole sequences
 SEQUENCE_AGGS = ("seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 
 
@@ -140,6 +141,17 @@ class GRPOLossConfig:
                 "max_response_length is only used by loss_agg='seq_mean_token_sum_norm'; "
                 f"got loss_agg={self.loss_agg!r}"
             )
+
+    def needs_whole_sequences(self, on_policy: bool = False) -> bool:
+        """Whether the loss needs all of a sequence's current log-probs before any gradient, so
+        that it cannot run chunk by chunk (the LM head's single pass): GSPO's sequence ratio
+        always; a sequence-level IS correction when on-policy (its weight then comes from the
+        current log-probs, not the old pass's). The one place of this decision: the LM-head
+        plan (GSPO) and the step's log-prob path (on-policy) read it; the loss checks that its
+        context is complete where either holds."""
+        if self.ratio_level == "sequence":
+            return True
+        return on_policy and self.is_correction_level in SEQUENCE_IS_LEVELS
 
     @property
     def agg_counts_sequences(self) -> bool:

@@ -85,7 +85,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_grpo.loss import checks
-from megatron_grpo.loss.config import GRPOLossConfig
+from megatron_grpo.loss.config import SEQUENCE_IS_LEVELS, GRPOLossConfig
 from megatron_grpo.loss.inputs import LossInputs
 from megatron_grpo.loss.metrics import MaxMetric, MeanMetric, MetricDict, MinMetric, SumMetric
 from megatron_grpo.loss.segments import (
@@ -234,7 +234,7 @@ def on_policy_context(cfg: GRPOLossConfig, ctx: LossContext, logprobs: Tensor) -
     """An on-policy context (``ctx.old`` None) completed with ``old = sg(logprobs)`` ``[n]``:
     a new context (``ctx`` is left as it is) whose ``metrics`` hold only the rollout terms
     computed here (mismatch, IS weights)."""
-    if ctx.rollout is not None and cfg.is_correction_level in ("sequence", "sequence_mean"):
+    if ctx.rollout is not None and cfg.is_correction_level in SEQUENCE_IS_LEVELS:
         if not ctx.complete:
             raise ValueError(
                 f"is_correction_level={cfg.is_correction_level!r} with old_logprobs=None "

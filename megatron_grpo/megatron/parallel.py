@@ -54,6 +54,18 @@ def all_reduce_sum(values: list[float], group: dist.ProcessGroup | None) -> list
     return t.tolist()
 
 
+def all_reduce_max(
+    values: list[float], group: dist.ProcessGroup | None = None, dtype: torch.dtype = torch.float64
+) -> list:
+    """Element-wise max of scalars over ``group`` (None = world) in ``dtype`` (``torch.int64``
+    for counts: exact at any size, ints back); the values themselves without torch.distributed.
+    The one all-reduce-max of the package (the trainer's, batching's and the engines')."""
+    t = torch.tensor(values, dtype=dtype, device=comm_device())
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
 def redirect_cuda_device_to_cpu() -> None:
     """On a CUDA-less host, make ``torch.cuda.current_device()`` return the CPU device.
 

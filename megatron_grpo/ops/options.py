@@ -69,16 +69,16 @@ class LMHeadOptions:
         if self.gemm != "auto" and self.gemm not in GEMMS:
             raise ValueError(f"gemm must be 'auto' or one of {list(GEMMS)}, got {self.gemm!r}")
         if self.memory_budget is not None and (
-            not _is_int(self.memory_budget) or self.memory_budget < MIN_MEMORY_BUDGET
+            not is_int(self.memory_budget) or self.memory_budget < MIN_MEMORY_BUDGET
         ):
             raise ValueError(
                 f"memory_budget must be an int >= {MIN_MEMORY_BUDGET} bytes or None, "
                 f"got {self.memory_budget!r}"
             )
-        if self.chunk_size is not None and (not _is_int(self.chunk_size) or self.chunk_size < 1):
+        if self.chunk_size is not None and (not is_int(self.chunk_size) or self.chunk_size < 1):
             raise ValueError(f"chunk_size must be a positive int or None, got {self.chunk_size!r}")
         _check_temperature(self.temperature)
-        if self.vocab_size is not None and (not _is_int(self.vocab_size) or self.vocab_size < 1):
+        if self.vocab_size is not None and (not is_int(self.vocab_size) or self.vocab_size < 1):
             raise ValueError(f"vocab_size must be a positive int or None, got {self.vocab_size!r}")
 
     @property
@@ -107,5 +107,6 @@ def _check_temperature(temperature: object) -> None:
         raise ValueError(f"temperature must be finite and > 0, got {temperature}")
 
 
-def _is_int(x: object) -> bool:
+def is_int(x: object) -> bool:
+    """An integer (numpy's too), not a bool: the one check of every integer option."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)

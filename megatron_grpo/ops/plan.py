@@ -73,6 +73,7 @@ from megatron_grpo.ops.options import (  # noqa: F401 (the plan's public names t
     REQUESTS,
     TILE_FRACTION,
     LMHeadOptions,
+    is_int,
 )
 from megatron_grpo.ops.reference import STATS_BLOCK
 from megatron_grpo.ops.tiling import ROW_ALIGN, Tiling, round_down
@@ -239,7 +240,7 @@ def resolve_request(path: str | None, loss: GRPOLossConfig | None) -> tuple[str,
         if path is not None:
             raise ValueError(f"path {path!r} fuses the loss: it needs a loss config")
         return "op", "log-probs only"
-    if loss.ratio_level == "sequence":
+    if loss.needs_whole_sequences():  # GSPO
         if path == "fused_single_pass":
             raise ValueError(
                 "path 'fused_single_pass' runs the loss chunk by chunk, but loss.ratio_level "
@@ -273,7 +274,7 @@ def plan_lm_head(
     """
     opts = LMHeadOptions.of(options, **overrides)
     min_rows = single_pass_min_rows
-    if min_rows is not None and (not _is_int(min_rows) or min_rows < 0):
+    if min_rows is not None and (not is_int(min_rows) or min_rows < 0):
         raise ValueError(f"single_pass_min_rows must be an int >= 0, got {min_rows!r}")
     budget = opts.budget
     request, reason = resolve_request(opts.path, loss)
@@ -310,10 +311,6 @@ def resolve_gemm(gemm: str, impl: str) -> str:
     if gemm == "auto":
         return "fused_epilogue" if impl == "triton" else "separate"
     return gemm
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _fused_path(

@@ -16,8 +16,11 @@ from torch import Tensor
 from megatron_grpo.ops.dispatch import resolve_impl
 
 
-def swiglu_torch(x: Tensor) -> Tensor:
-    """``x [..., 2F]`` -> ``silu(x[..., :F]) * x[..., F:]`` ``[..., F]``."""
+def swiglu_torch(x: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x (+ bias) [..., 2F]`` -> ``silu(x[..., :F]) * x[..., F:]`` ``[..., F]``: megatron-core's
+    unfused gated SiLU (the training layer's reference and the decode step's torch op)."""
+    if bias is not None:
+        x = x + bias
     gate, up = torch.chunk(x, 2, dim=-1)
     return F.silu(gate) * up
 

@@ -13,11 +13,11 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from megatron_grpo.ops.rms_norm import rms_norm_torch
 from megatron_grpo.ops.rope import rope_reference
+from megatron_grpo.ops.swiglu import swiglu_torch
 
 IMPLS = ("torch", "triton")
 
@@ -56,14 +56,6 @@ def qkv_rope_cache_torch(
     k_cache[rows, :, pos] = k
     v_cache[rows, :, pos] = v
     return q.contiguous()
-
-
-def swiglu_torch(x: Tensor, bias: Tensor | None = None) -> Tensor:
-    """megatron-core's unfused gated SiLU: ``silu(gate) * up`` of ``x (+ bias) [b, 2F]``."""
-    if bias is not None:
-        x = x + bias
-    gate, up = torch.chunk(x, 2, dim=-1)
-    return F.silu(gate) * up
 
 
 class DecodeKernels(NamedTuple):

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.megatron.layout import ParallelLayout
+from megatron_grpo.megatron.parallel import all_reduce_max
 from megatron_grpo.rollout import fused_decode as fd
 from megatron_grpo.rollout import kv_cache as kvc
 from megatron_grpo.rollout import model_io as io
@@ -287,7 +288,7 @@ class KVCacheEngine:
             slots = min(len(run.prompts), budget)
             group = self.layout.expert_tp_ep_group
             if group is not None:  # equal slot counts: the group pads decode batches to its largest
-                slots = io.group_max([slots], group)[0]
+                slots = all_reduce_max([slots], group, torch.int64)[0]
             if (
                 kept is not None
                 and (kept.shape, kept.seq_len) == (shape, seq_len)
@@ -423,7 +424,7 @@ class KVCacheEngine:
             tokens = sum(run.prefix_len(i) for i in new)
             if group is not None:
                 work = int(bool(new or run.rows or run.waiting))
-                work, tokens = io.group_max([work, tokens], group)
+                work, tokens = all_reduce_max([work, tokens], group, torch.int64)
                 if not work:
                     return
             elif not (new or run.rows or run.waiting):
@@ -433,7 +434,7 @@ class KVCacheEngine:
                 self._prefill(run, new, tokens if group is not None else None)
             t1 = time.perf_counter()
             if group is not None:  # EP: the group agrees on every step, one at a time
-                rows = io.group_max([len(run.rows)], group)[0]
+                rows = all_reduce_max([len(run.rows)], group, torch.int64)[0]
                 if rows:
                     self._decode(run, rows)
             elif run.rows and (self._admissible(run) or run.routes is not None):
@@ -454,7 +455,7 @@ class KVCacheEngine:
         local = bool(stop(run.finished))
         if group is None:
             return local
-        return io.group_max([int(not local)], group)[0] == 0
+        return all_reduce_max([int(not local)], group, torch.int64)[0] == 0
 
     def _admissible(self, run: Run) -> bool:
         """Waiting samples are admitted once a quarter of the slots (or every waiting sample's
@@ -649,7 +650,7 @@ def _size(nbytes: float) -> str:
 def _agree_min(value: int, groups: list[dist.ProcessGroup]) -> int:
     """The minimum of ``value`` over the ranks of each group in turn (one all-reduce each)."""
     for group in groups:
-        value = -io.group_max([-value], group)[0]
+        value = -all_reduce_max([-value], group, torch.int64)[0]
     return value
 
 

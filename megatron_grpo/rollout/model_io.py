@@ -123,13 +123,6 @@ def pads_expert_inputs(model: torch.nn.Module) -> bool:
     return getattr(model.config, "moe_token_dispatcher_type", None) == "allgather"
 
 
-def group_max(values: list[int], group: dist.ProcessGroup) -> list[int]:
-    """One all-reduce MAX of small integers over ``group``."""
-    t = torch.tensor(values, dtype=torch.int64, device=comm_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return [int(x) for x in t.tolist()]
-
-
 def check_layout(layout: ParallelLayout) -> None:
     if layout.pp_size > 1:
         raise ValueError(

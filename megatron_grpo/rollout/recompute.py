@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from megatron_grpo.megatron.layout import ParallelLayout
+from megatron_grpo.megatron.parallel import all_reduce_max
 from megatron_grpo.rollout import model_io as io
 from megatron_grpo.rollout.params import SamplingParams
 from megatron_grpo.rollout.routes import RouteLog
@@ -48,8 +49,8 @@ def generate_recompute(
         seqs = [list(prompts[i]) + responses[i] for i in active] if active else [[0]]
         num_tokens = None
         if group is not None:
-            any_active, longest = io.group_max(
-                [int(bool(active)), io.packed_length(seqs, pad_to)], group
+            any_active, longest = all_reduce_max(
+                [int(bool(active)), io.packed_length(seqs, pad_to)], group, torch.int64
             )
             if not any_active:
                 break

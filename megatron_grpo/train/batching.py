@@ -16,7 +16,7 @@ from torch import Tensor
 
 from megatron_grpo.megatron.batch.packing import PackedBatch, pack_sequences, padded_layout
 from megatron_grpo.megatron.layout import ParallelLayout
-from megatron_grpo.megatron.parallel import comm_device
+from megatron_grpo.megatron.parallel import all_reduce_max
 from megatron_grpo.train.rollout_batch import RolloutBatch
 
 PER_TOKEN_INPUTS = ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
@@ -106,7 +106,7 @@ def make_mini_batches(
         groups = micro_batch_indices([lengths[i] for i in rows], micro_batch_size, max_tokens)
         plan.append([[rows[j] for j in g] for g in groups])
     if count_group is not None:
-        targets = _group_max([len(groups) for groups in plan], count_group)
+        targets = all_reduce_max([len(groups) for groups in plan], count_group, torch.int64)
         plan = [split_to_count(groups, k) for groups, k in zip(plan, targets, strict=True)]
     out = [
         [pack_samples(batch, g, advantages, multiple, with_routes) for g in groups]
@@ -115,7 +115,7 @@ def make_mini_batches(
     if token_group is not None:
         flat = [mb for mini in out for mb in mini]
         sizes = [_layout_tokens(mb, cp_size, multiple) for mb in flat]
-        targets = iter(_group_max(sizes, token_group))
+        targets = iter(all_reduce_max(sizes, token_group, torch.int64))
         step = layout.sequence_multiple
         out = [
             [pad_micro_batch(mb, next(targets) - _layout_tokens(mb, cp_size, multiple), step)
@@ -177,13 +177,6 @@ def _layout_tokens(mb: PackedBatch, cp_size: int, multiple: int) -> int:
     if cp_size == 1:
         return mb.num_tokens
     return int(padded_layout(mb, cp_size, multiple)[0][-1])
-
-
-def _group_max(values: list[int], group: dist.ProcessGroup) -> list[int]:
-    """Element-wise max of ``values`` over ``group`` (one all-reduce)."""
-    t = torch.tensor(values, dtype=torch.int64, device=comm_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.tolist()
 
 
 def nonfinite_inputs(micro_batches: list[PackedBatch]) -> list[bool]:

@@ -10,21 +10,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.megatron.parallel import all_reduce_sum, comm_device
+from megatron_grpo.megatron.parallel import all_reduce_max, all_reduce_sum, comm_device
 
 __all__ = [
-    "all_reduce_max",
+    "all_reduce_max",  # megatron/parallel.py's, as all_reduce_sum
     "all_reduce_sum",  # megatron/parallel.py's (the routing-replay metrics use it too)
     "any_rank",
 ]
-
-
-def all_reduce_max(values: list[float], group: dist.ProcessGroup | None = None) -> list[float]:
-    """Element-wise max of float64 scalars over ``group`` (None = the whole world)."""
-    t = torch.tensor(values, dtype=torch.float64, device=comm_device())
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.tolist()
 
 
 def any_rank(flags: list[bool]) -> list[bool]:

@@ -117,3 +117,27 @@ def use_index_chunk_sort() -> bool:
         return False
     token_dispatcher.sort_chunks_by_idxs = sort_chunks_by_index
     return True
+
+
+@contextlib.contextmanager
+def writer_memory_logging_without_psutil() -> Iterator[None]:
+    """Without psutil, megatron-core's torch_dist writer processes die importing it for their
+    memory logging and the save then hangs: for the duration, the private
+    ``filesystem_async._process_memory`` returns 0 (0.14 - 0.19; install psutil to avoid the
+    stub). With psutil, nothing is written."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    try:
+        import psutil  # noqa: F401
+
+        stub = False
+    except ImportError:
+        stub = hasattr(filesystem_async, "_process_memory")
+    original = getattr(filesystem_async, "_process_memory", None)
+    if stub:
+        filesystem_async._process_memory = lambda: 0
+    try:
+        yield
+    finally:
+        if stub:
+            filesystem_async._process_memory = original

@@ -28,7 +28,6 @@ from megatron_grpo.ops.options import LMHeadOptions
 from megatron_grpo.ops.plan import resolve_request
 
 # on-policy IS weights of these levels need each sequence's current log-probs first
-_SEQUENCE_IS = ("sequence", "sequence_mean")
 
 
 class LogprobPath(Protocol):
@@ -138,10 +137,11 @@ def choose_path(cfg: GRPOLossConfig, options: LMHeadOptions, on_policy: bool) ->
     "megatron", GSPO with "fused_single_pass"). On-policy with a sequence-level IS correction
     the automatic fused request becomes "fused_tiled" (the IS weight needs whole sequences of
     current log-probs); "fused_single_pass" is refused."""
-    resolve_request(options.path, cfg)
+    resolve_request(options.path, cfg)  # a sequence ratio (GSPO): checked and resolved there
     if options.path == "megatron":
         return MegatronPath(options)
-    if on_policy and cfg.is_correction_level in _SEQUENCE_IS:
+    # on-policy only (a sequence ratio is the plan's: resolve_request above)
+    if cfg.needs_whole_sequences(on_policy) and not cfg.needs_whole_sequences():
         if options.path == "fused_single_pass":
             raise ValueError(
                 "logprob_path 'fused_single_pass' runs the loss chunk by chunk, but on-policy "
