@@ -111,7 +111,7 @@ def test_logprob_path_is_chosen_once():
 
     cfg = GRPOLossConfig()
     step = GRPOStep(cfg, vocab_size=VOCAB)
-    assert step.logprob_path == "fused" and isinstance(step.path, HeadOpPath)
+    assert step.options.path == "fused" and isinstance(step.path, HeadOpPath)
     assert isinstance(GRPOStep(cfg, vocab_size=VOCAB, logprob_path="op").path, HeadOpPath)
     step = GRPOStep(cfg, vocab_size=VOCAB, logprob_path="megatron", temperature=0.5)
     assert isinstance(step.path, MegatronPath)

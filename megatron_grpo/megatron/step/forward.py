@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -84,11 +83,11 @@ def get_forward_backward_func() -> Callable:
     return run
 
 
-@dataclass
 class GRPOStep:
     """Megatron ``forward_step_func``s for GRPO training and for no-grad log-probs.
 
-    Args:
+    Args (the LM-head ones, from ``vocab_size`` to ``gemm``, are the fields of
+    :class:`LMHeadOptions` by their keyword names; where given they override ``options``'s):
         loss_cfg: the GRPO loss options.
         vocab_size: the real vocabulary (``ModelConfig.vocab_size``): padded ids get zero
             probability and are never scored.
@@ -109,36 +108,39 @@ class GRPOStep:
         layout: the parallel layout, computed once (``initialize_parallel`` returns it); None =
             megatron-core's current ``parallel_state`` with the model's ``sequence_parallel``,
             read at each forward.
+        options: the LM-head options as one object (a recipe's ``lm_head`` section); default:
+            LMHeadOptions' defaults, path "fused".
 
-    The options become one :class:`LMHeadOptions` (``self.options``, validated here) and the
-    path one :class:`~megatron_grpo.megatron.step.logprob_paths.LogprobPath` (``self.path``),
-    both when the step is built.
+    The step holds the options as one :class:`LMHeadOptions` (``self.options``, validated
+    once) and the path as one :class:`~megatron_grpo.megatron.step.logprob_paths.LogprobPath`
+    (``self.path``), both made when the step is built.
     """
 
-    loss_cfg: GRPOLossConfig
-    vocab_size: int
-    temperature: float = 1.0
-    chunk_size: int | None = None
-    impl: str = "auto"
-    logprob_path: LMHeadRequest = "fused"
-    memory_budget: int | None = None
-    on_policy: bool = False
-    layout: ParallelLayout | None = None
-    gemm: str = "auto"
-    options: LMHeadOptions = field(init=False)
-    path: LogprobPath = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.options = LMHeadOptions(
-            path=self.logprob_path,
-            impl=self.impl,
-            gemm=self.gemm,
-            memory_budget=self.memory_budget,
-            chunk_size=self.chunk_size,
-            temperature=self.temperature,
-            vocab_size=self.vocab_size,
-        )
-        self.path = choose_path(self.loss_cfg, self.options, self.on_policy)
+    def __init__(
+        self,
+        loss_cfg: GRPOLossConfig,
+        vocab_size: int | None = None,
+        temperature: float | None = None,
+        chunk_size: int | None = None,
+        impl: str | None = None,
+        logprob_path: LMHeadRequest | None = None,
+        memory_budget: int | None = None,
+        on_policy: bool = False,
+        layout: ParallelLayout | None = None,
+        gemm: str | None = None,
+        *,
+        options: LMHeadOptions | None = None,
+    ) -> None:
+        given = dict(vocab_size=vocab_size, temperature=temperature, chunk_size=chunk_size,
+                     impl=impl, path=logprob_path, memory_budget=memory_budget, gemm=gemm)  # fmt: skip
+        opts = LMHeadOptions.of(options, **{k: v for k, v in given.items() if v is not None})
+        if opts.path is None:  # the step's default request
+            opts = LMHeadOptions.of(opts, path="fused")
+        if opts.vocab_size is None:
+            raise ValueError("GRPOStep needs vocab_size (the real vocabulary)")
+        self.loss_cfg, self.on_policy, self.layout = loss_cfg, on_policy, layout
+        self.options: LMHeadOptions = opts
+        self.path: LogprobPath = choose_path(loss_cfg, opts, on_policy)
 
     @classmethod
     def from_options(
@@ -153,18 +155,7 @@ class GRPOStep:
         runtime ``temperature`` and ``vocab_size`` filled in; ``vocab_size`` is required)."""
         if options.vocab_size is None:
             raise ValueError("GRPOStep.from_options needs options.vocab_size (the real vocabulary)")
-        return cls(
-            loss_cfg,
-            vocab_size=options.vocab_size,
-            temperature=options.temperature,
-            chunk_size=options.chunk_size,
-            impl=options.impl,
-            logprob_path=options.path or "fused",
-            memory_budget=options.memory_budget,
-            on_policy=on_policy,
-            layout=layout,
-            gemm=options.gemm,
-        )
+        return cls(loss_cfg, options=options, on_policy=on_policy, layout=layout)
 
     def layout_of(self, gpt: GPTModel) -> ParallelLayout:
         """The step's layout, or (None) megatron-core's current one, read at each call so that
