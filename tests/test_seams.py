@@ -371,3 +371,15 @@ def test_every_module_imports_in_dependency_order():
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_the_package_is_formatted_by_the_formatter():
+    """``ruff format`` formats every line of the package (Triton kernels, in kernels/, keep
+    their hand layout): no ``# fmt: skip`` / ``# fmt: off`` in megatron_grpo/."""
+    marks = [
+        f"{path.relative_to(ROOT)}:{i}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if "# fmt: skip" in line or "# fmt: off" in line
+    ]
+    assert not marks, "formatter overrides: " + ", ".join(marks)

@@ -146,13 +146,19 @@ def _moe_mlp(router: str, expert: str, gate: str, up: str, down: str) -> tuple[R
 
 
 _MOE_MLP = _moe_mlp(
-    "mlp.gate.weight", "mlp.experts.{expert}.", "gate_proj.weight", "up_proj.weight",
+    "mlp.gate.weight",
+    "mlp.experts.{expert}.",
+    "gate_proj.weight",
+    "up_proj.weight",
     "down_proj.weight",
-)  # fmt: skip
+)
 _MIXTRAL_MLP = _moe_mlp(
-    "block_sparse_moe.gate.weight", "block_sparse_moe.experts.{expert}.", "w1.weight",
-    "w3.weight", "w2.weight",
-)  # fmt: skip
+    "block_sparse_moe.gate.weight",
+    "block_sparse_moe.experts.{expert}.",
+    "w1.weight",
+    "w3.weight",
+    "w2.weight",
+)
 # Qwen2-MoE's always-on shared expert, scaled by sigmoid(shared_expert_gate(x)).
 _SHARED_EXPERT = (
     Rule(

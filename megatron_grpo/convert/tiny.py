@@ -25,9 +25,15 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 _SHAPE: dict[str, Any] = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, max_position_embeddings=128, tie_word_embeddings=False,
-)  # fmt: skip
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+)
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 # Per family (transformers model_type = our family name): what differs from _SHAPE.
 _FAMILY_SHAPE: dict[str, dict[str, Any]] = {

@@ -277,9 +277,12 @@ def agg_coefficients(
 
 
 def _input_checks(
-    cfg: GRPOLossConfig, loss_mask: Tensor, cu_seqlens: Tensor, named: dict[str, Tensor],
+    cfg: GRPOLossConfig,
+    loss_mask: Tensor,
+    cu_seqlens: Tensor,
+    named: dict[str, Tensor],
     denominator: float | Tensor | None,
-) -> list[checks.DeviceCheck]:  # fmt: skip
+) -> list[checks.DeviceCheck]:
     """Checks what the host sees now (types, shapes, devices, options); the value checks that
     would read the device are returned, for the one fetch."""
     checks.check_mask(loss_mask)
@@ -386,9 +389,12 @@ def raise_on_nonfinite(cfg: GRPOLossConfig, logprobs: Tensor, entropy: Tensor | 
 
 
 def _neutralise(
-    cfg: GRPOLossConfig, ctx: LossContext, logprobs: Tensor, entropy: Tensor | None,
+    cfg: GRPOLossConfig,
+    ctx: LossContext,
+    logprobs: Tensor,
+    entropy: Tensor | None,
     check_finite: bool,
-) -> tuple[Tensor, Tensor | None, Tensor, MetricDict]:  # fmt: skip
+) -> tuple[Tensor, Tensor | None, Tensor, MetricDict]:
     """Handle non-finite current log-probs / entropy at valid rows (raise, or zero-weight)."""
     if cfg.nonfinite == "raise":
         if check_finite:

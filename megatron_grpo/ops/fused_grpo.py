@@ -280,8 +280,15 @@ def fused_grpo_loss_plan(
     args = _Args.of(cfg, inputs, options, tp_group, sequence_parallel, overrides)
     if _request(args) == "fused":
         return _fused_setup(hidden, weight, targets, args)[0].plan
-    plan = logprobs_plan(hidden, weight, targets, args.options, rows=args.inputs.loss_mask.bool(),
-                         tp_group=tp_group, sequence_parallel=sequence_parallel)  # fmt: skip
+    plan = logprobs_plan(
+        hidden,
+        weight,
+        targets,
+        args.options,
+        rows=args.inputs.loss_mask.bool(),
+        tp_group=tp_group,
+        sequence_parallel=sequence_parallel,
+    )
     return replace(plan, reason=resolve_request(args.options.path, cfg)[1])
 
 

@@ -63,9 +63,11 @@ class LMHead:
 
     def stats(self, logits: Tensor, t_local: Tensor, start: int, with_entropy: bool) -> RowStats:
         """Row stats of a tile starting at vocab row ``start``."""
-        return RowStats(*self.kernels.logits_row_stats(
-            logits, t_local - start, logits.shape[1], self.inv_temperature, with_entropy
-        ))  # fmt: skip
+        return RowStats(
+            *self.kernels.logits_row_stats(
+                logits, t_local - start, logits.shape[1], self.inv_temperature, with_entropy
+            )
+        )
 
     @property
     def epilogue(self) -> bool:
@@ -93,9 +95,16 @@ class LMHead:
             return self.dlogits(self.logits(h, start, stop, buf), t_local, start, g)
         out = tile_view(buf, h.shape[0], stop - start)
         return self.kernels.head_gemm_grad(
-            h, self.weight[start:stop], t_local - start, self.inv_temperature,
-            g.lse, g.g_logp, g.g_ent, g.pz, out=out,
-        )  # fmt: skip
+            h,
+            self.weight[start:stop],
+            t_local - start,
+            self.inv_temperature,
+            g.lse,
+            g.g_logp,
+            g.g_ent,
+            g.pz,
+            out=out,
+        )
 
     def shifted_stats(
         self, h: Tensor, t_local: Tensor, with_entropy: bool, buf: Tensor
@@ -104,19 +113,34 @@ class LMHead:
         also keeps the shifted logits ``z - m_block`` in ``buf`` (GEMM dtype, [C, n_valid]);
         returns (stats, the per-block shifts ``m`` [NB, C]) for :meth:`shifted_dlogits`."""
         out = tile_view(buf, h.shape[0], self.n_valid)
-        parts = RowStats(*self.kernels.head_gemm_stats(
-            h, self.weight[: self.n_valid], t_local, self.inv_temperature, with_entropy,
-            shifted=out,
-        ))  # fmt: skip
+        parts = RowStats(
+            *self.kernels.head_gemm_stats(
+                h,
+                self.weight[: self.n_valid],
+                t_local,
+                self.inv_temperature,
+                with_entropy,
+                shifted=out,
+            )
+        )
         return merge_row_stats(parts, OVER_TILES), parts.m
 
     def shifted_dlogits(self, shifted: Tensor, t_local: Tensor, shift: Tensor, g: RowGrads):
         """d loss / d logits of :meth:`shifted_stats`'s ``[C, n_valid]`` shifted logits, written
         over them (GEMM dtype)."""
         return self.kernels.logits_grad(
-            shifted, t_local, self.n_valid, self.inv_temperature, g.lse, g.g_logp, g.g_ent, g.pz,
-            out=shifted, block_shift=shift, shift_block=STATS_BLOCK,
-        )  # fmt: skip
+            shifted,
+            t_local,
+            self.n_valid,
+            self.inv_temperature,
+            g.lse,
+            g.g_logp,
+            g.g_ent,
+            g.pz,
+            out=shifted,
+            block_shift=shift,
+            shift_block=STATS_BLOCK,
+        )
 
     def dlogits(self, logits: Tensor, t_local: Tensor, start: int, g: RowGrads) -> Tensor:
         """d loss / d logits of a tile in the GEMM dtype (the weight's), written over ``logits``.
@@ -127,9 +151,16 @@ class LMHead:
         """
         out = narrow_alias(logits, self.weight.dtype)
         return self.kernels.logits_grad(
-            logits, t_local - start, logits.shape[1], self.inv_temperature,
-            g.lse, g.g_logp, g.g_ent, g.pz, out=out,
-        )  # fmt: skip
+            logits,
+            t_local - start,
+            logits.shape[1],
+            self.inv_temperature,
+            g.lse,
+            g.g_logp,
+            g.g_ent,
+            g.pz,
+            out=out,
+        )
 
 
 def build_lm_head(

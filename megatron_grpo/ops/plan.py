@@ -125,12 +125,16 @@ class HeadShape:
         main_grad = main_grad_of(weight)
         v_local, hidden = weight.shape
         return HeadShape(
-            rows=rows, v_local=v_local, n_valid=v_local if n_valid is None else n_valid,
-            hidden=hidden, dtype=weight.dtype,
+            rows=rows,
+            v_local=v_local,
+            n_valid=v_local if n_valid is None else n_valid,
+            hidden=hidden,
+            dtype=weight.dtype,
             main_grad_dtype=None if main_grad is None else main_grad.dtype,
-            device_type=weight.device.type, want_dh=want_dh,
+            device_type=weight.device.type,
+            want_dh=want_dh,
             want_dw=weight.requires_grad if want_dw is None else want_dw,
-        )  # fmt: skip
+        )
 
 
 @dataclass(frozen=True)
@@ -176,8 +180,9 @@ class LMHeadPlan:
             parts.append(f"{self.impl} kernels, {self.gemm.replace('_', ' ')} GEMM")
         if self.chunk_rows is not None:
             kept = "shifted" if self.gemm == "fused_epilogue" else "fp32"
-            parts.append(f"{self.chunk_rows}-row full-width chunks of {self.n_valid} {kept} "
-                         "logit columns")  # fmt: skip
+            parts.append(
+                f"{self.chunk_rows}-row full-width chunks of {self.n_valid} {kept} logit columns"
+            )
         if self.tile_rows is not None:
             what = "recompute tiles" if self.chunk_rows is not None else "tiles"
             parts.append(f"{self.rows} rows in {self.tile_rows} x {self.tile_cols} {what}")
@@ -280,8 +285,21 @@ def plan_lm_head(
     request, reason = resolve_request(opts.path, loss)
     weight_grad = weight_grad_mode(shape)
     if request == "megatron":
-        return LMHeadPlan("megatron", reason, None, None, None, None, shape.rows, shape.n_valid,
-                          None, None, None, budget, shape.dtype)  # fmt: skip
+        return LMHeadPlan(
+            "megatron",
+            reason,
+            None,
+            None,
+            None,
+            None,
+            shape.rows,
+            shape.n_valid,
+            None,
+            None,
+            None,
+            budget,
+            shape.dtype,
+        )
     impl_name = resolve_impl(opts.impl, shape.device_type)
     gemm_name = resolve_gemm(opts.gemm, impl_name)
     tile_dtype = shape.dtype if gemm_name == "fused_epilogue" else torch.float32
@@ -300,9 +318,23 @@ def plan_lm_head(
     acc, acc_bytes = None, 0
     if request == "fused_single_pass":
         acc, acc_bytes = accumulator_of(shape, weight_grad)
-    return LMHeadPlan(request, reason, impl_name, gemm_name, weight_grad, loop, shape.rows,
-                      shape.n_valid, tiling.rows, tiling.cols, chunk_rows, budget,
-                      shape.dtype, acc, acc_bytes)  # fmt: skip
+    return LMHeadPlan(
+        request,
+        reason,
+        impl_name,
+        gemm_name,
+        weight_grad,
+        loop,
+        shape.rows,
+        shape.n_valid,
+        tiling.rows,
+        tiling.cols,
+        chunk_rows,
+        budget,
+        shape.dtype,
+        acc,
+        acc_bytes,
+    )
 
 
 def resolve_gemm(gemm: str, impl: str) -> str:
@@ -314,9 +346,15 @@ def resolve_gemm(gemm: str, impl: str) -> str:
 
 
 def _fused_path(
-    request: str, reason: str, shape: HeadShape, weight_grad: str, chunk_size: int | None,
-    budget: int, gemm: str, min_rows: int,
-) -> tuple[str, int | None, str]:  # fmt: skip
+    request: str,
+    reason: str,
+    shape: HeadShape,
+    weight_grad: str,
+    chunk_size: int | None,
+    budget: int,
+    gemm: str,
+    min_rows: int,
+) -> tuple[str, int | None, str]:
     """(path, single-pass chunk rows or None, why) of a fused request of :func:`resolve_request`
     (with its ``reason``): "fused_tiled" stays tiled (a sequence ratio's request is that)."""
     if not (shape.want_dh or shape.want_dw):
@@ -330,8 +368,10 @@ def _fused_path(
     else:
         rows, why_not = _single_pass_chunk(shape, weight_grad, chunk_size, budget // TILE_FRACTION)
     if why_not is not None and request == "fused_single_pass":
-        raise ValueError(f"path 'fused_single_pass' does not fit the memory budget: {why_not}; "
-                         "raise memory_budget or lower chunk_size")  # fmt: skip
+        raise ValueError(
+            f"path 'fused_single_pass' does not fit the memory budget: {why_not}; "
+            "raise memory_budget or lower chunk_size"
+        )
     if why_not is not None:
         return "fused_tiled", None, f"auto: {why_not}"
     if request == "fused_single_pass":
@@ -358,11 +398,15 @@ def _epilogue_chunk(
     fit = max(budget - extra, 0) // per_row
     rows = round_down(fit, ROW_ALIGN) if chunk_size is None else chunk_size
     if extra and fit < ROW_ALIGN:
-        return rows, (f"its {kind} d_weight accumulator ({extra} bytes beyond the gradient) "
-                      f"leaves no room for a chunk in the {budget}-byte budget")  # fmt: skip
+        return rows, (
+            f"its {kind} d_weight accumulator ({extra} bytes beyond the gradient) "
+            f"leaves no room for a chunk in the {budget}-byte budget"
+        )
     if not 1 <= rows <= fit:
-        return rows, (f"a full-width chunk of {max(rows, 1)} x {shape.v_local} "
-                      f"({per_row} bytes a row) exceeds the {budget}-byte budget")  # fmt: skip
+        return rows, (
+            f"a full-width chunk of {max(rows, 1)} x {shape.v_local} "
+            f"({per_row} bytes a row) exceeds the {budget}-byte budget"
+        )
     return rows, None
 
 
@@ -374,10 +418,14 @@ def _single_pass_chunk(
     fit = tile // (4 * max(shape.v_local, 1))
     rows = round_down(fit, ROW_ALIGN) if chunk_size is None else chunk_size
     if not 1 <= rows <= fit:
-        return rows, (f"a full-width fp32 chunk of {max(rows, 1)} x {shape.v_local} exceeds the "
-                      f"{tile}-byte tile")  # fmt: skip
+        return rows, (
+            f"a full-width fp32 chunk of {max(rows, 1)} x {shape.v_local} exceeds the "
+            f"{tile}-byte tile"
+        )
     kind, extra = accumulator_of(shape, weight_grad)
     if extra > ACCUMULATOR_TILES * tile:
-        return rows, (f"its {kind} d_weight accumulator ({extra} bytes beyond the gradient) "
-                      f"exceeds {ACCUMULATOR_TILES} tile of {tile} bytes")  # fmt: skip
+        return rows, (
+            f"its {kind} d_weight accumulator ({extra} bytes beyond the gradient) "
+            f"exceeds {ACCUMULATOR_TILES} tile of {tile} bytes"
+        )
     return rows, None

@@ -83,8 +83,9 @@ class ForwardWeightGrad:
         """``d_weight[:n_valid] += dlogits^T @ h`` (dlogits [C, n_valid], h [C, H])."""
         dst = self.acc[: self.n_valid]
         if self.lo is not None:
-            self.kernels.split_acc_addmm(dlogits, h, dst, self.lo[: self.n_valid],
-                                         not self._started)  # fmt: skip
+            self.kernels.split_acc_addmm(
+                dlogits, h, dst, self.lo[: self.n_valid], not self._started
+            )
         elif self._started:
             mm_f32(dlogits.t(), h, acc=dst)
         else:
@@ -141,9 +142,13 @@ class TokenSinglePass:
         self.head, self.lctx, self.cfg, self.need_ent = head, lctx, cfg, need_ent
 
     def run(
-        self, h_full: Tensor, idx: Tensor | None, t_local: Tensor, want_dh: bool,
+        self,
+        h_full: Tensor,
+        idx: Tensor | None,
+        t_local: Tensor,
+        want_dh: bool,
         dw: ForwardWeightGrad | None,
-    ) -> SinglePassResult:  # fmt: skip
+    ) -> SinglePassResult:
         """h_full [T, H] (gathered), idx [N] or None (all rows); d_weight goes into ``dw``."""
         n, dev, rows = t_local.shape[0], h_full.device, self.head.plan.chunk_rows
         ent_grad = self.need_ent and self.cfg.entropy_coef != 0

@@ -23,9 +23,12 @@ IMPLS = ("torch", "triton")
 
 
 def add_rms_norm_torch(
-    x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None,
+    x: Tensor,
+    weight: Tensor,
+    eps: float,
+    residual: Tensor | None = None,
     bias: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+) -> tuple[Tensor, Tensor]:
     """``res = residual + (x + bias)``, ``y = rms_norm(res) * weight`` (fp32, rounded once);
     ``[b, H]``. Like the kernel, ``res`` is written into ``residual`` in place."""
     t = x if bias is None else x + bias
@@ -35,10 +38,15 @@ def add_rms_norm_torch(
 
 
 def qkv_rope_cache_torch(
-    qkv: Tensor, groups: int, heads_per_group: int, pos: Tensor, k_cache: Tensor,
-    v_cache: Tensor, norm: tuple[Tensor, Tensor, float] | None = None,
+    qkv: Tensor,
+    groups: int,
+    heads_per_group: int,
+    pos: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    norm: tuple[Tensor, Tensor, float] | None = None,
     rope: tuple[Tensor, Tensor, bool] | None = None,
-) -> Tensor:  # fmt: skip
+) -> Tensor:
     """Reference of ``kernels.qkv_rope_cache``: ``qkv [b, G * (R + 2) * D]`` -> ``q [b, G, R, D]``
     with row i's key / value written at ``k/v_cache[i, :, pos[i]]``."""
     b, d, r = qkv.size(0), k_cache.size(-1), heads_per_group

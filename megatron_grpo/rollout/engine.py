@@ -119,9 +119,12 @@ class KVCacheEngine:
     model so its CUDA graphs are captured once and reused across calls."""
 
     def __init__(
-        self, model: torch.nn.Module, options: EngineOptions | None = None,
-        max_context: int | None = None, layout: ParallelLayout | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        model: torch.nn.Module,
+        options: EngineOptions | None = None,
+        max_context: int | None = None,
+        layout: ParallelLayout | None = None,
+    ) -> None:
         """``max_context``: the longest prompt + response any call will bring (the trainer's
         ``max_prompt_length + max_response_length``): the first cache is sized for it, so a
         later call with a longer prompt does not re-allocate once training state holds the
@@ -227,8 +230,15 @@ class KVCacheEngine:
                 r.routes = run.routes.sample_rows(i, len(r.prompt) + len(r.tokens))
 
     def _reset_stats(self) -> None:
-        names = ("prefill_forwards", "decode_steps", "decode_rows", "decode_live_rows",
-                 "generated_tokens", "prefill_seconds", "decode_seconds")  # fmt: skip
+        names = (
+            "prefill_forwards",
+            "decode_steps",
+            "decode_rows",
+            "decode_live_rows",
+            "generated_tokens",
+            "prefill_seconds",
+            "decode_seconds",
+        )
         self.stats = dict.fromkeys(names, 0)
 
     def _restore_kv(self, run: Run, requests: list[Request]) -> None:
@@ -243,8 +253,12 @@ class KVCacheEngine:
         device = self.cache.kv.device
         for i in restored:
             kv, slot = requests[i].kv, len(run.rows)
-            want = (*self.cache.kv.shape[:2], self.cache.kv.shape[3], requests[i].fed,
-                    self.cache.kv.shape[5])  # fmt: skip
+            want = (
+                *self.cache.kv.shape[:2],
+                self.cache.kv.shape[3],
+                requests[i].fed,
+                self.cache.kv.shape[5],
+            )
             if tuple(kv.shape) != want:
                 raise ValueError(f"a kept KV row has shape {list(kv.shape)}, expected {list(want)}")
             self.cache.kv[:, :, slot, :, : kv.shape[3]].copy_(kv.to(device))
@@ -307,9 +321,13 @@ class KVCacheEngine:
         return cache
 
     def _budget_slots(
-        self, run: Run, shape: kvc.CacheShape, seq_len: int, kept: kvc.KVCache | None,
+        self,
+        run: Run,
+        shape: kvc.CacheShape,
+        seq_len: int,
+        kept: kvc.KVCache | None,
         cached: bool,
-    ) -> tuple[int, str]:  # fmt: skip
+    ) -> tuple[int, str]:
         """Sequences of ``seq_len`` tokens the budget holds, and how it was set (for the log).
         Sized from memory, every rank of the TP / EP groups takes the smallest count."""
         o = self.options
@@ -406,8 +424,9 @@ class KVCacheEngine:
         self._u = torch.zeros(cache.slots, dtype=torch.float32, device=device)
         self._out = torch.zeros(2, cache.slots, dtype=torch.float64, device=device)
         pin = device.type == "cuda"
-        self._host_out = [torch.zeros(2, cache.slots, dtype=torch.float64, pin_memory=pin)
-                          for _ in range(2)]  # fmt: skip
+        self._host_out = [
+            torch.zeros(2, cache.slots, dtype=torch.float64, pin_memory=pin) for _ in range(2)
+        ]
         self._rope = _rope_table(self.model, cache.seq_len)
         cache.rotary_interleaved = bool(self.model.config.rotary_interleaved)
         self._static_key = key
@@ -545,8 +564,10 @@ class KVCacheEngine:
         b = _bucket(rows, self.cache.slots) if self.use_graphs else rows
         samples = torch.tensor(run.rows, dtype=torch.long)
         longest = int((run.prompt_lens[samples] + run.lengths[samples]).max()) + ahead if n else 1
-        ctx = min(-(-longest // self.options.context_bucket) * self.options.context_bucket,
-                  self.cache.seq_len)  # fmt: skip
+        ctx = min(
+            -(-longest // self.options.context_bucket) * self.options.context_bucket,
+            self.cache.seq_len,
+        )
         if self._rows_moved or b != self._meta_rows:  # the device's row state is rebuilt
             meta = torch.zeros(4, b, dtype=torch.long)
             meta[:, :n] = run.feeds(samples)

@@ -74,9 +74,11 @@ def plan_decode(
     the fused path where :func:`unsupported` finds nothing, with Triton on GPU; an explicit "fused" that the model
     cannot take is an error naming the reason. ``attention`` "auto" follows ``impl``."""
     if path not in PATHS or impl not in IMPLS or attention not in ATTENTIONS:
-        raise ValueError(f"decode path must be one of {PATHS}, impl one of {IMPLS} and "
-                         f"attention one of {ATTENTIONS}, got {path!r} / {impl!r} / "
-                         f"{attention!r}")  # fmt: skip
+        raise ValueError(
+            f"decode path must be one of {PATHS}, impl one of {IMPLS} and "
+            f"attention one of {ATTENTIONS}, got {path!r} / {impl!r} / "
+            f"{attention!r}"
+        )
     device = next(model.parameters()).device.type
     if impl == "auto":
         impl = resolve_impl("auto", device)
@@ -172,10 +174,14 @@ class _Layer:
         if type(attn.q_layernorm) is Norm:
             qk = (attn.q_layernorm.weight, attn.k_layernorm.weight, attn.q_layernorm.eps)
         return cls(
-            _norm(layer.input_layernorm), _linear(attn.linear_qkv), qk,
-            _linear(attn.linear_proj), _norm(layer.pre_mlp_layernorm),
-            _linear(mlp.linear_fc1), _linear(mlp.linear_fc2),
-        )  # fmt: skip
+            _norm(layer.input_layernorm),
+            _linear(attn.linear_qkv),
+            qk,
+            _linear(attn.linear_proj),
+            _norm(layer.pre_mlp_layernorm),
+            _linear(mlp.linear_fc1),
+            _linear(mlp.linear_fc2),
+        )
 
 
 def _norm(norm: Norm) -> tuple[Tensor, float]:
@@ -209,16 +215,28 @@ class FusedDecoder:
         self.scale = softmax_scale(model)
 
     def __call__(
-        self, ids: Tensor, pos: Tensor, cache: KVCache, rope: tuple[Tensor, Tensor] | None,
-    ) -> Tensor:  # fmt: skip
+        self,
+        ids: Tensor,
+        pos: Tensor,
+        cache: KVCache,
+        rope: tuple[Tensor, Tensor] | None,
+    ) -> Tensor:
         """Tokens ``ids [b]`` at positions ``pos [b]`` (row i = cache slot i, mask planned)."""
         emb = self.model.embedding(input_ids=ids[:, None], position_ids=pos[:, None])[0]
         res, x = self.add_norm(emb.contiguous(), *self.layers[0].norm1)
         rope_args = None if rope is None else (*rope, cache.rotary_interleaved)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = cache.kv[i, 0], cache.kv[i, 1]
-            q = self.qkv_rope(F.linear(x, *layer.qkv), self.groups, self.per_group, pos,
-                              k_cache, v_cache, layer.qk_norm, rope_args)  # fmt: skip
+            q = self.qkv_rope(
+                F.linear(x, *layer.qkv),
+                self.groups,
+                self.per_group,
+                pos,
+                k_cache,
+                v_cache,
+                layer.qk_norm,
+                rope_args,
+            )
             att = decode_attention(q, k_cache, v_cache, cache, self.scale)
             out = self._reduce(F.linear(att, layer.proj[0]))
             res, x = self.add_norm(out, *layer.norm2, residual=res, bias=layer.proj[1])

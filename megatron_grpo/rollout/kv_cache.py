@@ -91,9 +91,13 @@ class Headroom:
 
     @classmethod
     def of(
-        cls, model: torch.nn.Module, shape: CacheShape, seq_len: int, prefill_tokens: int,
+        cls,
+        model: torch.nn.Module,
+        shape: CacheShape,
+        seq_len: int,
+        prefill_tokens: int,
         graphs: bool,
-    ) -> Headroom:  # fmt: skip
+    ) -> Headroom:
         """``fixed``: the scratch slot, the RoPE table, and one prefill forward of
         ``prefill_tokens`` (:func:`activation_width` elements a token). ``per_slot`` (a decode
         step over every slot, or the first tokens of as many prefilled prompts): fp32 logits
@@ -184,9 +188,15 @@ class KVCache:
         # Zeroed: masked-out keys still enter the score GEMM, and a NaN bit pattern left in
         # unwritten memory would turn masked scores (NaN + -inf) and the output into NaN.
         self.kv = torch.zeros(
-            shape.layers, 2, slots + 1, shape.kv_heads, seq_len, shape.head_dim,
-            dtype=shape.dtype, device=device,
-        )  # fmt: skip
+            shape.layers,
+            2,
+            slots + 1,
+            shape.kv_heads,
+            seq_len,
+            shape.head_dim,
+            dtype=shape.dtype,
+            device=device,
+        )
         self.scratch = slots
         self.decoding = False
         self.packed: PackedSeqParams | None = None  # prefill: the documents of the stream
@@ -245,8 +255,9 @@ class CachedAttention(torch.nn.Module):
         query, key = c.apply_rope(query), c.apply_rope(key)
         kc[c.write_slot, :, c.write_pos] = key[:, 0]
         vc[c.write_slot, :, c.write_pos] = value[:, 0]
-        out = packed_causal_attention(query[:, 0], key[:, 0], value[:, 0], c.packed,
-                                      sdpa=self._sdpa)  # fmt: skip
+        out = packed_causal_attention(
+            query[:, 0], key[:, 0], value[:, 0], c.packed, sdpa=self._sdpa
+        )
         return out.reshape(out.size(0), 1, -1)
 
     def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -285,9 +296,11 @@ def decode_attention(q: Tensor, kc: Tensor, vc: Tensor, cache: KVCache, scale: f
 # Masked decode attention: cuDNN streams the cache near HBM bandwidth on Hopper (research file:
 # 3.9-4.3 TB/s against 2.6 for flash and 0.15 for math); the others stay as fallbacks.
 _DECODE_BACKENDS = [
-    SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION,
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.FLASH_ATTENTION,
     SDPBackend.MATH,
-]  # fmt: skip
+]
 
 
 def _decode_backends(device: torch.device):

@@ -66,12 +66,19 @@ class Run:
         n, m = len(prompts), params.max_new_tokens
         caps = [m if k is None else min(k, m) for k in (limits or [None] * n)]
         return cls(
-            [list(map(int, p)) for p in prompts], params, uniforms, deque(range(n)), [],
-            torch.zeros(n, m, dtype=torch.long), torch.zeros(n, m, dtype=torch.float64),
-            torch.zeros(n, dtype=torch.long), torch.tensor([len(p) for p in prompts]),
+            [list(map(int, p)) for p in prompts],
+            params,
+            uniforms,
+            deque(range(n)),
+            [],
+            torch.zeros(n, m, dtype=torch.long),
+            torch.zeros(n, m, dtype=torch.float64),
+            torch.zeros(n, dtype=torch.long),
+            torch.tensor([len(p) for p in prompts]),
             torch.tensor(sorted(params.stops), dtype=torch.long),
-            torch.tensor(caps, dtype=torch.long), torch.zeros(n, dtype=torch.bool),
-        )  # fmt: skip
+            torch.tensor(caps, dtype=torch.long),
+            torch.zeros(n, dtype=torch.bool),
+        )
 
     def record(self, samples: torch.Tensor, tokens: torch.Tensor, logps: torch.Tensor):
         """Append one token to each of ``samples``; returns which of them are now done."""

@@ -118,10 +118,12 @@ def make_mini_batches(
         targets = iter(all_reduce_max(sizes, token_group, torch.int64))
         step = layout.sequence_multiple
         out = [
-            [pad_micro_batch(mb, next(targets) - _layout_tokens(mb, cp_size, multiple), step)
-             for mb in mini]
+            [
+                pad_micro_batch(mb, next(targets) - _layout_tokens(mb, cp_size, multiple), step)
+                for mb in mini
+            ]
             for mini in out
-        ]  # fmt: skip
+        ]
     return out
 
 

@@ -165,12 +165,17 @@ def dry_run(train_cfg: Any, world_size: int, *, file: TextIO | None = None) -> D
     training, opt = train_cfg.training, train_cfg.optimizer
     lm_head = getattr(train_cfg, "lm_head", None)
     plan = memory_plan(
-        model, par, micro_batch_tokens=micro_batch_tokens(train_cfg), dp_size=dp,
-        use_distributed_optimizer=opt.use_distributed_optimizer, optimizer=opt.optimizer,
-        logprob_path=(lm_head and lm_head.path) or "fused", loss_cfg=train_cfg.loss,
+        model,
+        par,
+        micro_batch_tokens=micro_batch_tokens(train_cfg),
+        dp_size=dp,
+        use_distributed_optimizer=opt.use_distributed_optimizer,
+        optimizer=opt.optimizer,
+        logprob_path=(lm_head and lm_head.path) or "fused",
+        loss_cfg=train_cfg.loss,
         reference_model=training.use_reference_model,
         memory_budget=lm_head.memory_budget if lm_head is not None else None,
-    )  # fmt: skip
+    )
     layout = rank_layout(par, world_size)
     text = f"dry run: world size {world_size}\n{format_layout(layout)}\n{format_plan(plan)}"
     print(text, file=file or sys.stdout, flush=True)

@@ -182,10 +182,13 @@ class FilteredRollouts:
         tol = self.cfg.reward_tolerance
         rewards, responses = batch.rewards or [], batch.response_ids
         return [
-            Group(round, idx, classify_group([rewards[i] for i in idx],
-                                             [len(responses[i]) for i in idx], tol))
+            Group(
+                round,
+                idx,
+                classify_group([rewards[i] for i in idx], [len(responses[i]) for i in idx], tol),
+            )
             for idx in split_groups(batch)
-        ]  # fmt: skip
+        ]
 
     def _next_round_size(self, last: int, groups: list[Group]) -> int:
         """Prompts per rank of the next round, 0 = none: the most any DP rank asks for, so every
@@ -208,11 +211,16 @@ class FilteredRollouts:
     ) -> dict[str, float]:
         kinds = [g.kind for g in groups]
         local = [
-            len(groups), kinds.count(ALL_CORRECT), kinds.count(ALL_WRONG),
-            kinds.count(ALL_PARTIAL), kept, self.per_rank - kept,
+            len(groups),
+            kinds.count(ALL_CORRECT),
+            kinds.count(ALL_WRONG),
+            kinds.count(ALL_PARTIAL),
+            kept,
+            self.per_rank - kept,
             sum(len(r) for b in batches for r in b.response_ids),
-            sum(sum(b.rewards or []) for b in batches), sum(len(b) for b in batches),
-        ]  # fmt: skip
+            sum(sum(b.rewards or []) for b in batches),
+            sum(len(b) for b in batches),
+        ]
         gen, correct, wrong, partial, kept_all, filled, tokens, reward, samples = (
             comm.all_reduce_sum([float(x) for x in local], self.dp_group)
         )

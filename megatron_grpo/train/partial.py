@@ -144,9 +144,13 @@ class PartialRollouts:
 
         p = self.partial
         self.inner.engine.run_requests(
-            requests, self.inner.params, step, stop, keep_kv=p.kv == "keep",
+            requests,
+            self.inner.params,
+            step,
+            stop,
+            keep_kv=p.kv == "keep",
             record_routes=self.cfg.model.moe_enable_routing_replay,
-        )  # fmt: skip
+        )
 
     def _take(self, need: int) -> list[Group]:
         """The ``need`` oldest finished groups (stream order: the synchronous run's order)."""
@@ -167,10 +171,15 @@ class PartialRollouts:
         scores = self.inner.scorer.score(expanded, responses, group_ids)
         routes = self.cfg.model.moe_enable_routing_replay
         return RolloutBatch(
-            [list(p.ids) for p in expanded], responses, group_ids, [r.logprobs for r in reqs],
-            scores.rewards, routed_experts=[r.routes for r in reqs] if routes else None,
-            reward_extras=scores.extras or None, policy_versions=[r.versions for r in reqs],
-        )  # fmt: skip
+            [list(p.ids) for p in expanded],
+            responses,
+            group_ids,
+            [r.logprobs for r in reqs],
+            scores.rewards,
+            routed_experts=[r.routes for r in reqs] if routes else None,
+            reward_extras=scores.extras or None,
+            policy_versions=[r.versions for r in reqs],
+        )
 
     def _carry(self, step: int) -> tuple[int, int]:
         """Drop the groups whose oldest token would lag more than ``max_staleness`` versions

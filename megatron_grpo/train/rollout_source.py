@@ -135,9 +135,12 @@ def sampling_params(
     stop_ids = tuple(dict.fromkeys([*r.sampling.stop_ids, *task_stop_ids]))
     try:
         return dataclasses.replace(
-            r.sampling, max_new_tokens=r.max_response_length, eos_id=eos_id,
-            vocab_size=cfg.model.vocab_size, stop_ids=stop_ids,
-        )  # fmt: skip
+            r.sampling,
+            max_new_tokens=r.max_response_length,
+            eos_id=eos_id,
+            vocab_size=cfg.model.vocab_size,
+            stop_ids=stop_ids,
+        )
     except ValueError as e:  # name the recipe's field (e.g. a stop id beyond the vocabulary)
         origin = f" (the task adds stop ids {list(task_stop_ids)})" if task_stop_ids else ""
         names = [f.name for f in recipe_fields(SamplingParams)]
@@ -222,9 +225,14 @@ class GeneratedRollouts:
         group_ids = [start + i for i in range(len(prompts)) for _ in range(r.group_size)]
         scores = self.scorer.score(expanded, out.responses, group_ids)
         return RolloutBatch(
-            samples, out.responses, group_ids, out.logprobs, scores.rewards,
-            routed_experts=out.routes, reward_extras=scores.extras or None,
-        )  # fmt: skip
+            samples,
+            out.responses,
+            group_ids,
+            out.logprobs,
+            scores.rewards,
+            routed_experts=out.routes,
+            reward_extras=scores.extras or None,
+        )
 
     def _generate(
         self, samples: list[list[int]], limits: list[int | None], step: int, round: int
@@ -234,10 +242,14 @@ class GeneratedRollouts:
         the last row -1). ``limits``: the task's per-prompt response limits."""
         engine = self.engine if self.engine is not None else "recompute"
         return generate(
-            self.model, samples, self.params, self._generator(step, round), engine=engine,
+            self.model,
+            samples,
+            self.params,
+            self._generator(step, round),
+            engine=engine,
             record_routes=self.cfg.model.moe_enable_routing_replay,
             limits=None if all(k is None for k in limits) else limits,
-        )  # fmt: skip
+        )
 
     def _first_prompt(self, step: int, round: int) -> int:
         if round == 0:

@@ -102,9 +102,11 @@ class RewardPool:
     def _start(self) -> None:
         ctx = multiprocessing.get_context("spawn")
         executor = ProcessPoolExecutor(
-            self.workers, mp_context=ctx, initializer=_init_worker,
+            self.workers,
+            mp_context=ctx,
+            initializer=_init_worker,
             initargs=(self.fn, ctx.Barrier(self.workers)),
-        )  # fmt: skip
+        )
         # One call per worker: each submit starts a process (none is idle before the barrier).
         ready = [executor.submit(os.getpid) for _ in range(self.workers)]
         try:

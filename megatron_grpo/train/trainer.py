@@ -121,10 +121,13 @@ class Trainer:
             layout=self.layout,
         )
         self.replay = RoutingReplay.of(
-            cfg.model.moe_enable_routing_replay, self.model, on_policy=self.on_policy,
+            cfg.model.moe_enable_routing_replay,
+            self.model,
+            on_policy=self.on_policy,
             log_without_replay=t.log_mismatch_without_replay,
-            log_ratio_clamp=cfg.loss.log_ratio_clamp, dp_group=dp_group,
-        )  # fmt: skip
+            log_ratio_clamp=cfg.loss.log_ratio_clamp,
+            dp_group=dp_group,
+        )
         self.start_step, skipped = self._load(resume)
         self._saved_step = self.start_step  # the newest step with a checkpoint of this run
         self.monitor = Monitor(cfg.logging, cfg.training.steps, self.layout.is_logging_rank)
@@ -201,9 +204,13 @@ class Trainer:
     def _claim_run_dirs(self, resume: bool, overwrite: bool) -> None:
         c = self.cfg
         claim_run_dirs(
-            c.logging.metrics_path, c.logging.dir, c.checkpoint.dir, c.rollout.output_dir,
-            resume=resume, overwrite=overwrite,
-        )  # fmt: skip
+            c.logging.metrics_path,
+            c.logging.dir,
+            c.checkpoint.dir,
+            c.rollout.output_dir,
+            resume=resume,
+            overwrite=overwrite,
+        )
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> list[dict[str, float]]:
@@ -264,10 +271,16 @@ class Trainer:
         count_group, token_group = self._moe_groups()
         self.replay.check(batch.routed_experts, batch.origin)
         return make_mini_batches(
-            batch, advantages, t.mini_batches_per_step, t.micro_batch_size,
-            t.max_tokens_per_micro_batch, self.layout, count_group=count_group,
-            token_group=token_group, with_routes=self.replay.enabled,
-        )  # fmt: skip
+            batch,
+            advantages,
+            t.mini_batches_per_step,
+            t.micro_batch_size,
+            t.max_tokens_per_micro_batch,
+            self.layout,
+            count_group=count_group,
+            token_group=token_group,
+            with_routes=self.replay.enabled,
+        )
 
     def _moe_groups(self) -> tuple[Any, Any]:
         """MoE forwards are collectives (token dispatch over the expert tensor-and-model group;
@@ -351,9 +364,15 @@ class Trainer:
             partial = partial_source(self.source)
             rank_state = None if partial is None else {"partial": partial.state_dict()}
             path = ckpt.save_checkpoint(
-                cfg.dir, step, self.model, self.optimizer, self.scheduler, state, cfg.keep_last,
+                cfg.dir,
+                step,
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                state,
+                cfg.keep_last,
                 rank_state,
-            )  # fmt: skip
+            )
             self._saved_step = step
             if stop is None:
                 self.monitor.message(f"saved checkpoint {path} (step {step})")

@@ -66,9 +66,13 @@ class _LengthGroup:
 
 
 def _layout(
-    bounds: list[int], size: int, rank: int, t_local: int, device,
+    bounds: list[int],
+    size: int,
+    rank: int,
+    t_local: int,
+    device,
     exact_min_chunk: int = _EXACT_MIN_CHUNK,
-) -> list[_LengthGroup]:  # fmt: skip
+) -> list[_LengthGroup]:
     """The groups of documents of the padded ``bounds`` ``[S+1]``; tensor ops, no loop over the
     S documents (only over the groups)."""
     c2 = 2 * size
@@ -124,9 +128,12 @@ def _group(
             mask = torch.arange(prefix) <= (i_q * cb + t)[:, :, None]  # [B, chunk, prefix]
             src = valid.reshape(-1).nonzero().squeeze(1)
             query = _Query(
-                rows.to(device), prefix, mask[:, None].to(device), src.to(device),
+                rows.to(device),
+                prefix,
+                mask[:, None].to(device),
+                src.to(device),
                 rows[valid].to(device),
-            )  # fmt: skip
+            )
         queries.append(query)
     return _LengthGroup(chunk, keys.to(device), (queries[0], queries[1]))
 
@@ -145,9 +152,11 @@ def cp_causal_attention(
     ``[B, n, S, d]`` batches (GQA, dropout and softmax scale included)."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     groups = cached_layout(
-        params, "_grpo_cp_layout", q.device,
+        params,
+        "_grpo_cp_layout",
+        q.device,
         lambda b: _layout(b, size, rank, q.size(0), q.device),
-    )  # fmt: skip
+    )
     # [C * T_local, n_kv, d], rank-major; backward reduce-scatters the gradients
     kg, vg = (gather_from_sequence_parallel_region(x, True, group) for x in (k, v))
     return _attend(q, kg, vg, groups, sdpa)

@@ -134,9 +134,11 @@ def _mscale(config: TransformerConfig) -> float:
 
 
 def roped_params(
-    params: PackedSeqParams, emb: Tensor | tuple[Tensor, Tensor], config: TransformerConfig,
+    params: PackedSeqParams,
+    emb: Tensor | tuple[Tensor, Tensor],
+    config: TransformerConfig,
     impl: str,
-) -> RopedPackedSeqParams:  # fmt: skip
+) -> RopedPackedSeqParams:
     """``params`` carrying the RoPE of ``emb`` (cached on ``params``: every layer and the
     recompute in backward get the same object, hence the same position and cos / sin tables)."""
     q_freqs, k_freqs = emb if isinstance(emb, tuple) else (emb, emb)
@@ -145,9 +147,14 @@ def roped_params(
         return cached[3]
     cp = config.context_parallel_size
     rope = PackedRope(
-        q_freqs, k_freqs, _mscale(config), bool(config.rotary_interleaved), impl, cp,
+        q_freqs,
+        k_freqs,
+        _mscale(config),
+        bool(config.rotary_interleaved),
+        impl,
+        cp,
         parallel_state.get_context_parallel_rank() if cp > 1 else 0,
-    )  # fmt: skip
+    )
     # A copy of the fields (no __post_init__: nothing is recomputed), plus the rope.
     roped = RopedPackedSeqParams.__new__(RopedPackedSeqParams)
     roped.__dict__.update({f.name: getattr(params, f.name) for f in dataclasses.fields(params)})

@@ -158,9 +158,14 @@ class SwiGLUMLP(MLP):
     impl: str = "auto"
 
     def __init__(
-        self, config: TransformerConfig, submodules: MLPSubmodules, *args,
-        pg_collection=None, is_mtp_layer: bool | None = None, **kwargs,
-    ) -> None:  # fmt: skip
+        self,
+        config: TransformerConfig,
+        submodules: MLPSubmodules,
+        *args,
+        pg_collection=None,
+        is_mtp_layer: bool | None = None,
+        **kwargs,
+    ) -> None:
         # megatron-core 0.19 hands a subclass of MLP the layer's process groups (MLP itself
         # gets them through ``as_mlp_submodule``); older versions pass none (the default TP group)
         if pg_collection is not None:
@@ -336,16 +341,32 @@ class SDPAttention(MegatronModule):
                 )
             if thd:
                 return packed_causal_attention(
-                    query, key, value, packed_seq_params, sdpa=self._sdpa,
+                    query,
+                    key,
+                    value,
+                    packed_seq_params,
+                    sdpa=self._sdpa,
                     buckets=self.buckets,
-                )  # fmt: skip
+                )
             # [s, b, n, d] -> [b, n, s, d]
             q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-            mask = dense_mask(q.size(2), k.size(2), attn_mask_type or self.attn_mask_type,
-                              attention_mask, q.device)  # fmt: skip
+            mask = dense_mask(
+                q.size(2),
+                k.size(2),
+                attn_mask_type or self.attn_mask_type,
+                attention_mask,
+                q.device,
+            )
             p = self.dropout_p if self.training else 0.0
-            out = sdpa(q, k, v, mask=None if mask is True else mask, causal=mask is True,
-                       scale=self.softmax_scale, dropout_p=p)  # fmt: skip
+            out = sdpa(
+                q,
+                k,
+                v,
+                mask=None if mask is True else mask,
+                causal=mask is True,
+                scale=self.softmax_scale,
+                dropout_p=p,
+            )
         s, b = query.size(0), query.size(1)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 

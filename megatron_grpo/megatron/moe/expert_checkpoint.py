@@ -62,14 +62,24 @@ def expert_extra_states(prefix: str, shards: ExpertShards, offsets: tuple) -> di
             )
             axes = sorted(exp_offsets)  # megatron-core's ShardedObject offsets: by axis
             out[f"{prefix}local_experts.{local}.linear_fc{n}._extra_state"] = ShardedObject(
-                key, None, tuple(a[2] for a in axes) or (1,), tuple(a[1] for a in axes) or (0,),
+                key,
+                None,
+                tuple(a[2] for a in axes) or (1,),
+                tuple(a[1] for a in axes) or (0,),
                 (0, shards.tp_rank, shards.dp_rank),
-            )  # fmt: skip
+            )
     return out
 
 
-def _expert_tensors(key: str, weight: torch.Tensor, local: int, shards: ExpertShards,
-                    offsets: tuple, tp_axis: int, glu: bool) -> list[ShardedTensor]:  # fmt: skip
+def _expert_tensors(
+    key: str,
+    weight: torch.Tensor,
+    local: int,
+    shards: ExpertShards,
+    offsets: tuple,
+    tp_axis: int,
+    glu: bool,
+) -> list[ShardedTensor]:
     """The checkpoint tensors of local expert ``local`` (1, or 2 for a GLU fc1)."""
     key, expert_offsets = _expert_key_offsets(key, local, shards, offsets)
     axis = tp_axis + len(expert_offsets)
@@ -78,21 +88,29 @@ def _expert_tensors(key: str, weight: torch.Tensor, local: int, shards: ExpertSh
     if glu:  # megatron-core's swiglu split: halves at rank and TP + rank of 2 TP fragments
         tp, r = shards.tp_size, shards.tp_rank
         suffix = ("_w", "_v") if shards.singleton else ("", "")
-        tp_offsets = ((axis, r, tp), (axis, r, tp)) if shards.singleton else (
-            (axis, r, 2 * tp), (axis, tp + r, 2 * tp))  # fmt: skip
+        tp_offsets = (
+            ((axis, r, tp), (axis, r, tp))
+            if shards.singleton
+            else ((axis, r, 2 * tp), (axis, tp + r, 2 * tp))
+        )
     else:
         suffix, tp_offsets = ("",), ((axis, shards.tp_rank, shards.tp_size),)
     return [
         ShardedTensor.from_rank_offsets(
-            key + s, part, *expert_offsets, tp_off, replica_id=replica,
+            key + s,
+            part,
+            *expert_offsets,
+            tp_off,
+            replica_id=replica,
             prepend_axis_num=len(expert_offsets),
         )
         for part, s, tp_off in zip(parts, suffix, tp_offsets, strict=True)
-    ]  # fmt: skip
+    ]
 
 
-def stacked_expert_factory(key: str, weight: torch.Tensor, shards: ExpertShards, offsets: tuple,
-                           *, tp_axis: int, glu: bool) -> ShardedTensorFactory:  # fmt: skip
+def stacked_expert_factory(
+    key: str, weight: torch.Tensor, shards: ExpertShards, offsets: tuple, *, tp_axis: int, glu: bool
+) -> ShardedTensorFactory:
     """A factory that saves ``weight [E_local, rows, cols]`` as SequentialMLP's per-expert
     tensors under ``key`` (``<prefix>experts.linear_fc<n>.weight``) and loads them stacked.
 

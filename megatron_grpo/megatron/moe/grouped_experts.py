@@ -54,12 +54,15 @@ def grouped_experts_unsupported(config: TransformerConfig) -> str | None:
     bias-free SwiGLU (Qwen3-MoE, Mixtral, DeepSeek) or a plain activation, in bf16/fp16/fp32."""
     checks = (
         (config.add_bias_linear, "model.add_bias_linear (expert biases)"),
-        (config.gated_linear_unit and config.activation_func is not F.silu, "a GLU other than SwiGLU"),
+        (
+            config.gated_linear_unit and config.activation_func is not F.silu,
+            "a GLU other than SwiGLU",
+        ),
         (getattr(config, "activation_func_clamp_value", None) is not None, "activation clamping"),
         (getattr(config, "glu_linear_offset", 0.0) != 0.0, "glu_linear_offset"),
         (config.fp8 is not None or getattr(config, "fp4", None) is not None, "FP8 / FP4 experts"),
         (getattr(config, "delay_wgrad_compute", False), "delay_wgrad_compute"),
-    )  # fmt: skip
+    )
     found = [what for bad, what in checks if bad]
     return ", ".join(found) or None
 
@@ -87,8 +90,14 @@ class GroupedExperts(MegatronModule):
     impl: str = "auto"  # ops.grouped_mm.GROUPED_MM_IMPLS; set_grouped_mm_impl sets it per model
     act_impl: str = "auto"  # the SwiGLU kernel (ops.dispatch.IMPLS); set_layer_impl
 
-    def __init__(self, num_local_experts: int, config: TransformerConfig, submodules=None,
-                 pg_collection=None, name: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        num_local_experts: int,
+        config: TransformerConfig,
+        submodules=None,
+        pg_collection=None,
+        name: str | None = None,
+    ) -> None:
         why = grouped_experts_unsupported(config)
         if why:
             raise ValueError(
@@ -133,8 +142,12 @@ class GroupedExperts(MegatronModule):
             with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
                 init_method(weight.data)
 
-    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
-                permuted_probs: torch.Tensor) -> tuple[torch.Tensor, None]:  # fmt: skip
+    def forward(
+        self,
+        permuted_local_hidden_states: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+        permuted_probs: torch.Tensor,
+    ) -> tuple[torch.Tensor, None]:
         """``[M, H]`` rows sorted by local expert, ``tokens_per_expert [E_local]`` (host or
         device), ``permuted_probs [M]`` -> (``[M, H]`` partial over expert-TP, no bias)."""
         x, probs = permuted_local_hidden_states, permuted_probs
@@ -151,8 +164,9 @@ class GroupedExperts(MegatronModule):
             h = (h * probs.unsqueeze(-1)).to(h.dtype)
         return grouped_mm(h, self.weight2, ends, impl=self.impl), None
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
-                           metadata: dict | None = None) -> dict:  # fmt: skip
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
         """SequentialMLP's checkpoint tensors, built from the stacked weights on save and
         stacked back on load (``expert_checkpoint``)."""
         shards = ExpertShards(
@@ -168,14 +182,22 @@ class GroupedExperts(MegatronModule):
         return {
             **expert_extra_states(prefix, shards, sharded_offsets),
             f"{prefix}weight1": stacked_expert_factory(
-                f"{prefix}experts.linear_fc1.weight", self.weight1, shards, sharded_offsets,
-                tp_axis=0, glu=glu,
+                f"{prefix}experts.linear_fc1.weight",
+                self.weight1,
+                shards,
+                sharded_offsets,
+                tp_axis=0,
+                glu=glu,
             ),
             f"{prefix}weight2": stacked_expert_factory(
-                f"{prefix}experts.linear_fc2.weight", self.weight2, shards, sharded_offsets,
-                tp_axis=1, glu=False,
+                f"{prefix}experts.linear_fc2.weight",
+                self.weight2,
+                shards,
+                sharded_offsets,
+                tp_axis=1,
+                glu=False,
             ),
-        }  # fmt: skip
+        }
 
     def backward_dw(self) -> None:
         raise RuntimeError("GroupedExperts computes weight gradients in backward (no delay)")

@@ -256,9 +256,14 @@ def lm_head_plan(
         )
     main_grad = None if main_grad_bytes is None else _DTYPE_OF_BYTES[main_grad_bytes]
     shape = HeadShape(
-        rows=max(math.ceil(tokens), 1), v_local=v_local, n_valid=v_local, hidden=hidden,
-        dtype=_DTYPE_OF_BYTES[param_bytes], main_grad_dtype=main_grad, device_type="cuda",
-    )  # fmt: skip
+        rows=max(math.ceil(tokens), 1),
+        v_local=v_local,
+        n_valid=v_local,
+        hidden=hidden,
+        dtype=_DTYPE_OF_BYTES[param_bytes],
+        main_grad_dtype=main_grad,
+        device_type="cuda",
+    )
     loss = GRPOLossConfig() if loss_cfg is None else loss_cfg
     return plan_lm_head(shape, path=path, loss=loss, memory_budget=memory_budget)
 
@@ -317,9 +322,16 @@ def loss_working_set(
     """
     if path not in REQUESTS:
         raise ValueError(f"logprob_path must be one of {list(REQUESTS)}, got {path!r}")
-    plan = lm_head_plan(path, tokens=tokens, hidden=hidden, v_local=v_local,
-                        param_bytes=param_bytes, main_grad_bytes=main_grad_bytes,
-                        loss_cfg=loss_cfg, memory_budget=memory_budget)  # fmt: skip
+    plan = lm_head_plan(
+        path,
+        tokens=tokens,
+        hidden=hidden,
+        v_local=v_local,
+        param_bytes=param_bytes,
+        main_grad_bytes=main_grad_bytes,
+        loss_cfg=loss_cfg,
+        memory_budget=memory_budget,
+    )
     if plan.path == "megatron":
         # output_layer logits [T, V_local] in the param dtype + the fp32 copy the cross entropy
         # turns into the saved softmax (in backward: fp32 grad in place + its cast for the GEMM).
@@ -347,9 +359,13 @@ def _dtype(cfg: ModelConfig, params_dtype: torch.dtype | str | None) -> torch.dt
 
 
 def _static_bytes(
-    params: tuple[int, int], pbytes: int, par: ParallelConfig, shards: tuple[int, int],
-    optimizer: str, reference_model: bool,
-) -> dict[str, float]:  # fmt: skip
+    params: tuple[int, int],
+    pbytes: int,
+    par: ParallelConfig,
+    shards: tuple[int, int],
+    optimizer: str,
+    reference_model: bool,
+) -> dict[str, float]:
     """params = (non-expert, expert) elements; shards = optimizer shards of each."""
     total = sum(params)
     states = (8 if optimizer == "adam" else 4) + (4 if pbytes < 4 else 0)  # m, v (+ fp32 master)
@@ -367,8 +383,14 @@ def _head_args(cfg: ModelConfig, par: ParallelConfig, tokens: float, pbytes: int
     tp = par.tensor_model_parallel_size
     main_grad = 4 if par.grad_reduce_in_fp32 else pbytes  # Megatron DDP's grad buffer dtype
     v_local = padded_vocab_size(cfg, tp) // tp
-    return dict(tokens=tokens, hidden=cfg.hidden_size, v_local=v_local, param_bytes=pbytes,
-                main_grad_bytes=main_grad, **kw)  # fmt: skip
+    return dict(
+        tokens=tokens,
+        hidden=cfg.hidden_size,
+        v_local=v_local,
+        param_bytes=pbytes,
+        main_grad_bytes=main_grad,
+        **kw,
+    )
 
 
 def _loss_paths(path: str, par: ParallelConfig, head_args: dict) -> dict:
@@ -405,8 +427,10 @@ def memory_plan(
     LM-head plan (``lm_head``; "fused" with GSPO runs path "fused_tiled").
     """
     if micro_batch_tokens <= 0 or dp_size <= 0:
-        raise ValueError(f"micro_batch_tokens and dp_size must be positive, got "
-                         f"{micro_batch_tokens} and {dp_size}")  # fmt: skip
+        raise ValueError(
+            f"micro_batch_tokens and dp_size must be positive, got "
+            f"{micro_batch_tokens} and {dp_size}"
+        )
     if optimizer not in ("adam", "sgd"):
         raise ValueError(f"optimizer must be 'adam' or 'sgd', got {optimizer!r}")
     dtype, par = _dtype(model_cfg, params_dtype), parallel_cfg

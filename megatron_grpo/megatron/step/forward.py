@@ -131,8 +131,15 @@ class GRPOStep:
         *,
         options: LMHeadOptions | None = None,
     ) -> None:
-        given = dict(vocab_size=vocab_size, temperature=temperature, chunk_size=chunk_size,
-                     impl=impl, path=logprob_path, memory_budget=memory_budget, gemm=gemm)  # fmt: skip
+        given = dict(
+            vocab_size=vocab_size,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            impl=impl,
+            path=logprob_path,
+            memory_budget=memory_budget,
+            gemm=gemm,
+        )
         opts = LMHeadOptions.of(options, **{k: v for k, v in given.items() if v is not None})
         if opts.path is None:  # the step's default request
             opts = LMHeadOptions.of(opts, path="fused")

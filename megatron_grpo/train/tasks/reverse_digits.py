@@ -81,8 +81,9 @@ class ReverseDigitsTask:
             digits = "".join(rng.choice(_DIGITS) for _ in range(k))
             text = f"<bos>{digits}="
             limit = k + 1 if self.ranged else None
-            out.append(Prompt(tuple(self.tokenizer.encode(text)), text, digits[::-1],
-                              max_new_tokens=limit))  # fmt: skip
+            out.append(
+                Prompt(tuple(self.tokenizer.encode(text)), text, digits[::-1], max_new_tokens=limit)
+            )
         return out
 
     def _length(self, rng: random.Random) -> int:
