@@ -23,6 +23,7 @@ from megatron_grpo.megatron.plan.memory import (
     stage_params,
 )
 from megatron_grpo.ops import fused_grpo_loss
+from megatron_grpo.ops.options import LMHeadOptions
 from megatron_grpo.ops.plan import DEFAULT_MEMORY_BUDGET, TILE_FRACTION
 from megatron_grpo.ops.reference import STATS_BLOCK
 from megatron_grpo.ops.tiling import TILE_BYTES, Tiling
@@ -269,8 +270,9 @@ def test_plan_predicts_the_path_fused_grpo_loss_takes():
             impl="torch", memory_budget=budget,
         )  # fmt: skip
         assert type(loss.grad_fn).__name__.startswith(f"_{want}")
-        fused = _ws("fused", t, v, h, main_grad_bytes=main_grad, memory_budget=budget)
-        op = _ws("op", t, v, h, main_grad_bytes=main_grad, memory_budget=budget)
+        opts = LMHeadOptions(memory_budget=budget)
+        fused = _ws("fused", t, v, h, main_grad_bytes=main_grad, options=opts)
+        op = _ws("op", t, v, h, main_grad_bytes=main_grad, options=opts)
         tiled = replace(op, path="fused")
         assert (fused != tiled) == (want == "Single"), (main_grad, budget, fused)
 
@@ -310,8 +312,8 @@ def test_check_layout_errors_name_fields():
 
 
 def test_plan_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="logprob_path"):
-        _plan(logprob_path="liger")
+    with pytest.raises(ValueError, match="path must be one of"):
+        _plan(lm_head=LMHeadOptions(path="liger"))
     with pytest.raises(ValueError, match="micro_batch_tokens"):
         _plan(micro_batch_tokens=0)
     assert isinstance(_plan().params_dtype, torch.dtype)

@@ -11,10 +11,13 @@ from dataclasses import dataclass
 from functools import reduce
 from itertools import pairwise
 from operator import mul
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from megatron_grpo.megatron.model.config import ModelConfig, ParallelConfig, check_parallel
 from megatron_grpo.megatron.plan.memory import MemoryPlan, expert_tp_size, format_plan, memory_plan
+
+if TYPE_CHECKING:  # the config module loads the engines; the dry run needs none of them
+    from megatron_grpo.train.config import TrainConfig
 
 
 def orthogonal_groups(sizes: list[int], members: list[bool]) -> list[list[int]]:
@@ -134,7 +137,7 @@ class DryRun:
     text: str
 
 
-def micro_batch_tokens(train_cfg: Any) -> int:
+def micro_batch_tokens(train_cfg: TrainConfig) -> int:
     """Longest packed micro-batch of a trainer config: ``max_tokens_per_micro_batch`` (a longer
     sample forms its own micro-batch), else ``micro_batch_size`` longest samples."""
     t, r = train_cfg.training, train_cfg.rollout
@@ -144,13 +147,13 @@ def micro_batch_tokens(train_cfg: Any) -> int:
     return t.micro_batch_size * longest
 
 
-def dry_run(train_cfg: Any, world_size: int, *, file: TextIO | None = None) -> DryRun:
+def dry_run(train_cfg: TrainConfig, world_size: int, *, file: TextIO | None = None) -> DryRun:
     """Validate ``train_cfg`` (the trainer's ``TrainConfig``) for ``world_size`` ranks, print the
     rank layout and the per-rank memory plan; no GPU, no torch.distributed, no model.
 
     Reads ``model``, ``parallel``, ``loss``, ``rollout`` lengths and ``num_prompts``,
-    ``training`` (micro-batching, ``use_reference_model``), ``lm_head`` (``path`` and
-    ``memory_budget`` where the config has it: GRPOStep's defaults otherwise) and
+    ``training`` (micro-batching, ``use_reference_model``), ``lm_head`` (the step's
+    LMHeadOptions: path, memory budget, chunk size, ...) and
     ``optimizer`` (``optimizer``, ``use_distributed_optimizer``). The LM-head plan (which path
     the last stage runs, e.g. "fused_tiled" for GSPO under "fused", and why) is printed with the
     plan.
@@ -163,7 +166,6 @@ def dry_run(train_cfg: Any, world_size: int, *, file: TextIO | None = None) -> D
             f"by the data-parallel size {dp}"
         )
     training, opt = train_cfg.training, train_cfg.optimizer
-    lm_head = getattr(train_cfg, "lm_head", None)
     plan = memory_plan(
         model,
         par,
@@ -171,10 +173,9 @@ def dry_run(train_cfg: Any, world_size: int, *, file: TextIO | None = None) -> D
         dp_size=dp,
         use_distributed_optimizer=opt.use_distributed_optimizer,
         optimizer=opt.optimizer,
-        logprob_path=(lm_head and lm_head.path) or "fused",
+        lm_head=train_cfg.lm_head,
         loss_cfg=train_cfg.loss,
         reference_model=training.use_reference_model,
-        memory_budget=lm_head.memory_budget if lm_head is not None else None,
     )
     layout = rank_layout(par, world_size)
     text = f"dry run: world size {world_size}\n{format_layout(layout)}\n{format_plan(plan)}"

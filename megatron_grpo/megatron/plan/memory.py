@@ -21,6 +21,7 @@ from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.megatron.model.build import padded_vocab_size
 from megatron_grpo.megatron.model.config import ModelConfig, ParallelConfig
+from megatron_grpo.ops.options import LMHeadOptions
 from megatron_grpo.ops.plan import REQUESTS, HeadShape, LMHeadPlan, plan_lm_head
 from megatron_grpo.ops.reference import STATS_BLOCK
 
@@ -244,11 +245,12 @@ def lm_head_plan(
     param_bytes: int,
     main_grad_bytes: int | None = 4,
     loss_cfg: GRPOLossConfig | None = None,
-    memory_budget: int | None = None,
+    options: LMHeadOptions | None = None,
 ) -> LMHeadPlan:
     """The LM-head plan of a training step on the last stage (CUDA, gradients of hidden and
     weight wanted, every one of ``tokens`` scored; ``main_grad_bytes``: see
-    :func:`loss_working_set`; ``loss_cfg`` None = the default token-ratio loss)."""
+    :func:`loss_working_set`; ``loss_cfg`` None = the default token-ratio loss; ``options``:
+    the step's LM-head options, None = the defaults, their path replaced by ``path``)."""
     if param_bytes not in _DTYPE_OF_BYTES or main_grad_bytes not in (None, *_DTYPE_OF_BYTES):
         raise ValueError(
             f"param_bytes must be 2 or 4 and main_grad_bytes 2, 4 or None, got {param_bytes} "
@@ -265,7 +267,7 @@ def lm_head_plan(
         device_type="cuda",
     )
     loss = GRPOLossConfig() if loss_cfg is None else loss_cfg
-    return plan_lm_head(shape, path=path, loss=loss, memory_budget=memory_budget)
+    return plan_lm_head(shape, options, path=path, loss=loss)
 
 
 def _tiled_bytes(plan: LMHeadPlan, hidden: int, tp: int) -> tuple[float, float]:
@@ -309,7 +311,7 @@ def loss_working_set(
     tp: int,
     main_grad_bytes: int | None = 4,
     loss_cfg: GRPOLossConfig | None = None,
-    memory_budget: int | None = None,
+    options: LMHeadOptions | None = None,
 ) -> LossWorkingSet:
     """Log-prob + loss buffers of one micro-batch on the last stage (``tokens`` on this CP rank,
     all of them scored: an upper bound for our paths, which score response tokens only).
@@ -330,7 +332,7 @@ def loss_working_set(
         param_bytes=param_bytes,
         main_grad_bytes=main_grad_bytes,
         loss_cfg=loss_cfg,
-        memory_budget=memory_budget,
+        options=options,
     )
     if plan.path == "megatron":
         # output_layer logits [T, V_local] in the param dtype + the fp32 copy the cross entropy
@@ -379,7 +381,7 @@ def _static_bytes(
 
 def _head_args(cfg: ModelConfig, par: ParallelConfig, tokens: float, pbytes: int, **kw) -> dict:
     """The arguments of :func:`lm_head_plan` for this model and layout (``kw``: loss config,
-    memory budget)."""
+    LM-head options)."""
     tp = par.tensor_model_parallel_size
     main_grad = 4 if par.grad_reduce_in_fp32 else pbytes  # Megatron DDP's grad buffer dtype
     v_local = padded_vocab_size(cfg, tp) // tp
@@ -407,12 +409,11 @@ def memory_plan(
     micro_batch_tokens: int,
     use_distributed_optimizer: bool,
     dp_size: int,
-    logprob_path: str = "fused",
+    lm_head: LMHeadOptions | None = None,
     params_dtype: torch.dtype | str | None = None,
     optimizer: str = "adam",
     reference_model: bool = False,
     loss_cfg: GRPOLossConfig | None = None,
-    memory_budget: int | None = None,
 ) -> MemoryPlan:
     """Per-rank memory of training ``model_cfg`` under ``parallel_cfg`` with ``dp_size`` DP ranks.
 
@@ -421,10 +422,11 @@ def memory_plan(
     ``params_dtype`` None = the model's dtype on GPU (``auto`` = bfloat16). ``optimizer``:
     "adam" (fp32 m, v and master weights) or "sgd" (momentum); sharded over DP x CP (experts:
     expert-DP) with ``use_distributed_optimizer``. ``reference_model``: a frozen copy.
-    ``logprob_path`` (a ``GRPOStep`` path) picks which loss working set enters the last stage's
-    total; "fused", "op" and "megatron" are all in ``loss_paths`` for comparison. ``loss_cfg``
-    (None = defaults: token ratio) and ``memory_budget`` (bytes, None = the default) go to the
-    LM-head plan (``lm_head``; "fused" with GSPO runs path "fused_tiled").
+    ``lm_head``: the step's LM-head options (None = the defaults); their path (None = "fused",
+    as ``GRPOStep``) picks which loss working set enters the last stage's total; "fused", "op"
+    and "megatron" are all in ``loss_paths`` for comparison. ``loss_cfg`` (None = defaults:
+    token ratio) and the options (memory budget, chunk size, ...) go to the LM-head plan
+    (``lm_head``; "fused" with GSPO runs path "fused_tiled").
     """
     if micro_batch_tokens <= 0 or dp_size <= 0:
         raise ValueError(
@@ -439,11 +441,8 @@ def memory_plan(
     edp = tp * cp * dp_size // (etp * par.expert_model_parallel_size)
     shards = (dp_size * cp, edp) if use_distributed_optimizer else (1, 1)
     tokens = micro_batch_tokens / cp
-    if logprob_path not in REQUESTS:
-        raise ValueError(f"logprob_path must be one of {list(REQUESTS)}, got {logprob_path!r}")
-    head = _head_args(
-        model_cfg, par, tokens, pbytes, loss_cfg=loss_cfg, memory_budget=memory_budget
-    )
+    logprob_path = (lm_head.path if lm_head is not None else None) or "fused"
+    head = _head_args(model_cfg, par, tokens, pbytes, loss_cfg=loss_cfg, options=lm_head)
     paths = _loss_paths(logprob_path, par, head)
     stages, pp = [], par.pipeline_model_parallel_size
     for s in range(pp):
