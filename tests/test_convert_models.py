@@ -162,7 +162,7 @@ def _tp2_body(rank: int, world: int, cases: dict, refs: dict, resave: dict) -> N
     from megatron.core import dist_checkpointing
 
     from megatron_grpo.convert.mcore_io import checkpoint_io
-    from megatron_grpo.megatron.model.config import ParallelConfig
+    from megatron_grpo.megatron.config import ParallelConfig
     from megatron_grpo.megatron.parallel import destroy_parallel, initialize_parallel
 
     initialize_parallel(ParallelConfig(tensor_model_parallel_size=world), seed=0)

@@ -29,7 +29,7 @@ from megatron_grpo.convert.safetensors_io import (
     SafetensorsWriter,
 )
 from megatron_grpo.convert.transforms import GATE_UP, QKV, VOCAB, LayoutInfo
-from megatron_grpo.megatron.model.config import ModelConfig
+from megatron_grpo.megatron.config import ModelConfig
 from megatron_grpo.megatron.parallel import cuda_compat
 
 INFO = LayoutInfo(num_attention_heads=4, num_query_groups=2, head_dim=3, vocab_size=10,

@@ -210,7 +210,7 @@ def _saved_layout(tmp_path: Path, **parallel) -> Path:
     """A directory whose common.pt holds a trainer config with ``parallel`` (what
     check_resume_layout reads; no tensors needed)."""
     from megatron_grpo.config import to_dict
-    from megatron_grpo.megatron.model.config import ParallelConfig
+    from megatron_grpo.megatron.config import ParallelConfig
 
     config = {"parallel": to_dict(ParallelConfig(**parallel))}
     torch.save({"trainer_state": {"config": config}}, tmp_path / "common.pt")
@@ -220,7 +220,7 @@ def _saved_layout(tmp_path: Path, **parallel) -> Path:
 
 def test_resume_refuses_another_model_parallel_layout_naming_both(tmp_path):
     from megatron_grpo.config import ConfigError
-    from megatron_grpo.megatron.model.config import ParallelConfig
+    from megatron_grpo.megatron.config import ParallelConfig
     from megatron_grpo.train.checkpoint import check_resume_layout
 
     saved = _saved_layout(tmp_path, tensor_model_parallel_size=2)

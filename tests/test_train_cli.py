@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_grpo.megatron.model.config import ParallelConfig
+from megatron_grpo.megatron.config import ParallelConfig
 from megatron_grpo.train.__main__ import (
     help_description,
     main,

@@ -24,7 +24,7 @@ import yaml
 
 from megatron_grpo.config import ConfigError, to_dict
 from megatron_grpo.convert.layout import MODEL_CONFIG_NAME, write_model_config
-from megatron_grpo.megatron.model.config import ModelConfig
+from megatron_grpo.megatron.config import ModelConfig
 from megatron_grpo.train.config import load_train_config
 
 ROOT = Path(__file__).resolve().parents[1]

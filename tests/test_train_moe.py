@@ -138,7 +138,7 @@ def test_mismatch_without_replay_needs_replay():
 
 
 def test_tracked_losses_follow_the_router_config():
-    from megatron_grpo.megatron.model.config import (
+    from megatron_grpo.megatron.config import (
         ModelConfig,
         ParallelConfig,
         to_transformer_config,

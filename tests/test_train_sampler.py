@@ -99,8 +99,8 @@ def _tp_body(rank: int, world: int, temperature: float, sequence_parallel: bool)
 
     from megatron_grpo.loss import GRPOLossConfig
     from megatron_grpo.megatron.batch.packing import pack_sequences
+    from megatron_grpo.megatron.config import ModelConfig, ParallelConfig
     from megatron_grpo.megatron.model.build import build_model, unwrap
-    from megatron_grpo.megatron.model.config import ModelConfig, ParallelConfig
     from megatron_grpo.megatron.parallel import initialize_parallel
     from megatron_grpo.megatron.step.forward import GRPOStep
     from megatron_grpo.rollout import generate

@@ -1,4 +1,4 @@
-"""HF ``config.json`` <-> :class:`~megatron_grpo.megatron.model.config.ModelConfig`.
+"""HF ``config.json`` <-> :class:`~megatron_grpo.megatron.config.ModelConfig`.
 
 HF configs are read through ``transformers.AutoConfig`` (it normalizes renamed keys across
 versions, e.g. ``rope_theta`` -> ``rope_parameters``, ``num_experts`` <-> ``num_local_experts``).
@@ -18,7 +18,7 @@ from typing import Any
 
 from megatron_grpo.convert.errors import ConversionError
 from megatron_grpo.convert.families import Family, family_for_architecture
-from megatron_grpo.megatron.model.config import ModelConfig
+from megatron_grpo.megatron.config import ModelConfig
 
 log = logging.getLogger(__name__)
 

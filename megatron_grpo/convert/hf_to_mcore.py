@@ -28,8 +28,8 @@ from megatron_grpo.convert.mcore_io import (
 from megatron_grpo.convert.outdir import atomic_output_dir
 from megatron_grpo.convert.safetensors_io import SafetensorsReader
 from megatron_grpo.convert.transforms import LayoutInfo
+from megatron_grpo.megatron.config import ModelConfig
 from megatron_grpo.megatron.model.build import padded_vocab_size
-from megatron_grpo.megatron.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 

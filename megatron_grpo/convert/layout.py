@@ -17,7 +17,7 @@ import yaml
 
 from megatron_grpo.config import ConfigError, from_dict, load_yaml, to_dict
 from megatron_grpo.convert.errors import ConversionError
-from megatron_grpo.megatron.model.config import ModelConfig
+from megatron_grpo.megatron.config import ModelConfig
 
 MODEL_CONFIG_NAME = "model_config.yaml"
 HF_ASSETS_DIR = "hf"

@@ -25,9 +25,9 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megatron_grpo.convert.errors import ConversionError
+from megatron_grpo.megatron.compat import writer_memory_logging_without_psutil
+from megatron_grpo.megatron.config import ModelConfig, ParallelConfig, to_transformer_config
 from megatron_grpo.megatron.model.build import build_gpt_chunk
-from megatron_grpo.megatron.model.compat import writer_memory_logging_without_psutil
-from megatron_grpo.megatron.model.config import ModelConfig, ParallelConfig, to_transformer_config
 from megatron_grpo.megatron.parallel import (
     cuda_compat,
     destroy_parallel,

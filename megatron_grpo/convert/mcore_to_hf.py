@@ -37,7 +37,7 @@ from megatron_grpo.convert.mcore_io import (
 from megatron_grpo.convert.outdir import atomic_output_dir
 from megatron_grpo.convert.safetensors_io import PlannedTensor, SafetensorsWriter
 from megatron_grpo.convert.transforms import LayoutInfo
-from megatron_grpo.megatron.model.config import ModelConfig
+from megatron_grpo.megatron.config import ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -86,9 +86,9 @@ def load_megatron_model(
     Call after ``initialize_parallel``."""
     from megatron.core import dist_checkpointing
 
+    from megatron_grpo.megatron.config import ParallelConfig, to_transformer_config
     from megatron_grpo.megatron.layout import ParallelLayout
     from megatron_grpo.megatron.model.build import build_model, unwrap
-    from megatron_grpo.megatron.model.config import ParallelConfig, to_transformer_config
     from megatron_grpo.megatron.parallel import cuda_compat
 
     ckpt_dir = Path(ckpt_dir)
@@ -143,7 +143,7 @@ _WORKER = f"{__name__}:_worker"  # run_collecting imports it in the spawned proc
 def _worker(
     rank: int, world: int, port: int, ckpt_dir: str, ids: list, weight_dtype, results
 ) -> None:
-    from megatron_grpo.megatron.model.config import ParallelConfig
+    from megatron_grpo.megatron.config import ParallelConfig
     from megatron_grpo.megatron.parallel import initialize_parallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
@@ -203,7 +203,7 @@ def verify_conversion(
     """Max absolute logit difference between transformers (``hf_dir``) and the Megatron
     checkpoint ``ckpt_dir`` loaded at tensor-parallel size ``tp``; with ``weight_dtype`` (the
     dtype a conversion cast the weights to) both models' weights are rounded to it first."""
-    from megatron_grpo.megatron.model.config import ParallelConfig, check_parallel
+    from megatron_grpo.megatron.config import ParallelConfig, check_parallel
 
     model_cfg = read_model_config(Path(ckpt_dir) / MODEL_CONFIG_NAME)
     try:

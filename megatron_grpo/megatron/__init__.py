@@ -19,20 +19,20 @@ from megatron_grpo.megatron.batch.packing import (
     split_for_context_parallel,
     thd_partition_index,
 )
-from megatron_grpo.megatron.layout import ParallelLayout
-from megatron_grpo.megatron.model.build import build_model, padded_vocab_size
-from megatron_grpo.megatron.model.config import (
+from megatron_grpo.megatron.config import (
     ModelConfig,
     ParallelConfig,
     check_parallel,
     to_transformer_config,
 )
-from megatron_grpo.megatron.model.gpt import (
+from megatron_grpo.megatron.gpt import (
     check_training_config,
     hidden_states_only,
     output_weight,
     unwrap,
 )
+from megatron_grpo.megatron.layout import ParallelLayout
+from megatron_grpo.megatron.model.build import build_model, padded_vocab_size
 from megatron_grpo.megatron.model.layer_spec import decoder_block_spec, portable_layer_spec
 from megatron_grpo.megatron.parallel import (
     cuda_compat,

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_grpo.megatron.model.config import ParallelConfig
+from megatron_grpo.megatron.config import ParallelConfig
 
 
 def sequence_multiple(cp_size: int, token_multiple: int) -> int:

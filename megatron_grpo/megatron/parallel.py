@@ -3,7 +3,7 @@
 megatron-core's ``model_parallel_cuda_manual_seed`` and its RNG tracker read and write CUDA
 generator states, so on a CPU-only machine every ``get_cuda_rng_tracker().fork()`` (dropout in
 tensor-parallel regions, GPU-style initialization, sequence-parallel blocks) would fail. On CPU
-we install :class:`~megatron_grpo.megatron.model.compat.CpuRNGStatesTracker`, the same tracker over CPU generator states, seeded
+we install :class:`~megatron_grpo.megatron.compat.CpuRNGStatesTracker`, the same tracker over CPU generator states, seeded
 exactly like Megatron's (data-parallel seed, TP seed ``seed + 2718 + tp_rank``, expert seed
 ``seed + 1024 + 100 * ep_rank + etp_rank``). Activation recomputation also saves CUDA RNG state
 and is therefore GPU-only.
@@ -33,9 +33,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from torch.overrides import TorchFunctionMode
 
+from megatron_grpo.megatron.compat import install_cpu_rng_tracker, reset_rng_tracker
+from megatron_grpo.megatron.config import ParallelConfig
 from megatron_grpo.megatron.layout import ParallelLayout
-from megatron_grpo.megatron.model.compat import install_cpu_rng_tracker, reset_rng_tracker
-from megatron_grpo.megatron.model.config import ParallelConfig
 
 
 def comm_device() -> torch.device:

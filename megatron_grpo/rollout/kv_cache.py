@@ -138,7 +138,7 @@ def activation_width(cfg, tp: int) -> int:
 
 def _output_rows(model: torch.nn.Module) -> int:
     """Rows of this rank's output layer (``V_padded / TP``)."""
-    from megatron_grpo.megatron.model.gpt import output_weight
+    from megatron_grpo.megatron.gpt import output_weight
 
     return output_weight(model).size(0)
 

@@ -14,8 +14,8 @@ from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
+from megatron_grpo.megatron.gpt import hidden_states_only, output_weight
 from megatron_grpo.megatron.layout import ParallelLayout
-from megatron_grpo.megatron.model.gpt import hidden_states_only, output_weight
 from megatron_grpo.megatron.parallel import comm_device
 from megatron_grpo.ops.comm import TPInfo, all_gather_rows
 from megatron_grpo.ops.gemm import mm_f32

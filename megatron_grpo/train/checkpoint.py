@@ -44,8 +44,8 @@ from megatron.core.tensor_parallel import random as mcore_random
 
 from megatron_grpo.config import ConfigError, from_dict
 from megatron_grpo.convert.layout import HF_ASSETS_DIR, copy_hf_assets, write_model_config
+from megatron_grpo.megatron.config import ModelConfig
 from megatron_grpo.megatron.model.build import unwrap
-from megatron_grpo.megatron.model.config import ModelConfig
 from megatron_grpo.megatron.parallel import cuda_compat
 from megatron_grpo.train.writer_queue import install_writer_queue
 

@@ -13,7 +13,7 @@ from itertools import pairwise
 from operator import mul
 from typing import TYPE_CHECKING, TextIO
 
-from megatron_grpo.megatron.model.config import ModelConfig, ParallelConfig, check_parallel
+from megatron_grpo.megatron.config import ModelConfig, ParallelConfig, check_parallel
 from megatron_grpo.megatron.plan.memory import MemoryPlan, expert_tp_size, format_plan, memory_plan
 
 if TYPE_CHECKING:  # the config module loads the engines; the dry run needs none of them

@@ -136,7 +136,7 @@ def config_summary(cfg: TrainConfig, dp_size: int, path: Path | str) -> str:
 def _param_count(cfg: TrainConfig) -> int | None:
     """The model's parameters (all ranks together), or None where the count fails."""
     try:
-        from megatron_grpo.megatron.model.config import ParallelConfig
+        from megatron_grpo.megatron.config import ParallelConfig
         from megatron_grpo.megatron.plan.memory import stage_params
 
         dense, expert = stage_params(cfg.model, ParallelConfig(), 0)

@@ -27,8 +27,8 @@ from megatron_grpo.config import ConfigError, to_dict
 from megatron_grpo.errors import InputError
 from megatron_grpo.loss import compute_advantages
 from megatron_grpo.megatron.batch.packing import PackedBatch
+from megatron_grpo.megatron.config import dispatcher_type
 from megatron_grpo.megatron.model.build import build_model, unwrap
-from megatron_grpo.megatron.model.config import dispatcher_type
 from megatron_grpo.megatron.moe.metrics import moe_loss_metrics
 from megatron_grpo.megatron.moe.routing_replay import RoutingReplay
 from megatron_grpo.megatron.parallel import initialize_parallel, seed_everything

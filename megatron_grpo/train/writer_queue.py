@@ -33,7 +33,7 @@ def die_with_parent() -> None:
 
 def install_writer_queue() -> None:
     """Give megatron-core's writer a results queue whose server dies with this process."""
-    from megatron_grpo.megatron.model.compat import set_checkpoint_results_queue
+    from megatron_grpo.megatron.compat import set_checkpoint_results_queue
 
     set_checkpoint_results_queue(_dying_manager_queue)
 

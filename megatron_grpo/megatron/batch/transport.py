@@ -19,8 +19,8 @@ from megatron_grpo.megatron.batch.packing import (
     split_for_context_parallel,
     thd_partition_index,
 )
+from megatron_grpo.megatron.gpt import hidden_states_only, output_weight, unwrap
 from megatron_grpo.megatron.layout import ParallelLayout
-from megatron_grpo.megatron.model.gpt import hidden_states_only, output_weight, unwrap
 from megatron_grpo.megatron.parallel import comm_device
 
 

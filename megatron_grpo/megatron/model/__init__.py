@@ -1,10 +1,10 @@
-"""The model: config sections (:mod:`.config`), the layer spec (:mod:`.layer_spec`), building
-GPTModel chunks (:mod:`.build`), access to a built model (:mod:`.gpt`) and every write to
-megatron-core's private state (:mod:`.compat`).
+"""The model: the layer spec (:mod:`.layer_spec`) and building GPTModel chunks
+(:mod:`.build`), the room that assembles attention/ and moe/. Its leaves sit at megatron/'s
+top, below every room: the config sections (``megatron/config.py``), access to a built model
+(``megatron/gpt.py``) and every write to megatron-core's private state (``megatron/compat.py``).
 
 ``from megatron_grpo.megatron.model import build_model`` (the documented path of the builder)
-keeps working: the builder's public names load on first use, so importing ``model.config``
-does not build the layer spec.
+keeps working: the builder's public names load on first use.
 """
 
 from __future__ import annotations

@@ -25,13 +25,13 @@ from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_grpo.megatron.model.config import (
+from megatron_grpo.megatron.config import (
     ModelConfig,
     ParallelConfig,
     check_parallel,
     to_transformer_config,
 )
-from megatron_grpo.megatron.model.gpt import unwrap  # noqa: F401 (model.unwrap: a public name)
+from megatron_grpo.megatron.gpt import unwrap  # noqa: F401 (model.unwrap: a public name)
 from megatron_grpo.megatron.model.layer_spec import HAVE_TE, decoder_block_spec
 from megatron_grpo.megatron.moe.routing_replay import route_hooks
 from megatron_grpo.megatron.parallel import cuda_compat

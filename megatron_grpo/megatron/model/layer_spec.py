@@ -59,8 +59,9 @@ from megatron.core.transformer.transformer_layer import (
 from megatron_grpo.megatron.attention.cp import cp_causal_attention
 from megatron_grpo.megatron.attention.packed import BUCKETS, packed_causal_attention
 from megatron_grpo.megatron.attention.rope import PackedRopeSelfAttention, RopedPackedSeqParams
-from megatron_grpo.megatron.model.compat import define_te_general_gemm
+from megatron_grpo.megatron.compat import define_te_general_gemm
 from megatron_grpo.megatron.moe.grouped_experts import GroupedExperts
+from megatron_grpo.megatron.moe.layers import moe_layer_pattern
 from megatron_grpo.ops.dispatch import IMPLS
 from megatron_grpo.ops.rms_norm import rms_norm
 from megatron_grpo.ops.swiglu import swiglu
@@ -426,13 +427,6 @@ def _with_grouped_experts(mlp):
         return mlp
     submodules = dataclasses.replace(mlp.keywords["submodules"], experts=GroupedExperts)
     return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules})
-
-
-def moe_layer_pattern(config: TransformerConfig) -> list[bool]:
-    """Which of the ``num_layers`` global layers are MoE (every ``moe_layer_freq``-th)."""
-    if config.num_moe_experts is None:
-        return [False] * config.num_layers
-    return [i % config.moe_layer_freq == 0 for i in range(config.num_layers)]
 
 
 def decoder_block_spec(

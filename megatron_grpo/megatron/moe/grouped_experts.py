@@ -37,12 +37,13 @@ from megatron.core.tensor_parallel.random import (
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_grpo.megatron.model.compat import use_index_chunk_sort
+from megatron_grpo.megatron.compat import use_index_chunk_sort
 from megatron_grpo.megatron.moe.expert_checkpoint import (
     ExpertShards,
     expert_extra_states,
     stacked_expert_factory,
 )
+from megatron_grpo.megatron.moe.permute import sort_chunks_by_index
 from megatron_grpo.ops.grouped_mm import grouped_mm
 from megatron_grpo.ops.swiglu import swiglu
 
@@ -123,7 +124,7 @@ class GroupedExperts(MegatronModule):
         self._init(self.weight1, config.init_method)
         self._init(self.weight2, config.output_layer_init_method)
         self._register_load_state_dict_pre_hook(_stack_legacy_keys, with_module=True)
-        use_index_chunk_sort()  # the dispatcher's per-expert split + cat, as one gather
+        use_index_chunk_sort(sort_chunks_by_index)  # the dispatcher's split + cat, one gather
 
     def _weight(self, shape: tuple[int, int, int], partition_dim: int) -> torch.nn.Parameter:
         cfg = self.config

@@ -17,7 +17,7 @@ import torch
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_grpo.megatron.model.layer_spec import moe_layer_pattern
+from megatron_grpo.megatron.moe.layers import moe_layer_pattern
 from megatron_grpo.megatron.parallel import comm_device
 
 # Tracker names of megatron-core's routers, by the config field that enables them.

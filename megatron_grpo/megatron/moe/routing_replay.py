@@ -51,8 +51,8 @@ from torch import Tensor
 from megatron_grpo.loss.math import kl_estimate
 from megatron_grpo.loss.segments import host_to_device
 from megatron_grpo.megatron.batch.packing import PackedBatch
-from megatron_grpo.megatron.model.gpt import unwrap
-from megatron_grpo.megatron.model.layer_spec import moe_layer_pattern
+from megatron_grpo.megatron.gpt import unwrap
+from megatron_grpo.megatron.moe.layers import moe_layer_pattern
 from megatron_grpo.megatron.parallel import all_reduce_sum
 
 TopK = Callable[..., tuple[Tensor, Tensor]]

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from megatron_grpo.loss import GRPOLossConfig
+from megatron_grpo.megatron.config import ModelConfig, ParallelConfig
 from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.megatron.model.build import padded_vocab_size
-from megatron_grpo.megatron.model.config import ModelConfig, ParallelConfig
 from megatron_grpo.ops.options import LMHeadOptions
 from megatron_grpo.ops.plan import REQUESTS, HeadShape, LMHeadPlan, plan_lm_head
 from megatron_grpo.ops.reference import STATS_BLOCK

@@ -58,8 +58,8 @@ from megatron_grpo.loss.segments import host_to_device
 from megatron_grpo.megatron.batch.merge import merge_groups, merge_packed, split_merged
 from megatron_grpo.megatron.batch.packing import PackedBatch
 from megatron_grpo.megatron.batch.transport import full_logprobs, prepare_batch, run_model
+from megatron_grpo.megatron.gpt import check_training_config, unwrap
 from megatron_grpo.megatron.layout import ParallelLayout
-from megatron_grpo.megatron.model.gpt import check_training_config, unwrap
 from megatron_grpo.megatron.moe.routing_replay import replay_routes, set_replay_routes
 from megatron_grpo.megatron.parallel import cuda_compat
 from megatron_grpo.megatron.step.logprob_paths import LogprobPath, choose_path

@@ -20,8 +20,8 @@ from torch import Tensor
 
 from megatron_grpo.loss import GRPOLossConfig, LossInputs, grpo_loss
 from megatron_grpo.loss.metrics import MetricDict
+from megatron_grpo.megatron.gpt import output_weight
 from megatron_grpo.megatron.layout import ParallelLayout
-from megatron_grpo.megatron.model.gpt import output_weight
 from megatron_grpo.megatron.step.baseline import megatron_logprobs
 from megatron_grpo.ops import fused_grpo_loss, vocab_parallel_logprobs
 from megatron_grpo.ops.options import LMHeadOptions

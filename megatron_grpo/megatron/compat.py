@@ -100,18 +100,17 @@ def define_te_general_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
-def use_index_chunk_sort() -> bool:
+def use_index_chunk_sort(sort_chunks_by_index: Callable) -> bool:
     """Make megatron-core's all-to-all dispatcher order tokens by local expert with one gather
-    (``moe_permute.sort_chunks_by_index``) instead of a split + ``cat`` over every (rank, local
-    expert) chunk; False when already installed.
+    (``sort_chunks_by_index``: ``moe/permute.py``'s, passed in so that this module imports
+    nothing of the package) instead of a split + ``cat`` over every (rank, local expert) chunk;
+    False when already installed.
 
     Writes the module attribute ``transformer.moe.token_dispatcher.sort_chunks_by_idxs`` (the
     name it imports from ``moe_utils`` and calls in ``dispatch_postprocess`` /
     ``combine_preprocess``; checked in 0.16.1 and 0.19.2). Installed by the first
     ``GroupedExperts`` built, so a process of SequentialMLP models runs megatron-core's own."""
     from megatron.core.transformer.moe import token_dispatcher
-
-    from megatron_grpo.megatron.moe.permute import sort_chunks_by_index
 
     if token_dispatcher.sort_chunks_by_idxs is sort_chunks_by_index:
         return False
