@@ -267,7 +267,7 @@ def lm_head_plan(
         device_type="cuda",
     )
     loss = GRPOLossConfig() if loss_cfg is None else loss_cfg
-    return plan_lm_head(shape, options, path=path, loss=loss)
+    return plan_lm_head(shape, LMHeadOptions.of(options, path=path), loss=loss)
 
 
 def _tiled_bytes(plan: LMHeadPlan, hidden: int, tp: int) -> tuple[float, float]:
