@@ -221,18 +221,20 @@ class KVCacheEngine:
 
     def _reset_stats(self) -> None:
         names = ("prefill_forwards", "decode_steps", "decode_rows", "decode_live_rows",
-                 "generated_tokens", "prefill_seconds", "decode_seconds")  # fmt: skip
+                 "generated_tokens", "prefill_seconds", "decode_seconds", "kv_recomputed")  # fmt: skip
         self.stats = dict.fromkeys(names, 0)
 
     def _restore_kv(self, run: Run, requests: list[Request]) -> None:
-        """Requests paused with their cached rows (``keep``) go straight into slots."""
+        """Requests paused with their cached rows (``keep``) go straight into slots. When the
+        cache holds fewer sequences than were kept (less free memory after an update), the
+        oldest kept requests fill it and the rest drop their rows and are prefilled again, as
+        ``recompute`` does (exact under the current weights); counted in
+        ``stats["kv_recomputed"]`` (``rollout/partial_kv_recomputed``)."""
         restored = [i for i in run.waiting if requests[i].kv is not None]
-        if len(restored) > self.cache.slots:
-            raise RuntimeError(
-                f"rollout.partial.kv=keep: {len(restored)} paused requests kept their KV rows "
-                f"but the cache holds {self.cache.slots} sequences now; use kv: recompute or a "
-                "larger rollout.engine.kv_cache_gib / kv_cache_fraction"
-            )
+        for i in restored[self.cache.slots :]:
+            requests[i].kv = None
+        self.stats["kv_recomputed"] = max(len(restored) - self.cache.slots, 0)
+        restored = restored[: self.cache.slots]
         device = self.cache.kv.device
         for i in restored:
             kv, slot = requests[i].kv, len(run.rows)
