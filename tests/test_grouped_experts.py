@@ -97,6 +97,9 @@ def _pair(parallel: ParallelConfig, topk: int = 2, experts: int = 8, **kw):
     load_full(grp, weights, _moe_cfg(topk, experts, **kw))
     assert isinstance(_experts(grp), GroupedExperts)
     assert type(_experts(seq)).__name__ == "SequentialMLP"
+    # one rank holds every expert: the sort-based local dispatch (no host sync)
+    local = parallel.expert_model_parallel_size == parallel.tensor_model_parallel_size == 1
+    assert unwrap(grp[0]).decoder.layers[0].mlp.local_dispatch == local
     return seq, grp, weights
 
 
@@ -228,6 +231,7 @@ def _body_parallel(rank: int, world: int, parallel: ParallelConfig) -> None:
     chunks = build_layout(parallel, cfg)
     load_full(chunks, weights, cfg)
     assert isinstance(_experts(chunks), GroupedExperts)
+    assert not unwrap(chunks[0]).decoder.layers[0].mlp.local_dispatch  # megatron-core's
     assert _experts(chunks).weight1.shape[0] == 8 // parallel.expert_model_parallel_size
     for got, want in zip(step.compute_logprobs(chunks, batches), ref_logp, strict=True):
         assert_close("logprobs", got, want, tol=1e-5)
@@ -327,3 +331,31 @@ def test_chunk_sort_equals_megatron_split_cat(ranks, experts):
         assert sort_chunks_by_index(x, sizes, by_expert)[0] is x
     with pytest.raises(ValueError, match="fused"):
         sort_chunks_by_index(x, sizes, by_expert, fused=True)
+
+
+def test_sort_routing_matches_megatron_permute_and_unpermute():
+    """The local dispatch's rows and probs equal megatron-core's mask-based permute; its
+    combine equals the scatter-add unpermute (fp32); gradients flow to every token row."""
+    from megatron.core.transformer.moe.moe_utils import permute, unpermute
+
+    from megatron_grpo.megatron.moe_permute import combine_tokens, permute_tokens, sort_by_expert
+
+    g = torch.Generator().manual_seed(0)
+    t, e, k, h = 11, 6, 3, 4
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    routing_map = torch.zeros(t, e, dtype=torch.bool).scatter_(1, ids, True)
+    probs = torch.rand(t, e, generator=g) * routing_map
+    x = torch.randn(t, h, generator=g, requires_grad=True)
+    want, want_p, sorted_idx = permute(x, routing_map, probs=probs)
+    order, inverse, counts = sort_by_expert(ids, e)
+    got = permute_tokens(x, order, inverse, k)
+    got_p = probs.gather(1, ids).reshape(-1)[order]
+    assert torch.equal(got, want) and torch.equal(got_p, want_p)
+    assert torch.equal(counts, routing_map.sum(0))
+    y = torch.randn(t * k, h, generator=g, requires_grad=True)
+    combined = combine_tokens(y, order, inverse, k)
+    assert torch.allclose(combined, unpermute(y, sorted_idx, x.shape), atol=1e-6)
+    (gx,) = torch.autograd.grad(got, x, torch.ones_like(got))
+    assert torch.equal(gx, torch.full_like(x, float(k)))
+    (gy,) = torch.autograd.grad(combined, y, torch.ones_like(combined))
+    assert torch.equal(gy, torch.ones_like(y))

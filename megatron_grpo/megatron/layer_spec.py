@@ -59,6 +59,7 @@ from megatron.core.transformer.transformer_layer import (
 from megatron_grpo.megatron.compat import define_te_general_gemm
 from megatron_grpo.megatron.cp_attention import cp_causal_attention
 from megatron_grpo.megatron.grouped_experts import GroupedExperts
+from megatron_grpo.megatron.local_dispatch import GroupedMoELayer
 from megatron_grpo.megatron.packed_attention import BUCKETS, packed_causal_attention
 from megatron_grpo.megatron.packed_rope import PackedRopeSelfAttention, RopedPackedSeqParams
 from megatron_grpo.ops.dispatch import IMPLS
@@ -398,13 +399,17 @@ def portable_layer_spec(config: TransformerConfig, moe: bool) -> ModuleSpec:
 
 
 def _with_grouped_experts(mlp):
-    """megatron-core's MoE layer spec with :class:`GroupedExperts` for its experts: a
-    ``ModuleSpec`` (megatron-core <= 0.18) or ``partial(MoELayer, submodules=...)`` (0.19)."""
+    """megatron-core's MoE layer spec as :class:`GroupedMoELayer` (the local dispatch where all
+    experts are on the rank) with :class:`GroupedExperts`: a ``ModuleSpec`` (megatron-core <=
+    0.18) or ``partial(MoELayer, submodules=...)`` (0.19)."""
     if isinstance(mlp, ModuleSpec):
+        mlp.module = GroupedMoELayer
         mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
         return mlp
     submodules = dataclasses.replace(mlp.keywords["submodules"], experts=GroupedExperts)
-    return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules})
+    return functools.partial(
+        GroupedMoELayer, *mlp.args, **{**mlp.keywords, "submodules": submodules}
+    )
 
 
 def moe_layer_pattern(config: TransformerConfig) -> list[bool]:
