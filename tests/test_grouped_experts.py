@@ -206,6 +206,11 @@ def _body_single(rank: int, world: int) -> None:
             _check_module(_experts(seq), _experts(grp))
             _check_checkpoints(seq, grp)
         _check_models(seq, grp, batches)
+    # the decode step of the grouped model never syncs with the host (CUDA graphs can take it)
+    from megatron_grpo.megatron.local_dispatch import host_sync_reason
+
+    assert host_sync_reason(unwrap(grp[0])) is None
+    assert "SequentialMLP experts" in host_sync_reason(unwrap(seq[0]))
     # no per-expert loop: the op count of a layer's forward + backward does not grow with E
     grouped = [_layer_ops(e, grouped=True) for e in (4, 16)]
     looped = [_layer_ops(e, grouped=False) for e in (4, 16)]
@@ -232,6 +237,9 @@ def _body_parallel(rank: int, world: int, parallel: ParallelConfig) -> None:
     load_full(chunks, weights, cfg)
     assert isinstance(_experts(chunks), GroupedExperts)
     assert not unwrap(chunks[0]).decoder.layers[0].mlp.local_dispatch  # megatron-core's
+    from megatron_grpo.megatron.local_dispatch import host_sync_reason
+
+    assert "token dispatcher" in host_sync_reason(unwrap(chunks[0]))
     assert _experts(chunks).weight1.shape[0] == 8 // parallel.expert_model_parallel_size
     for got, want in zip(step.compute_logprobs(chunks, batches), ref_logp, strict=True):
         assert_close("logprobs", got, want, tol=1e-5)
@@ -359,3 +367,31 @@ def test_sort_routing_matches_megatron_permute_and_unpermute():
     assert torch.equal(gx, torch.full_like(x, float(k)))
     (gy,) = torch.autograd.grad(combined, y, torch.ones_like(combined))
     assert torch.equal(gy, torch.ones_like(y))
+
+
+def _gpu_graphs_body(rank: int, world: int) -> None:
+    """The engine captures the MoE model's decode steps in CUDA graphs (local dispatch, grouped
+    GEMMs: no host sync) and samples what eager decode samples."""
+    from megatron_grpo.rollout import EngineOptions, KVCacheEngine, generate
+    from megatron_grpo.rollout.params import SamplingParams
+
+    chunks = build_layout(ParallelConfig(), _moe_cfg(2, params_dtype="bfloat16"))
+    model = unwrap(chunks[0])
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 100, (int(n),), generator=g).tolist() for n in range(3, 23)]
+    params = SamplingParams(temperature=1.0, top_k=1, max_new_tokens=10, eos_id=3, vocab_size=100)
+    options = EngineOptions(kv_cache_gib=1.0, context_bucket=16)
+    graphed = KVCacheEngine(model, options)
+    assert graphed.use_graphs, graphed.graphs_off
+    got = generate(model, prompts, params, torch.Generator().manual_seed(5), engine=graphed)
+    assert graphed.graphs.captures > 0
+    eager = KVCacheEngine(model, EngineOptions(kv_cache_gib=1.0, context_bucket=16,
+                                               cuda_graphs=False))  # fmt: skip
+    want = generate(model, prompts, params, torch.Generator().manual_seed(5), engine=eager)
+    same = sum(a == b for a, b in zip(got.responses, want.responses, strict=True))
+    assert same >= len(prompts) - 2, f"{same} of {len(prompts)} greedy responses agree"
+
+
+@pytest.mark.gpu
+def test_gpu_moe_decode_runs_in_cuda_graphs():
+    run_distributed(_gpu_graphs_body, 1, backend="nccl")

@@ -100,3 +100,28 @@ class GroupedMoELayer(MoELayer):
         if local_dispatch_unsupported(config) is None and groups.tp_ep.size() == 1:
             self.token_dispatcher = LocalTokenDispatcher(self.num_local_experts, config, groups)
         self.local_dispatch = isinstance(self.token_dispatcher, LocalTokenDispatcher)
+
+
+def host_sync_reason(model: torch.nn.Module) -> str | None:
+    """Why a forward of ``model`` syncs with the host in its MoE layers (None: it does not, so a
+    decode step can be captured in a CUDA graph): every MoE layer must be a
+    :class:`GroupedMoELayer` on the local dispatch whose grouped experts run torch's grouped
+    GEMM (the padded fallback sizes its buffer on the host)."""
+    from megatron_grpo.megatron.grouped_experts import GroupedExperts
+    from megatron_grpo.ops.grouped_mm import grouped_mm_supports
+
+    for i, layer in enumerate(model.decoder.layers):
+        mlp = layer.mlp
+        if not hasattr(mlp, "router"):
+            continue  # a dense layer
+        experts = mlp.experts
+        if not isinstance(experts, GroupedExperts):
+            return f"layer {i}: {type(experts).__name__} experts (moe_grouped_gemm=false)"
+        if not getattr(mlp, "local_dispatch", False):
+            why = local_dispatch_unsupported(mlp.config) or "megatron-core's MoELayer"
+            return f"layer {i}: megatron-core's token dispatcher ({why})"
+        for w in (experts.weight1, experts.weight2):
+            why = experts.impl == "padded_bmm" or grouped_mm_supports(w.new_empty(1, w.size(2)), w)
+            if why:
+                return f"layer {i}: the padded grouped-GEMM fallback ({why})"
+    return None
