@@ -143,12 +143,12 @@ class GroupedExperts(MegatronModule):
             probs = None
         ends = torch.cumsum(tokens_per_expert.to(x.device, non_blocking=True), 0)
         h = grouped_mm(x, self.weight1, ends, impl=self.impl)
-        if self.config.gated_linear_unit:
-            h = swiglu(h, impl=self.act_impl)
+        if self.config.gated_linear_unit:  # scaled by the probs in the same kernel
+            h = swiglu(h, impl=self.act_impl, probs=probs)
         else:
             h = self.config.activation_func(h)
-        if probs is not None:  # megatron-core's MLP: scale in the probs' dtype, then round
-            h = (h * probs.unsqueeze(-1)).to(h.dtype)
+            if probs is not None:  # megatron-core's MLP: scale in the probs' dtype, round
+                h = (h * probs.unsqueeze(-1)).to(h.dtype)
         return grouped_mm(h, self.weight2, ends, impl=self.impl), None
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
