@@ -94,6 +94,9 @@ def _pair(parallel: ParallelConfig, topk: int = 2, experts: int = 8, **kw):
     seq = build_layout(parallel, _moe_cfg(topk, experts, grouped=False, **kw))
     weights = full_params(seq)
     grp = build_layout(parallel, _moe_cfg(topk, experts, grouped=True, **kw))
+    # the same seed initializes the same model (experts in SequentialMLP's order and RNG)
+    for name, value in full_params(grp).items():
+        assert torch.equal(value, weights[name]), f"{name} initialized differently"
     load_full(grp, weights, _moe_cfg(topk, experts, **kw))
     assert isinstance(_experts(grp), GroupedExperts)
     assert type(_experts(seq)).__name__ == "SequentialMLP"
@@ -241,6 +244,8 @@ def _body_parallel(rank: int, world: int, parallel: ParallelConfig) -> None:
 
     assert "token dispatcher" in host_sync_reason(unwrap(chunks[0]))
     assert _experts(chunks).weight1.shape[0] == 8 // parallel.expert_model_parallel_size
+    etp = parallel.expert_tensor_parallel_size or parallel.tensor_model_parallel_size
+    assert _experts(chunks).weight2.shape[2] == 32 // etp  # the FFN split over expert-TP
     for got, want in zip(step.compute_logprobs(chunks, batches), ref_logp, strict=True):
         assert_close("logprobs", got, want, tol=1e-5)
     train_grads(chunks, step, batches)
@@ -257,8 +262,10 @@ def _body_parallel(rank: int, world: int, parallel: ParallelConfig) -> None:
             tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
             expert_tensor_parallel_size=1,
         ),
+        # expert tensor parallelism: every expert's FFN split over the 2 TP ranks (ETP = TP)
+        ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True),
     ],
-    ids=["ep2", "tp2_sp_ep2"],
+    ids=["ep2", "tp2_sp_ep2", "tp2_sp_etp2"],
 )  # fmt: skip
 def test_grouped_experts_expert_parallel(parallel):
     run_distributed(_body_parallel, 2, parallel)
