@@ -22,7 +22,7 @@ from .rms_norm import rms_norm_bwd, rms_norm_fwd
 from .rope import rope
 from .sample_rows import sample_rows
 from .split_accumulator import split_acc_addmm, split_acc_resolve
-from .swiglu import swiglu, swiglu_bwd
+from .swiglu import swiglu, swiglu_bwd, swiglu_scaled, swiglu_scaled_bwd
 
 __all__ = [
     "AUTOTUNE_ENV",
@@ -41,5 +41,7 @@ __all__ = [
     "split_acc_resolve",
     "swiglu",
     "swiglu_bwd",
+    "swiglu_scaled",
+    "swiglu_scaled_bwd",
     "triton_available",
 ]

@@ -94,9 +94,15 @@ def _pair(parallel: ParallelConfig, topk: int = 2, experts: int = 8, **kw):
     seq = build_layout(parallel, _moe_cfg(topk, experts, grouped=False, **kw))
     weights = full_params(seq)
     grp = build_layout(parallel, _moe_cfg(topk, experts, grouped=True, **kw))
+    # the same seed initializes the same model (experts in SequentialMLP's order and RNG)
+    for name, value in full_params(grp).items():
+        assert torch.equal(value, weights[name]), f"{name} initialized differently"
     load_full(grp, weights, _moe_cfg(topk, experts, **kw))
     assert isinstance(_experts(grp), GroupedExperts)
     assert type(_experts(seq)).__name__ == "SequentialMLP"
+    # one rank holds every expert: the sort-based local dispatch (no host sync)
+    local = parallel.expert_model_parallel_size == parallel.tensor_model_parallel_size == 1
+    assert unwrap(grp[0]).decoder.layers[0].mlp.local_dispatch == local
     return seq, grp, weights
 
 
@@ -203,6 +209,11 @@ def _body_single(rank: int, world: int) -> None:
             _check_module(_experts(seq), _experts(grp))
             _check_checkpoints(seq, grp)
         _check_models(seq, grp, batches)
+    # the decode step of the grouped model never syncs with the host (CUDA graphs can take it)
+    from megatron_grpo.megatron.moe.local_dispatch import host_sync_reason
+
+    assert host_sync_reason(unwrap(grp[0])) is None
+    assert "SequentialMLP experts" in host_sync_reason(unwrap(seq[0]))
     # no per-expert loop: the op count of a layer's forward + backward does not grow with E
     grouped = [_layer_ops(e, grouped=True) for e in (4, 16)]
     looped = [_layer_ops(e, grouped=False) for e in (4, 16)]
@@ -228,7 +239,13 @@ def _body_parallel(rank: int, world: int, parallel: ParallelConfig) -> None:
     chunks = build_layout(parallel, cfg)
     load_full(chunks, weights, cfg)
     assert isinstance(_experts(chunks), GroupedExperts)
+    assert not unwrap(chunks[0]).decoder.layers[0].mlp.local_dispatch  # megatron-core's
+    from megatron_grpo.megatron.moe.local_dispatch import host_sync_reason
+
+    assert "token dispatcher" in host_sync_reason(unwrap(chunks[0]))
     assert _experts(chunks).weight1.shape[0] == 8 // parallel.expert_model_parallel_size
+    etp = parallel.expert_tensor_parallel_size or parallel.tensor_model_parallel_size
+    assert _experts(chunks).weight2.shape[2] == 32 // etp  # the FFN split over expert-TP
     for got, want in zip(step.compute_logprobs(chunks, batches), ref_logp, strict=True):
         assert_close("logprobs", got, want, tol=1e-5)
     train_grads(chunks, step, batches)
@@ -245,8 +262,10 @@ def _body_parallel(rank: int, world: int, parallel: ParallelConfig) -> None:
             tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
             expert_tensor_parallel_size=1,
         ),
+        # expert tensor parallelism: every expert's FFN split over the 2 TP ranks (ETP = TP)
+        ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True),
     ],
-    ids=["ep2", "tp2_sp_ep2"],
+    ids=["ep2", "tp2_sp_ep2", "tp2_sp_etp2"],
 )  # fmt: skip
 def test_grouped_experts_expert_parallel(parallel):
     run_distributed(_body_parallel, 2, parallel)
@@ -327,3 +346,59 @@ def test_chunk_sort_equals_megatron_split_cat(ranks, experts):
         assert sort_chunks_by_index(x, sizes, by_expert)[0] is x
     with pytest.raises(ValueError, match="fused"):
         sort_chunks_by_index(x, sizes, by_expert, fused=True)
+
+
+def test_sort_routing_matches_megatron_permute_and_unpermute():
+    """The local dispatch's rows and probs equal megatron-core's mask-based permute; its
+    combine equals the scatter-add unpermute (fp32); gradients flow to every token row."""
+    from megatron.core.transformer.moe.moe_utils import permute, unpermute
+
+    from megatron_grpo.megatron.moe.permute import combine_tokens, permute_tokens, sort_by_expert
+
+    g = torch.Generator().manual_seed(0)
+    t, e, k, h = 11, 6, 3, 4
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    routing_map = torch.zeros(t, e, dtype=torch.bool).scatter_(1, ids, True)
+    probs = torch.rand(t, e, generator=g) * routing_map
+    x = torch.randn(t, h, generator=g, requires_grad=True)
+    want, want_p, sorted_idx = permute(x, routing_map, probs=probs)
+    order, inverse, counts = sort_by_expert(ids, e)
+    got = permute_tokens(x, order, inverse, k)
+    got_p = probs.gather(1, ids).reshape(-1)[order]
+    assert torch.equal(got, want) and torch.equal(got_p, want_p)
+    assert torch.equal(counts, routing_map.sum(0))
+    y = torch.randn(t * k, h, generator=g, requires_grad=True)
+    combined = combine_tokens(y, order, inverse, k)
+    assert torch.allclose(combined, unpermute(y, sorted_idx, x.shape), atol=1e-6)
+    (gx,) = torch.autograd.grad(got, x, torch.ones_like(got))
+    assert torch.equal(gx, torch.full_like(x, float(k)))
+    (gy,) = torch.autograd.grad(combined, y, torch.ones_like(combined))
+    assert torch.equal(gy, torch.ones_like(y))
+
+
+def _gpu_graphs_body(rank: int, world: int) -> None:
+    """The engine captures the MoE model's decode steps in CUDA graphs (local dispatch, grouped
+    GEMMs: no host sync) and samples what eager decode samples."""
+    from megatron_grpo.rollout import EngineOptions, KVCacheEngine, generate
+    from megatron_grpo.rollout.params import SamplingParams
+
+    chunks = build_layout(ParallelConfig(), _moe_cfg(2, params_dtype="bfloat16"))
+    model = unwrap(chunks[0])
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 100, (int(n),), generator=g).tolist() for n in range(3, 23)]
+    params = SamplingParams(temperature=1.0, top_k=1, max_new_tokens=10, eos_id=3, vocab_size=100)
+    options = EngineOptions(kv_cache_gib=1.0, context_bucket=16)
+    graphed = KVCacheEngine(model, options)
+    assert graphed.use_graphs, graphed.graphs_off
+    got = generate(model, prompts, params, torch.Generator().manual_seed(5), engine=graphed)
+    assert graphed.graphs.captures > 0
+    eager = KVCacheEngine(model, EngineOptions(kv_cache_gib=1.0, context_bucket=16,
+                                               cuda_graphs=False))  # fmt: skip
+    want = generate(model, prompts, params, torch.Generator().manual_seed(5), engine=eager)
+    same = sum(a == b for a, b in zip(got.responses, want.responses, strict=True))
+    assert same >= len(prompts) - 2, f"{same} of {len(prompts)} greedy responses agree"
+
+
+@pytest.mark.gpu
+def test_gpu_moe_decode_runs_in_cuda_graphs():
+    run_distributed(_gpu_graphs_body, 1, backend="nccl")

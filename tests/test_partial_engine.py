@@ -127,8 +127,33 @@ def _keep_body(rank: int, world: int) -> None:
     _perturb(model, 2)
     engine.run_requests(paused, params, 1, keep_kv=True)
     assert engine.stats["prefill_forwards"] == 0  # every paused row came back from the host
+    assert engine.stats["kv_recomputed"] == 0
     assert [r.tokens for r in got] == [r.tokens for r in want]
     assert any(set(r.versions) == {0, 1} for r in got)
+    _keep_into_smaller_cache(model, prompts, uniforms, params, options)
+
+
+def _keep_into_smaller_cache(model, prompts, uniforms, params, options) -> None:
+    """Kept rows beyond a smaller cache (memory taken by an update) are prefilled again, as
+    ``recompute`` does, and counted; the kept ones that fit resume from their rows."""
+    import dataclasses
+
+    from megatron_grpo.rollout import KVCacheEngine
+    from megatron_grpo.rollout.kv_cache import CacheShape
+
+    got = _requests(prompts, uniforms)
+    KVCacheEngine(model, options).run_requests(
+        got, params, 0, stop=lambda f: bool(f.any()), keep_kv=True
+    )
+    kept = [r for r in got if not r.finished and r.kv is not None]
+    assert len(kept) > 2
+    seq_len = -(-(max(len(p) for p in prompts) + params.max_new_tokens) // 8) * 8
+    two = 2.5 * CacheShape.of(model).bytes_per_token * seq_len / 2**30  # 2 sequences
+    small = KVCacheEngine(model, dataclasses.replace(options, kv_cache_gib=two))
+    small.run_requests([r for r in got if not r.finished], params, 1, keep_kv=True)
+    assert small.stats["kv_recomputed"] == len(kept) - 2
+    assert small.stats["prefill_forwards"] > 0  # the recomputed rows were prefilled
+    assert all(r.finished for r in got)
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from megatron.core.transformer.mlp import MLP
 
 from megatron_grpo.megatron import ParallelConfig
 from megatron_grpo.megatron.model.layer_spec import SwiGLUMLP, set_layer_impl
-from megatron_grpo.ops.swiglu import swiglu, swiglu_torch
+from megatron_grpo.ops.swiglu import swiglu, swiglu_scaled_torch, swiglu_torch
 from tests.dist_utils import run_distributed
 from tests.megatron_utils import build_layout, tiny_model
 
@@ -73,6 +73,64 @@ def test_kernels_interpreter_match_float64(shape, dtype):
 @DTYPES
 def test_kernels_gpu_match_float64(shape, dtype):
     _check(dtype, "cuda", shape)
+
+
+def _run_scaled(fn, x, probs, grad):
+    x, probs = x.detach().requires_grad_(), probs.detach().requires_grad_()
+    y = fn(x, probs)
+    y.backward(grad)
+    return y.detach(), x.grad, probs.grad
+
+
+def _check_scaled(dtype, device, rows, f):
+    """The routed experts' SwiGLU scaled by fp32 row probabilities: y, dx and dprobs."""
+    g = torch.Generator().manual_seed(f)
+    x = (torch.randn(rows, 2 * f, generator=g) * 4).to(device, dtype)
+    probs = torch.rand(rows, generator=g).to(device)
+    grad = torch.randn(rows, f, generator=g).to(device, dtype)
+    truth = _run_scaled(swiglu_scaled_torch, x.double(), probs.double(), grad.double())
+    ref = _run_scaled(swiglu_scaled_torch, x, probs, grad)
+    got = _run_scaled(lambda v, p: swiglu(v, impl="triton", probs=p), x, probs, grad)
+    with torch.no_grad():
+        assert torch.equal(swiglu(x, impl="triton", probs=probs), got[0])
+    tol = 2 * torch.finfo(dtype).eps
+    for name, k, r, t in zip(("y", "dx", "dprobs"), got, ref, truth, strict=True):
+        assert k.dtype == r.dtype and k.shape == r.shape, name
+        # dprobs sums F products: its roundoff grows with F (fp32 sums in both)
+        extra = 1e-6 * f if name == "dprobs" else 0.0
+        assert _err(k, t) <= _err(r, t) + tol + extra, (name, _err(k, t), _err(r, t))
+
+
+SCALED = pytest.mark.parametrize("rows, f", [(7, 50), (3, 1100), (1, 8)])
+
+
+@SCALED
+@DTYPES
+def test_scaled_kernels_interpreter_match_float64(rows, f, dtype):
+    from tests.interpreter import IN_INTERPRETER
+
+    if not IN_INTERPRETER:
+        pytest.skip("runs under TRITON_INTERPRET=1 in test_interpreter_subprocess")
+    _check_scaled(dtype, "cpu", rows, f)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@SCALED
+@DTYPES
+def test_scaled_kernels_gpu_match_float64(rows, f, dtype):
+    _check_scaled(dtype, "cuda", rows, f)
+
+
+def test_scaled_torch_path_is_megatron_expert_activation():
+    """impl="torch" with probs is megatron-core's expert MLP activation, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 16, generator=g).bfloat16()
+    p = torch.rand(6, generator=g)
+    want = (swiglu_torch(x) * p.unsqueeze(-1)).to(torch.bfloat16)
+    assert torch.equal(swiglu(x, impl="torch", probs=p), want)
+    with pytest.raises(ValueError, match="probs"):
+        swiglu(x, impl="torch", probs=p[:3])
 
 
 def _mlp_body(rank: int, world: int) -> None:

@@ -95,3 +95,21 @@ def test_a_failing_reward_is_one_line_and_exit_1(tmp_path):
     from tests.dist_utils import run_distributed
 
     run_distributed(_failing_reward_body, 1, tmp_path)
+
+
+def test_reward_errors_print_from_the_failing_replica(monkeypatch, capsys):
+    """Bad input is printed by rank 0 (every rank meets it); a reward failure by the first rank
+    of the replica that failed, which need not be rank 0 (data parallel)."""
+    from megatron_grpo.errors import InputError
+    from megatron_grpo.train import __main__ as cli
+    from megatron_grpo.train.tasks.reward import RewardError
+
+    monkeypatch.setenv("RANK", "2")  # DP replica 1 of TP 2: its first rank, not rank 0
+    monkeypatch.setattr(cli, "_replica_leader", lambda: True)
+    assert cli.report_error(RewardError("rollout.reward_fn 'f.py:g' failed: boom")) == 1
+    assert capsys.readouterr().err == "error: rollout.reward_fn 'f.py:g' failed: boom\n"
+    assert cli.report_error(InputError("data.parquet:3: no column 'prompt'")) == 2
+    assert capsys.readouterr().err == ""  # rank 0 prints what every rank meets
+    monkeypatch.setattr(cli, "_replica_leader", lambda: False)
+    cli.report_error(RewardError("boom"))
+    assert capsys.readouterr().err == ""

@@ -212,7 +212,7 @@ def test_the_sections_pass_through_to_generation(monkeypatch):
         vocab_size=cfg.model.vocab_size, stop_ids=(5, 6),
     )  # fmt: skip
     assert params == want
-    fake = type("FakeEngine", (), {"__init__": lambda self, model, o: setattr(self, "o", o)})
+    fake = type("FakeEngine", (), {"__init__": lambda self, model, o, ctx: setattr(self, "o", o)})
     fake.decode, fake.use_graphs, fake.graphs_off = "fake", False, ""
     monkeypatch.setattr(rollout_source, "KVCacheEngine", fake)
     assert rollout_source.build_engine(cfg, model=None).o is cfg.rollout.engine

@@ -5,6 +5,9 @@
 * ``impl="triton"``: ``kernels.swiglu`` forward and ``kernels.swiglu_bwd`` backward, the same
   roundings in one pass each way; only the input is saved for the backward (the reference saves
   the input and ``silu(gate)``).
+* ``probs`` (the routed experts): each row scaled by its fp32 routing probability as
+  megatron-core's expert MLP does (``(h * p).to(dtype)``), in the same single kernel each way
+  (``kernels.swiglu_scaled``), whose backward also gives ``d probs``.
 """
 
 from __future__ import annotations
@@ -48,13 +51,57 @@ class _SwiGLUTriton(torch.autograd.Function):
         return swiglu_bwd(rows, g).view(ctx.shape)
 
 
-def swiglu(x: Tensor, *, impl: str = "auto") -> Tensor:
+class _SwiGLUScaledTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, probs: Tensor) -> Tensor:
+        from megatron_grpo.kernels import swiglu_scaled
+
+        ctx.save_for_backward(x, probs)
+        return swiglu_scaled(x, probs)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        from megatron_grpo.kernels import swiglu_scaled_bwd
+
+        x, probs = ctx.saved_tensors
+        dx, dp = swiglu_scaled_bwd(x, probs, grad.contiguous())
+        return dx, dp.to(probs.dtype)
+
+
+def swiglu_scaled_torch(x: Tensor, probs: Tensor) -> Tensor:
+    """Reference: megatron-core's expert activation, ``(swiglu(x) * probs[:, None])`` in the
+    probs' dtype, rounded to ``x``'s."""
+    h = swiglu_torch(x)
+    return (h * probs.unsqueeze(-1)).to(h.dtype)
+
+
+def swiglu(x: Tensor, *, impl: str = "auto", probs: Tensor | None = None) -> Tensor:
     """SwiGLU of ``x [..., 2F]`` -> ``[..., F]`` in ``x``'s dtype; ``impl`` as
-    :func:`megatron_grpo.ops.dispatch.resolve_impl` decides ("auto": the kernels on CUDA)."""
+    :func:`megatron_grpo.ops.dispatch.resolve_impl` decides ("auto": the kernels on CUDA).
+    ``probs [rows]`` (x ``[rows, 2F]``): each row scaled by it (the routed experts)."""
     if x.size(-1) % 2:
         raise ValueError(f"swiglu: the last dim of x must be even (2F), got {list(x.shape)}")
+    if probs is not None:
+        return _swiglu_scaled(x, probs, impl)
     if resolve_impl(impl, x.device.type) == "torch":
         return swiglu_torch(x)
     if not (torch.is_grad_enabled() and x.requires_grad):  # no graph: skip Function.apply
         return _swiglu_triton(x.reshape(-1, x.size(-1)).contiguous(), x.shape)
     return _SwiGLUTriton.apply(x)
+
+
+def _swiglu_scaled(x: Tensor, probs: Tensor, impl: str) -> Tensor:
+    if x.dim() != 2 or probs.shape != (x.size(0),):
+        raise ValueError(
+            f"swiglu with probs: x must be [rows, 2F] and probs [rows], got {list(x.shape)} and "
+            f"{list(probs.shape)}"
+        )
+    fits = probs.dtype == torch.float32 and x.size(1) // 2 <= 16384  # kernels.MAX_SCALED_F
+    if resolve_impl(impl, x.device.type) == "torch" or (impl == "auto" and not fits):
+        return swiglu_scaled_torch(x, probs)
+    x, probs = x.contiguous(), probs.contiguous()
+    if not (torch.is_grad_enabled() and (x.requires_grad or probs.requires_grad)):
+        from megatron_grpo.kernels import swiglu_scaled
+
+        return swiglu_scaled(x, probs)
+    return _SwiGLUScaledTriton.apply(x, probs)

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.megatron.layout import ParallelLayout
+from megatron_grpo.megatron.moe.local_dispatch import host_sync_reason
 from megatron_grpo.megatron.parallel import all_reduce_max
 from megatron_grpo.rollout import fused_decode as fd
 from megatron_grpo.rollout import kv_cache as kvc
@@ -107,13 +108,6 @@ class EngineOptions:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
-# Why MoE models decode without CUDA graphs (the start-up line says it).
-MOE_NO_GRAPHS = (
-    "MoE (megatron-core's token dispatchers size their buffers from the routed counts, "
-    "a host sync in every layer)"
-)
-
-
 class KVCacheEngine:
     """``KVCacheEngine(model, options).generate(prompts, params, generator)``; keep one per
     model so its CUDA graphs are captured once and reused across calls."""
@@ -137,12 +131,14 @@ class KVCacheEngine:
         self.max_context = max_context
         self.options = options or EngineOptions()
         cuda = io.model_device(model).type == "cuda"
-        moe = model.config.num_moe_experts is not None
+        # MoE layers that sync with the host (megatron-core's dispatchers) cannot be captured
+        moe = None if model.config.num_moe_experts is None else host_sync_reason(model)
         graphs = self.options.cuda_graphs
         if graphs and (not cuda or moe):
+            why = f"MoE: {moe}" if moe else "a GPU"
             raise ValueError(
-                "rollout.engine.cuda_graphs needs a dense model on GPU (MoE routing has "
-                "data-dependent shapes); set it to null (auto) or false"
+                f"rollout.engine.cuda_graphs needs a model whose decode step never syncs with "
+                f"the host on GPU, not {why}; set it to null (auto) or false"
             )
         expandable = expandable_segments() if cuda else None
         if graphs and expandable:
@@ -154,7 +150,7 @@ class KVCacheEngine:
         # why graphs are off where they would be on (the start-up line says it)
         self.graphs_off = ""
         if graphs is None and cuda and (moe or expandable):
-            self.graphs_off = f"off: {expandable}" if expandable else f"off: {MOE_NO_GRAPHS}"
+            self.graphs_off = f"off: {expandable}" if expandable else f"off: MoE {moe}"
         self.graphs = DecodeGraphs() if self.use_graphs else None
         o = self.options
         self.decode = fd.plan_decode(
@@ -238,18 +234,21 @@ class KVCacheEngine:
             "generated_tokens",
             "prefill_seconds",
             "decode_seconds",
+            "kv_recomputed",
         )
         self.stats = dict.fromkeys(names, 0)
 
     def _restore_kv(self, run: Run, requests: list[Request]) -> None:
-        """Requests paused with their cached rows (``keep``) go straight into slots."""
+        """Requests paused with their cached rows (``keep``) go straight into slots. When the
+        cache holds fewer sequences than were kept (less free memory after an update), the
+        oldest kept requests fill it and the rest drop their rows and are prefilled again, as
+        ``recompute`` does (exact under the current weights); counted in
+        ``stats["kv_recomputed"]`` (``rollout/partial_kv_recomputed``)."""
         restored = [i for i in run.waiting if requests[i].kv is not None]
-        if len(restored) > self.cache.slots:
-            raise RuntimeError(
-                f"rollout.partial.kv=keep: {len(restored)} paused requests kept their KV rows "
-                f"but the cache holds {self.cache.slots} sequences now; use kv: recompute or a "
-                "larger rollout.engine.kv_cache_gib / kv_cache_fraction"
-            )
+        for i in restored[self.cache.slots :]:
+            requests[i].kv = None
+        self.stats["kv_recomputed"] = max(len(restored) - self.cache.slots, 0)
+        restored = restored[: self.cache.slots]
         device = self.cache.kv.device
         for i in restored:
             kv, slot = requests[i].kv, len(run.rows)
@@ -577,7 +576,8 @@ class KVCacheEngine:
         # (past n) advance too, clamped to valid indices.
         step_u = self._meta[3, :b].clamp(max=run.params.max_new_tokens - 1)
         self._u[:b] = run.uniforms[self._meta[2, :b], step_u]
-        if self.graphs is not None:  # the step advances the rows' state: a warm-up is undone
+        # recording routes reads the routers' hooks after each step: eager steps only
+        if self.graphs is not None and run.routes is None:  # a warm-up is undone
             step = lambda: self._step(b, ctx, run.params)  # noqa: E731
             self.graphs.run((b, ctx, run.params), step, lambda: self._meta_checkpoint(b))
         else:

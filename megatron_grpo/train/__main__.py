@@ -196,18 +196,31 @@ def _train(cfg, resume: bool, overwrite: bool, stop: StopRequest, argv: list[str
 
 
 def report_error(e: BaseException) -> int:
-    """Print ``e`` as one ``error:`` line (``config error:`` for a config) from rank 0 only and
+    """Print ``e`` as one ``error:`` line (``config error:`` for a config) from one rank and
     return the exit code: 1 for a failed reward function (a failed run), 2 for bad input.
 
-    Every rank meets the same error: all of them read the config, the data and the checkpoint,
-    and a reward error reaches a replica's peers from its scoring rank (``train/scoring.py``)."""
+    Every rank meets the same bad input (all of them read the config, the data and the
+    checkpoint): rank 0 prints it. A reward function fails on one data-parallel replica's
+    samples and reaches that replica's peers from its scoring rank (``train/scoring.py``): the
+    replica's first rank prints it (rank 0 may not have failed at all)."""
     from megatron_grpo.train.tasks.reward import RewardError
 
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-    if rank == 0:
+    if _replica_leader() if isinstance(e, RewardError) else rank == 0:
         prefix = "config error" if isinstance(e, (ConfigError, FileNotFoundError)) else "error"
         print(f"{prefix}: {e}", file=sys.stderr, flush=True)
     return 1 if isinstance(e, RewardError) else 2
+
+
+def _replica_leader() -> bool:
+    """Whether this rank is the first of its model replica (rank 0 of the model-parallel
+    group; every rank when no parallel state exists)."""
+    from megatron_grpo.megatron.parallel import current_layout
+
+    layout = current_layout()  # None without Megatron's parallel state
+    if layout is None:
+        return not dist.is_initialized() or dist.get_rank() == 0
+    return dist.get_rank(layout.mp_group) == 0
 
 
 def _summary(

@@ -170,6 +170,7 @@ def engine_metrics(s: dict[str, float]) -> dict[str, float]:
         "rollout/decode_batch_mean": s["decode_rows"] / steps,
         "rollout/decode_batch_fill": s["decode_live_rows"] / (steps * max(s["slots"], 1)),
         "rollout/engine_tokens": float(s["generated_tokens"]),
+        "rollout/partial_kv_recomputed": float(s.get("kv_recomputed", 0)),
         "perf/prefill_seconds": float(s["prefill_seconds"]),
         "perf/decode_seconds": float(s["decode_seconds"]),
     }
@@ -200,7 +201,9 @@ class GeneratedRollouts:
         cache held at once), ``rollout/prefill_forwards``, ``rollout/decode_steps``,
         ``rollout/decode_batch_mean`` (rows per decode step), ``rollout/decode_batch_fill``
         (unfinished rows per decode step / cache slots), ``rollout/engine_tokens`` (tokens
-        sampled, whether trained on, carried or dropped), ``perf/prefill_seconds`` and
+        sampled, whether trained on, carried or dropped), ``rollout/partial_kv_recomputed``
+        (paused ``kv: keep`` requests whose rows no longer fit the cache: prefilled again),
+        ``perf/prefill_seconds`` and
         ``perf/decode_seconds``. None for ``rollout.engine.kind: recompute``."""
         if self.engine is None:
             return {}

@@ -62,6 +62,7 @@ from megatron_grpo.megatron.attention.rope import PackedRopeSelfAttention, Roped
 from megatron_grpo.megatron.compat import define_te_general_gemm
 from megatron_grpo.megatron.moe.grouped_experts import GroupedExperts
 from megatron_grpo.megatron.moe.layers import moe_layer_pattern
+from megatron_grpo.megatron.moe.local_dispatch import GroupedMoELayer
 from megatron_grpo.ops.dispatch import IMPLS
 from megatron_grpo.ops.rms_norm import rms_norm
 from megatron_grpo.ops.swiglu import swiglu
@@ -420,13 +421,17 @@ def portable_layer_spec(config: TransformerConfig, moe: bool) -> ModuleSpec:
 
 
 def _with_grouped_experts(mlp):
-    """megatron-core's MoE layer spec with :class:`GroupedExperts` for its experts: a
-    ``ModuleSpec`` (megatron-core <= 0.18) or ``partial(MoELayer, submodules=...)`` (0.19)."""
+    """megatron-core's MoE layer spec as :class:`GroupedMoELayer` (the local dispatch where all
+    experts are on the rank) with :class:`GroupedExperts`: a ``ModuleSpec`` (megatron-core <=
+    0.18) or ``partial(MoELayer, submodules=...)`` (0.19)."""
     if isinstance(mlp, ModuleSpec):
+        mlp.module = GroupedMoELayer
         mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
         return mlp
     submodules = dataclasses.replace(mlp.keywords["submodules"], experts=GroupedExperts)
-    return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules})
+    return functools.partial(
+        GroupedMoELayer, *mlp.args, **{**mlp.keywords, "submodules": submodules}
+    )
 
 
 def decoder_block_spec(

@@ -121,8 +121,7 @@ class GroupedExperts(MegatronModule):
         fc1_rows = 2 * ffn if config.gated_linear_unit else ffn
         self.weight1 = self._weight((num_local_experts, fc1_rows, config.hidden_size), 1)
         self.weight2 = self._weight((num_local_experts, config.hidden_size, ffn), 2)
-        self._init(self.weight1, config.init_method)
-        self._init(self.weight2, config.output_layer_init_method)
+        self._initialize()
         self._register_load_state_dict_pre_hook(_stack_legacy_keys, with_module=True)
         use_index_chunk_sort(sort_chunks_by_index)  # the dispatcher's split + cat, one gather
 
@@ -138,10 +137,37 @@ class GroupedExperts(MegatronModule):
         w.allreduce = not cfg.expert_model_parallel_size > 1
         return w
 
-    def _init(self, weight: torch.nn.Parameter, init_method) -> None:
-        if self.config.perform_initialization and weight.device.type != "meta":
-            with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
-                init_method(weight.data)
+    def _initialize(self) -> None:
+        """The values SequentialMLP's experts get from the same seed: expert by expert, fc1 then
+        fc2, through megatron-core's CPU (a full master weight from the global generator, this
+        expert-TP rank's stride chunks kept) or GPU (the expert-parallel RNG stream) path. A
+        loop over the experts, at construction only."""
+        cfg = self.config
+        if not cfg.perform_initialization or self.weight1.device.type == "meta":
+            return
+        glu, ffn, hidden = cfg.gated_linear_unit, cfg.moe_ffn_hidden_size, cfg.hidden_size
+        fc1 = ((2 if glu else 1) * ffn, hidden, cfg.init_method, 0, 2 if glu else 1)
+        fc2 = (hidden, ffn, cfg.output_layer_init_method, 1, 1)
+        for e in range(self.num_local_experts):
+            for weight, (rows, cols, init, dim, stride) in (
+                (self.weight1, fc1),
+                (self.weight2, fc2),
+            ):
+                if cfg.use_cpu_initialization:
+                    weight.data[e].copy_(self._cpu_shard(rows, cols, init, dim, stride))
+                else:
+                    with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+                        init(weight.data[e])
+
+    def _cpu_shard(self, rows: int, cols: int, init, dim: int, stride: int) -> torch.Tensor:
+        """megatron-core's ``_initialize_affine_weight_cpu``: the full ``[rows, cols]`` master
+        weight initialized in fp32, cast, cut in ``stride`` chunks per expert-TP rank."""
+        master = torch.empty(rows, cols, dtype=torch.float)
+        init(master)
+        master = master.to(self.config.params_dtype)
+        size = (rows if dim == 0 else cols) // self.tp_group.size() // stride
+        chunks = torch.split(master, size, dim=dim)[self.tp_group.rank() :: self.tp_group.size()]
+        return torch.cat(chunks, dim=dim)
 
     def forward(
         self,
@@ -157,12 +183,12 @@ class GroupedExperts(MegatronModule):
             probs = None
         ends = torch.cumsum(tokens_per_expert.to(x.device, non_blocking=True), 0)
         h = grouped_mm(x, self.weight1, ends, impl=self.impl)
-        if self.config.gated_linear_unit:
-            h = swiglu(h, impl=self.act_impl)
+        if self.config.gated_linear_unit:  # scaled by the probs in the same kernel
+            h = swiglu(h, impl=self.act_impl, probs=probs)
         else:
             h = self.config.activation_func(h)
-        if probs is not None:  # megatron-core's MLP: scale in the probs' dtype, then round
-            h = (h * probs.unsqueeze(-1)).to(h.dtype)
+            if probs is not None:  # megatron-core's MLP: scale in the probs' dtype, round
+                h = (h * probs.unsqueeze(-1)).to(h.dtype)
         return grouped_mm(h, self.weight2, ends, impl=self.impl), None
 
     def sharded_state_dict(

@@ -49,3 +49,63 @@ def sort_chunks_by_index(
         return input, probs  # the identity order (one rank): nothing moves
     rows = chunk_sort_rows(split_sizes, sorted_idxs, input.device)
     return input.index_select(0, rows), None if probs is None else probs.index_select(0, rows)
+
+
+def sort_by_expert(expert_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Sort-based routing of ``expert_ids [T, k]`` (each token's k distinct experts) without a
+    host sync: ``(order [T*k], inverse [T*k], tokens_per_expert [E])``. ``order`` lists the
+    (token, slot) pairs expert-major and token-ascending within an expert (megatron-core's
+    permuted layout: ``order // k`` is the token of each permuted row); ``inverse`` is its
+    inverse permutation (``inverse.view(T, k)`` holds each token's permuted rows)."""
+    flat = expert_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    return order, inverse, counts
+
+
+class _Permute(torch.autograd.Function):
+    """``x [T, H]`` -> ``x[order // k]`` ``[T*k, H]``; backward: each token's k rows gathered
+    and summed (no atomics: deterministic, one rounding)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, order: Tensor, inverse: Tensor, k: int) -> Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.k = k
+        return x.index_select(0, torch.div(order, k, rounding_mode="floor"))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (inverse,) = ctx.saved_tensors
+        rows = grad.index_select(0, inverse).view(-1, ctx.k, grad.size(-1))
+        return rows.sum(1, dtype=torch.float32).to(grad.dtype), None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """``y [T*k, H]`` (permuted rows, probs applied) -> ``[T, H]``: each token's k rows summed
+    in fp32, rounded once; backward: the token's gradient gathered to each of its rows."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, order: Tensor, inverse: Tensor, k: int) -> Tensor:
+        ctx.save_for_backward(order)
+        ctx.k = k
+        rows = y.index_select(0, inverse).view(-1, k, y.size(-1))
+        return rows.sum(1, dtype=torch.float32).to(y.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (order,) = ctx.saved_tensors
+        token = torch.div(order, ctx.k, rounding_mode="floor")
+        return grad.index_select(0, token), None, None, None
+
+
+def permute_tokens(x: Tensor, order: Tensor, inverse: Tensor, k: int) -> Tensor:
+    """Tokens ``x [T, H]`` to their ``T*k`` expert-sorted rows (:func:`sort_by_expert`)."""
+    return _Permute.apply(x, order, inverse, k)
+
+
+def combine_tokens(y: Tensor, order: Tensor, inverse: Tensor, k: int) -> Tensor:
+    """Expert-sorted rows ``y [T*k, H]`` back to tokens ``[T, H]``, summing each token's k."""
+    return _Combine.apply(y, order, inverse, k)
