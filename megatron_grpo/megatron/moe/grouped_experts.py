@@ -13,7 +13,7 @@ are two stacked parameters and the forward is
 on the rows the token dispatcher permuted (sorted by local expert; ``ends`` their cumulative
 counts). As in megatron-core's expert MLPs, no communication happens here: the dispatcher
 gathers the tokens and reduces the expert-TP partial sums (and orders them by local expert with
-one gather: ``moe_permute``, installed with the first GroupedExperts). ``impl`` picks the grouped GEMM
+one gather: ``moe.permute``, installed with the first GroupedExperts). ``impl`` picks the grouped GEMM
 (``ops.grouped_mm``), ``act_impl`` the SwiGLU kernel (``set_layer_impl``).
 
 Checkpoints: :meth:`sharded_state_dict` writes exactly SequentialMLP's tensors (keys, global

@@ -7,7 +7,7 @@ expert outputs back with atomics. :class:`LocalTokenDispatcher` keeps megatron-c
 interface (``dispatch_preprocess`` ... ``combine_postprocess``) and its permuted layout
 (expert-major, tokens ascending: the same rows and ``permuted_probs`` its ``permute`` gives), but
 computes the order with one stable ``argsort`` of the top-k expert ids and the counts with a
-``scatter_add`` on the device (``moe_permute.sort_by_expert``), gathers the tokens, and combines
+``scatter_add`` on the device (``moe.permute.sort_by_expert``), gathers the tokens, and combines
 by gathering each token's k rows and summing them in fp32 (no atomics). Nothing syncs with the
 host, so a decode step through it can be captured in a CUDA graph.
 
