@@ -214,6 +214,14 @@ def _body_single(rank: int, world: int) -> None:
 
     assert host_sync_reason(unwrap(grp[0])) is None
     assert "SequentialMLP experts" in host_sync_reason(unwrap(seq[0]))
+    # the padded-bmm grouped GEMM, chosen explicitly: the same model, a host sync per layer
+    from megatron_grpo.megatron.layer_spec import set_grouped_gemm_impl, set_layer_impl
+
+    assert set_grouped_gemm_impl(grp, "padded_bmm") == 2 and set_layer_impl(grp, "torch") >= 2
+    assert "padded_bmm" in host_sync_reason(unwrap(grp[0]))
+    _check_models(seq, grp, batches)
+    with pytest.raises(ValueError, match="grouped GEMM impl must be one of"):
+        set_grouped_gemm_impl(grp, "loop")
     # no per-expert loop: the op count of a layer's forward + backward does not grow with E
     grouped = [_layer_ops(e, grouped=True) for e in (4, 16)]
     looped = [_layer_ops(e, grouped=False) for e in (4, 16)]

@@ -96,8 +96,12 @@ def _swiglu_scaled(x: Tensor, probs: Tensor, impl: str) -> Tensor:
             f"swiglu with probs: x must be [rows, 2F] and probs [rows], got {list(x.shape)} and "
             f"{list(probs.shape)}"
         )
-    fits = probs.dtype == torch.float32 and x.size(1) // 2 <= 16384  # kernels.MAX_SCALED_F
-    if resolve_impl(impl, x.device.type) == "torch" or (impl == "auto" and not fits):
+    if resolve_impl(impl, x.device.type) == "torch":
+        return swiglu_scaled_torch(x, probs)
+    from megatron_grpo.kernels.swiglu import MAX_SCALED_F
+
+    fits = probs.dtype == torch.float32 and x.size(1) // 2 <= MAX_SCALED_F
+    if impl == "auto" and not fits:  # the kernel's limits (explicit "triton": its error)
         return swiglu_scaled_torch(x, probs)
     x, probs = x.contiguous(), probs.contiguous()
     if not (torch.is_grad_enabled() and (x.requires_grad or probs.requires_grad)):

@@ -64,6 +64,7 @@ from megatron_grpo.megatron.moe.grouped_experts import GroupedExperts
 from megatron_grpo.megatron.moe.layers import moe_layer_pattern
 from megatron_grpo.megatron.moe.local_dispatch import GroupedMoELayer
 from megatron_grpo.ops.dispatch import IMPLS
+from megatron_grpo.ops.grouped_mm import GROUPED_MM_IMPLS
 from megatron_grpo.ops.rms_norm import rms_norm
 from megatron_grpo.ops.swiglu import swiglu
 
@@ -184,11 +185,19 @@ class SwiGLUMLP(MLP):
 
 def set_layer_impl(model: torch.nn.Module | list[torch.nn.Module], impl: str) -> int:
     """Set the element-wise kernels ("auto" | "torch" | "triton") of every portable-spec
-    :class:`Norm` (RMSNorm) and :class:`SwiGLUMLP` of ``model`` (a module or the list of
-    chunks); returns how many modules were set."""
+    :class:`Norm` (RMSNorm), :class:`SwiGLUMLP` and :class:`GroupedExperts` (its SwiGLU) of
+    ``model`` (a module or the list of chunks); returns how many modules were set."""
     if impl not in IMPLS:
         raise ValueError(f"layer impl must be one of {IMPLS}, got {impl!r}")
-    return _set_on(model, (Norm, SwiGLUMLP), "impl", impl)
+    return _set_on(model, (Norm, SwiGLUMLP, GroupedExperts), "impl", impl)
+
+
+def set_grouped_gemm_impl(model: torch.nn.Module | list[torch.nn.Module], impl: str) -> int:
+    """The grouped GEMM of every :class:`GroupedExperts` of ``model`` (a module or the list of
+    chunks): ``ops.grouped_mm.GROUPED_MM_IMPLS``; returns how many were set."""
+    if impl not in GROUPED_MM_IMPLS:
+        raise ValueError(f"grouped GEMM impl must be one of {GROUPED_MM_IMPLS}, got {impl!r}")
+    return _set_on(model, (GroupedExperts,), "gemm_impl", impl)
 
 
 def set_packed_buckets(model: torch.nn.Module | list[torch.nn.Module], buckets: str) -> int:

@@ -14,7 +14,7 @@ on the rows the token dispatcher permuted (sorted by local expert; ``ends`` thei
 counts). As in megatron-core's expert MLPs, no communication happens here: the dispatcher
 gathers the tokens and reduces the expert-TP partial sums (and orders them by local expert with
 one gather: ``moe.permute``, installed with the first GroupedExperts). ``impl`` picks the grouped GEMM
-(``ops.grouped_mm``), ``act_impl`` the SwiGLU kernel (``set_layer_impl``).
+(``ops.grouped_mm``; ``set_grouped_gemm_impl``), ``impl`` the SwiGLU kernel (``set_layer_impl``).
 
 Checkpoints: :meth:`sharded_state_dict` writes exactly SequentialMLP's tensors (keys, global
 shapes, expert and TP offsets, swiglu halves, replica ids: ``expert_checkpoint``), so
@@ -88,8 +88,8 @@ class GroupedExperts(MegatronModule):
     gate rows, then its up rows) and ``weight2 [E_local, H, F/ETP]`` (``linear_fc2.weight``).
     """
 
-    impl: str = "auto"  # ops.grouped_mm.GROUPED_MM_IMPLS; set_grouped_mm_impl sets it per model
-    act_impl: str = "auto"  # the SwiGLU kernel (ops.dispatch.IMPLS); set_layer_impl
+    gemm_impl: str = "auto"  # ops.grouped_mm.GROUPED_MM_IMPLS; set_grouped_gemm_impl
+    impl: str = "auto"  # the SwiGLU kernel (ops.dispatch.IMPLS), as SwiGLUMLP's; set_layer_impl
 
     def __init__(
         self,
@@ -127,9 +127,9 @@ class GroupedExperts(MegatronModule):
 
     def _weight(self, shape: tuple[int, int, int], partition_dim: int) -> torch.nn.Parameter:
         cfg = self.config
-        device = "cpu" if cfg.use_cpu_initialization else torch.cuda.current_device()
-        if torch.get_default_device().type == "meta":  # the converter's shape-only model
-            device = "meta"
+        # as megatron-core's linear layers: CPU initialization follows the default device
+        # (meta under ``with torch.device("meta")``), else the current GPU
+        device = None if cfg.use_cpu_initialization else torch.cuda.current_device()
         w = torch.nn.Parameter(torch.empty(shape, dtype=cfg.params_dtype, device=device))
         # megatron-core's expert linear layers' attributes: TP-sharded (norms count it on every
         # TP rank) along the per-expert dim, and expert-DP reduced when experts are EP-sharded
@@ -182,14 +182,14 @@ class GroupedExperts(MegatronModule):
             x = (probs.unsqueeze(-1) * x).to(x.dtype)
             probs = None
         ends = torch.cumsum(tokens_per_expert.to(x.device, non_blocking=True), 0)
-        h = grouped_mm(x, self.weight1, ends, impl=self.impl)
+        h = grouped_mm(x, self.weight1, ends, impl=self.gemm_impl)
         if self.config.gated_linear_unit:  # scaled by the probs in the same kernel
-            h = swiglu(h, impl=self.act_impl, probs=probs)
+            h = swiglu(h, impl=self.impl, probs=probs)
         else:
             h = self.config.activation_func(h)
             if probs is not None:  # megatron-core's MLP: scale in the probs' dtype, round
                 h = (h * probs.unsqueeze(-1)).to(h.dtype)
-        return grouped_mm(h, self.weight2, ends, impl=self.impl), None
+        return grouped_mm(h, self.weight2, ends, impl=self.gemm_impl), None
 
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None

@@ -121,7 +121,9 @@ def host_sync_reason(model: torch.nn.Module) -> str | None:
             why = local_dispatch_unsupported(mlp.config) or "megatron-core's MoELayer"
             return f"layer {i}: megatron-core's token dispatcher ({why})"
         for w in (experts.weight1, experts.weight2):
-            why = experts.impl == "padded_bmm" or grouped_mm_supports(w.new_empty(1, w.size(2)), w)
+            why = grouped_mm_supports(w.new_empty(1, w.size(2)), w)
+            if experts.gemm_impl == "padded_bmm":
+                why = "set_grouped_gemm_impl(..., 'padded_bmm')"
             if why:
                 return f"layer {i}: the padded grouped-GEMM fallback ({why})"
     return None
