@@ -231,7 +231,7 @@ def test_op_select_rows_reads_the_device_once(monkeypatch, rows):
     """The op's row selection (vocab_parallel_logprobs ``rows=``): the row count and the target
     check in one fetch; the indices are those of ``rows.nonzero()`` (None: every row); a bad
     target at an active row still raises its error, one at an inactive row does not."""
-    from megatron_grpo.ops.lm_head import select_rows
+    from megatron_grpo.ops.lm_head.head import select_rows
 
     t = torch.tensor([3, 0, -100, 7, 2, -100, 5])
     mask = {"none": None, "all": torch.ones(7, dtype=torch.bool), "some": t >= 0,

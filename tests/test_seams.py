@@ -15,7 +15,7 @@ import torch
 
 from megatron_grpo.loss import GRPOLossConfig, LossInputs, build_context, grpo_loss
 from megatron_grpo.ops import fused_grpo_loss, fused_grpo_loss_plan, logprobs_plan
-from megatron_grpo.ops.options import DEFAULT_MEMORY_BUDGET, PATHS, REQUESTS, LMHeadOptions
+from megatron_grpo.ops.lm_head.options import DEFAULT_MEMORY_BUDGET, PATHS, REQUESTS, LMHeadOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "megatron_grpo"

@@ -16,13 +16,14 @@ vs TP, experts vs EP, world size) live in :func:`check_parallel`, which :func:`b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 
 from megatron_grpo.config import check_positive
+from megatron_grpo.ops.kernels import LayerKernels
 
 ParamsDtype = Literal["auto", "float32", "bfloat16", "float16"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -126,6 +127,9 @@ class ModelConfig:
     recompute_granularity: Literal["full", "selective"] | None = None
     recompute_method: Literal["uniform", "block"] | None = None
     recompute_num_layers: int | None = None
+    # The portable spec's layer kernels (element-wise, grouped GEMM, RoPE, attention buckets),
+    # given to its modules when the model is built (not Megatron fields: TE's spec ignores them).
+    layer_kernels: LayerKernels = field(default_factory=LayerKernels)
 
     def __post_init__(self) -> None:
         check_positive(self, "vocab_size", "num_layers", "hidden_size", "num_attention_heads")

@@ -31,7 +31,7 @@ from megatron_grpo.convert.hf_config import check_same_architecture
 from megatron_grpo.convert.layout import MODEL_CONFIG_NAME, read_model_config
 from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.megatron.config import ModelConfig, ParallelConfig
-from megatron_grpo.ops.options import LMHeadOptions
+from megatron_grpo.ops.lm_head.options import LMHeadOptions
 from megatron_grpo.rollout.engine import EngineOptions
 from megatron_grpo.rollout.params import SamplingParams
 

@@ -13,8 +13,9 @@ are two stacked parameters and the forward is
 on the rows the token dispatcher permuted (sorted by local expert; ``ends`` their cumulative
 counts). As in megatron-core's expert MLPs, no communication happens here: the dispatcher
 gathers the tokens and reduces the expert-TP partial sums (and orders them by local expert with
-one gather: ``moe.permute``, installed with the first GroupedExperts). ``impl`` picks the grouped GEMM
-(``ops.grouped_mm``; ``set_grouped_gemm_impl``), ``impl`` the SwiGLU kernel (``set_layer_impl``).
+one gather: ``moe.permute``, installed with the first GroupedExperts). ``gemm_impl`` picks the
+grouped GEMM (``ops.layers.grouped_mm``), ``impl`` the SwiGLU kernel: ``LayerKernels``'
+``grouped_gemm`` and ``elementwise``, given by the layer spec.
 
 Checkpoints: :meth:`sharded_state_dict` writes exactly SequentialMLP's tensors (keys, global
 shapes, expert and TP offsets, swiglu halves, replica ids: ``expert_checkpoint``), so
@@ -44,8 +45,9 @@ from megatron_grpo.megatron.moe.expert_checkpoint import (
     stacked_expert_factory,
 )
 from megatron_grpo.megatron.moe.permute import sort_chunks_by_index
-from megatron_grpo.ops.grouped_mm import grouped_mm
-from megatron_grpo.ops.swiglu import swiglu
+from megatron_grpo.ops.kernels import check_choice
+from megatron_grpo.ops.layers.grouped_mm import grouped_mm
+from megatron_grpo.ops.layers.swiglu import swiglu
 
 _LEGACY_KEY = re.compile(r"local_experts\.(\d+)\.linear_fc([12])\.(weight|_extra_state)")
 
@@ -86,10 +88,8 @@ class GroupedExperts(MegatronModule):
 
     Parameters: ``weight1 [E_local, 2F/ETP, H]`` (each expert's ``linear_fc1.weight``: its
     gate rows, then its up rows) and ``weight2 [E_local, H, F/ETP]`` (``linear_fc2.weight``).
+    ``gemm_impl`` / ``impl``: the grouped GEMM and the SwiGLU kernel (``LayerKernels``).
     """
-
-    gemm_impl: str = "auto"  # ops.grouped_mm.GROUPED_MM_IMPLS; set_grouped_gemm_impl
-    impl: str = "auto"  # the SwiGLU kernel (ops.dispatch.IMPLS), as SwiGLUMLP's; set_layer_impl
 
     def __init__(
         self,
@@ -98,6 +98,8 @@ class GroupedExperts(MegatronModule):
         submodules=None,
         pg_collection=None,
         name: str | None = None,
+        gemm_impl: str = "auto",
+        impl: str = "auto",
     ) -> None:
         why = grouped_experts_unsupported(config)
         if why:
@@ -110,6 +112,8 @@ class GroupedExperts(MegatronModule):
             config.ffn_hidden_size = config.moe_ffn_hidden_size
         super().__init__(config=config)
         self.num_local_experts = num_local_experts
+        self.gemm_impl = check_choice("grouped_gemm", gemm_impl, "GroupedExperts gemm_impl")
+        self.impl = check_choice("impl", impl, "GroupedExperts impl")  # its SwiGLU
         self.tp_group, self.ep_group, self.dp_group = _expert_groups(pg_collection)
         etp = self.tp_group.size()
         if config.moe_ffn_hidden_size % etp:

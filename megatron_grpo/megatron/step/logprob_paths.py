@@ -1,11 +1,11 @@
 """The log-prob path of a ``GRPOStep``, chosen once when the step is built.
 
-:func:`choose_path` turns the step's :class:`~megatron_grpo.ops.options.LMHeadOptions` (its
-``path``, one of :data:`megatron_grpo.ops.options.REQUESTS`) into an object with the two things
+:func:`choose_path` turns the step's :class:`~megatron_grpo.ops.lm_head.options.LMHeadOptions` (its
+``path``, one of :data:`megatron_grpo.ops.lm_head.options.REQUESTS`) into an object with the two things
 a step needs on the last stage: the training loss of a micro-batch and its no-grad log-probs.
 
 * :class:`HeadOpPath` ("fused", "fused_tiled", "fused_single_pass", "op"): the LM-head op on
-  the output weight; the plan of each call picks how it runs (:mod:`megatron_grpo.ops.plan`).
+  the output weight; the plan of each call picks how it runs (:mod:`megatron_grpo.ops.lm_head.plan`).
 * :class:`MegatronPath` ("megatron"): Megatron's output layer and cross entropy
   (:func:`megatron_grpo.megatron.step.baseline.megatron_logprobs`), then ``grpo_loss``.
 """
@@ -24,8 +24,8 @@ from megatron_grpo.megatron.gpt import output_weight
 from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.megatron.step.baseline import megatron_logprobs
 from megatron_grpo.ops import fused_grpo_loss, vocab_parallel_logprobs
-from megatron_grpo.ops.options import LMHeadOptions
-from megatron_grpo.ops.plan import resolve_request
+from megatron_grpo.ops.lm_head.options import LMHeadOptions
+from megatron_grpo.ops.lm_head.plan import resolve_request
 
 # on-policy IS weights of these levels need each sequence's current log-probs first
 

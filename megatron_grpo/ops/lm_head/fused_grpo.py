@@ -1,10 +1,10 @@
 """``fused_grpo_loss``: the GRPO loss straight from hidden states and the LM-head shard.
 
 The loss context (``loss.math.build_context``) is built once, then one of two paths runs,
-chosen by the call's plan (:func:`megatron_grpo.ops.plan.plan_lm_head`; ``path=`` picks one
+chosen by the call's plan (:func:`megatron_grpo.ops.lm_head.plan.plan_lm_head`; ``path=`` picks one
 explicitly, :func:`fused_grpo_loss_plan` shows it); (a) serves ratio_level "token" only:
 
-(a) single pass, 3 GEMMs, no recompute (:mod:`megatron_grpo.ops.single_pass`): per full-width
+(a) single pass, 3 GEMMs, no recompute (:mod:`megatron_grpo.ops.lm_head.single_pass`): per full-width
     row chunk [C, V_local] of the loss's rows: logits (bf16 shifted logits and block stats from
     the fused-epilogue GEMM, or fp32 logits), row stats, TP combine of those rows,
     logp / entropy, ``loss.math.objective`` on the chunk under autograd (metrics merged),
@@ -13,12 +13,12 @@ explicitly, :func:`fused_grpo_loss_plan` shows it); (a) serves ratio_level "toke
     plan's accumulator (a bf16 weight's gradient + int8 residual, or an fp32 buffer). Backward
     only scales by grad_output (see "grad_output" below).
 (b) tiled recompute, 4 GEMMs: the op's tiled stats pass over the loss rows
-    (:func:`ops.passes.forward_stats`), the objective of all rows at once (d loss / d logp,
+    (:func:`ops.lm_head.passes.forward_stats`), the objective of all rows at once (d loss / d logp,
     d loss / d entropy by autograd: ``single_pass.objective_grads``), and in backward the op's
-    recompute pass (:func:`ops.passes.backward_grads`) with those row gradients; one logits
+    recompute pass (:func:`ops.lm_head.passes.backward_grads`) with those row gradients; one logits
     tile, d_weight straight into an fp32 ``main_grad``.
 
-The rule (``ops.plan``). (a) keeps complete rows of one chunk (a row's loss needs its
+The rule (``ops.lm_head.plan``). (a) keeps complete rows of one chunk (a row's loss needs its
 full-vocabulary statistics). With the fused-epilogue GEMM (``kernels.head_gemm``, the default
 with the triton kernels) a chunk is bf16 *shifted* logits ``z - m_block`` plus fp32 block
 statistics, so the 1 GiB default budget holds C = 3200 rows of a 152k shard; with the
@@ -37,7 +37,7 @@ floor timed around each method, T = 8192 / 32768; docs/benchmarks.md has the run
 (a) queues every chunk without a host sync (its one finiteness check runs before the last
 chunk's gradient GEMMs): a sync per chunk idled the GPU while the next chunk was launched.
 
-So the automatic threshold is ``ops.plan.SINGLE_PASS_MIN_ROWS["fused_epilogue"] = 1024`` rows.
+So the automatic threshold is ``ops.lm_head.plan.SINGLE_PASS_MIN_ROWS["fused_epilogue"] = 1024`` rows.
 Without an fp32 ``main_grad`` (bf16 weight) (a) sums d_weight in the bf16 gradient itself
 plus an int8 [V_local, H] residual (``kernels.split_accumulator``: fp32-grade sums, the gradient
 rounded once; 0.58 GiB at V_local = 151936, H = 4096), each chunk reading + writing the pair (3 +
@@ -46,7 +46,7 @@ third session, no main_grad, adj. floor, T = 8192 / 32768): at 1 GiB (C = 1344) 
 the tiled path (b) 1.32x / 1.42x; at 4 GiB (C = 8192 / 11136) 1.23x / 1.21x. The split GEMM
 takes 4.1 ms a 1344-row chunk against cuBLAS's 2.2 (bf16 out) / 2.8 (fp32 accumulate): its
 main loop alone 2.5 ms, the pair's read + write not overlapped. So the split accumulator runs
-only for chunks of at least ``ops.plan.SPLIT_MIN_ROWS = 4096`` rows (a budget of ~2.5 GiB and
+only for chunks of at least ``ops.lm_head.plan.SPLIT_MIN_ROWS = 4096`` rows (a budget of ~2.5 GiB and
 up); at the 1 GiB default (b) runs. A bf16 ``main_grad`` needs an fp32 buffer instead. The
 "separate" GEMM keeps the older rule
 (``SINGLE_PASS_MIN_ROWS["separate"] = 4096`` rows of fp32 logits; its measurements:
@@ -87,21 +87,25 @@ from torch import Tensor
 from megatron_grpo.loss import GRPOLossConfig, LossInputs, grpo_loss
 from megatron_grpo.loss.math import LossContext, build_context, raise_on_nonfinite
 from megatron_grpo.loss.metrics import MetricDict, merge_metrics
-from megatron_grpo.ops.comm import TPInfo
-from megatron_grpo.ops.lm_head import LMHead, build_lm_head, targets_check
-from megatron_grpo.ops.logprobs import logprobs_plan, vocab_parallel_logprobs
-from megatron_grpo.ops.options import LMHeadOptions
-from megatron_grpo.ops.passes import (
+from megatron_grpo.ops.lm_head.comm import TPInfo
+from megatron_grpo.ops.lm_head.head import LMHead, build_lm_head, targets_check
+from megatron_grpo.ops.lm_head.logprobs import logprobs_plan, vocab_parallel_logprobs
+from megatron_grpo.ops.lm_head.options import LMHeadOptions
+from megatron_grpo.ops.lm_head.passes import (
     backward_grads,
     forward_stats,
     gather_hidden,
     local_targets,
     scatter_rows,
 )
-from megatron_grpo.ops.plan import HeadShape, LMHeadPlan, plan_lm_head, resolve_request
-from megatron_grpo.ops.single_pass import ForwardWeightGrad, TokenSinglePass, objective_grads
-from megatron_grpo.ops.stats import RowGrads
-from megatron_grpo.ops.weight_grad import WeightGradSink, main_grad_done
+from megatron_grpo.ops.lm_head.plan import HeadShape, LMHeadPlan, plan_lm_head, resolve_request
+from megatron_grpo.ops.lm_head.single_pass import (
+    ForwardWeightGrad,
+    TokenSinglePass,
+    objective_grads,
+)
+from megatron_grpo.ops.lm_head.stats import RowGrads
+from megatron_grpo.ops.lm_head.weight_grad import WeightGradSink, main_grad_done
 
 _NO_GRADS = (None,) * 6
 
@@ -237,7 +241,7 @@ def fused_grpo_loss(
     :func:`vocab_parallel_logprobs`; ``inputs``: the loss inputs (:class:`LossInputs`, all
     [T], ``cu_seqlens`` [S+1]; as :func:`megatron_grpo.loss.grpo_loss`; ``old_logprobs=None``:
     on-policy, the current log-probs detached). ``options``: :class:`LMHeadOptions`; its
-    ``path``: None / "fused" = the plan's choice (:mod:`megatron_grpo.ops.plan`;
+    ``path``: None / "fused" = the plan's choice (:mod:`megatron_grpo.ops.lm_head.plan`;
     "fused_tiled" for a sequence ratio), or "fused_tiled", "fused_single_pass" (token ratio
     only), "op" (log-probs, then ``grpo_loss``); ``chunk_size``: rows per logits tile on either
     fused path; ``memory_budget``: bytes, trading memory for speed (None = 1 GiB); ``gemm``:

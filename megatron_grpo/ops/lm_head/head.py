@@ -1,11 +1,11 @@
 """The vocab-parallel LM head shared by the log-prob op and the fused GRPO path.
 
-Logits are computed in 2D tiles (:mod:`megatron_grpo.ops.tiling`): ``[R, Vc]`` fp32, the only
+Logits are computed in 2D tiles (:mod:`megatron_grpo.ops.lm_head.tiling`): ``[R, Vc]`` fp32, the only
 vocabulary-sized tensor alive. The three GEMMs (logits, d_hidden, d_weight) run through torch
 (cuBLAS on GPU) with fp32 results; the per-tile softmax work goes through the kernel seam
-(:mod:`megatron_grpo.ops.reference` or ``megatron_grpo.kernels``), which sees each vocab tile as
+(:mod:`megatron_grpo.ops.lm_head.reference` or ``megatron_grpo.kernels``), which sees each vocab tile as
 a shard of ``Vc`` valid columns. How a call runs (tiles, kernels, paths) is its
-:class:`megatron_grpo.ops.plan.LMHeadPlan`, bound to the head with :meth:`LMHead.with_plan`.
+:class:`megatron_grpo.ops.lm_head.plan.LMHeadPlan`, bound to the head with :meth:`LMHead.with_plan`.
 """
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ from torch import Tensor
 
 from megatron_grpo.loss.checks import DeviceCheck, fetch
 from megatron_grpo.loss.math import true_positions
-from megatron_grpo.ops.comm import TPInfo
-from megatron_grpo.ops.dispatch import Kernels, kernels_named
-from megatron_grpo.ops.gemm import mm_f32
-from megatron_grpo.ops.options import LMHeadOptions
-from megatron_grpo.ops.reference import STATS_BLOCK
-from megatron_grpo.ops.stats import OVER_TILES, RowGrads, RowStats, merge_row_stats
-from megatron_grpo.ops.tiling import narrow_alias, tile_view
+from megatron_grpo.ops.lm_head.comm import TPInfo
+from megatron_grpo.ops.lm_head.gemm import mm_f32
+from megatron_grpo.ops.lm_head.options import LMHeadOptions
+from megatron_grpo.ops.lm_head.reference import STATS_BLOCK
+from megatron_grpo.ops.lm_head.seam import Kernels, kernels_named
+from megatron_grpo.ops.lm_head.stats import OVER_TILES, RowGrads, RowStats, merge_row_stats
+from megatron_grpo.ops.lm_head.tiling import narrow_alias, tile_view
 
 if TYPE_CHECKING:
-    from megatron_grpo.ops.plan import LMHeadPlan
+    from megatron_grpo.ops.lm_head.plan import LMHeadPlan
 
 
 @dataclass(frozen=True)

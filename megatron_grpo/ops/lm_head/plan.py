@@ -16,7 +16,7 @@ The decisions, each a field of the plan:
   "sequence"``): a token's ratio is its sequence's mean log-ratio, so every log-prob of a
   sequence comes before any gradient: ``"fused"`` runs "fused_tiled" (all rows' stats, the loss
   at once, the recompute backward), "fused_single_pass" (the loss chunk by chunk) raises.
-* ``impl``: the kernel seam, "torch" or "triton" (``ops.dispatch.resolve_impl``).
+* ``impl``: the kernel seam, "torch" or "triton" (``ops.kernels.resolve_impl``).
 * ``gemm``: how the logits GEMM meets the softmax work. "fused_epilogue": the GEMM reduces its
   fp32 accumulator in registers (``kernels.head_gemm``): the stats pass writes no logits at all,
   the recompute writes d logits in the GEMM dtype, the single pass keeps shifted logits in the
@@ -31,7 +31,7 @@ The decisions, each a field of the plan:
   ``kernels.split_accumulator``: fp32-grade sums for 1 byte per element over the gradient) or
   "fp32" (an extra fp32 [V_local, H] buffer: other dtypes, a low-precision ``main_grad``).
 * ``loop_order`` of the tiled backward: "rows_outer" where d_weight accumulates in place
-  ("accumulate_fp32" / "none"), else "vocab_outer" (see ``ops.passes``).
+  ("accumulate_fp32" / "none"), else "vocab_outer" (see ``ops.lm_head.passes``).
 * chunk sizes: ``tile_rows x tile_cols`` tiles of the tiled passes (fp32 logits, or d logits
   in the GEMM dtype with "fused_epilogue"; also the single pass's recompute), ``chunk_rows``
   full-width rows per single-pass chunk.
@@ -45,7 +45,7 @@ and makes the single pass possible on wider shards; a smaller one less memory. A
 V_local = 151936, H = 4096, bf16, the peak beyond the gradients measured on an H200 is 0.38 GiB
 (T = 8192) and 0.88 GiB (T = 32768 without an fp32 main_grad): within 1 GiB.
 
-The single-pass rule (measurements: ``ops/fused_grpo.py``): the accumulator's extra bytes
+The single-pass rule (measurements: ``ops/lm_head/fused_grpo.py``): the accumulator's extra bytes
 (:func:`accumulator_of`) come out of the budget first (with the "separate" GEMM: they must fit
 ``ACCUMULATOR_TILES`` tiles), a full-width chunk must fit the rest (the fused epilogue: bf16
 shifted logits; "separate": an fp32 [C, V_local] chunk in the tile; C = ``chunk_size``, or as
@@ -65,8 +65,8 @@ import torch
 from torch import Tensor
 
 from megatron_grpo.loss import GRPOLossConfig
-from megatron_grpo.ops.dispatch import resolve_impl
-from megatron_grpo.ops.options import (  # noqa: F401 (the plan's public names too)
+from megatron_grpo.ops.kernels import resolve_impl
+from megatron_grpo.ops.lm_head.options import (  # noqa: F401 (the plan's public names too)
     DEFAULT_MEMORY_BUDGET,
     GEMMS,
     PATHS,
@@ -75,15 +75,15 @@ from megatron_grpo.ops.options import (  # noqa: F401 (the plan's public names t
     LMHeadOptions,
     is_int,
 )
-from megatron_grpo.ops.reference import STATS_BLOCK
-from megatron_grpo.ops.tiling import ROW_ALIGN, Tiling, round_down
-from megatron_grpo.ops.weight_grad import main_grad_of
+from megatron_grpo.ops.lm_head.reference import STATS_BLOCK
+from megatron_grpo.ops.lm_head.tiling import ROW_ALIGN, Tiling, round_down
+from megatron_grpo.ops.lm_head.weight_grad import main_grad_of
 
 WEIGHT_GRADS = ("none", "accumulate_fp32", "write_tiles", "add_tiles")
 LOOP_ORDERS = ("rows_outer", "vocab_outer")
 ACCUMULATORS = ("in_place", "split", "fp32")
 
-# Smallest full-width chunk worth the single pass (auto), per GEMM mode (ops/fused_grpo.py).
+# Smallest full-width chunk worth the single pass (auto), per GEMM mode (ops/lm_head/fused_grpo.py).
 SINGLE_PASS_MIN_ROWS = {"separate": 4096, "fused_epilogue": 1024}
 # ... and with the split accumulator, whose pair is read + written once per chunk (measured on
 # an H200, bf16 weight, no main_grad, x = time over the floor at T = 8192 / 32768: 1344-row
