@@ -48,10 +48,11 @@ def _compare(parallel, model_cfg, seqs, label, weights=None):
     step = GRPOStep(GRPOLossConfig(), vocab_size=model_cfg.vocab_size)
     multiple = parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1
     batches = [pack(seqs[:5], multiple), pack(seqs[5:], multiple)]
+    # two models of one seed (the same weights; ``weights`` loaded into both when given)
     chunks = _build(parallel, model_cfg, "megatron", weights)
-    start = full_params(chunks) if weights is None else None
+    start = full_params(chunks)
     want = _run(chunks, step, batches, model_cfg)
-    chunks = _build(parallel, model_cfg, "auto", weights if start is None else start)
+    chunks = _build(parallel, model_cfg, "auto", weights)
     got = _run(chunks, step, batches, model_cfg)
     for i, (a, b) in enumerate(zip(got[0], want[0], strict=True)):
         assert torch.equal(a, b), f"{label} logprobs[{i}]: {(a - b).abs().max()}"

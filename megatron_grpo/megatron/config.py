@@ -239,12 +239,25 @@ class ModelConfig:
         return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
+# The sizes that shape the model's shards, by Megatron's names (those of ``TransformerConfig``
+# and ``parallel_state.initialize_model_parallel``): the one list of them.
+LAYOUT_FIELDS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+)
+
+
 @dataclass
 class ParallelConfig:
     """Megatron parallel layout (ModelParallelConfig names) plus DDP gradient-reduction knobs.
 
     ``expert_tensor_parallel_size=None`` means Megatron's default (= tensor_model_parallel_size).
-    World size = TP * CP * PP * DP, and must also be divisible by ETP * EP * PP.
+    World size = TP * CP * PP * DP, and must also be divisible by ETP * EP * PP
+    (:attr:`expert_model_size`); the derived sizes are computed here and nowhere else.
     """
 
     tensor_model_parallel_size: int = 1
@@ -258,15 +271,7 @@ class ParallelConfig:
     overlap_grad_reduce: bool = False
 
     def __post_init__(self) -> None:
-        check_positive(
-            self,
-            "tensor_model_parallel_size",
-            "pipeline_model_parallel_size",
-            "virtual_pipeline_model_parallel_size",
-            "context_parallel_size",
-            "expert_model_parallel_size",
-            "expert_tensor_parallel_size",
-        )
+        check_positive(self, *LAYOUT_FIELDS)
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
         vpp = self.virtual_pipeline_model_parallel_size
@@ -277,11 +282,38 @@ class ParallelConfig:
 
     @property
     def model_parallel_size(self) -> int:
+        """TP * PP * CP: the ranks of one model replica."""
         return (
             self.tensor_model_parallel_size
             * self.pipeline_model_parallel_size
             * self.context_parallel_size
         )
+
+    @property
+    def expert_tensor_size(self) -> int:
+        """ETP: ``expert_tensor_parallel_size``, by default TP (Megatron's rule)."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+    @property
+    def expert_model_size(self) -> int:
+        """ETP * EP * PP: the ranks of one replica of the experts."""
+        return (
+            self.expert_tensor_size
+            * self.expert_model_parallel_size
+            * self.pipeline_model_parallel_size
+        )
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """DP of ``world_size`` ranks."""
+        return world_size // self.model_parallel_size
+
+    def expert_data_parallel_size(self, world_size: int) -> int:
+        """Expert DP of ``world_size`` ranks: the replicas of each expert shard."""
+        return world_size // self.expert_model_size
+
+    def layout_sizes(self) -> dict[str, int | None]:
+        """The :data:`LAYOUT_FIELDS` by name (Megatron's keyword arguments)."""
+        return {name: getattr(self, name) for name in LAYOUT_FIELDS}
 
 
 def _div(value: int, by: int, what: str, by_name: str) -> None:
@@ -332,8 +364,7 @@ def _check_world_size(parallel: ParallelConfig, world_size: int) -> None:
             f"world size {world_size} is not divisible by tensor * pipeline * context parallel "
             f"sizes = {parallel.model_parallel_size}"
         )
-    etp = parallel.expert_tensor_parallel_size or parallel.tensor_model_parallel_size
-    expert_mp = etp * parallel.expert_model_parallel_size * parallel.pipeline_model_parallel_size
+    expert_mp = parallel.expert_model_size
     if world_size % expert_mp:
         raise ValueError(
             f"world size {world_size} is not divisible by expert_tensor * expert_model * "
@@ -418,12 +449,7 @@ def to_transformer_config(
 def _parallel_kwargs(parallel: ParallelConfig) -> dict[str, Any]:
     """TransformerConfig's layout fields (Megatron's names)."""
     return dict(
-        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
-        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
-        context_parallel_size=parallel.context_parallel_size,
-        expert_model_parallel_size=parallel.expert_model_parallel_size,
-        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
+        **parallel.layout_sizes(),
         sequence_parallel=parallel.sequence_parallel,
         variable_seq_lengths=parallel.pipeline_model_parallel_size > 1,
     )

@@ -83,6 +83,17 @@ def _context_parallel(config: TransformerConfig) -> tuple[object, int]:
     return parallel_state.get_context_parallel_group(), parallel_state.get_context_parallel_rank()
 
 
+def _expert_groups() -> tuple:
+    """(expert-TP, EP, expert-DP) groups for :class:`GroupedExperts` where megatron-core (0.14)
+    hands the experts no process-group collection."""
+    ps = parallel_state
+    return (
+        ps.get_expert_tensor_parallel_group(),
+        ps.get_expert_model_parallel_group(),
+        ps.get_expert_data_parallel_group(),
+    )
+
+
 def _attention_spec(config: TransformerConfig, kernels: LayerKernels) -> ModuleSpec:
     qk_norm = _norm(kernels) if config.qk_layernorm else IdentityOp
     cp_group, cp_rank = _context_parallel(config)
@@ -149,6 +160,7 @@ def _with_grouped_experts(mlp, kernels: LayerKernels):
     experts are on the rank) with :class:`GroupedExperts` running ``kernels`` (its grouped GEMM
     and SwiGLU): a ``ModuleSpec`` (megatron-core <= 0.18) or ``partial(MoELayer, ...)`` (0.19)."""
     params = {"gemm_impl": kernels.grouped_gemm, "impl": kernels.elementwise}
+    params["expert_groups"] = _expert_groups()
     experts = ModuleSpec(module=GroupedExperts, params=params)
     if isinstance(mlp, ModuleSpec):
         mlp.module = GroupedMoELayer

@@ -30,7 +30,6 @@ from copy import deepcopy
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import (
     get_cuda_rng_tracker,
     get_expert_parallel_rng_tracker_name,
@@ -70,17 +69,14 @@ def grouped_experts_unsupported(config: TransformerConfig) -> str | None:
     return ", ".join(found) or None
 
 
-def _expert_groups(pg_collection) -> tuple:
-    """(expert-TP, EP, expert-DP) groups: the layer's collection (megatron-core >= 0.15) or
-    parallel_state's (older versions pass none)."""
+def _expert_groups(pg_collection, expert_groups: tuple | None) -> tuple:
+    """(expert-TP, EP, expert-DP) groups: the layer's collection (megatron-core >= 0.15), else
+    the ones the layer spec gives (older versions pass no collection)."""
     if pg_collection is not None and hasattr(pg_collection, "expt_tp"):
         return pg_collection.expt_tp, pg_collection.ep, pg_collection.expt_dp
-    ps = parallel_state
-    return (
-        ps.get_expert_tensor_parallel_group(),
-        ps.get_expert_model_parallel_group(),
-        ps.get_expert_data_parallel_group(),
-    )
+    if expert_groups is None:
+        raise ValueError("GroupedExperts needs its expert groups (pg_collection or expert_groups)")
+    return expert_groups
 
 
 class GroupedExperts(MegatronModule):
@@ -88,7 +84,8 @@ class GroupedExperts(MegatronModule):
 
     Parameters: ``weight1 [E_local, 2F/ETP, H]`` (each expert's ``linear_fc1.weight``: its
     gate rows, then its up rows) and ``weight2 [E_local, H, F/ETP]`` (``linear_fc2.weight``).
-    ``gemm_impl`` / ``impl``: the grouped GEMM and the SwiGLU kernel (``LayerKernels``).
+    ``gemm_impl`` / ``impl``: the grouped GEMM and the SwiGLU kernel (``LayerKernels``);
+    ``expert_groups``: (expert-TP, EP, expert-DP) where megatron-core passes no collection.
     """
 
     def __init__(
@@ -100,6 +97,7 @@ class GroupedExperts(MegatronModule):
         name: str | None = None,
         gemm_impl: str = "auto",
         impl: str = "auto",
+        expert_groups: tuple | None = None,
     ) -> None:
         why = grouped_experts_unsupported(config)
         if why:
@@ -114,7 +112,8 @@ class GroupedExperts(MegatronModule):
         self.num_local_experts = num_local_experts
         self.gemm_impl = check_choice("grouped_gemm", gemm_impl, "GroupedExperts gemm_impl")
         self.impl = check_choice("impl", impl, "GroupedExperts impl")  # its SwiGLU
-        self.tp_group, self.ep_group, self.dp_group = _expert_groups(pg_collection)
+        groups = _expert_groups(pg_collection, expert_groups)
+        self.tp_group, self.ep_group, self.dp_group = groups
         etp = self.tp_group.size()
         if config.moe_ffn_hidden_size % etp:
             raise ValueError(

@@ -129,7 +129,7 @@ def layer_params(cfg: ModelConfig, par: ParallelConfig, moe: bool) -> tuple[int,
     if cfg.moe_shared_expert_intermediate_size:
         dense += _mlp_params(cfg, cfg.moe_shared_expert_intermediate_size, tp)
         dense += cfg.hidden_size if cfg.moe_shared_expert_gate else 0  # [1, H], replicated
-    etp = expert_tp_size(par)
+    etp = par.expert_tensor_size
     local = experts // par.expert_model_parallel_size
     return dense, local * _mlp_params(cfg, cfg.moe_ffn_hidden_size or _ffn(cfg), etp)
 
@@ -191,7 +191,7 @@ def layer_activation_bytes(
         sp_terms += 4 * experts / act_bytes  # fp32 router logits
         shared = cfg.moe_shared_expert_intermediate_size or 0
         tp_terms += (glu + 1) * shared
-        etp = expert_tp_size(par)
+        etp = par.expert_tensor_size
         copies = tokens / tp * cfg.moe_router_topk * etp  # tokens enter MoE SP-split (TP>1: SP)
         f_moe = cfg.moe_ffn_hidden_size or _ffn(cfg)
         extra = copies * (2 * h + (glu + 1) * f_moe / etp) * act_bytes  # permuted in/out
@@ -437,8 +437,8 @@ def memory_plan(
         raise ValueError(f"optimizer must be 'adam' or 'sgd', got {optimizer!r}")
     dtype, par = _dtype(model_cfg, params_dtype), parallel_cfg
     pbytes = torch.finfo(dtype).bits // 8
-    tp, cp, etp = par.tensor_model_parallel_size, par.context_parallel_size, expert_tp_size(par)
-    edp = tp * cp * dp_size // (etp * par.expert_model_parallel_size)
+    tp, cp = par.tensor_model_parallel_size, par.context_parallel_size
+    edp = par.expert_data_parallel_size(par.model_parallel_size * dp_size)
     shards = (dp_size * cp, edp) if use_distributed_optimizer else (1, 1)
     tokens = micro_batch_tokens / cp
     logprob_path = (lm_head.path if lm_head is not None else None) or "fused"
@@ -456,10 +456,6 @@ def memory_plan(
     ranks = tp * cp * dp_size
     lm_head = lm_head_plan(logprob_path, **head)
     return MemoryPlan(tuple(stages), logprob_path, paths, micro_batch_tokens, dtype, ranks, lm_head)
-
-
-def expert_tp_size(par: ParallelConfig) -> int:
-    return par.expert_tensor_parallel_size or par.tensor_model_parallel_size
 
 
 _COLUMNS = ("params", "grads", "optimizer", "reference", "activations", "logprobs")
