@@ -22,11 +22,9 @@ class Norm(torch.nn.Module):
     Parameters get ``sequence_parallel = config.sequence_parallel``: under SP each TP rank
     normalizes different tokens, so Megatron sums their gradients across the TP group.
     Input ``[..., hidden_size]``; the output keeps the input dtype. RMSNorm runs
-    :func:`megatron_grpo.ops.layers.rms_norm.rms_norm` with ``impl`` (a class default, "auto": the
-    Triton kernels on CUDA; :func:`set_layer_impl` sets it per model).
+    :func:`megatron_grpo.ops.layers.rms_norm.rms_norm` with ``impl`` (``LayerKernels.elementwise``,
+    given by the layer spec; "auto": the Triton kernels on CUDA).
     """
-
-    impl: str = "auto"
 
     def __init__(
         self,
