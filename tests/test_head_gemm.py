@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_grpo.ops import reference
+from megatron_grpo.ops.lm_head import reference
 from megatron_grpo.ops.lm_head.stats import OVER_TILES, GlobalRowStats, RowStats, merge_row_stats
 from tests.interpreter import interpreter_only, run_interpreter_tests
 

@@ -14,7 +14,7 @@ import torch
 
 from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.ops import fused_grpo_loss, fused_grpo_loss_plan
-from megatron_grpo.ops import reference as ref
+from megatron_grpo.ops.lm_head import reference as ref
 from tests.interpreter import interpreter_only, run_interpreter_tests
 from tests.test_fused_grpo import VOCAB, loss_batch, make_inputs
 

@@ -88,7 +88,7 @@ from megatron_grpo.loss import GRPOLossConfig, LossInputs, grpo_loss
 from megatron_grpo.loss.math import LossContext, build_context, raise_on_nonfinite
 from megatron_grpo.loss.metrics import MetricDict, merge_metrics
 from megatron_grpo.ops.lm_head.comm import TPInfo
-from megatron_grpo.ops.lm_head.head import LMHead, build_lm_head, targets_check
+from megatron_grpo.ops.lm_head.head import LMHead, build_lm_head, head_shard, targets_check
 from megatron_grpo.ops.lm_head.logprobs import logprobs_plan, vocab_parallel_logprobs
 from megatron_grpo.ops.lm_head.options import LMHeadOptions
 from megatron_grpo.ops.lm_head.passes import (
@@ -98,7 +98,13 @@ from megatron_grpo.ops.lm_head.passes import (
     local_targets,
     scatter_rows,
 )
-from megatron_grpo.ops.lm_head.plan import HeadShape, LMHeadPlan, plan_lm_head, resolve_request
+from megatron_grpo.ops.lm_head.plan import (
+    HeadRequest,
+    HeadShape,
+    LMHeadPlan,
+    plan_lm_head,
+    resolve_request,
+)
 from megatron_grpo.ops.lm_head.single_pass import (
     ForwardWeightGrad,
     TokenSinglePass,
@@ -231,6 +237,7 @@ def fused_grpo_loss(
     tp_group: dist.ProcessGroup | None = None,
     sequence_parallel: bool = False,
     return_entropy: bool = False,
+    request: HeadRequest | None = None,
     **overrides: object,
 ) -> tuple[Tensor, MetricDict, Tensor] | tuple[Tensor, MetricDict, Tensor, Tensor]:
     """``grpo_loss`` of the log-probs of ``hidden @ weight^T / temperature``: same loss,
@@ -250,13 +257,15 @@ def fused_grpo_loss(
     ``options``. Entropy is computed only when ``cfg.entropy_coef != 0`` or
     ``return_entropy``. On the single pass an fp32 ``weight.main_grad`` receives d_weight
     during the forward (module doc); :func:`fused_grpo_loss_plan` returns the plan a call runs.
+    ``request``: the path request already resolved (``GRPOStep`` resolves it once); None =
+    resolved here, once, from ``options.path`` and ``cfg``.
 
     Returns:
         ``(loss, metrics, logprobs[, entropy])``: the float32 scalar loss (differentiable
         w.r.t. hidden and weight), the loss metrics, and detached float32 [T] log-probs (and
         entropy) of the loss's rows (0 elsewhere), identical on every TP rank.
     """
-    args = _Args.of(cfg, inputs, options, tp_group, sequence_parallel, overrides)
+    args = _Args.of(cfg, inputs, options, tp_group, sequence_parallel, overrides, request)
     need_ent = return_entropy or cfg.entropy_coef != 0
     if _request(args) == "op":
         return _op_path(hidden, weight, targets, args, need_ent, return_entropy)
@@ -277,11 +286,12 @@ def fused_grpo_loss_plan(
     options: LMHeadOptions | None = None,
     tp_group: dist.ProcessGroup | None = None,
     sequence_parallel: bool = False,
+    request: HeadRequest | None = None,
     **overrides: object,
 ) -> LMHeadPlan:
     """The plan :func:`fused_grpo_loss` runs with the same arguments. Path "op" is the plan of
     its log-prob op."""
-    args = _Args.of(cfg, inputs, options, tp_group, sequence_parallel, overrides)
+    args = _Args.of(cfg, inputs, options, tp_group, sequence_parallel, overrides, request)
     if _request(args) == "fused":
         return _fused_setup(hidden, weight, targets, args)[0].plan
     plan = logprobs_plan(
@@ -293,7 +303,7 @@ def fused_grpo_loss_plan(
         tp_group=tp_group,
         sequence_parallel=sequence_parallel,
     )
-    return replace(plan, reason=resolve_request(args.options.path, cfg)[1])
+    return replace(plan, reason=args.request.reason)
 
 
 @dataclass(frozen=True)
@@ -305,6 +315,7 @@ class _Args:
     options: LMHeadOptions
     tp_group: dist.ProcessGroup | None
     sequence_parallel: bool
+    request: HeadRequest  # resolved once per call (or per step: GRPOStep's)
 
     @staticmethod
     def of(
@@ -314,6 +325,7 @@ class _Args:
         tp_group: dist.ProcessGroup | None,
         sequence_parallel: bool,
         overrides: dict[str, object],
+        request: HeadRequest | None,
     ) -> _Args:
         """The call of the public arguments: keyword ``overrides`` go to the options when they
         name an option, else to the inputs (an unknown name raises TypeError there)."""
@@ -322,13 +334,15 @@ class _Args:
         names = LMHeadOptions.field_names()
         opts = LMHeadOptions.of(options, **{k: v for k, v in overrides.items() if k in names})
         rest = {k: v for k, v in overrides.items() if k not in names}
-        return _Args(cfg, LossInputs.of(inputs, **rest), opts, tp_group, sequence_parallel)
+        request = request or resolve_request(opts.path, cfg)
+        inputs = LossInputs.of(inputs, **rest)
+        return _Args(cfg, inputs, opts, tp_group, sequence_parallel, request)
 
 
 def _request(args: _Args) -> str:
     """The request the call's path means here: "op", or "fused" (either fused path, the plan's
     to pick); "megatron" is GRPOStep's alone."""
-    request = resolve_request(args.options.path, args.cfg)[0]
+    request = args.request.path
     if request == "megatron":
         raise ValueError("path 'megatron' runs Megatron's output layer: use GRPOStep")
     return "op" if request == "op" else "fused"
@@ -344,18 +358,17 @@ def _fused_setup(
     hidden: Tensor, weight: Tensor, targets: Tensor, args: _Args
 ) -> tuple[LMHead, LossContext]:
     """(the head bound to its plan, the loss context) of a fused args."""
-    tp = TPInfo.of(args.tp_group)
-    head = build_lm_head(
-        hidden, weight, targets, args.options, tp=tp, sequence_parallel=args.sequence_parallel
-    )
+    tp, sp = TPInfo.of(args.tp_group), args.sequence_parallel
+    shard = head_shard(hidden, weight, targets, args.options, tp=tp, sequence_parallel=sp)
     # the target check joins the context's checks: one host sync for all of them
-    check = partial(targets_check, targets, vocab_size=head.vocab_size)
+    check = partial(targets_check, targets, vocab_size=shard.vocab_size)
     lctx = build_context(args.cfg, args.inputs, row_checks=[check])
     want_dh, want_dw = _wants(hidden, weight)
     shape = HeadShape.of(
-        weight, rows=lctx.num_rows, n_valid=head.n_valid, want_dh=want_dh, want_dw=want_dw
+        weight, rows=lctx.num_rows, n_valid=shard.n_valid, want_dh=want_dh, want_dw=want_dw
     )
-    return head.with_plan(plan_lm_head(shape, args.options, loss=args.cfg)), lctx
+    plan = plan_lm_head(shape, args.options, loss=args.cfg, request=args.request)
+    return build_lm_head(weight, shard, plan, args.options, tp=tp, sequence_parallel=sp), lctx
 
 
 def _op_path(

@@ -10,7 +10,7 @@ a shard of ``Vc`` valid columns. How a call runs (tiles, kernels, paths) is its
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,7 +36,8 @@ class LMHead:
 
     ``weight`` is this rank's [V_local, H] shard: rows ``[vocab_start, vocab_start + V_local)``
     of the padded vocabulary, of which the first ``n_valid`` are real tokens (only those are
-    tiled). ``plan`` / ``kernels``: the call's plan and its kernel seam (:meth:`with_plan`).
+    tiled). ``plan`` / ``kernels``: the call's plan and its kernel seam (:func:`build_lm_head`
+    builds it once, with both).
     """
 
     weight: Tensor
@@ -46,14 +47,8 @@ class LMHead:
     vocab_start: int
     n_valid: int
     inv_temperature: float
-    plan: LMHeadPlan | None = None
-    kernels: Kernels | None = None
-
-    def with_plan(self, plan: LMHeadPlan) -> LMHead:
-        """This head running ``plan`` (its tiles, loop order and ``impl``'s kernels)."""
-        if plan.n_valid != self.n_valid:
-            raise ValueError(f"plan for {plan.n_valid} valid columns, shard has {self.n_valid}")
-        return replace(self, plan=plan, kernels=kernels_named(plan.impl))
+    plan: LMHeadPlan
+    kernels: Kernels
 
     def logits(self, h: Tensor, start: int, stop: int, buf: Tensor) -> Tensor:
         """[R, H] -> raw fp32 logits [R, stop - start] of vocab rows ``start:stop``, in ``buf``
@@ -163,7 +158,43 @@ class LMHead:
         )
 
 
+@dataclass(frozen=True)
+class HeadShard:
+    """This rank's rows ``[vocab_start, vocab_start + V_local)`` of the padded vocabulary, the
+    first ``n_valid`` of them real tokens (``vocab_size``: the real vocabulary)."""
+
+    vocab_size: int
+    vocab_start: int
+    n_valid: int
+
+
 def build_lm_head(
+    weight: Tensor,
+    shard: HeadShard,
+    plan: LMHeadPlan,
+    options: LMHeadOptions,
+    *,
+    tp: TPInfo,
+    sequence_parallel: bool,
+) -> LMHead:
+    """The head of ``shard`` (:func:`head_shard`) running ``plan`` (its tiles, loop order and
+    ``impl``'s kernels): built once, when its plan is known."""
+    if plan.n_valid != shard.n_valid:
+        raise ValueError(f"plan for {plan.n_valid} valid columns, shard has {shard.n_valid}")
+    return LMHead(
+        weight=weight,
+        tp=tp,
+        sequence_parallel=sequence_parallel and tp.size > 1,
+        vocab_size=shard.vocab_size,
+        vocab_start=shard.vocab_start,
+        n_valid=shard.n_valid,
+        inv_temperature=1.0 / float(options.temperature),
+        plan=plan,
+        kernels=kernels_named(plan.impl),
+    )
+
+
+def head_shard(
     hidden: Tensor,
     weight: Tensor,
     targets: Tensor,
@@ -171,10 +202,9 @@ def build_lm_head(
     *,
     tp: TPInfo,
     sequence_parallel: bool,
-) -> LMHead:
+) -> HeadShard:
     """Validates the op's inputs against each other (errors name the argument; ``options``
-    validated themselves) and describes this rank's shard (without a plan:
-    :meth:`LMHead.with_plan`)."""
+    validated themselves) and describes this rank's shard."""
     _check_shapes(hidden, weight, targets, tp, sequence_parallel)
     vocab_size = options.vocab_size
     v_local = weight.shape[0]
@@ -187,15 +217,7 @@ def build_lm_head(
             f"got {vocab_size}"
         )
     start = tp.rank * v_local
-    return LMHead(
-        weight=weight,
-        tp=tp,
-        sequence_parallel=sequence_parallel and tp.size > 1,
-        vocab_size=vocab_size,
-        vocab_start=start,
-        n_valid=min(max(vocab_size - start, 0), v_local),
-        inv_temperature=1.0 / float(options.temperature),
-    )
+    return HeadShard(vocab_size, start, min(max(vocab_size - start, 0), v_local))
 
 
 def _check_shapes(

@@ -12,14 +12,12 @@ call's :class:`~megatron_grpo.ops.lm_head.plan.LMHeadPlan` (path "op"; :func:`lo
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from megatron_grpo.ops.lm_head.comm import TPInfo
-from megatron_grpo.ops.lm_head.head import LMHead, build_lm_head, select_rows
+from megatron_grpo.ops.lm_head.head import LMHead, build_lm_head, head_shard, select_rows
 from megatron_grpo.ops.lm_head.options import LMHeadOptions
 from megatron_grpo.ops.lm_head.passes import (
     backward_grads,
@@ -28,7 +26,7 @@ from megatron_grpo.ops.lm_head.passes import (
     local_targets,
     scatter_rows,
 )
-from megatron_grpo.ops.lm_head.plan import HeadShape, LMHeadPlan, plan_lm_head
+from megatron_grpo.ops.lm_head.plan import OP_REQUEST, HeadShape, LMHeadPlan, plan_lm_head
 from megatron_grpo.ops.lm_head.stats import RowGrads
 from megatron_grpo.ops.lm_head.weight_grad import WeightGradSink
 
@@ -139,16 +137,16 @@ def _prepare(
     """The validated head bound to its plan, and the active rows' indices (None = all). The
     op runs path "op" whatever ``options.path`` requests (that is a loss call's request)."""
     tp = TPInfo.of(tp_group)
-    head = build_lm_head(
-        hidden, weight, targets, options, tp=tp, sequence_parallel=sequence_parallel
-    )
-    idx = select_rows(rows, targets, head.vocab_size)
+    shard = head_shard(hidden, weight, targets, options, tp=tp, sequence_parallel=sequence_parallel)
+    idx = select_rows(rows, targets, shard.vocab_size)
     grad_on = torch.is_grad_enabled()
     shape = HeadShape.of(
         weight,
         rows=targets.shape[0] if idx is None else idx.numel(),
-        n_valid=head.n_valid,
+        n_valid=shard.n_valid,
         want_dh=grad_on and hidden.requires_grad,
         want_dw=grad_on and weight.requires_grad,
     )
-    return head.with_plan(plan_lm_head(shape, replace(options, path="op"))), idx
+    plan = plan_lm_head(shape, options, request=OP_REQUEST)  # the op: path "op", whatever asked
+    head = build_lm_head(weight, shard, plan, options, tp=tp, sequence_parallel=sequence_parallel)
+    return head, idx

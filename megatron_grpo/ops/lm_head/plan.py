@@ -60,6 +60,7 @@ Without gradients or loss rows both fused paths are the same stats pass: "fused_
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -225,8 +226,20 @@ def weight_grad_mode(shape: HeadShape) -> str:
     return "write_tiles" if shape.main_grad_dtype is None else "add_tiles"
 
 
-def resolve_request(path: str | None, loss: GRPOLossConfig | None) -> tuple[str, str]:
-    """(``"op"`` | ``"fused"`` | an explicit path, why) of a request; raises on impossible ones.
+class HeadRequest(NamedTuple):
+    """A resolved LM-head request, decided once (:func:`resolve_request`) and carried as a
+    value into the plans of the calls it serves: ``path`` "op", "megatron", "fused" (the plan
+    picks a fused path), "fused_tiled" or "fused_single_pass"; ``reason``: why."""
+
+    path: str
+    reason: str
+
+
+OP_REQUEST = HeadRequest("op", "requested")  # the log-prob op's own request
+
+
+def resolve_request(path: str | None, loss: GRPOLossConfig | None) -> HeadRequest:
+    """The request ``path`` means for ``loss``; raises on impossible ones.
 
     ``"fused"`` here still has to pick between the fused paths (:func:`plan_lm_head`); a
     sequence ratio's automatic request is already "fused_tiled", so the single pass, which runs
@@ -240,11 +253,11 @@ def resolve_request(path: str | None, loss: GRPOLossConfig | None) -> tuple[str,
             f"loss.entropy_coef must be 0, got {loss.entropy_coef}"
         )
     if path in ("op", "megatron"):
-        return path, "requested"
+        return HeadRequest(path, "requested")
     if loss is None:
         if path is not None:
             raise ValueError(f"path {path!r} fuses the loss: it needs a loss config")
-        return "op", "log-probs only"
+        return HeadRequest("op", "log-probs only")
     if loss.needs_whole_sequences():  # GSPO
         if path == "fused_single_pass":
             raise ValueError(
@@ -253,8 +266,10 @@ def resolve_request(path: str | None, loss: GRPOLossConfig | None) -> tuple[str,
                 "path 'fused' / 'fused_tiled' or 'op'"
             )
         if path in (None, "fused"):
-            return "fused_tiled", _SEQUENCE_REASON
-    return ("fused", "auto") if path in (None, "fused") else (path, "requested")
+            return HeadRequest("fused_tiled", _SEQUENCE_REASON)
+    return (
+        HeadRequest("fused", "auto") if path in (None, "fused") else HeadRequest(path, "requested")
+    )
 
 
 def plan_lm_head(
@@ -262,6 +277,7 @@ def plan_lm_head(
     options: LMHeadOptions | None = None,
     *,
     loss: GRPOLossConfig | None = None,
+    request: HeadRequest | None = None,
     single_pass_min_rows: int | None = None,
     **overrides: object,
 ) -> LMHeadPlan:
@@ -273,6 +289,8 @@ def plan_lm_head(
             impl, GEMM mode, chunk size and memory budget (:class:`LMHeadOptions`; its
             temperature and vocab size do not change the plan).
         loss: the GRPO loss config (its ``ratio_level``), None for log-probs alone.
+        request: the request already resolved (:func:`resolve_request`, once per step or
+            call); None = resolved here from ``options.path`` and ``loss``.
         single_pass_min_rows: the automatic rule's row threshold; None =
             :data:`SINGLE_PASS_MIN_ROWS` of the GEMM mode.
         overrides: :class:`LMHeadOptions` fields by keyword (``path=``, ``memory_budget=``...).
@@ -281,13 +299,11 @@ def plan_lm_head(
     min_rows = single_pass_min_rows
     if min_rows is not None and (not is_int(min_rows) or min_rows < 0):
         raise ValueError(f"single_pass_min_rows must be an int >= 0, got {min_rows!r}")
-    budget = opts.budget
-    request, reason = resolve_request(opts.path, loss)
-    weight_grad = weight_grad_mode(shape)
-    if request == "megatron":
+    request = request or resolve_request(opts.path, loss)
+    if request.path == "megatron":
         return LMHeadPlan(
             "megatron",
-            reason,
+            request.reason,
             None,
             None,
             None,
@@ -297,29 +313,38 @@ def plan_lm_head(
             None,
             None,
             None,
-            budget,
+            opts.budget,
             shape.dtype,
         )
+    return _kernel_plan(shape, opts, request, min_rows)
+
+
+def _kernel_plan(
+    shape: HeadShape, opts: LMHeadOptions, request: HeadRequest, min_rows: int | None
+) -> LMHeadPlan:
+    """The plan of a request the LM-head op runs (not "megatron")."""
+    budget, weight_grad = opts.budget, weight_grad_mode(shape)
     impl_name = resolve_impl(opts.impl, shape.device_type)
     gemm_name = resolve_gemm(opts.gemm, impl_name)
     tile_dtype = shape.dtype if gemm_name == "fused_epilogue" else torch.float32
-    chunk_size = opts.chunk_size
-    tiling = Tiling.plan(shape.rows, shape.n_valid, chunk_size, budget // TILE_FRACTION, tile_dtype)
-    chunk_rows = None
-    if request != "op":
+    tiling = Tiling.plan(
+        shape.rows, shape.n_valid, opts.chunk_size, budget // TILE_FRACTION, tile_dtype
+    )
+    path, reason, chunk_rows = request.path, request.reason, None
+    if path != "op":
         if min_rows is None:
             min_rows = SINGLE_PASS_MIN_ROWS[gemm_name]
             if accumulator_of(shape, weight_grad)[0] == "split":  # pays per chunk: big ones
                 min_rows = max(min_rows, SPLIT_MIN_ROWS)
-        request, chunk_rows, reason = _fused_path(
-            request, reason, shape, weight_grad, chunk_size, budget, gemm_name, min_rows
+        path, chunk_rows, reason = _fused_path(
+            path, reason, shape, weight_grad, opts.chunk_size, budget, gemm_name, min_rows
         )
     loop = "rows_outer" if weight_grad in ("none", "accumulate_fp32") else "vocab_outer"
     acc, acc_bytes = None, 0
-    if request == "fused_single_pass":
+    if path == "fused_single_pass":
         acc, acc_bytes = accumulator_of(shape, weight_grad)
     return LMHeadPlan(
-        request,
+        path,
         reason,
         impl_name,
         gemm_name,
