@@ -13,8 +13,8 @@ import torch
 from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.loss.math import true_positions
 from megatron_grpo.loss.segments import check_cu_seqlens, cu_seqlens_violations
-from megatron_grpo.ops.lm_head import fused_grpo as fg
 from megatron_grpo.ops import fused_grpo_loss
+from megatron_grpo.ops.lm_head import fused_grpo as fg
 from tests.test_fused_grpo import (
     CONFIGS,
     VOCAB,

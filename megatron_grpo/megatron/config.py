@@ -16,6 +16,7 @@ vs TP, experts vs EP, world size) live in :func:`check_parallel`, which :func:`b
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -283,11 +284,8 @@ class ParallelConfig:
     @property
     def model_parallel_size(self) -> int:
         """TP * PP * CP: the ranks of one model replica."""
-        return (
-            self.tensor_model_parallel_size
-            * self.pipeline_model_parallel_size
-            * self.context_parallel_size
-        )
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        return tp * pp * self.context_parallel_size
 
     @property
     def expert_tensor_size(self) -> int:
@@ -384,41 +382,22 @@ def to_transformer_config(
     parallel: ParallelConfig,
     *,
     params_dtype: torch.dtype | None = None,
-    **overrides: Any,
+    extra: Mapping[str, Any] | None = None,
 ):
     """Megatron ``TransformerConfig`` for this model and layout.
 
     Sets ``calculate_per_token_loss=True`` (the convention of ``forward.py``'s loss function),
     ``variable_seq_lengths=True`` under pipeline parallelism (packed micro-batches differ in
     length, so stages exchange shapes) and CPU initialization when no GPU is present.
-    ``overrides`` are passed to ``TransformerConfig`` as-is (for fields this config does not
-    cover).
+    ``extra``: ``TransformerConfig`` fields by name, passed as-is after these (for fields this
+    config does not cover).
     """
     from megatron.core.transformer import TransformerConfig
 
     dtype = params_dtype or model.torch_dtype()
     moe = model.num_moe_experts is not None
     kwargs: dict[str, Any] = dict(
-        num_layers=model.num_layers,
-        hidden_size=model.hidden_size,
-        num_attention_heads=model.num_attention_heads,
-        num_query_groups=model.num_query_groups,
-        ffn_hidden_size=model.ffn_hidden_size,
-        kv_channels=model.kv_channels,
-        normalization=model.normalization,
-        layernorm_epsilon=model.layernorm_epsilon,
-        qk_layernorm=model.qk_layernorm,
-        add_qkv_bias=model.add_qkv_bias,
-        add_bias_linear=model.add_bias_linear,
-        gated_linear_unit=model.gated_linear_unit,
-        activation_func=_ACTIVATIONS[model.activation_func],
-        rotary_interleaved=model.rotary_interleaved,
-        init_method_std=model.init_method_std,
-        hidden_dropout=model.hidden_dropout,
-        attention_dropout=model.attention_dropout,
-        recompute_granularity=model.recompute_granularity,
-        recompute_method=model.recompute_method,
-        recompute_num_layers=model.recompute_num_layers,
+        **_model_kwargs(model),
         **_parallel_kwargs(parallel),
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -439,11 +418,37 @@ def to_transformer_config(
     )
     if moe:
         kwargs.update(_moe_kwargs(model))
-    kwargs.update(overrides)
+    kwargs.update(extra or {})
     config = TransformerConfig(**kwargs)
     if model.position_embedding_type == "yarn":
         _attach_yarn(config, model)
     return config
+
+
+def _model_kwargs(model: ModelConfig) -> dict[str, Any]:
+    """TransformerConfig's architecture fields (same names as ModelConfig's)."""
+    return dict(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        ffn_hidden_size=model.ffn_hidden_size,
+        kv_channels=model.kv_channels,
+        normalization=model.normalization,
+        layernorm_epsilon=model.layernorm_epsilon,
+        qk_layernorm=model.qk_layernorm,
+        add_qkv_bias=model.add_qkv_bias,
+        add_bias_linear=model.add_bias_linear,
+        gated_linear_unit=model.gated_linear_unit,
+        activation_func=_ACTIVATIONS[model.activation_func],
+        rotary_interleaved=model.rotary_interleaved,
+        init_method_std=model.init_method_std,
+        hidden_dropout=model.hidden_dropout,
+        attention_dropout=model.attention_dropout,
+        recompute_granularity=model.recompute_granularity,
+        recompute_method=model.recompute_method,
+        recompute_num_layers=model.recompute_num_layers,
+    )
 
 
 def _parallel_kwargs(parallel: ParallelConfig) -> dict[str, Any]:

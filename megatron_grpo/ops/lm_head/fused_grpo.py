@@ -24,35 +24,18 @@ with the triton kernels) a chunk is bf16 *shifted* logits ``z - m_block`` plus f
 statistics, so the 1 GiB default budget holds C = 3200 rows of a 152k shard; with the
 "separate" GEMM it is fp32 logits (C = 384 at the 256 MiB tile). (a) reads + writes the fp32
 [V_local, H] d_weight once per chunk, ``8 V_local H`` bytes against ``6 C V_local H`` GEMM flops,
-so it wins from a few thousand rows. Measured on one H200 (2026-11-23, H = 4096, V = 151936,
-bf16, fp32 ``main_grad``, ``tools/bench_logprobs.py --main-grad``; x = time over the 3-GEMM
-floor timed around each method, T = 8192 / 32768; docs/benchmarks.md has the runs):
-
-    (a) fused epilogue, C = 3200 (1 GiB)    1.13-1.16x / 1.11-1.14x  over 0.96 GiB
-    (a) fused epilogue, C = 6464 (2 GiB)    1.17x / 1.10x (start floor)  over 1.94 GiB
-    (a) fused epilogue, C = 8192/12992 (4 GiB)  1.13x / 1.06x (start floor)
-    (b) tiled, fused epilogue               1.40x / 1.41x  over 0.38 / 0.42 GiB
-    Megatron's fused CE (no main_grad)      1.27x / 1.28x  over 12.7 / 54 GiB
-
-(a) queues every chunk without a host sync (its one finiteness check runs before the last
-chunk's gradient GEMMs): a sync per chunk idled the GPU while the next chunk was launched.
-
-So the automatic threshold is ``ops.lm_head.plan.SINGLE_PASS_MIN_ROWS["fused_epilogue"] = 1024`` rows.
-Without an fp32 ``main_grad`` (bf16 weight) (a) sums d_weight in the bf16 gradient itself
-plus an int8 [V_local, H] residual (``kernels.split_accumulator``: fp32-grade sums, the gradient
-rounded once; 0.58 GiB at V_local = 151936, H = 4096), each chunk reading + writing the pair (3 +
-3 bytes a weight element) in its d_weight GEMM's epilogue. Measured on one H200 (2026-11-23,
-third session, no main_grad, adj. floor, T = 8192 / 32768): at 1 GiB (C = 1344) 1.46x / 1.45x,
-the tiled path (b) 1.32x / 1.42x; at 4 GiB (C = 8192 / 11136) 1.23x / 1.21x. The split GEMM
-takes 4.1 ms a 1344-row chunk against cuBLAS's 2.2 (bf16 out) / 2.8 (fp32 accumulate): its
-main loop alone 2.5 ms, the pair's read + write not overlapped. So the split accumulator runs
-only for chunks of at least ``ops.lm_head.plan.SPLIT_MIN_ROWS = 4096`` rows (a budget of ~2.5 GiB and
-up); at the 1 GiB default (b) runs. A bf16 ``main_grad`` needs an fp32 buffer instead. The
-"separate" GEMM keeps the older rule
-(``SINGLE_PASS_MIN_ROWS["separate"] = 4096`` rows of fp32 logits; its measurements:
-``x = 1.16 + 266 / C`` at TP = 1, and at TP = 4 each chunk's TP all-reduce and host sync made
-C = 1728 slower than (b)). Without gradients (no_grad / frozen) (b)'s stats pass runs. A larger
-``memory_budget`` enlarges chunks and tiles.
+so it wins from a few thousand rows: the automatic threshold is
+``ops.lm_head.plan.SINGLE_PASS_MIN_ROWS["fused_epilogue"] = 1024`` rows. (a) queues every chunk
+without a host sync (its one finiteness check runs before the last chunk's gradient GEMMs).
+Without an fp32 ``main_grad`` (bf16 weight) (a) sums d_weight in the bf16 gradient itself plus
+an int8 [V_local, H] residual (``kernels.split_accumulator``: fp32-grade sums, the gradient
+rounded once), each chunk reading + writing the pair in its d_weight GEMM's epilogue; that pays
+per chunk, so the split accumulator runs only for chunks of at least
+``ops.lm_head.plan.SPLIT_MIN_ROWS = 4096`` rows (a budget of ~2.5 GiB and up); at the 1 GiB
+default (b) runs. A bf16 ``main_grad`` needs an fp32 buffer instead. The "separate" GEMM keeps
+``SINGLE_PASS_MIN_ROWS["separate"] = 4096`` rows of fp32 logits. Without gradients (no_grad /
+frozen) (b)'s stats pass runs. A larger ``memory_budget`` enlarges chunks and tiles. The
+measurements behind these thresholds: docs/benchmarks.md ("The fused path's thresholds").
 
 grad_output in (a): d_weight lands in an fp32 ``main_grad`` during the forward, for a
 grad_output of 1 (Megatron's bf16 per-token-loss step: ``loss_scale * loss`` with scale 1). A

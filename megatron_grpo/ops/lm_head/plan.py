@@ -45,7 +45,7 @@ and makes the single pass possible on wider shards; a smaller one less memory. A
 V_local = 151936, H = 4096, bf16, the peak beyond the gradients measured on an H200 is 0.38 GiB
 (T = 8192) and 0.88 GiB (T = 32768 without an fp32 main_grad): within 1 GiB.
 
-The single-pass rule (measurements: ``ops/lm_head/fused_grpo.py``): the accumulator's extra bytes
+The single-pass rule (measurements: docs/benchmarks.md): the accumulator's extra bytes
 (:func:`accumulator_of`) come out of the budget first (with the "separate" GEMM: they must fit
 ``ACCUMULATOR_TILES`` tiles), a full-width chunk must fit the rest (the fused epilogue: bf16
 shifted logits; "separate": an fp32 [C, V_local] chunk in the tile; C = ``chunk_size``, or as
