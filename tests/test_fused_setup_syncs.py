@@ -33,7 +33,7 @@ HOST_READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__",
 
 def setup_args(cfg: GRPOLossConfig, batch: dict, **op) -> fg._Args:
     """The arguments of ``fused_grpo_loss(..., cfg, **batch, **op)``, for ``_fused_setup``."""
-    return fg._Args.of(cfg, None, None, None, False, batch | op)
+    return fg._Args.of(cfg, None, None, None, False, batch | op, None)
 
 
 def count_host_reads(monkeypatch, fn) -> list[str]:

@@ -448,3 +448,42 @@ def test_layer_kernels_recipe_section():
         from_dict(ModelConfig, {"vocab_size": 8, "layer_kernels": {"atention": "exact"}})
     with pytest.raises(ConfigError, match="layer_kernels.rope must be one of"):
         from_dict(ModelConfig, {"vocab_size": 8, "layer_kernels": {"rope": "fast"}})
+
+
+# ---------------------------------------------------------------- keyword forms
+
+# The documented keyword forms of the public LM-head and loss functions (README: their options'
+# and inputs' fields by keyword); no other package function takes ``**overrides``.
+KEYWORD_FORMS = {
+    "megatron_grpo.loss.grpo.grpo_loss",
+    "megatron_grpo.loss.inputs.LossInputs.of",
+    "megatron_grpo.loss.math.build_context",
+    "megatron_grpo.ops.lm_head.fused_grpo.fused_grpo_loss",
+    "megatron_grpo.ops.lm_head.fused_grpo.fused_grpo_loss_plan",
+    "megatron_grpo.ops.lm_head.logprobs.logprobs_plan",
+    "megatron_grpo.ops.lm_head.logprobs.vocab_parallel_logprobs",
+    "megatron_grpo.ops.lm_head.options.LMHeadOptions.of",
+    "megatron_grpo.ops.lm_head.plan.plan_lm_head",
+}
+
+
+def _override_functions(name: str, path: Path) -> set[str]:
+    found = set()
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}.{child.name}")
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if child.args.kwarg is not None and child.args.kwarg.arg == "overrides":
+                    found.add(f"{prefix}.{child.name}")
+
+    visit(ast.parse(path.read_text()), name)
+    return found
+
+
+def test_no_new_overrides_keyword_forms():
+    found = set().union(*(_override_functions(n, p) for n, p in _modules().items()))
+    assert found <= KEYWORD_FORMS, (
+        f"pass a typed value instead of **overrides: {found - KEYWORD_FORMS}"
+    )
