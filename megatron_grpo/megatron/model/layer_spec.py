@@ -83,10 +83,12 @@ def _context_parallel(config: TransformerConfig) -> tuple[object, int]:
     return parallel_state.get_context_parallel_group(), parallel_state.get_context_parallel_rank()
 
 
-def _expert_groups() -> tuple:
+def _expert_groups() -> tuple | None:
     """(expert-TP, EP, expert-DP) groups for :class:`GroupedExperts` where megatron-core (0.14)
-    hands the experts no process-group collection."""
+    hands the experts no process-group collection (None before the parallel state exists)."""
     ps = parallel_state
+    if not ps.model_parallel_is_initialized():
+        return None
     return (
         ps.get_expert_tensor_parallel_group(),
         ps.get_expert_model_parallel_group(),
