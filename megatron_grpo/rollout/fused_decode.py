@@ -8,7 +8,7 @@ step: ~1000 kernels). This path reads the same parameters and runs per layer::
     add + RMSNorm -> QKV GEMM -> q/k norm + RoPE + KV-cache write -> attention -> proj GEMM
     (TP all-reduce) -> add + RMSNorm -> fc1 GEMM -> SwiGLU -> fc2 GEMM (TP all-reduce)
 
-with each element-wise step one kernel (``decode_ops``: Triton on GPU, the torch reference
+with each element-wise step one kernel (``ops.layers.decode``: Triton on GPU, the torch reference
 elsewhere) that keeps the module path's roundings in the model dtype. Prefill stays on the
 modules (its cost is the GEMMs).
 

@@ -5,7 +5,7 @@ vocabulary-sized tensor alive. The three GEMMs (logits, d_hidden, d_weight) run 
 (cuBLAS on GPU) with fp32 results; the per-tile softmax work goes through the kernel seam
 (:mod:`megatron_grpo.ops.lm_head.reference` or ``megatron_grpo.kernels``), which sees each vocab tile as
 a shard of ``Vc`` valid columns. How a call runs (tiles, kernels, paths) is its
-:class:`megatron_grpo.ops.lm_head.plan.LMHeadPlan`, bound to the head with :meth:`LMHead.with_plan`.
+:class:`megatron_grpo.ops.lm_head.plan.LMHeadPlan`, the head is built with (:func:`build_lm_head`).
 """
 
 from __future__ import annotations
