@@ -17,6 +17,10 @@
 #   bash tools/gpu_e2e.sh partial   # the dense twin on one GPU, toy task num_digits [8, 512]:
 #                                   # rollout.partial off vs on (tools/bench_partial.py; STEPS_PARTIAL,
 #                                   # 6 here; PARTIAL_MODES "off recompute"): bench_partial.md
+#   bash tools/gpu_e2e.sh memory    # tools/memory_probe.py: memory per phase and step (before /
+#                                   # after rollout, after log-prob, after update), the dense
+#                                   # twin on 1 GPU and the Qwen3-8B shape at TP4 (4 GPUs,
+#                                   # MEMORY_LAYERS=4), partial off and on: memory_probe.md
 #   bash tools/gpu_e2e.sh all       # dense, moe_twin, maxctx (may exceed a 10-minute limit)
 # Each mode runs every path of PATHS ("fused megatron"); the trainer must expose
 # lm_head.path (GRPOStep.logprob_path). Results under $OUT (at most 4 files):
@@ -343,6 +347,30 @@ case "$MODE" in
         echo "gpu_e2e partial: exit $status; results in $OUT"
         exit "$status"
         ;;
+    memory)
+        # tools/memory_probe.py: memory per phase and step, the dense twin on one GPU and the
+        # Qwen3-8B shape (MEMORY_LAYERS of 36 layers) at TP4 on 4 GPUs, partial off and on;
+        # the default allocator (decode graphs do not capture under expandable segments)
+        setup || exit 1
+        export PYTORCH_CUDA_ALLOC_CONF=${MEMORY_ALLOC_CONF-}
+        for partial in "" --partial; do
+            python3 tools/memory_probe.py --preset twin $partial --out "$OUT" \
+                --steps "${MEMORY_STEPS:-3}" --work "$WORK" 2>&1 | tee -a "$LOG" || status=1
+            if [ "$NGPU" -ge 4 ]; then
+                python3 -m torch.distributed.run --standalone --nproc-per-node 4 \
+                    tools/memory_probe.py --preset 8b --layers "${MEMORY_LAYERS:-4}" $partial \
+                    --out "$OUT" --steps "${MEMORY_STEPS:-3}" --work "$WORK" 2>&1 |
+                    tee -a "$LOG" || status=1
+            fi
+        done
+        # the same twin runs without the fix (main 08d422b's allocator behaviour)
+        for partial in "" --partial; do
+            python3 tools/memory_probe.py --preset twin $partial --baseline --out "$OUT" \
+                --steps "${MEMORY_STEPS:-3}" --work "$WORK" 2>&1 | tee -a "$LOG" || status=1
+        done
+        echo "gpu_e2e memory: exit $status; tables in $OUT/memory_probe.md"
+        exit "$status"
+        ;;
     all)
         setup || exit 1
         twin dense qwen3_8b_long_sp_twin 8192 4 || status=1
@@ -350,7 +378,7 @@ case "$MODE" in
         maxctx || status=1
         ;;
     *)
-        echo "usage: $0 [dense|moe|moe_twin|maxctx|step|partial|all]"
+        echo "usage: $0 [dense|moe|moe_twin|maxctx|step|partial|memory|all]"
         exit 2
         ;;
 esac
