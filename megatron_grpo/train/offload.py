@@ -234,7 +234,8 @@ def _cache_room(
     seq = min(-(-longest // bucket) * bucket, cfg.model.max_sequence_length)
     shape = kvc.CacheShape.of(policy)
     prefill = min(o.max_prefill_tokens, samples * r.max_prompt_length)
-    room = kvc.Headroom.of(policy, shape, seq, max(prefill, r.max_prompt_length), True)
+    graphs = o.cuda_graphs if o.cuda_graphs is not None else cfg.model.num_moe_experts is None
+    room = kvc.Headroom.of(policy, shape, seq, max(prefill, r.max_prompt_length), graphs)
     need = samples * (shape.bytes_per_token * seq + room.per_slot)
     free, total = torch.cuda.mem_get_info()
     overhead = max(total - free - torch.cuda.memory_allocated(), 0)  # CUDA context, NCCL
