@@ -15,7 +15,10 @@ One GPU, the dense twin on the long-tailed toy task (partial rollouts off, then 
 The Qwen3-8B shape at TP4 with 4 of its 36 layers (random weights), 256 x (256 + 3840):
     torchrun --nproc-per-node 4 tools/memory_probe.py --preset 8b --layers 4
     torchrun --nproc-per-node 4 tools/memory_probe.py --preset 8b --layers 4 --partial
-``bash tools/gpu_e2e.sh memory`` runs all four. Rows also go to ``--out``/memory_probe.jsonl.
+``--baseline``: the same run without the fix (main 08d422b's allocator behaviour), to compare.
+``MEMORY_RUNS="twin_partial twin_partial_baseline" bash tools/gpu_e2e.sh memory`` runs a
+selection (``twin``, ``twin_partial``, ``8b``, ``8b_partial``, each with ``_baseline``). Tables
+are appended to ``--out``/memory_probe.md, rows to ``--out``/memory_probe.jsonl.
 """
 
 from __future__ import annotations
