@@ -94,11 +94,13 @@ def _round_trip_body(rank: int, world: int) -> None:
     for dist_opt in (True, False):
         for dtype in ("float32", "bfloat16"):
             _round_trip(dist_opt, dtype)
+    _auto(rank, world)  # one spawned process for both
 
 
 @pytest.mark.slow
-def test_offload_round_trip_is_bit_exact():
-    """DistributedOptimizer and the plain optimizers (FP32Optimizer, Float16Optimizer)."""
+def test_offload_round_trip_is_bit_exact_and_auto_decides_from_the_plan():
+    """DistributedOptimizer and the plain optimizers (FP32Optimizer, Float16Optimizer); then
+    ``auto`` (see ``_auto``)."""
     run_distributed(_round_trip_body, 1)
 
 
@@ -142,7 +144,7 @@ def test_training_with_offload_equals_training_without(tmp_path):
     run_distributed(_equal_runs_body, 1, tmp_path)
 
 
-def _auto_body(rank: int, world: int) -> None:
+def _auto(rank: int, world: int) -> None:
     """``auto`` turns on exactly when the cache of a step's samples would not fit with the
     planned optimizer state and grads on the GPU (device memory faked)."""
     from megatron_grpo.megatron import ParallelConfig, unwrap
@@ -178,11 +180,6 @@ def _auto_body(rank: int, world: int) -> None:
         mp.setattr(torch.cuda, "mem_get_info", lambda *a: (tight, tight))
         on, line = off.decide(cfg, policy, layout)
         assert on and "auto: on" in line and "GiB" in line
-
-
-@pytest.mark.slow
-def test_auto_decides_from_the_plan():
-    run_distributed(_auto_body, 1)
 
 
 def test_offload_config_errors_name_the_field():
