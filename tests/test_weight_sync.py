@@ -8,12 +8,15 @@ SequentialMLP EP 2 -> grouped experts at TP 2 / expert-TP 2; the old weights sta
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from megatron_grpo.megatron import ParallelConfig, build_model, unwrap
 from megatron_grpo.megatron.parallel import destroy_parallel, initialize_parallel
+from megatron_grpo.rollout import EngineOptions, KVCacheEngine, SamplingParams
 from megatron_grpo.rollout.weight_sync import (
     TensorMeta,
     WeightReceiver,
@@ -23,7 +26,7 @@ from megatron_grpo.rollout.weight_sync import (
 from megatron_grpo.rollout.weight_sync.plan import ALIGN, check_metas
 from megatron_grpo.rollout.weight_sync.shards import AxisShard, Coords, SyncTensor
 from tests.dist_utils import run_distributed
-from tests.megatron_utils import full_params, load_full, tiny_model
+from tests.megatron_utils import VOCAB, full_params, load_full, tiny_model
 
 # ---------------------------------------------------------------- the bucket plan
 
@@ -163,35 +166,59 @@ def _sync(rank: int, world: int, case: tuple) -> None:
     # version are the TP = 1 weights cut to its layout by load_full
     gen_chunks, gen_layout = _on(gen_par, gen_cfg, 2, not trainer)
     if not trainer:
-        old = _snapshot(gen_chunks)
         expected = []
+        old = _snapshot(gen_chunks)
         for v in versions:
             load_full(gen_chunks, v, gen_cfg)
             expected.append(_snapshot(gen_chunks))
         _restore(gen_chunks, old)
-        assert _equal(gen_chunks, expected[0]), "the generator starts from other weights"
     group = dist.new_group([SOURCE, *(r for r in range(world) if r not in TRAINERS)])
-    if trainer:
-        sender = WeightSender(chunks[0], layout, group, SOURCE, bucket_bytes)
-        for version in (1, 2):
-            if version == 2:
-                _restore(chunks, second)
-            metrics = sender.send(version)
-            gib = metrics["rollout/weight_sync_gib"]
-            assert (gib > 0) == (rank == SOURCE) and metrics["rollout/weight_sync_seconds"] > 0
-        if rank == SOURCE and bucket_bytes < 4096:
-            assert len(sender.buckets) > len(sender.metas) // 2  # tensors span buckets
+    if not trainer:
+        decode = gen_par.tensor_model_parallel_size == 1 and gen_cfg.num_moe_experts is None
+        _receive(gen_chunks, gen_layout, group, expected, decode)
         return
-    receiver = WeightReceiver(gen_chunks[0], gen_layout, group, SOURCE)
+    sender = WeightSender(chunks[0], layout, group, SOURCE, bucket_bytes)
+    for version in (1, 2):
+        if version == 2:
+            _restore(chunks, second)
+        metrics = sender.send(version)
+        gib = metrics["rollout/weight_sync_gib"]
+        assert (gib > 0) == (rank == SOURCE) and metrics["rollout/weight_sync_seconds"] > 0
+    if rank == SOURCE and bucket_bytes < 4096:
+        assert len(sender.buckets) > len(sender.metas) // 2  # tensors span buckets
+
+
+def _greedy(model, layout):
+    """Greedy tokens of two prompts from a kept engine (its decoder reads the live weights)."""
+    engine = KVCacheEngine(model, EngineOptions(decode_path="fused"), layout=layout)
+    params = SamplingParams(top_k=1, max_new_tokens=6, eos_id=0, vocab_size=VOCAB, ignore_eos=True)
+    return lambda: engine.generate([[5, 6, 7], [8, 9]], params, torch.Generator()).responses
+
+
+def _receive(chunks, layout, group, expected: list, decode: bool) -> None:
+    """Two versions in: the old weights (and with ``decode`` the engine's greedy tokens) stay
+    until ``swap``, the expected ones (and their tokens) follow it."""
+    greedy = _greedy(unwrap(chunks[0]), layout) if decode else (lambda: None)
+    old = _snapshot(chunks)
+    tokens = []
+    for values in [old, *expected]:
+        _restore(chunks, values)
+        tokens.append(greedy())
+    _restore(chunks, old)
+    assert _equal(chunks, expected[0]), "the generator starts from other weights"
+    assert not decode or tokens[0] != tokens[1], "the check must see the new weights"
+    receiver = WeightReceiver(chunks[0], layout, group, SOURCE)
     for version, want in zip((1, 2), expected, strict=True):
-        before = _snapshot(gen_chunks)
+        before, before_tokens = _snapshot(chunks), greedy()
         receiver.begin()
         while not receiver.poll():
-            assert not _equal(gen_chunks, before)  # decoding goes on with the old weights
-        assert not _equal(gen_chunks, before), "complete, but not swapped in yet"
+            assert not _equal(chunks, before)  # decoding goes on with the old weights
+        assert not _equal(chunks, before), "complete, but not swapped in yet"
+        assert greedy() == before_tokens
         metrics = receiver.swap()
         assert metrics["version"] == version == receiver.version
-        assert not _equal(gen_chunks, want), f"differ after the sync: {_equal(gen_chunks, want)}"
+        assert not _equal(chunks, want), f"differ after the sync: {_equal(chunks, want)}"
+        assert greedy() == tokens[version]  # the kept engine decodes with the new weights
         assert metrics["rollout/weight_sync_gib"] > 0
 
 
@@ -225,3 +252,24 @@ def _cases(rank: int, world: int, cases: list[tuple]) -> None:
 def test_sync_is_bit_exact_tp2_to_tp1_tp1_to_tp2_and_moe_ep2_to_ep1():
     """One spawn of 4 processes (2 trainer, 2 generator ranks) runs every case in turn."""
     run_distributed(_cases, 4, [*CASES.values(), *MOE_CASES.values()])
+
+
+@pytest.mark.gpu
+def test_sync_is_bit_exact_over_nccl_with_decode_graphs():
+    """4 GPUs: the same cases over NCCL (the receiver's side stream; bf16; the TP1 replicas'
+    engine keeps its CUDA graphs across the swap)."""
+    if torch.cuda.device_count() < 4:
+        pytest.skip("needs 4 GPUs")
+    run_distributed(_cases, 4, [*CASES.values(), *MOE_CASES.values()], backend="nccl")
+
+
+def test_bench_weight_sync_dry_run(tmp_path):
+    """tools/bench_weight_sync.py on CPU (gloo, 2 processes, tiny shapes): its table, and
+    every replica checked against the trainer."""
+    from tests.test_tools import run_tool
+
+    args = ("--trainer-tp", "1", "--replica-tp", "1")
+    stdout = run_tool("bench_weight_sync.py", *args, out=tmp_path, nproc=2)
+    assert "model | bucket MiB | GiB | sync s" in stdout
+    rows = json.loads(next(tmp_path.glob("bench_weight_sync_*.json")).read_text())["results"]
+    assert rows and all(r["ok"] and r["buckets"] > 1 for r in rows)
