@@ -147,10 +147,10 @@ def main() -> None:
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     from megatron_grpo.megatron.parallel import destroy_parallel
 
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
     if world <= args.trainer_tp or (world - args.trainer_tp) % args.replica_tp:
         raise SystemExit(
             f"world {world}: needs --trainer-tp {args.trainer_tp} ranks plus a multiple of "

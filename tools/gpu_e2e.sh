@@ -17,6 +17,9 @@
 #   bash tools/gpu_e2e.sh partial   # the dense twin on one GPU, toy task num_digits [8, 512]:
 #                                   # rollout.partial off vs on (tools/bench_partial.py; STEPS_PARTIAL,
 #                                   # 6 here; PARTIAL_MODES "off recompute"): bench_partial.md
+#   bash tools/gpu_e2e.sh async_sync # 4 GPUs: weight sync of the Qwen3-0.6B and -8B shapes,
+#                                   # trainer TP2 -> one TP2 replica, then -> two TP1 replicas
+#                                   # (tools/bench_weight_sync.py; SYNC_BUCKET_MIB "256 1024")
 #   bash tools/gpu_e2e.sh all       # dense, moe_twin, maxctx (may exceed a 10-minute limit)
 # Each mode runs every path of PATHS ("fused megatron"); the trainer must expose
 # lm_head.path (GRPOStep.logprob_path). Results under $OUT (at most 4 files):
@@ -343,6 +346,17 @@ case "$MODE" in
         echo "gpu_e2e partial: exit $status; results in $OUT"
         exit "$status"
         ;;
+    async_sync)
+        setup || exit 1
+        for rtp in 2 1; do
+            python3 -m torch.distributed.run --standalone --nproc-per-node 4 \
+                tools/bench_weight_sync.py --replica-tp "$rtp" \
+                --bucket-mib ${SYNC_BUCKET_MIB:-256 1024} --out "$OUT" 2>&1 | tee -a "$LOG" ||
+                status=1
+        done
+        echo "gpu_e2e async_sync: exit $status; results in $OUT"
+        exit "$status"
+        ;;
     all)
         setup || exit 1
         twin dense qwen3_8b_long_sp_twin 8192 4 || status=1
@@ -350,7 +364,7 @@ case "$MODE" in
         maxctx || status=1
         ;;
     *)
-        echo "usage: $0 [dense|moe|moe_twin|maxctx|step|partial|all]"
+        echo "usage: $0 [dense|moe|moe_twin|maxctx|step|partial|async_sync|all]"
         exit 2
         ;;
 esac

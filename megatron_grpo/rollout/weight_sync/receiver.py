@@ -138,21 +138,27 @@ class WeightReceiver:
         return dist.broadcast(t, self.source, group=self.sync_group, async_op=True)
 
     def _advance(self) -> None:
-        """Take completed buckets apart and post the next ones (on GPU: all of them, ordered
-        by the side stream; on CPU: as far as the completed ones allow)."""
+        """Post buckets while a buffer is free, take the oldest apart when it is ready: on GPU
+        once both buffers are posted (the side stream orders the copies after its broadcast and
+        the next broadcast into a buffer after its copies, so broadcast ``b + 1`` overlaps the
+        copies of ``b``; all of them are queued at once), on CPU once its broadcast completed."""
         while True:
-            while self._inflight and (self._cuda or self._inflight[0][1].is_completed()):
+            posted_all = self._next == len(self.buckets)
+            if self._inflight and (
+                (len(self._inflight) == len(self._buffers) or posted_all)
+                if self._cuda
+                else self._inflight[0][1].is_completed()
+            ):
                 b, work = self._inflight.popleft()
                 work.wait()  # GPU: the side stream waits; CPU: already complete
                 if self._copies[b][0]:  # empty: only padding rows this rank does not have
                     torch._foreach_copy_(*self._copies[b])
-            if self._next == len(self.buckets) or len(self._inflight) == len(self._buffers):
+            elif not posted_all and len(self._inflight) < len(self._buffers):
+                buf = self._buffers[self._next % 2][: self.buckets[self._next].nbytes]
+                self._inflight.append((self._next, self._broadcast(buf)))
+                self._next += 1
+            else:
                 return
-            b = self._next
-            self._inflight.append(
-                (b, self._broadcast(self._buffers[b % 2][: self.buckets[b].nbytes]))
-            )
-            self._next += 1
 
     def poll(self) -> bool:
         """Whether the version being received is complete (never blocks)."""
