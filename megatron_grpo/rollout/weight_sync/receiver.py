@@ -26,7 +26,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_grpo.megatron.layout import ParallelLayout
-from megatron_grpo.rollout.weight_sync.plan import Segment, TensorMeta, check_metas, plan_buckets
+from megatron_grpo.rollout.weight_sync.plan import (
+    Bucket,
+    Segment,
+    TensorMeta,
+    check_metas,
+    plan_buckets,
+)
 from megatron_grpo.rollout.weight_sync.sender import GIB, bytes_as
 from megatron_grpo.rollout.weight_sync.shards import Coords, SyncTensor, sync_tensors
 
@@ -57,19 +63,8 @@ class WeightReceiver:
         self.source, self.sync_group = source, sync_group
         own = {t.key: t for t in sync_tensors(model)}
         coords = Coords.of(model, layout)
-        got: list = [None, None]
-        dist.broadcast_object_list(got, src=source, group=sync_group)
-        metas, bucket_bytes = got
-        check_metas(
-            metas,
-            {
-                k: TensorMeta(k, t.global_shape(coords), str(t.dtype), t.vocab)
-                for k, t in own.items()
-            },
-        )
-        self.metas: list[TensorMeta] = metas
-        self.buckets = plan_buckets(metas, bucket_bytes)
-        tensors = [own[m.key] for m in metas]
+        self.metas, self.buckets = _sender_plan(own, coords, sync_group, source)
+        tensors = [own[m.key] for m in self.metas]
         self.device = tensors[0].params[0].device
         self.staging = [
             torch.zeros(t.local_shape, dtype=t.dtype, device=self.device) for t in tensors
@@ -204,6 +199,18 @@ class WeightReceiver:
             "rollout/weight_sync_gib": self.nbytes / GIB,
             "rollout/weight_swap_seconds": t1 - t0,
         }
+
+
+def _sender_plan(
+    own: dict[str, SyncTensor], coords: Coords, group: dist.ProcessGroup, source: int
+) -> tuple[list[TensorMeta], list[Bucket]]:
+    """The sender's tensors and buckets (from the source), checked against this rank's."""
+    got: list = [None, None]
+    dist.broadcast_object_list(got, src=source, group=group)
+    metas, bucket_bytes = got
+    mine = {k: TensorMeta(k, t.global_shape(coords), str(t.dtype), t.vocab) for k, t in own.items()}
+    check_metas(metas, mine)
+    return metas, plan_buckets(metas, bucket_bytes)
 
 
 def _swap_lists(tensors: list[SyncTensor], staging: list[Tensor]) -> tuple[list, list]:
