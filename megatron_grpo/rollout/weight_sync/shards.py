@@ -149,6 +149,12 @@ def sync_tensors(model: torch.nn.Module) -> list[SyncTensor]:
     """Every parameter of the GPTModel inside ``model`` (a chunk, wrapped or not; one pipeline
     stage) as :class:`SyncTensor`, in module order; keys are unique."""
     gpt = unwrap(model)
+    trained = [n for n, b in gpt.named_buffers() if n.endswith("expert_bias") and b is not None]
+    if trained:  # the only buffer training changes (aux-loss-free balancing): not carried
+        raise ValueError(
+            f"weight sync carries parameters only, not the router buffer {trained[0]} "
+            "(moe_router_enable_expert_bias)"
+        )
     out: list[SyncTensor] = []
     experts: set[str] = set()
     for prefix, module in gpt.named_modules():
