@@ -176,13 +176,14 @@ class WeightReceiver:
         copy: how long generation stops)."""
         if self._state != "receiving":
             raise RuntimeError("WeightReceiver.swap: begin() first")
-        while not self.poll():
-            if self._inflight and not self._cuda:
+        if self._cuda:  # complete first, so the swap's seconds are the copy's alone
+            self._done.synchronize()
+            torch.cuda.current_stream(self.device).wait_event(self._done)
+        else:
+            while not self.poll():  # not done: a broadcast is in flight
                 self._inflight[0][1].wait()
         self._header_work.wait()
         t0 = time.perf_counter()
-        if self._cuda:
-            torch.cuda.current_stream(self.device).wait_event(self._done)
         torch._foreach_copy_(self._live, self._staged)
         if self._cuda:
             torch.cuda.current_stream(self.device).synchronize()
