@@ -6,8 +6,8 @@ Qwen3-8B) and bucket size: one warm-up sync, then ``--iters`` timed ones (all ra
 together); one table row each with the median sender seconds (gather + broadcast until complete:
 ``rollout/weight_sync_seconds``), GiB sent and GiB/s, the generators' receive seconds (begin to
 complete) and swap seconds (the copy into the live parameters, the only stop of generation);
-every sync is checked (a checksum of each replica rank's parameters against the trainer's global
-weights cut to that rank).
+``ok``: after the last sync every replica's per-tensor float64 sums (real vocabulary rows) equal
+the trainer's (the bit-exact checks are tests/test_weight_sync.py's).
 
 On 4 GPUs (issue 41's targets: 0.6B <= 0.15 s, 8B <= 1.5 s; trainer TP2 -> one TP2 replica)::
 
