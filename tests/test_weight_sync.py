@@ -177,7 +177,7 @@ def _sync(rank: int, world: int, case: tuple) -> None:
         decode = gen_par.tensor_model_parallel_size == 1 and gen_cfg.num_moe_experts is None
         _receive(gen_chunks, gen_layout, group, expected, decode)
         return
-    sender = WeightSender(chunks[0], layout, group, SOURCE, bucket_bytes)
+    sender = WeightSender(chunks, layout, group, SOURCE, bucket_bytes)  # build_model's list
     for version in (1, 2):
         if version == 2:
             _restore(chunks, second)

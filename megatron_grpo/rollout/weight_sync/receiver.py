@@ -34,7 +34,7 @@ from megatron_grpo.rollout.weight_sync.plan import (
     plan_buckets,
 )
 from megatron_grpo.rollout.weight_sync.sender import GIB, bytes_as
-from megatron_grpo.rollout.weight_sync.shards import Coords, SyncTensor, sync_tensors
+from megatron_grpo.rollout.weight_sync.shards import Coords, SyncTensor, one_chunk, sync_tensors
 
 Copies = tuple[list[Tensor], list[Tensor]]  # (destinations, sources) of one bucket
 
@@ -61,6 +61,7 @@ class WeightReceiver:
         if layout.pp_size > 1:
             raise ValueError("weight sync needs pipeline_model_parallel_size == 1 on generators")
         self.source, self.sync_group = source, sync_group
+        model = one_chunk(model)
         own = {t.key: t for t in sync_tensors(model)}
         coords = Coords.of(model, layout)
         self.metas, self.buckets = _sender_plan(own, coords, sync_group, source)

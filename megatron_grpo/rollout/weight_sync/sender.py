@@ -26,6 +26,7 @@ from megatron_grpo.rollout.weight_sync.shards import (
     EXPERT_MODULES,
     Coords,
     SyncTensor,
+    one_chunk,
     sync_tensors,
 )
 
@@ -101,6 +102,7 @@ class WeightSender:
     ) -> None:
         if layout.pp_size > 1:
             raise ValueError("weight sync needs pipeline_model_parallel_size == 1 on the trainer")
+        model = one_chunk(model)
         self.tensors: list[SyncTensor] = sync_tensors(model)
         self.source, self.sync_group = source, sync_group
         self.is_source = dist.get_rank() == source

@@ -145,6 +145,15 @@ class SyncTensor:
         return out
 
 
+def one_chunk(model: torch.nn.Module | list[torch.nn.Module]) -> torch.nn.Module:
+    """The model chunk of ``build_model``'s list (one: no virtual pipeline stages)."""
+    if isinstance(model, (list, tuple)):
+        if len(model) != 1:
+            raise ValueError(f"weight sync needs one model chunk (no VPP), got {len(model)}")
+        return model[0]
+    return model
+
+
 def sync_tensors(model: torch.nn.Module) -> list[SyncTensor]:
     """Every parameter of the GPTModel inside ``model`` (a chunk, wrapped or not; one pipeline
     stage) as :class:`SyncTensor`, in module order; keys are unique."""
