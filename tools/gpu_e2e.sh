@@ -22,6 +22,9 @@
 #                                   # of twin, twin_partial (1 GPU), 8b, 8b_partial (Qwen3-8B
 #                                   # shape, TP4, 4 GPUs, MEMORY_LAYERS=4), each optionally
 #                                   # with _baseline (without the fix): memory_probe.md
+#   bash tools/gpu_e2e.sh async_sync # 4 GPUs: weight sync of the Qwen3-0.6B and -8B shapes,
+#                                   # trainer TP2 -> one TP2 replica, then -> two TP1 replicas
+#                                   # (tools/bench_weight_sync.py; SYNC_BUCKET_MIB "256 1024")
 #   bash tools/gpu_e2e.sh all       # dense, moe_twin, maxctx (may exceed a 10-minute limit)
 # Each mode runs every path of PATHS ("fused megatron"); the trainer must expose
 # lm_head.path (GRPOStep.logprob_path). Results under $OUT (at most 4 files):
@@ -376,6 +379,17 @@ case "$MODE" in
         echo "gpu_e2e memory: exit $status; tables in $OUT/memory_probe.md"
         exit "$status"
         ;;
+    async_sync)
+        setup || exit 1
+        for rtp in 2 1; do
+            python3 -m torch.distributed.run --standalone --nproc-per-node 4 \
+                tools/bench_weight_sync.py --replica-tp "$rtp" \
+                --bucket-mib ${SYNC_BUCKET_MIB:-256 1024} --out "$OUT" 2>&1 | tee -a "$LOG" ||
+                status=1
+        done
+        echo "gpu_e2e async_sync: exit $status; results in $OUT"
+        exit "$status"
+        ;;
     all)
         setup || exit 1
         twin dense qwen3_8b_long_sp_twin 8192 4 || status=1
@@ -383,7 +397,7 @@ case "$MODE" in
         maxctx || status=1
         ;;
     *)
-        echo "usage: $0 [dense|moe|moe_twin|maxctx|step|partial|memory|all]"
+        echo "usage: $0 [dense|moe|moe_twin|maxctx|step|partial|memory|async_sync|all]"
         exit 2
         ;;
 esac
