@@ -14,7 +14,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from megatron_grpo.rollout import decode_ops  # noqa: E402
+from megatron_grpo.rollout.engine import decode_ops  # noqa: E402
 from tests.interpreter import interpreter_only, run_interpreter_tests  # noqa: E402
 
 
@@ -129,7 +129,7 @@ def _sample_test(device="cpu"):
     from megatron_grpo.kernels import sample_rows
 
     from megatron_grpo.rollout import SamplingParams
-    from megatron_grpo.rollout.sampling import sample
+    from megatron_grpo.rollout.engine.sampling import sample
 
     g = torch.Generator().manual_seed(3)
     b, v, padded = 64, 300, 304

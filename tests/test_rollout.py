@@ -85,7 +85,8 @@ def _check_generation(chunks, prompts, params, got, want, multiple, forced) -> N
 
 def _single_body(rank: int, world: int) -> None:
     from megatron_grpo.megatron import ParallelConfig, unwrap
-    from megatron_grpo.rollout import EngineOptions, Generation, KVCacheEngine, decode_ops, generate
+    from megatron_grpo.rollout import EngineOptions, Generation, KVCacheEngine, generate
+    from megatron_grpo.rollout.engine import decode_ops
 
     _, chunks = _model(ParallelConfig())  # RoPE, GQA (4 q / 2 kv heads), qk-layernorm
     prompts = _prompts(9)
@@ -260,7 +261,7 @@ def test_compaction_moves_each_row_from_where_its_cache_is():
     any write): a row moved into a slot that later moves on again must come from its origin."""
     from types import SimpleNamespace
 
-    from megatron_grpo.rollout.engine import KVCacheEngine
+    from megatron_grpo.rollout.engine.kv_engine import KVCacheEngine
 
     for finished in ([1, 3], [0, 2, 3], [1, 2, 4, 5], [0, 5], [4]):
         slots = list(range(6))  # slot i holds the cache of sample i
@@ -291,8 +292,8 @@ def test_expandable_segments_turn_decode_graphs_off(monkeypatch, env, found):
     graphs are off with the reason in the start-up line; explicit graphs are an error."""
     from megatron_grpo.megatron.layout import ParallelLayout
     from megatron_grpo.rollout import EngineOptions, KVCacheEngine
-    from megatron_grpo.rollout import engine as engine_mod
-    from megatron_grpo.rollout.graphs import ALLOC_CONF_VARS, expandable_segments
+    from megatron_grpo.rollout.engine import kv_engine as engine_mod
+    from megatron_grpo.rollout.engine.graphs import ALLOC_CONF_VARS, expandable_segments
 
     for name in ALLOC_CONF_VARS:
         monkeypatch.delenv(name, raising=False)

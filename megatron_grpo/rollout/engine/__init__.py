@@ -5,7 +5,7 @@ prompt from an unwrapped GPTModel (PP = CP = 1) and returns a :class:`Generation
 ids (ending in a stop id unless cut at ``max_new_tokens``), the recorded log-prob of each
 response token, ``log_softmax(logits / temperature)[token]`` in fp32 over the real vocabulary,
 and ``routes``: with ``record_routes=True`` (MoE routing replay) per sample the routes of its
-tokens, int64 ``[P + R, L, k]`` (``megatron_grpo.rollout.routes``), else None.
+tokens, int64 ``[P + R, L, k]`` (``megatron_grpo.rollout.engine.routes``), else None.
 ``generator`` is a CPU generator seeded identically on every TP rank of the group.
 """
 
@@ -14,13 +14,13 @@ from __future__ import annotations
 import torch
 
 from megatron_grpo.megatron.layout import ParallelLayout
-from megatron_grpo.rollout import model_io
-from megatron_grpo.rollout.engine import EngineOptions, KVCacheEngine
-from megatron_grpo.rollout.params import SamplingParams
-from megatron_grpo.rollout.recompute import generate_recompute
-from megatron_grpo.rollout.routes import RouteLog, recording
-from megatron_grpo.rollout.run_state import Generation
-from megatron_grpo.rollout.sampling import sample
+from megatron_grpo.rollout.engine import model_io
+from megatron_grpo.rollout.engine.kv_engine import EngineOptions, KVCacheEngine
+from megatron_grpo.rollout.engine.params import SamplingParams
+from megatron_grpo.rollout.engine.recompute import generate_recompute
+from megatron_grpo.rollout.engine.routes import RouteLog, recording
+from megatron_grpo.rollout.engine.run_state import Generation
+from megatron_grpo.rollout.engine.sampling import sample
 
 __all__ = ["EngineOptions", "Generation", "KVCacheEngine", "SamplingParams", "generate", "sample"]
 

@@ -35,9 +35,9 @@ from torch import Tensor
 from megatron_grpo.megatron.attention.rope import PackedRopeSelfAttention
 from megatron_grpo.megatron.model.layer_spec import Norm, SwiGLUMLP
 from megatron_grpo.ops.dispatch import resolve_impl, triton_runs_on
-from megatron_grpo.rollout import decode_ops
-from megatron_grpo.rollout.decode_ops import DecodeKernels
-from megatron_grpo.rollout.kv_cache import KVCache, decode_attention, softmax_scale
+from megatron_grpo.rollout.engine import decode_ops
+from megatron_grpo.rollout.engine.decode_ops import DecodeKernels
+from megatron_grpo.rollout.engine.kv_cache import KVCache, decode_attention, softmax_scale
 
 PATHS = ("auto", "fused", "modules")
 IMPLS = ("auto", *decode_ops.IMPLS)

@@ -38,15 +38,15 @@ import torch.distributed as dist
 from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.megatron.moe.local_dispatch import host_sync_reason
 from megatron_grpo.megatron.parallel import all_reduce_max
-from megatron_grpo.rollout import fused_decode as fd
-from megatron_grpo.rollout import kv_cache as kvc
-from megatron_grpo.rollout import model_io as io
-from megatron_grpo.rollout.graphs import DecodeGraphs, expandable_segments
-from megatron_grpo.rollout.params import SamplingParams
-from megatron_grpo.rollout.requests import Request, start_run, write_back
-from megatron_grpo.rollout.routes import RouteLog, recording
-from megatron_grpo.rollout.run_state import Generation, Launched, Run
-from megatron_grpo.rollout.sampling import sample
+from megatron_grpo.rollout.engine import fused_decode as fd
+from megatron_grpo.rollout.engine import kv_cache as kvc
+from megatron_grpo.rollout.engine import model_io as io
+from megatron_grpo.rollout.engine.graphs import DecodeGraphs, expandable_segments
+from megatron_grpo.rollout.engine.params import SamplingParams
+from megatron_grpo.rollout.engine.requests import Request, start_run, write_back
+from megatron_grpo.rollout.engine.routes import RouteLog, recording
+from megatron_grpo.rollout.engine.run_state import Generation, Launched, Run
+from megatron_grpo.rollout.engine.sampling import sample
 
 
 @dataclass(frozen=True)
@@ -175,7 +175,7 @@ class KVCacheEngine:
         limits: list[int | None] | None = None,
     ) -> Generation:
         """Responses and log-probs, and with ``record_routes`` per sample its routes
-        ``[P + R, L, k]`` (MoE only; ``megatron_grpo.rollout.routes``). ``limits``: per
+        ``[P + R, L, k]`` (MoE only; ``megatron_grpo.rollout.engine.routes``). ``limits``: per
         sample its own response limit (None: ``params.max_new_tokens``)."""
         io.check_layout(self.layout)
         io.check_prompts(prompts, params, self.model.max_sequence_length)
@@ -199,7 +199,7 @@ class KVCacheEngine:
         keep_kv: bool = False,
         record_routes: bool = False,
     ) -> None:
-        """Continue ``requests`` (none finished; ``megatron_grpo.rollout.requests``) until all
+        """Continue ``requests`` (none finished; ``megatron_grpo.rollout.engine.requests``) until all
         finished or ``stop(finished [N] bool)`` is true between engine steps (an expert group
         stops when all its ranks' ``stop`` are); new tokens are tagged ``version``. Paused
         requests keep their cached rows on the host with ``keep_kv``; with ``record_routes``

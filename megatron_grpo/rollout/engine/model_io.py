@@ -19,7 +19,7 @@ from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.megatron.parallel import comm_device
 from megatron_grpo.ops.comm import TPInfo, all_gather_rows
 from megatron_grpo.ops.gemm import mm_f32
-from megatron_grpo.rollout.params import SamplingParams
+from megatron_grpo.rollout.engine.params import SamplingParams
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
