@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -57,7 +58,7 @@ def source_class(spec: str) -> type[GeneratedRollouts] | SourceFactory:
     return cls
 
 
-def check_source(source: object, cfg: RolloutConfig) -> RolloutSource:
+def check_source(source: Any, cfg: RolloutConfig) -> RolloutSource:
     """``source`` checked against the protocol (and, with ``rollout.filter_groups``, the
     ``next(step, round, count)`` of dynamic sampling)."""
     what = f"rollout.source {cfg.source!r}"
@@ -69,13 +70,13 @@ def check_source(source: object, cfg: RolloutConfig) -> RolloutSource:
             f"{what}: {type(source).__name__} lacks {', '.join(missing)} ({_PROTOCOL})"
         )
     if cfg.filter_groups.enabled:
-        params = inspect.signature(source.next).parameters  # type: ignore[attr-defined]
+        params = inspect.signature(source.next).parameters
         if not {"round", "count"} <= set(params):
             raise InputError(
                 f"{what}: rollout.filter_groups.enabled calls next(step, round, count), but "
                 f"{type(source).__name__}.next takes ({', '.join(params)})"
             )
-    return source  # type: ignore[return-value]
+    return source
 
 
 @dataclass
@@ -104,7 +105,7 @@ class RolloutPlan:
     def build(self, model: torch.nn.Module, layout: ParallelLayout, root: object) -> RolloutSource:
         """The run's source over ``model`` (the unwrapped policy, its first chunk), wrapped for
         partial rollouts and dynamic sampling; ``root``: the config a user class gets."""
-        source: RolloutSource
+        source: Any
         if self.factory is None:
             assert self.files is not None
             source = self.files
@@ -114,8 +115,8 @@ class RolloutPlan:
             if self.factory is GeneratedRollouts:
                 made = GeneratedRollouts(self.cfg, self.ctx, self.task, model, *dp)
             else:
-                made = self.factory(root, self.task, model, *dp)  # type: ignore[call-arg]
+                made = self.factory(root, self.task, model, *dp)
             source = check_source(made, self.cfg)
         if self.cfg.partial.enabled:  # requests outlive a step (rollout/partial.py)
-            source = PartialRollouts(source, self.cfg, self.ctx, layout)  # type: ignore[arg-type]
-        return maybe_filter(self.cfg, source, layout.dp_size, layout.dp_group)  # type: ignore[arg-type, return-value]
+            source = PartialRollouts(source, self.cfg, self.ctx, layout)
+        return maybe_filter(self.cfg, source, layout.dp_size, layout.dp_group)
