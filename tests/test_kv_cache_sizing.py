@@ -205,7 +205,7 @@ def _tp_body(rank: int, world: int) -> None:
     from megatron_grpo.megatron import ParallelConfig
     from megatron_grpo.rollout import EngineOptions, KVCacheEngine, generate
     from megatron_grpo.rollout.engine import kv_cache as kvc
-    from megatron_grpo.rollout.engine.kv_engine import _agree_min
+    from megatron_grpo.rollout.engine.kv_cache import _agree_min
 
     assert _agree_min(10 + rank, [dist.group.WORLD]) == 10
     assert _agree_min(7, []) == 7

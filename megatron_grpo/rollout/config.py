@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from megatron_grpo.config import check_positive
-from megatron_grpo.rollout.engine.kv_engine import EngineOptions
+from megatron_grpo.rollout.engine.options import EngineOptions
 from megatron_grpo.rollout.engine.params import SamplingParams
 from megatron_grpo.rollout.tasks.config import (
     BUILTIN_VERIFIERS,

@@ -15,7 +15,8 @@ import torch
 
 from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.rollout.engine import model_io
-from megatron_grpo.rollout.engine.kv_engine import EngineOptions, KVCacheEngine
+from megatron_grpo.rollout.engine.kv_engine import KVCacheEngine
+from megatron_grpo.rollout.engine.options import EngineOptions
 from megatron_grpo.rollout.engine.params import SamplingParams
 from megatron_grpo.rollout.engine.recompute import generate_recompute
 from megatron_grpo.rollout.engine.routes import RouteLog, recording

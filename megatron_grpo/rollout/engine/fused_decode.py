@@ -50,13 +50,16 @@ class DecodePlan:
     "modules", the kernels' ``impl`` and their functions (``kernels``: the fused step's ops and
     the sampler), the decode ``attention`` ("triton": exact row lengths, or "sdpa": the masked
     context bucket), and why the modules path was taken (``reason``; empty for the fused path).
-    ``str(plan)`` is the engine's start-up line."""
+    ``graphs``: decode steps replay CUDA graphs (``graphs.plan_graphs``; ``graphs_off``: why
+    not, where auto would). ``str(plan)`` is the engine's start-up line."""
 
     path: str
     impl: str
     kernels: DecodeKernels = field(repr=False, compare=False)
     reason: str = ""
     attention: str = "sdpa"
+    graphs: bool = False
+    graphs_off: str = ""
 
     def __str__(self) -> str:
         where = f"{self.path}/{self.impl}" if self.path == "fused" else f"modules ({self.reason})"
