@@ -14,10 +14,9 @@ import pytest
 import torch.distributed as dist
 
 from megatron_grpo.rollout.batch import RolloutBatch
-from megatron_grpo.rollout.config import RolloutConfig
+from megatron_grpo.rollout.config import BUILTIN_VERIFIERS, RolloutConfig
 from megatron_grpo.rollout.scoring import RewardScorer
 from megatron_grpo.rollout.tasks import DigitTokenizer, Prompt, ReverseDigitsTask, build_task
-from megatron_grpo.rollout.tasks.config import BUILTIN_VERIFIERS
 from megatron_grpo.rollout.tasks.reward import (
     PluginReward,
     RewardError,

@@ -11,10 +11,9 @@ import sys
 import pytest
 
 from megatron_grpo.config import ConfigError
-from megatron_grpo.rollout.config import RolloutConfig
+from megatron_grpo.rollout.config import DatasetConfig, RolloutConfig
 from megatron_grpo.rollout.source import sampling_params
 from megatron_grpo.rollout.tasks import DatasetTask, Prompt, build_task
-from megatron_grpo.rollout.tasks.config import DatasetConfig
 from megatron_grpo.rollout.tasks.dataset import MAX_LISTED, exact_match
 from megatron_grpo.train.config import load_train_config
 

@@ -3,16 +3,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from megatron_grpo.rollout.config import RolloutConfig
 from megatron_grpo.rollout.tasks.base import Prompt, Task, Tokenizer
 from megatron_grpo.rollout.tasks.dataset import DatasetTask
 from megatron_grpo.rollout.tasks.math import HFTokenizer, MathTask
 from megatron_grpo.rollout.tasks.reverse_digits import DigitTokenizer, ReverseDigitsTask
 from megatron_grpo.rollout.tasks.reward import PluginReward, load_reward_fn
-
-if TYPE_CHECKING:  # rollout/config.py imports tasks/config.py, which runs this package first
-    from megatron_grpo.rollout.config import RolloutConfig
 
 
 def build_task(cfg: RolloutConfig, seed: int) -> Task:

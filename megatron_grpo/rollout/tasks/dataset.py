@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from megatron_grpo.errors import InputError
+from megatron_grpo.rollout.config import DatasetConfig
 from megatron_grpo.rollout.tasks.base import Prompt
-from megatron_grpo.rollout.tasks.config import DatasetConfig
 from megatron_grpo.rollout.tasks.math import HFTokenizer, last_number
 
 SECTION = "rollout.dataset"
