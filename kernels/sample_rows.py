@@ -8,7 +8,7 @@ For row i with ``z = logits[i, :V] / temperature`` and a uniform ``u[i]`` in ``[
   it exceeds ``u * s`` (the last column with mass if rounding leaves the target above the end).
 
 ``logp = z[token] - lse``: ``log_softmax(z)[token]`` over the real vocabulary. This is the plain
-(no top-k / top-p) case of ``megatron_grpo.rollout.sampling.sample``, which is its reference:
+(no top-k / top-p) case of ``megatron_grpo.rollout.engine.sampling.sample``, its reference:
 the same token up to the rounding of the cumulative sums (a target within a few ulps of a CDF
 step can land on either side). Padded columns (``>= V``) are never read.
 """

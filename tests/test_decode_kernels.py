@@ -129,7 +129,7 @@ def _sample_test(device="cpu"):
     from megatron_grpo.kernels import sample_rows
 
     from megatron_grpo.rollout import SamplingParams
-    from megatron_grpo.rollout.sampling import sample
+    from megatron_grpo.rollout.engine.sampling import sample
 
     g = torch.Generator().manual_seed(3)
     b, v, padded = 64, 300, 304

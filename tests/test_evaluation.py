@@ -12,16 +12,17 @@ import pytest
 
 from megatron_grpo.config import ConfigError
 from megatron_grpo.megatron.layout import ParallelLayout
-from megatron_grpo.train.config import TrainConfig, load_train_config
-from megatron_grpo.train.evaluation import (
+from megatron_grpo.rollout.evaluation import (
     Evaluator,
     eval_metrics,
     eval_sampling_params,
     group_sums,
     shard,
 )
-from megatron_grpo.train.tasks import Prompt
-from megatron_grpo.train.tasks.reverse_digits import DigitTokenizer
+from megatron_grpo.rollout.source import sampling_params
+from megatron_grpo.rollout.tasks import Prompt
+from megatron_grpo.rollout.tasks.reverse_digits import DigitTokenizer
+from megatron_grpo.train.config import TrainConfig, load_train_config
 from tests.dist_utils import run_distributed
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny.yaml"
@@ -69,13 +70,22 @@ def test_config_errors_name_the_field(overrides, message):
         load_train_config(RECIPE, overrides)
 
 
+def _eval_params(cfg):
+    base = sampling_params(cfg.rollout, cfg.model.vocab_size, eos_id=12, task_stop_ids=[9])
+    return eval_sampling_params(cfg.evaluation, base)
+
+
+def _evaluator(cfg, task, layout):
+    return Evaluator(cfg.evaluation, cfg.rollout, cfg.rollout_context(), task, layout)
+
+
 def test_sampling_params_greedy_or_sampled():
-    greedy = eval_sampling_params(_cfg(), eos_id=12, stop_ids=[9])
+    greedy = _eval_params(_cfg())
     assert (greedy.temperature, greedy.top_k, greedy.top_p) == (1.0, 1, 1.0)
     cfg = _cfg(
         "evaluation.temperature=0.6", "rollout.sampling.top_p=0.9", "rollout.sampling.top_k=5"
     )
-    sampled = eval_sampling_params(cfg, eos_id=12, stop_ids=[9])
+    sampled = _eval_params(cfg)
     assert (sampled.temperature, sampled.top_k, sampled.top_p) == (0.6, 0, 1.0)
     assert sampled.max_new_tokens == cfg.rollout.max_response_length and sampled.stop_ids == (9,)
 
@@ -155,7 +165,7 @@ def _dp2_body(rank: int, world: int) -> None:
     import torch
     import torch.distributed as dist
 
-    import megatron_grpo.train.evaluation as ev
+    import megatron_grpo.rollout.evaluation as ev
     from megatron_grpo.megatron import ParallelConfig
     from megatron_grpo.megatron.parallel import destroy_parallel, initialize_parallel
     from megatron_grpo.rollout import Generation
@@ -174,7 +184,7 @@ def _dp2_body(rank: int, world: int) -> None:
         cfg = _cfg(f"evaluation.n_samples={N}", "evaluation.temperature=0.5",
                    f"training.steps={STEPS}", "rollout.engine.kind=recompute")  # fmt: skip
         task = _ValTask()
-        evaluator = Evaluator(cfg, task, layout)
+        evaluator = _evaluator(cfg, task, layout)
         monitor = _Monitor()
         evaluator.attach(torch.nn.Linear(1, 1), None, monitor)
         evaluator.log_initial(0, monitor)
@@ -205,10 +215,10 @@ def test_evaluator_over_two_dp_ranks():
 
 
 def test_evaluator_off_or_without_prompts():
-    off = Evaluator(load_train_config(RECIPE), None, ParallelLayout())
+    off = _evaluator(load_train_config(RECIPE), None, ParallelLayout())
     assert not off.enabled and off.after_step(5) == {}
     off.attach(None, None)  # no-ops
     with pytest.raises(ValueError, match="rollout.dataset.val_files has no prompts left"):
-        Evaluator(_cfg(), _ValTask(prompts=[]), ParallelLayout())
-    limited = Evaluator(_cfg("evaluation.max_prompts=2"), _ValTask(), ParallelLayout())
+        _evaluator(_cfg(), _ValTask(prompts=[]), ParallelLayout())
+    limited = _evaluator(_cfg("evaluation.max_prompts=2"), _ValTask(), ParallelLayout())
     assert [p.text for p in limited.prompts] == ["0", "1"] and limited.sources == ["even", "odd"]

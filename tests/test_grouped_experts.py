@@ -390,7 +390,7 @@ def _gpu_graphs_body(rank: int, world: int) -> None:
     """The engine captures the MoE model's decode steps in CUDA graphs (local dispatch, grouped
     GEMMs: no host sync) and samples what eager decode samples."""
     from megatron_grpo.rollout import EngineOptions, KVCacheEngine, generate
-    from megatron_grpo.rollout.params import SamplingParams
+    from megatron_grpo.rollout.engine.params import SamplingParams
 
     chunks = build_layout(ParallelConfig(), _moe_cfg(2, params_dtype="bfloat16"))
     model = unwrap(chunks[0])

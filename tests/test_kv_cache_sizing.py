@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_grpo.rollout.kv_cache import Headroom, memory_slots, require_slots
+from megatron_grpo.rollout.engine.kv_cache import Headroom, memory_slots, require_slots
 from tests.dist_utils import run_distributed
 
 GIB, MIB = 2**30, 2**20
@@ -92,7 +92,7 @@ def test_headroom_from_the_shapes():
     fixed: the scratch slot, RoPE and one prefill forward's activations."""
     from types import SimpleNamespace
 
-    from megatron_grpo.rollout import kv_cache as kvc
+    from megatron_grpo.rollout.engine import kv_cache as kvc
 
     cfg = SimpleNamespace(
         hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
@@ -136,7 +136,7 @@ def _params():
 
 
 def _fake_memory(monkeypatch, free: int, total: int) -> None:
-    from megatron_grpo.rollout import kv_cache as kvc
+    from megatron_grpo.rollout.engine import kv_cache as kvc
 
     monkeypatch.setattr(kvc, "device_memory", lambda device, cached=True: (free, total))
 
@@ -144,7 +144,7 @@ def _fake_memory(monkeypatch, free: int, total: int) -> None:
 def _single_body(rank: int, world: int) -> None:
     from megatron_grpo.megatron import ParallelConfig
     from megatron_grpo.rollout import EngineOptions, KVCacheEngine, generate
-    from megatron_grpo.rollout import kv_cache as kvc
+    from megatron_grpo.rollout.engine import kv_cache as kvc
 
     model = _engine_setup(ParallelConfig())
     prompts, params = _prompts(12), _params()
@@ -204,8 +204,8 @@ def _tp_body(rank: int, world: int) -> None:
 
     from megatron_grpo.megatron import ParallelConfig
     from megatron_grpo.rollout import EngineOptions, KVCacheEngine, generate
-    from megatron_grpo.rollout import kv_cache as kvc
-    from megatron_grpo.rollout.engine import _agree_min
+    from megatron_grpo.rollout.engine import kv_cache as kvc
+    from megatron_grpo.rollout.engine.kv_cache import _agree_min
 
     assert _agree_min(10 + rank, [dist.group.WORLD]) == 10
     assert _agree_min(7, []) == 7
@@ -234,7 +234,7 @@ def test_tp_ranks_agree_on_the_slot_count():
 def _gpu_body(rank: int, world: int) -> None:
     from megatron_grpo.megatron import ParallelConfig
     from megatron_grpo.rollout import EngineOptions, KVCacheEngine, generate
-    from megatron_grpo.rollout import kv_cache as kvc
+    from megatron_grpo.rollout.engine import kv_cache as kvc
 
     model = _engine_setup(ParallelConfig())  # fp32: streamed and batched tokens are equal
     prompts, params = _prompts(40, seed=2), _params()

@@ -149,7 +149,7 @@ def _auto(rank: int, world: int) -> None:
     planned optimizer state and grads on the GPU (device memory faked)."""
     from megatron_grpo.megatron import ParallelConfig, unwrap
     from megatron_grpo.megatron.layout import ParallelLayout
-    from megatron_grpo.rollout import kv_cache as kvc
+    from megatron_grpo.rollout.engine import kv_cache as kvc
     from megatron_grpo.train import offload as off
     from megatron_grpo.train.config import load_train_config
     from tests.megatron_utils import build_layout

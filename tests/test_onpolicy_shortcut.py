@@ -127,9 +127,9 @@ def test_missing_old_logprobs_is_an_error_unless_on_policy(path):
 
 # ---------------------------------------------------------------- the trainer, end to end
 def _trainer_body(rank: int, world: int, tmp: Path) -> None:
+    from megatron_grpo.rollout.batch import RolloutBatch
+    from megatron_grpo.rollout.files import write_rollouts
     from megatron_grpo.train.config import load_train_config
-    from megatron_grpo.train.rollout_batch import RolloutBatch
-    from megatron_grpo.train.rollout_io import write_rollouts
     from megatron_grpo.train.trainer import Trainer
 
     prompts = [[11, d, (d + 1) % 10, 10] for d in range(4) for _ in range(2)]

@@ -27,7 +27,7 @@ def _load(model: torch.nn.Module, weights: list[torch.Tensor]) -> None:
 
 
 def _requests(prompts, uniforms, limits=None):
-    from megatron_grpo.rollout.requests import Request
+    from megatron_grpo.rollout.engine.requests import Request
 
     limits = limits or [None] * len(prompts)
     return [Request(p, u, k) for p, u, k in zip(prompts, uniforms, limits, strict=True)]
@@ -37,8 +37,8 @@ def _teacher_forced(model, reqs, params, version: int):
     """For every token of ``version``: the token and log-prob the recompute oracle samples from
     its prefix under the current weights with its uniform number."""
     from megatron_grpo.megatron.layout import ParallelLayout
-    from megatron_grpo.rollout import model_io as io
-    from megatron_grpo.rollout.sampling import sample
+    from megatron_grpo.rollout.engine import model_io as io
+    from megatron_grpo.rollout.engine.sampling import sample
 
     seqs, uniforms, want = [], [], []
     for r in reqs:
@@ -139,7 +139,7 @@ def _keep_into_smaller_cache(model, prompts, uniforms, params, options) -> None:
     import dataclasses
 
     from megatron_grpo.rollout import KVCacheEngine
-    from megatron_grpo.rollout.kv_cache import CacheShape
+    from megatron_grpo.rollout.engine.kv_cache import CacheShape
 
     got = _requests(prompts, uniforms)
     KVCacheEngine(model, options).run_requests(
@@ -162,7 +162,7 @@ def test_kv_keep_equals_uninterrupted_generation_with_the_same_weight_schedule()
 
 
 def test_num_digits_range_is_log_uniform_and_limits_responses():
-    from megatron_grpo.train.tasks import ReverseDigitsTask
+    from megatron_grpo.rollout.tasks import ReverseDigitsTask
 
     task = ReverseDigitsTask([2, 64], seed=3)
     prompts = task.prompts(0, 400)

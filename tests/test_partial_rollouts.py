@@ -92,7 +92,7 @@ def test_resume_mid_carried_requests_equals_uninterrupted(tmp_path, kv):
 def _agree_body(rank: int, world: int, tmp: Path, tp: int) -> None:
     import torch.distributed as dist
 
-    from megatron_grpo.train.partial import partial_source
+    from megatron_grpo.rollout.partial import partial_source
 
     on = ("rollout.partial.enabled=true", "rollout.partial.over_provision=1.0")
     trainer, history = _train(tmp, "agree", "training.steps=2", *on, tp=tp)

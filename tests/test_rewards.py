@@ -13,19 +13,19 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from megatron_grpo.train.config import BUILTIN_VERIFIERS, RolloutConfig
-from megatron_grpo.train.rollout_batch import RolloutBatch
-from megatron_grpo.train.scoring import RewardScorer
-from megatron_grpo.train.tasks import DigitTokenizer, Prompt, ReverseDigitsTask, build_task
-from megatron_grpo.train.tasks.reward import (
+from megatron_grpo.rollout.batch import RolloutBatch
+from megatron_grpo.rollout.config import BUILTIN_VERIFIERS, RolloutConfig
+from megatron_grpo.rollout.scoring import RewardScorer
+from megatron_grpo.rollout.tasks import DigitTokenizer, Prompt, ReverseDigitsTask, build_task
+from megatron_grpo.rollout.tasks.reward import (
     PluginReward,
     RewardError,
     load_reward_fn,
     reward_value,
 )
-from megatron_grpo.train.tasks.verifiers import VERIFIERS, extract_answer, to_number
-from megatron_grpo.train.tasks.verifiers import exact_match as exact_match_verifier
-from megatron_grpo.train.tasks.verifiers import math as math_verifier
+from megatron_grpo.rollout.tasks.verifiers import VERIFIERS, extract_answer, to_number
+from megatron_grpo.rollout.tasks.verifiers import exact_match as exact_match_verifier
+from megatron_grpo.rollout.tasks.verifiers import math as math_verifier
 from tests.dist_utils import run_distributed
 
 TOK = DigitTokenizer()

@@ -261,7 +261,7 @@ def test_compaction_moves_each_row_from_where_its_cache_is():
     any write): a row moved into a slot that later moves on again must come from its origin."""
     from types import SimpleNamespace
 
-    from megatron_grpo.rollout.engine import KVCacheEngine
+    from megatron_grpo.rollout.engine.kv_engine import KVCacheEngine
 
     for finished in ([1, 3], [0, 2, 3], [1, 2, 4, 5], [0, 5], [4]):
         slots = list(range(6))  # slot i holds the cache of sample i
@@ -292,8 +292,13 @@ def test_expandable_segments_turn_decode_graphs_off(monkeypatch, env, found):
     graphs are off with the reason in the start-up line; explicit graphs are an error."""
     from megatron_grpo.megatron.layout import ParallelLayout
     from megatron_grpo.rollout import EngineOptions, KVCacheEngine
-    from megatron_grpo.rollout import engine as engine_mod
-    from megatron_grpo.rollout.graphs import ALLOC_CONF_VARS, expandable_segments
+    from megatron_grpo.rollout.engine import kv_engine as engine_mod
+    from megatron_grpo.rollout.engine.fused_decode import DecodePlan
+    from megatron_grpo.rollout.engine.graphs import (
+        ALLOC_CONF_VARS,
+        expandable_segments,
+        plan_graphs,
+    )
 
     for name in ALLOC_CONF_VARS:
         monkeypatch.delenv(name, raising=False)
@@ -304,12 +309,14 @@ def test_expandable_segments_turn_decode_graphs_off(monkeypatch, env, found):
         return
     assert expandable_segments().startswith(next(iter(env)) + "=")
     model = SimpleNamespace(config=SimpleNamespace(num_moe_experts=None))  # a dense GPU model
-    monkeypatch.setattr(engine_mod.io, "model_device", lambda m: torch.device("cuda"))
-    monkeypatch.setattr(engine_mod.fd, "plan_decode", lambda *a, **k: None)
-    layout = ParallelLayout()
-    engine = KVCacheEngine(model, layout=layout)
-    assert not engine.use_graphs and engine.graphs is None
-    assert engine.graphs_off == f"off: {expandable_segments()}"
+    assert plan_graphs(model, None, cuda=True) == (False, f"off: {expandable_segments()}")
     with pytest.raises(ValueError, match="decode graphs do not capture with .*expandable"):
-        KVCacheEngine(model, EngineOptions(cuda_graphs=True), layout=layout)
-    assert KVCacheEngine(model, EngineOptions(cuda_graphs=False), layout=layout).graphs_off == ""
+        plan_graphs(model, True, cuda=True)
+    assert plan_graphs(model, False, cuda=True) == (False, "")
+    # the engine carries the decision in its decode plan
+    monkeypatch.setattr(engine_mod.io, "model_device", lambda m: torch.device("cuda"))
+    plan = DecodePlan("modules", "torch", None, "chosen")
+    monkeypatch.setattr(engine_mod.fd, "plan_decode", lambda *a, **k: plan)
+    engine = KVCacheEngine(model, EngineOptions(), layout=ParallelLayout())
+    assert not engine.use_graphs and engine.graphs is None and not engine.decode.graphs
+    assert engine.graphs_off == engine.decode.graphs_off == f"off: {expandable_segments()}"

@@ -1,5 +1,5 @@
 """The engine's memory between calls: its KV cache is unreferenced once a call returns and
-returned to the driver (``rollout/memory_release.py``), and the optimizer state of the first
+returned to the driver (``rollout/engine/memory_release.py``), and the optimizer state of the first
 step lands in segments of its own (``train/optimizer_memory.py``): the ~20 GiB that stayed "in
 use" from step 2 on (issue 42) and the smaller cache of partial rollouts (issue 41)."""
 
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_grpo.rollout import memory_release
+from megatron_grpo.rollout.engine import memory_release
 from megatron_grpo.train import optimizer_memory
 from tests.dist_utils import run_distributed
 
@@ -69,9 +69,9 @@ def _engine_body(rank: int, world: int) -> None:
     (also with kept rows, ``keep_kv``), and each call releases memory before sizing and after."""
     from megatron_grpo.megatron import ParallelConfig, unwrap
     from megatron_grpo.rollout import EngineOptions, KVCacheEngine, SamplingParams
-    from megatron_grpo.rollout import kv_cache as kvc
+    from megatron_grpo.rollout.engine import kv_cache as kvc
     from megatron_grpo.rollout.engine import memory_release as engine_release
-    from megatron_grpo.rollout.requests import Request
+    from megatron_grpo.rollout.engine.requests import Request
     from tests.megatron_utils import build_layout, tiny_model
 
     model = unwrap(build_layout(ParallelConfig(), tiny_model(init_method_std=0.3))[0])

@@ -22,9 +22,9 @@ from megatron_grpo.megatron.moe.routing_replay import (
     replay_routes,
 )
 from megatron_grpo.rollout import EngineOptions, KVCacheEngine, SamplingParams, generate
-from megatron_grpo.rollout.kv_cache import CacheShape
+from megatron_grpo.rollout.batch import RolloutBatch
+from megatron_grpo.rollout.engine.kv_cache import CacheShape
 from megatron_grpo.train.batching import make_mini_batches
-from megatron_grpo.train.rollout_batch import RolloutBatch
 from tests.dist_utils import run_distributed
 from tests.megatron_utils import VOCAB, build_layout, tiny_model, train_grads
 from tests.test_routing_replay import _router_grad, _twin_routers

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from megatron_grpo.config import ConfigError
+from megatron_grpo.rollout.batch import RolloutBatch
+from megatron_grpo.rollout.build import source_class
+from megatron_grpo.rollout.source import GeneratedRollouts
 from megatron_grpo.train.config import load_train_config
-from megatron_grpo.train.rollout_batch import RolloutBatch
-from megatron_grpo.train.rollout_source import GeneratedRollouts, source_class
 from tests.dist_utils import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,7 +22,7 @@ from megatron_grpo.megatron.moe.routing_replay import (
     replay_mismatch,
     replay_routes,
 )
-from megatron_grpo.train.rollout_io import read_rollouts, write_rollouts
+from megatron_grpo.rollout.files import read_rollouts, write_rollouts
 from tests.dist_utils import run_distributed
 from tests.megatron_utils import build_layout, make_sequences, pack, tiny_model, train_grads
 

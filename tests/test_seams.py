@@ -238,8 +238,8 @@ def test_only_the_layout_and_model_builders_read_parallel_state():
 
 # ---------------------------------------------------------------- one-way dependencies
 
-# The rooms and what each may import (train -> megatron -> ops -> kernels; loss/ imports no
-# Megatron and no ops). "<megatron-core>": the third-party megatron package.
+# The rooms and what each may import (train -> rollout -> megatron -> ops -> kernels; loss/
+# imports no Megatron and no ops; rollout/ never imports train/). "<megatron-core>": the third-party megatron package.
 # Leaf modules every room may import (they import nothing of the package): the user-input
 # error type and the third-party warnings log.
 LEAVES = {"errors", "warning_log"}
@@ -314,6 +314,46 @@ def test_rooms_import_one_way():
             if src is not None and dst not in (None, src) and dst not in ALLOWED[src]:
                 bad.append(f"{name} imports {target}")
     assert not bad, "back-edges between rooms:\n" + "\n".join(sorted(set(bad)))
+
+
+def test_the_engine_knows_nothing_of_the_rollout_wing():
+    """rollout/engine/ generates from prompts; the wing around it (sources, partial rollouts,
+    dynamic sampling, scoring, tasks) drives it, never the reverse."""
+    bad = [
+        f"{name} imports {target}"
+        for name, path in _modules().items()
+        if name.startswith("megatron_grpo.rollout.engine")
+        for target in _imports(path, runtime_only=False)
+        if target.startswith("megatron_grpo.rollout.")
+        and not target.startswith("megatron_grpo.rollout.engine")
+    ]
+    assert not bad, "the engine reaches into the wing:\n" + "\n".join(sorted(set(bad)))
+
+
+# The trainer's room keeps the loop, optimizer, checkpoint, metrics, run directory and stop
+# handling (everything that produces scored samples lives in rollout/); both rooms stay small.
+TRAIN_MAX_FILES = 19
+MAX_FILE_LINES = 500
+MAX_FUNCTION_LINES = 60
+
+
+def test_train_and_rollout_rooms_stay_small():
+    train_files = sorted((PACKAGE / "train").rglob("*.py"))
+    assert len(train_files) <= TRAIN_MAX_FILES, [str(p.relative_to(ROOT)) for p in train_files]
+    long_files, long_functions = [], []
+    for room in ("train", "rollout"):
+        for path in sorted((PACKAGE / room).rglob("*.py")):
+            text = path.read_text()
+            where = path.relative_to(ROOT)
+            if len(text.splitlines()) > MAX_FILE_LINES:
+                long_files.append(f"{where}: {len(text.splitlines())} lines")
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    size = node.end_lineno - node.lineno + 1
+                    if size > MAX_FUNCTION_LINES:
+                        long_functions.append(f"{where}:{node.lineno} {node.name}: {size} lines")
+    assert not long_files, f"files over {MAX_FILE_LINES} lines: {long_files}"
+    assert not long_functions, f"functions over {MAX_FUNCTION_LINES} lines: {long_functions}"
 
 
 def _import_graph(runtime_only: bool) -> dict[str, set[str]]:

@@ -163,7 +163,7 @@ def test_swiglu_mlp_equals_megatron_mlp():
 
 def _decode_support_body(rank: int, world: int) -> None:
     from megatron_grpo.megatron import unwrap
-    from megatron_grpo.rollout.fused_decode import unsupported
+    from megatron_grpo.rollout.engine.fused_decode import unsupported
 
     for bias in (False, True):
         chunks = build_layout(ParallelConfig(), tiny_model(add_bias_linear=bias))

@@ -11,10 +11,11 @@ import sys
 import pytest
 
 from megatron_grpo.config import ConfigError
-from megatron_grpo.train.config import DatasetConfig, RolloutConfig, load_train_config
-from megatron_grpo.train.rollout_source import sampling_params
-from megatron_grpo.train.tasks import DatasetTask, Prompt, build_task
-from megatron_grpo.train.tasks.dataset import MAX_LISTED, exact_match
+from megatron_grpo.rollout.config import DatasetConfig, RolloutConfig
+from megatron_grpo.rollout.source import sampling_params
+from megatron_grpo.rollout.tasks import DatasetTask, Prompt, build_task
+from megatron_grpo.rollout.tasks.dataset import MAX_LISTED, exact_match
+from megatron_grpo.train.config import load_train_config
 
 tokenizers = pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
@@ -222,7 +223,9 @@ def test_stop_ids_come_from_generation_config(tmp_path, chat_tok):
     task = _task(_jsonl(tmp_path / "a.jsonl", PLAIN), chat_tok)
     assert task.tokenizer.eos_id == 1 and task.stop_ids == (2,)  # [1, 2] minus eos
     cfg = load_train_config(None, ["model.vocab_size=32", "rollout.sampling.stop_ids=[5, 2]"])
-    params = sampling_params(cfg, task.tokenizer.eos_id, task.stop_ids)
+    params = sampling_params(
+        cfg.rollout, cfg.model.vocab_size, task.tokenizer.eos_id, task.stop_ids
+    )
     assert params.stop_ids == (5, 2) and params.stops == {1, 2, 5}
     one = _save_tokenizer(tmp_path / "one", generation_eos=2)  # an int works too
     assert _task(_jsonl(tmp_path / "b.jsonl", PLAIN), one).stop_ids == (2,)

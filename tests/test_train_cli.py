@@ -101,8 +101,8 @@ def test_reward_errors_print_from_the_failing_replica(monkeypatch, capsys):
     """Bad input is printed by rank 0 (every rank meets it); a reward failure by the first rank
     of the replica that failed, which need not be rank 0 (data parallel)."""
     from megatron_grpo.errors import InputError
+    from megatron_grpo.rollout.tasks.reward import RewardError
     from megatron_grpo.train import __main__ as cli
-    from megatron_grpo.train.tasks.reward import RewardError
 
     monkeypatch.setenv("RANK", "2")  # DP replica 1 of TP 2: its first rank, not rank 0
     monkeypatch.setattr(cli, "_replica_leader", lambda: True)

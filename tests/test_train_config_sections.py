@@ -203,10 +203,12 @@ def test_recipes_use_the_new_keys(recipe):
 
 def test_the_sections_pass_through_to_generation(monkeypatch):
     """``sampling_params`` completes ``rollout.sampling``; the engine gets ``rollout.engine``."""
-    from megatron_grpo.train import rollout_source
+    from megatron_grpo.rollout import source as rollout_source
 
     cfg = _load_quietly(RECIPE, ["rollout.sampling.top_k=2", "rollout.sampling.stop_ids=[5]"])
-    params = rollout_source.sampling_params(cfg, eos_id=12, task_stop_ids=[5, 6])
+    params = rollout_source.sampling_params(
+        cfg.rollout, cfg.model.vocab_size, eos_id=12, task_stop_ids=[5, 6]
+    )
     want = dataclasses.replace(
         cfg.rollout.sampling, max_new_tokens=cfg.rollout.max_response_length, eos_id=12,
         vocab_size=cfg.model.vocab_size, stop_ids=(5, 6),
@@ -215,13 +217,13 @@ def test_the_sections_pass_through_to_generation(monkeypatch):
     fake = type("FakeEngine", (), {"__init__": lambda self, model, o, ctx: setattr(self, "o", o)})
     fake.decode, fake.use_graphs, fake.graphs_off = "fake", False, ""
     monkeypatch.setattr(rollout_source, "KVCacheEngine", fake)
-    assert rollout_source.build_engine(cfg, model=None).o is cfg.rollout.engine
+    assert rollout_source.build_engine(cfg.rollout, model=None).o is cfg.rollout.engine
     recompute = _load_quietly(RECIPE, ["rollout.engine.kind=recompute"])
-    assert rollout_source.build_engine(recompute, model=None) is None
+    assert rollout_source.build_engine(recompute.rollout, model=None) is None
 
 
 def test_generation_needs_the_runtime_fields():
-    from megatron_grpo.rollout.model_io import check_prompts
+    from megatron_grpo.rollout.engine.model_io import check_prompts
 
     with pytest.raises(ValueError, match="needs max_new_tokens, eos_id, vocab_size to generate"):
         check_prompts([[1]], SamplingParams(), max_sequence_length=16)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_grpo.train.config import load_train_config
-from megatron_grpo.train.dynamic_sampling import (
+from megatron_grpo.rollout.batch import RolloutBatch
+from megatron_grpo.rollout.dynamic_sampling import (
     ALL_CORRECT,
     ALL_PARTIAL,
     ALL_WRONG,
@@ -23,7 +23,7 @@ from megatron_grpo.train.dynamic_sampling import (
     maybe_filter,
     merge_round_metrics,
 )
-from megatron_grpo.train.rollout_batch import RolloutBatch
+from megatron_grpo.train.config import load_train_config
 from tests.dist_utils import run_distributed
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny.yaml"
@@ -66,7 +66,9 @@ class _Scripted:
         if round == 0:
             start = step * self.cfg.rollout.num_prompts + self.dp_rank * self.per_rank
         else:
-            start = extra_round_first_prompt(self.cfg, step, round, self.dp_rank, self.per_rank)
+            start = extra_round_first_prompt(
+                self.cfg.rollout.num_prompts, step, round, self.dp_rank, self.per_rank
+            )
         ids = [start + k for k in range(count) for _ in range(G)]
         rewards = [r for k in range(count) for r in _REWARDS[self.kind(start + k)]]
         responses = [[1] * (1 + j % 3) for j in range(len(ids))]  # 1, 2 or 3 tokens
@@ -108,7 +110,7 @@ def test_zero_variance_groups_are_dropped_and_replaced_by_fresh_prompts():
     source, inner = _filtered(cfg, lambda i: base.get(i, "mixed"))
     batch = source.next(0)
     assert inner.calls == [(0, 0), (0, 1)]  # one extra round was enough
-    first = extra_round_first_prompt(cfg, 0, 1, 0, 4)
+    first = extra_round_first_prompt(cfg.rollout.num_prompts, 0, 1, 0, 4)
     assert first >= EXTRA_PROMPTS_BASE
     assert list(dict.fromkeys(batch.group_ids)) == [0, first, first + 1, first + 2]
     assert batch.rewards == _REWARDS["mixed"] * 4 and len(batch) == 4 * G
@@ -130,14 +132,14 @@ def test_zero_variance_groups_are_dropped_and_replaced_by_fresh_prompts():
 def test_extra_prompts_are_new_for_every_step_round_and_rank():
     cfg = load_train_config(RECIPE, ["rollout.num_prompts=8"])
     starts = [
-        extra_round_first_prompt(cfg, step, rnd, rank, 4)
+        extra_round_first_prompt(cfg.rollout.num_prompts, step, rnd, rank, 4)
         for step in range(3) for rnd in (1, 2, 1024) for rank in range(2)
     ]  # fmt: skip
     ranges = sorted((s, s + 4) for s in starts)
     assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:], strict=False))
     assert ranges[0][0] >= EXTRA_PROMPTS_BASE > 10**9 * 8
     with pytest.raises(ValueError, match="extra round"):
-        extra_round_first_prompt(cfg, 0, 0, 0, 4)
+        extra_round_first_prompt(cfg.rollout.num_prompts, 0, 0, 0, 4)
 
 
 @pytest.mark.parametrize(("tolerance", "rounds"), [("1e-6", 2), ("1e-8", 1)])
@@ -151,7 +153,9 @@ def test_the_tolerance_decides_what_is_dropped(tolerance, rounds):
 
 def test_rounds_stop_at_the_cap_and_the_earliest_zero_variance_groups_fill():
     cfg = _cfg("rollout.filter_groups.max_extra_rounds=2")
-    informative = extra_round_first_prompt(cfg, 0, 2, 0, 4)  # round 2's first group
+    informative = extra_round_first_prompt(
+        cfg.rollout.num_prompts, 0, 2, 0, 4
+    )  # round 2's first group
     source, inner = _filtered(cfg, lambda i: "mixed" if i == informative else "correct")
     batch = source.next(0)
     assert inner.calls == [(0, 0), (0, 1), (0, 2)]
@@ -169,14 +173,14 @@ def test_shortfall_rounds_generate_what_the_missing_groups_need(round_size, coun
     batch = source.next(0)
     # 3 informative groups of 4: the missing one needs ceil(1 * 4 / 3) = 2 prompts
     assert inner.counts == counts
-    first = extra_round_first_prompt(cfg, 0, 1, 0, 4)
+    first = extra_round_first_prompt(cfg.rollout.num_prompts, 0, 1, 0, 4)
     assert list(dict.fromkeys(batch.group_ids)) == [0, 2, 3, first]
     assert source.metrics()["rollout/groups_generated"] == sum(counts)
 
 
 def test_shortfall_rounds_are_full_while_no_group_is_informative():
     cfg = _cfg("rollout.filter_groups.round_size=shortfall")
-    mixed = extra_round_first_prompt(cfg, 0, 1, 0, 4) + 3
+    mixed = extra_round_first_prompt(cfg.rollout.num_prompts, 0, 1, 0, 4) + 3
     source, inner = _filtered(cfg, lambda i: "mixed" if i == mixed else "wrong")
     source.next(0)
     # round 1 (full): 1 informative of 8 generated -> 3 missing need 24 prompts, capped at 4
@@ -199,8 +203,10 @@ def test_same_seed_same_batch_and_disabled_is_a_no_op():
     runs = [_filtered(cfg, lambda i: kinds[i % 6])[0] for _ in range(2)]
     assert runs[0].next(3) == runs[1].next(3) and runs[0].metrics() == runs[1].metrics()
     inner = _Scripted(cfg, lambda i: "mixed")
-    assert maybe_filter(_cfg("rollout.filter_groups.enabled=false"), inner, 1, None) is inner
-    assert isinstance(maybe_filter(cfg, inner, 2, None), FilteredRollouts)
+    assert (
+        maybe_filter(_cfg("rollout.filter_groups.enabled=false").rollout, inner, 1, None) is inner
+    )
+    assert isinstance(maybe_filter(cfg.rollout, inner, 2, None), FilteredRollouts)
 
 
 def test_engine_metrics_merge_over_rounds():
@@ -225,7 +231,7 @@ class _ScriptedTask:
         self.task, self.tokenizer, self.calls = task, task.tokenizer, 0
 
     def prompts(self, start: int, n: int):
-        from megatron_grpo.train.tasks import Prompt
+        from megatron_grpo.rollout.tasks import Prompt
 
         ps = self.task.prompts(start, n)
         return [Prompt(p.ids, p.text, str(start + k)) for k, p in enumerate(ps)]
@@ -242,7 +248,7 @@ def _dp_body(rank: int, world: int, tmp: Path) -> None:
     import torch.distributed as dist
 
     from megatron_grpo.megatron.model.build import unwrap
-    from megatron_grpo.train.rollout_source import GeneratedRollouts
+    from megatron_grpo.rollout.source import GeneratedRollouts
     from megatron_grpo.train.trainer import Trainer
 
     cfg = _cfg(
@@ -253,9 +259,12 @@ def _dp_body(rank: int, world: int, tmp: Path) -> None:
     )  # fmt: skip
     trainer = Trainer(cfg)
     toy = trainer.source.inner.task
+    ctx = cfg.rollout_context()
 
     def source(round_size: str = "full") -> FilteredRollouts:
-        inner = GeneratedRollouts(cfg, _ScriptedTask(toy), unwrap(trainer.model[0]), rank, world)
+        inner = GeneratedRollouts(
+            cfg.rollout, ctx, _ScriptedTask(toy), unwrap(trainer.model[0]), rank, world
+        )
         calls, generate = [], inner.next
         inner.next = lambda *args: calls.append(args) or generate(*args)
         inner.calls = calls
@@ -274,7 +283,7 @@ def _dp_body(rank: int, world: int, tmp: Path) -> None:
     assert all_calls(running) == [[(0, 0, 4), (0, 1, 4), (1, 0, 4)]] * 2
     assert (m0["rollout/filter_rounds"], m0["rollout/groups_generated"]) == (2.0, 16.0)
     assert (m0["rollout/groups_all_correct"], m0["rollout/groups_kept"]) == (1.0, 8.0)
-    extra = extra_round_first_prompt(cfg, 0, 1, rank, 4)
+    extra = extra_round_first_prompt(cfg.rollout.num_prompts, 0, 1, rank, 4)
     want = [0, 1, 2, 3] if rank == 0 else [5, 6, 7, extra]
     assert list(dict.fromkeys(step0.group_ids)) == want
     # a resumed run builds its source fresh at step 1: the same batch, token for token
@@ -283,7 +292,7 @@ def _dp_body(rank: int, world: int, tmp: Path) -> None:
     small = source("shortfall")
     assert small.next(0) == step0 and all_calls(small) == [[(0, 0, 4), (0, 1, 2)]] * 2
     # round 0 samples with the seeds of a run without filter_groups; every round has its own
-    seeds = [running.inner._generator(0, k).initial_seed() for k in range(3)]
+    seeds = [running.inner.generator(0, k).initial_seed() for k in range(3)]
     assert seeds[0] == random.Random(f"{cfg.training.seed}/0/{rank}").getrandbits(63)
     assert len(set(seeds)) == 3
     trainer.source.inner.task = _ScriptedTask(toy)

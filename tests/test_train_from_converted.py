@@ -131,7 +131,7 @@ def _torchrun(recipe: Path) -> None:
 @pytest.mark.slow
 def test_torchrun_tp2_trains_from_a_converted_hf_checkpoint(tmp_path):
     from megatron_grpo.convert import hf_to_mcore
-    from megatron_grpo.train.rollout_io import read_rollouts
+    from megatron_grpo.rollout.files import read_rollouts
 
     hf = _save_tiny_hf(tmp_path / "hf")
     ckpt = hf_to_mcore(hf, tmp_path / "mcore")  # TP=1 layout, vocab padded 13 -> 128

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from megatron_grpo.train.rollout_batch import RolloutBatch
-from megatron_grpo.train.rollout_io import RolloutFileSource, read_rollouts, write_rollouts
+from megatron_grpo.rollout.batch import RolloutBatch
+from megatron_grpo.rollout.files import RolloutFileSource, read_rollouts, write_rollouts
 
 HAVE_PYARROW = importlib.util.find_spec("pyarrow") is not None
 
@@ -159,20 +159,21 @@ def test_rollouts_are_checked_against_the_model(tmp_path, bad, message):
 
 def test_file_rollout_source_checks_rewards_and_takes_each_ranks_groups(tmp_path):
     from megatron_grpo.rollout import SamplingParams
+    from megatron_grpo.rollout.source import FileRollouts, sampling_params
     from megatron_grpo.train.config import TrainConfig
-    from megatron_grpo.train.rollout_source import FileRollouts, sampling_params
 
     write_rollouts(_batch(), tmp_path / "a.jsonl")
     write_rollouts(_batch(with_rewards=False), tmp_path / "b" / "r.jsonl")
     cfg = TrainConfig()
     cfg.rollout.num_prompts, cfg.training.steps = 2, 1
     cfg.rollout.input_path = str(tmp_path / "a.jsonl")
-    rank1 = FileRollouts(cfg, dp_rank=1, dp_size=2).next(0)  # the second group
+    ctx = cfg.rollout_context()
+    rank1 = FileRollouts(cfg.rollout, ctx, dp_rank=1, dp_size=2).next(0)  # the second group
     assert rank1.prompt_ids == [[4, 5], [4, 5]] and rank1.rewards == [0.25, -1.5]
-    assert not FileRollouts.generated and FileRollouts(cfg, 0, 2).metrics() == {}
+    assert not FileRollouts.generated and FileRollouts(cfg.rollout, ctx, 0, 2).metrics() == {}
     cfg.rollout.input_path = str(tmp_path / "b")
     with pytest.raises(ValueError, match="r.jsonl:1: .* must carry a 'reward' column"):
-        FileRollouts(cfg, 0, 1)
+        FileRollouts(cfg.rollout, ctx, 0, 1)
     cfg.rollout.sampling = SamplingParams(stop_ids=(20,))
     with pytest.raises(ValueError, match="rollout.sampling.stop_ids 20 is outside the vocabulary"):
-        sampling_params(cfg, eos_id=12)
+        sampling_params(cfg.rollout, cfg.model.vocab_size, eos_id=12)

@@ -69,9 +69,9 @@ def test_plain_python_run_is_a_world_of_one(tmp_path):
 
 
 def _file_body(rank: int, world: int, tmp: Path) -> None:
+    from megatron_grpo.rollout.batch import RolloutBatch
+    from megatron_grpo.rollout.files import write_rollouts
     from megatron_grpo.train.config import load_train_config
-    from megatron_grpo.train.rollout_batch import RolloutBatch
-    from megatron_grpo.train.rollout_io import write_rollouts
     from megatron_grpo.train.trainer import NonFiniteError, Trainer
 
     def batch(logprob: float) -> RolloutBatch:
@@ -121,9 +121,9 @@ def test_file_rollouts_train_and_nonfinite_inputs_skip_then_abort(tmp_path):
 def _cp_body(rank: int, world: int, tmp: Path) -> None:
     import torch.distributed as dist
 
+    from megatron_grpo.rollout.batch import RolloutBatch
+    from megatron_grpo.rollout.files import write_rollouts
     from megatron_grpo.train.config import load_train_config
-    from megatron_grpo.train.rollout_batch import RolloutBatch
-    from megatron_grpo.train.rollout_io import write_rollouts
     from megatron_grpo.train.trainer import Trainer
 
     prompts = [[11, d, (d + 1) % 10, 10] for d in range(4) for _ in range(2)]

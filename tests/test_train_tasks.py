@@ -9,15 +9,15 @@ import types
 
 import pytest
 
-from megatron_grpo.train.config import RolloutConfig
-from megatron_grpo.train.tasks import (
+from megatron_grpo.rollout.config import RolloutConfig
+from megatron_grpo.rollout.tasks import (
     DigitTokenizer,
     MathTask,
     ReverseDigitsTask,
     build_task,
     load_reward_fn,
 )
-from megatron_grpo.train.tasks.math import last_number
+from megatron_grpo.rollout.tasks.math import last_number
 
 
 def test_digit_tokenizer_round_trip_and_errors():

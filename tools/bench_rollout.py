@@ -70,7 +70,7 @@ def build(args: argparse.Namespace):
 
 def roofline(model, cfg, args, tbps: float) -> float:
     """New tokens/s if each decode step only streamed weights + K/V at HBM bandwidth."""
-    from megatron_grpo.rollout.kv_cache import CacheShape
+    from megatron_grpo.rollout.engine.kv_cache import CacheShape
 
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     per_token = CacheShape.of(model).bytes_per_token

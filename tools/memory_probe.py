@@ -167,7 +167,7 @@ def table(rows: list[dict], title: str) -> str:
 
 def disable_release() -> None:
     """``--baseline``: the engine's and the first step's releases do nothing."""
-    from megatron_grpo.rollout import memory_release
+    from megatron_grpo.rollout.engine import memory_release
     from megatron_grpo.train import optim
 
     memory_release.release = lambda device, dropped=None: True

@@ -167,9 +167,9 @@ def world_size_hint(parallel, world: int) -> str:
 
 def _train(cfg, resume: bool, overwrite: bool, stop: StopRequest, argv: list[str], log) -> int:
     # Imported after the config is valid: Megatron's import is slow and noisy.
+    from megatron_grpo.rollout.tasks.reward import RewardError
     from megatron_grpo.train.checkpoint import CheckpointError
     from megatron_grpo.train.rundir import RunDirError, release_locks
-    from megatron_grpo.train.tasks.reward import RewardError
     from megatron_grpo.train.trainer import Trainer
 
     t0 = time.perf_counter()
@@ -201,9 +201,9 @@ def report_error(e: BaseException) -> int:
 
     Every rank meets the same bad input (all of them read the config, the data and the
     checkpoint): rank 0 prints it. A reward function fails on one data-parallel replica's
-    samples and reaches that replica's peers from its scoring rank (``train/scoring.py``): the
+    samples and reaches that replica's peers from its scoring rank (``rollout/scoring.py``): the
     replica's first rank prints it (rank 0 may not have failed at all)."""
-    from megatron_grpo.train.tasks.reward import RewardError
+    from megatron_grpo.rollout.tasks.reward import RewardError
 
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
     if _replica_leader() if isinstance(e, RewardError) else rank == 0:

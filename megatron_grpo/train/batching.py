@@ -17,7 +17,7 @@ from torch import Tensor
 from megatron_grpo.megatron.batch.packing import PackedBatch, pack_sequences, padded_layout
 from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.megatron.parallel import all_reduce_max
-from megatron_grpo.train.rollout_batch import RolloutBatch
+from megatron_grpo.rollout.batch import RolloutBatch
 
 PER_TOKEN_INPUTS = ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
 

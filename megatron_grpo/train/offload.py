@@ -29,8 +29,8 @@ import torch
 
 from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.megatron.model.build import unwrap
-from megatron_grpo.rollout import kv_cache as kvc
-from megatron_grpo.rollout import memory_release
+from megatron_grpo.rollout.engine import kv_cache as kvc
+from megatron_grpo.rollout.engine import memory_release
 from megatron_grpo.train import comm
 from megatron_grpo.train import optimizer_memory as om
 from megatron_grpo.train.config import TrainConfig

@@ -15,10 +15,10 @@ import torch
 
 from megatron_grpo.loss import reduce_metrics
 from megatron_grpo.megatron.layout import ParallelLayout
+from megatron_grpo.rollout.batch import RolloutBatch
+from megatron_grpo.rollout.scoring import TIMEOUTS
+from megatron_grpo.rollout.source import RolloutSource
 from megatron_grpo.train import comm
-from megatron_grpo.train.rollout_batch import RolloutBatch
-from megatron_grpo.train.rollout_source import RolloutSource
-from megatron_grpo.train.scoring import TIMEOUTS
 
 
 @contextlib.contextmanager

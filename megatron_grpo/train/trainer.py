@@ -33,27 +33,21 @@ from megatron_grpo.megatron.moe.metrics import moe_loss_metrics
 from megatron_grpo.megatron.moe.routing_replay import RoutingReplay
 from megatron_grpo.megatron.parallel import initialize_parallel, seed_everything
 from megatron_grpo.megatron.step.forward import GRPOStep, get_forward_backward_func
+from megatron_grpo.rollout.batch import RolloutBatch
+from megatron_grpo.rollout.build import RolloutPlan
+from megatron_grpo.rollout.evaluation import Evaluator
+from megatron_grpo.rollout.files import write_rollouts
+from megatron_grpo.rollout.partial import offpolicy_metrics, partial_source
+from megatron_grpo.rollout.source import RolloutSource
 from megatron_grpo.train import checkpoint as ckpt
 from megatron_grpo.train import step_metrics as sm
 from megatron_grpo.train.batching import attach_logprobs, make_mini_batches
 from megatron_grpo.train.config import TrainConfig, check_checkpoint_architecture
-from megatron_grpo.train.dynamic_sampling import maybe_filter
-from megatron_grpo.train.evaluation import Evaluator
 from megatron_grpo.train.monitor import Monitor, truncate_jsonl, write_resolved_config
 from megatron_grpo.train.nonfinite import NonFiniteError, NonFiniteGuard
 from megatron_grpo.train.offload import RolloutOffload
 from megatron_grpo.train.offload import decide as offload_decision
 from megatron_grpo.train.optim import build_optimizer, optimizer_step, zero_grads
-from megatron_grpo.train.partial import PartialRollouts, offpolicy_metrics, partial_source
-from megatron_grpo.train.rollout_batch import RolloutBatch
-from megatron_grpo.train.rollout_io import write_rollouts
-from megatron_grpo.train.rollout_source import (
-    FileRollouts,
-    RolloutSource,
-    build_checked_task,
-    build_source,
-    source_class,
-)
 from megatron_grpo.train.rundir import RunDirError, claim_run_dirs
 from megatron_grpo.train.stop import Stopped, StopRequest
 from megatron_grpo.train.writer_queue import install_writer_queue
@@ -77,44 +71,58 @@ class Trainer:
         self.stop = stop if stop is not None else StopRequest.from_config(cfg.training)
         self.stopped: Stopped | None = None  # set when the run stopped early (``train/stop.py``)
         self.layout = initialize_parallel(cfg.parallel, cfg.training.seed)
-        self._claim_run_dirs(resume, overwrite)
-        if resume and cfg.checkpoint.dir is not None:  # before the slow model build
-            if (latest := ckpt.latest_checkpoint(cfg.checkpoint.dir)) is not None:
-                ckpt.check_resume_layout(latest, cfg.parallel)
-        if cfg.checkpoint.dir is not None:  # outlives a signal to the process group, for the save
-            with self.stop.shielding_children():
-                install_writer_queue()
         self.dp_rank, self.dp_size = self.layout.dp_rank, self.layout.dp_size
+        self._claim_run_dirs(resume, overwrite)
+        # Files, the task, the validation prompts and a rollout.source class are opened (and
+        # checked) before the slow model build.
+        plan = self._open_rollouts()
+        self._setup_models()
+        policy = unwrap(self.model[0])
+        self._setup_offload(policy)
+        self.source: RolloutSource = plan.build(policy, self.layout, cfg)
+        self._setup_step()
+        self.start_step, skipped = self._load(resume)
+        self._saved_step = self.start_step  # the newest step with a checkpoint of this run
+        self.monitor = Monitor(cfg.logging, cfg.training.steps, self.layout.is_logging_rank)
+        self.guard = NonFiniteGuard(
+            cfg.training.max_consecutive_nonfinite_skips, self.monitor.message, skipped
+        )
+        self.stop.announce = self.monitor.enabled
+        if self.monitor.enabled:
+            # A resume with no step left (a finished run) keeps the run's config.yaml as it is.
+            finished = resume and self.start_step >= cfg.training.steps
+            write_resolved_config(cfg, to_dict(cfg), self.dp_size, write=not finished)
+            truncate_jsonl(cfg.logging.metrics_path, self.start_step)
+        self.evaluator.attach(policy, self.source, self.monitor)
+
+    def _setup_offload(self, policy: torch.nn.Module) -> None:
+        """``training.offload_during_rollout``: decided once from the plan, said in one line."""
+        offload, line = offload_decision(self.cfg, policy, self.layout)
+        self.offload = RolloutOffload(self.model, self.optimizer, offload)
+        if line and torch.distributed.get_rank() == 0:
+            print(line, flush=True)
+
+    def _open_rollouts(self) -> RolloutPlan:
+        """The rollout source's plan and the evaluator (the ``evaluation:`` section; off: a
+        no-op), both checked before the model is built."""
+        cfg = self.cfg
         if cfg.rollout.num_prompts % self.dp_size:
             raise ConfigError(
                 f"rollout.num_prompts={cfg.rollout.num_prompts} must be divisible by the "
                 f"data-parallel size {self.dp_size}"
             )
-        # Files, the task, the validation prompts and a rollout.source class are opened (and
-        # checked) before the slow model build.
-        r, dp = cfg.rollout, (self.dp_rank, self.dp_size)
-        files = FileRollouts(cfg, *dp) if r.source == "files" else None
-        task = build_checked_task(cfg) if files is None or cfg.evaluation.enabled else None
-        factory = source_class(r.source) if files is None else None
-        self.evaluator = Evaluator(cfg, task, self.layout)  # the evaluation: section (off: a no-op)
-        self._setup_models()
-        policy = unwrap(self.model[0])
-        offload, line = offload_decision(cfg, policy, self.layout)  # one start-up line
-        self.offload = RolloutOffload(self.model, self.optimizer, offload)
-        if line and torch.distributed.get_rank() == 0:
-            print(line, flush=True)
-        self.source: RolloutSource = (
-            build_source(factory, cfg, task, policy, *dp) if factory is not None else files
-        )
-        dp_group = self.layout.dp_group
-        if r.partial.enabled:  # requests outlive a step (train/partial.py)
-            self.source = PartialRollouts(self.source, cfg, self.layout)
-        self.source = maybe_filter(cfg, self.source, self.dp_size, dp_group)  # filter_groups
-        # One optimizer step per rollout batch: the old policy is the current one, so the
-        # update's own detached log-probs are the old log-probs (no old-log-prob pass). Not
-        # with tokens of older versions: the old pass is the proximal policy of the IS correction.
-        t = cfg.training
-        stale = r.partial.enabled and r.partial.max_staleness > 0
+        ctx = cfg.rollout_context()
+        plan = RolloutPlan.open(cfg.rollout, ctx, self.layout, cfg.evaluation.enabled)
+        self.evaluator = Evaluator(cfg.evaluation, cfg.rollout, ctx, plan.task, self.layout)
+        return plan
+
+    def _setup_step(self) -> None:
+        """The step function and routing replay. One optimizer step per rollout batch: the old
+        policy is the current one, so the update's own detached log-probs are the old log-probs
+        (no old-log-prob pass). Not with tokens of older versions: the old pass is the proximal
+        policy of the IS correction."""
+        cfg, t, p = self.cfg, self.cfg.training, self.cfg.rollout.partial
+        stale = p.enabled and p.max_staleness > 0
         self.on_policy = t.on_policy_shortcut and t.mini_batches_per_step == 1 and not stale
         self.step_fn = GRPOStep.from_options(
             cfg.loss,
@@ -132,21 +140,8 @@ class Trainer:
             on_policy=self.on_policy,
             log_without_replay=t.log_mismatch_without_replay,
             log_ratio_clamp=cfg.loss.log_ratio_clamp,
-            dp_group=dp_group,
+            dp_group=self.layout.dp_group,
         )
-        self.start_step, skipped = self._load(resume)
-        self._saved_step = self.start_step  # the newest step with a checkpoint of this run
-        self.monitor = Monitor(cfg.logging, cfg.training.steps, self.layout.is_logging_rank)
-        self.guard = NonFiniteGuard(
-            t.max_consecutive_nonfinite_skips, self.monitor.message, skipped
-        )
-        self.stop.announce = self.monitor.enabled
-        if self.monitor.enabled:
-            # A resume with no step left (a finished run) keeps the run's config.yaml as it is.
-            finished = resume and self.start_step >= cfg.training.steps
-            write_resolved_config(cfg, to_dict(cfg), self.dp_size, write=not finished)
-            truncate_jsonl(cfg.logging.metrics_path, self.start_step)
-        self.evaluator.attach(policy, self.source, self.monitor)
 
     def _setup_models(self) -> None:
         cfg = self.cfg
@@ -195,19 +190,19 @@ class Trainer:
         if partial is None:
             return
         saved = state.get("rank_state") or {}
-        if "partial" in saved:
-            partial.load_state_dict(saved["partial"])
-            return
-        partial.position = int(state["step"]) * partial.per_rank  # the synchronous run's prompts
-        if torch.distributed.get_rank() == 0:
-            print(
-                "resume: rollout.partial starts with no requests in flight (the checkpoint "
-                "holds none for this world size: a run without partial rollouts, or another "
-                "number of ranks)",
-                flush=True,
-            )
+        if not partial.restore(saved.get("partial"), int(state["step"])):
+            if torch.distributed.get_rank() == 0:
+                print(
+                    "resume: rollout.partial starts with no requests in flight (the checkpoint "
+                    "holds none for this world size: a run without partial rollouts, or another "
+                    "number of ranks)",
+                    flush=True,
+                )
 
     def _claim_run_dirs(self, resume: bool, overwrite: bool) -> None:
+        """The run's directories, the resumed checkpoint's layout (before the slow model build)
+        and the checkpoint writer's queue (it outlives a signal to the process group, for the
+        save)."""
         c = self.cfg
         claim_run_dirs(
             c.logging.metrics_path,
@@ -217,6 +212,12 @@ class Trainer:
             resume=resume,
             overwrite=overwrite,
         )
+        if c.checkpoint.dir is None:
+            return
+        if resume and (latest := ckpt.latest_checkpoint(c.checkpoint.dir)) is not None:
+            ckpt.check_resume_layout(latest, c.parallel)
+        with self.stop.shielding_children():
+            install_writer_queue()
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> list[dict[str, float]]:

@@ -1,6 +1,6 @@
 """Reward plug-ins: ``rollout.reward_fn`` names a function by import path
 (``"pkg.module:function"``), by file (``"path/to/file.py:function"``) or a built-in verifier
-(``exact_match``, ``math``: :mod:`megatron_grpo.train.tasks.verifiers`).
+(``exact_match``, ``math``: :mod:`megatron_grpo.rollout.tasks.verifiers`).
 
 Calling convention, decided once from the function's signature:
 
@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 
 from megatron_grpo.errors import InputError
-from megatron_grpo.train.plugins import load_object
-from megatron_grpo.train.tasks.base import Prompt, Tokenizer
-from megatron_grpo.train.tasks.verifiers import VERIFIERS
+from megatron_grpo.rollout.plugins import load_object
+from megatron_grpo.rollout.tasks.base import Prompt, Tokenizer
+from megatron_grpo.rollout.tasks.verifiers import VERIFIERS
 
 VERL_KEYWORDS = ("data_source", "solution_str", "ground_truth", "extra_info")
 # Metric names the trainer logs itself under reward/: a dict reward may not use them as keys.
@@ -158,7 +158,7 @@ class PluginReward:
     """Adapts a :class:`RewardFunction` to ``Task.reward``: decodes the response (its final eos
     stripped) and calls the function in its convention.
 
-    The scoring helper (``train/scoring.py``) uses :meth:`call_args` and ``fn`` separately (the
+    The scoring helper (``rollout/scoring.py``) uses :meth:`call_args` and ``fn`` separately (the
     call may run in a worker process); calling the object returns the checked score."""
 
     def __init__(self, fn: RewardFunction, tokenizer: Tokenizer) -> None:

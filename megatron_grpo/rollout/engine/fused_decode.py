@@ -37,7 +37,7 @@ from megatron_grpo.megatron.model.layers import Norm, SwiGLUMLP
 from megatron_grpo.ops.kernels import check_choice, resolve_impl, triton_runs_on
 from megatron_grpo.ops.layers import decode as decode_ops
 from megatron_grpo.ops.layers.decode import DecodeKernels
-from megatron_grpo.rollout.kv_cache import KVCache, decode_attention, softmax_scale
+from megatron_grpo.rollout.engine.kv_cache import KVCache, decode_attention, softmax_scale
 
 PATHS = ("auto", "fused", "modules")
 
@@ -48,13 +48,16 @@ class DecodePlan:
     "modules", the kernels' ``impl`` and their functions (``kernels``: the fused step's ops and
     the sampler), the decode ``attention`` ("triton": exact row lengths, or "sdpa": the masked
     context bucket), and why the modules path was taken (``reason``; empty for the fused path).
-    ``str(plan)`` is the engine's start-up line."""
+    ``graphs``: decode steps replay CUDA graphs (``graphs.plan_graphs``; ``graphs_off``: why
+    not, where auto would). ``str(plan)`` is the engine's start-up line."""
 
     path: str
     impl: str
     kernels: DecodeKernels = field(repr=False, compare=False)
     reason: str = ""
     attention: str = "sdpa"
+    graphs: bool = False
+    graphs_off: str = ""
 
     def __str__(self) -> str:
         where = f"{self.path}/{self.impl}" if self.path == "fused" else f"modules ({self.reason})"

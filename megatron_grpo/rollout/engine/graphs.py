@@ -18,6 +18,8 @@ from collections.abc import Callable, Hashable
 
 import torch
 
+from megatron_grpo.megatron.moe.local_dispatch import host_sync_reason
+
 # The allocator settings' environment variables (the second is torch >= 2.9's name).
 ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
@@ -35,6 +37,32 @@ def expandable_segments() -> str | None:
             if key.strip() == "expandable_segments" and setting.strip().lower() == "true":
                 return f"{name}={value}"
     return None
+
+
+def plan_graphs(model: torch.nn.Module, requested: bool | None, cuda: bool) -> tuple[bool, str]:
+    """Whether decode steps replay CUDA graphs (``rollout.engine.cuda_graphs``: None = auto), and
+    why they are off where auto would have them on ("" otherwise; the start-up line says it).
+    Auto: on for a model on GPU whose decode step never syncs with the host (megatron-core's
+    MoE dispatchers do: data-dependent shapes) outside expandable segments. An explicit request
+    that cannot be honoured is an error."""
+    moe = None if model.config.num_moe_experts is None else host_sync_reason(model)
+    if requested and (not cuda or moe):
+        why = f"MoE: {moe}" if moe else "a GPU"
+        raise ValueError(
+            f"rollout.engine.cuda_graphs needs a model whose decode step never syncs with "
+            f"the host on GPU, not {why}; set it to null (auto) or false"
+        )
+    expandable = expandable_segments() if cuda else None
+    if requested and expandable:
+        raise ValueError(
+            f"rollout.engine.cuda_graphs: decode graphs do not capture with {expandable} "
+            "(expandable segments); unset that setting or set cuda_graphs to null / false"
+        )
+    if requested is not None:
+        return requested, ""
+    if cuda and (moe or expandable):
+        return False, f"off: {expandable}" if expandable else f"off: MoE {moe}"
+    return cuda, ""
 
 
 class DecodeGraphs:

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_grpo.rollout.params import SamplingParams
-from megatron_grpo.rollout.run_state import Run
+from megatron_grpo.rollout.engine.params import SamplingParams
+from megatron_grpo.rollout.engine.run_state import Run
 
 
 @dataclass

@@ -1,10 +1,12 @@
-"""The KV cache of the generation engine and the attention that reads and writes it.
+"""The KV cache of the generation engine, its sizing and the attention that reads and writes it.
 
 One buffer ``kv [L, 2, slots + 1, n_kv, S, d]`` holds the keys (RoPE applied) and values of this
 rank's L layers for ``slots`` sequences of up to S tokens; the extra last slot is scratch that
 padding tokens write into. Rows are independent sequences at their own positions (no shared
 offset, no left padding): a decode query attends to its own row's keys ``[0, pos]`` through a
-key-padding mask, so ragged prompts decode exactly as if each ran alone.
+key-padding mask, so ragged prompts decode exactly as if each ran alone. :class:`CacheSizer`
+decides how many slots a call's cache holds (the budget, the memory it may take, the agreement
+of the TP / expert groups).
 
 :class:`CachedAttention` replaces each layer's core attention (the portable ``SDPAttention`` or
 Transformer Engine's) for the duration of a generation call:
@@ -26,14 +28,19 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron_grpo.megatron.attention.packed import packed_causal_attention
 from megatron_grpo.megatron.attention.sdpa import sdpa
+from megatron_grpo.megatron.layout import ParallelLayout
+from megatron_grpo.megatron.parallel import all_reduce_max
 from megatron_grpo.ops.kernels import triton_kernels
 from megatron_grpo.ops.layers.rope import rope_reference
+from megatron_grpo.rollout.engine import memory_release
+from megatron_grpo.rollout.engine.options import EngineOptions
 
 
 @dataclass(frozen=True)
@@ -179,6 +186,166 @@ def require_slots(
         "rollout.engine.kv_cache_fraction, shorten the sequences or set "
         "rollout.engine.kv_cache_gib"
     )
+
+
+class CacheSizer:
+    """How many sequences the engine's cache holds at a call, decided here and nowhere else.
+
+    The budget is ``rollout.engine.kv_cache_gib`` when set (on CPU without it:
+    :data:`CPU_KV_CACHE_GIB`), else sized from the GPU's memory at each call
+    (``kv_cache_fraction`` of the total, less what is in use and the call's :class:`Headroom`);
+    the ranks of the TP group and of the expert group agree on the smallest count, and the
+    expert group's ranks then hold equal slot counts (it pads decode batches to its largest).
+    A cache that some rank cannot place in one piece is sized again from the driver's free
+    memory alone. One log line (global rank 0) at the first call and whenever the cache holds
+    fewer sequences than ever before."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        options: EngineOptions,
+        layout: ParallelLayout,
+        max_context: int | None,
+        graphs: bool,
+    ) -> None:
+        """``max_context``: the longest prompt + response any call brings (None: each call's
+        own); ``graphs``: decode steps replay CUDA graphs (their pool counts in the headroom)."""
+        self.model, self.options, self.layout = model, options, layout
+        self.max_context, self.graphs = max_context, graphs
+        self._reported_slots: int | None = None  # the fewest slots logged so far
+
+    def allocate(
+        self, prompts: list[list[int]], max_new_tokens: int, kept: KVCache | None
+    ) -> KVCache:
+        """The cache of a call over ``prompts``: ``kept`` (the engine's previous one, with
+        ``keep_cache``) when it is as long and holds enough slots, else a new one (``kept``
+        freed first)."""
+        shape = CacheShape.of(self.model)
+        if self.options.kv_cache_gib is None:  # sized from free memory: unused segments back
+            memory_release.release(next(self.model.parameters()).device)
+        longest = max(len(p) for p in prompts) + max_new_tokens
+        longest = max(longest, self.max_context or 0)
+        bucket = self.options.context_bucket
+        seq_len = min(-(-longest // bucket) * bucket, self.model.max_sequence_length)
+        cache = None
+        for cached in (True, False):  # False: again, from the driver's free memory alone
+            budget, sizing = self._budget_slots(prompts, shape, seq_len, kept, cached)
+            slots = min(len(prompts), budget)
+            group = self.layout.expert_tp_ep_group
+            if group is not None:  # equal slot counts: the group pads decode batches to its largest
+                slots = all_reduce_max([slots], group, torch.int64)[0]
+            if (
+                kept is not None
+                and (kept.shape, kept.seq_len) == (shape, seq_len)
+                and kept.slots >= slots
+            ):
+                cache = kept
+                break
+            kept = None  # the kept one, if any, is freed before the new one is allocated
+            cache = self._new_cache(shape, slots, seq_len, last=not cached)
+            if cache is not None:
+                break
+            torch.cuda.empty_cache()  # whole free segments back to the driver
+        self._report(cache, len(prompts), budget, sizing)
+        return cache
+
+    def _budget_slots(
+        self,
+        prompts: list[list[int]],
+        shape: CacheShape,
+        seq_len: int,
+        kept: KVCache | None,
+        cached: bool,
+    ) -> tuple[int, str]:
+        """Sequences of ``seq_len`` tokens the budget holds, and how it was set (for the log).
+        Sized from memory, every rank of the TP / EP groups takes the smallest count."""
+        o = self.options
+        device = next(self.model.parameters()).device
+        memory = None if o.kv_cache_gib is not None else device_memory(device, cached)
+        if memory is None:  # an explicit budget, or the CPU default: exactly as set
+            gib = CPU_KV_CACHE_GIB if o.kv_cache_gib is None else o.kv_cache_gib
+            default = " (the CPU default)" if o.kv_cache_gib is None else ""
+            return slots_for_budget(shape, gib, seq_len), f"kv_cache_gib={gib}{default}"
+        free, total = memory
+        if kept is not None:  # freed before a new cache is allocated
+            free += kept.kv.numel() * kept.kv.element_size()
+        lens = sorted(len(p) for p in prompts)
+        prefill = max(lens[-1], min(o.max_prefill_tokens, sum(lens)))
+        headroom = Headroom.of(self.model, shape, seq_len, prefill, self.graphs)
+        per_seq = shape.bytes_per_token * seq_len
+        local = memory_slots(free, total, per_seq, o.kv_cache_fraction, headroom)
+        slots = _agree_min(local, self._sizing_groups())
+        require_slots(slots, free, total, per_seq, o.kv_cache_fraction, headroom)
+        gib = 2**30
+        sizing = (
+            f"kv_cache_fraction={o.kv_cache_fraction} of {total / gib:.2f} GiB, "
+            f"{(total - free) / gib:.2f} GiB in use, headroom {headroom.fixed / gib:.2f} GiB + "
+            f"{headroom.per_slot / 2**20:.2f} MiB a slot"
+        )
+        if slots < local:
+            sizing += f"; {local} here, the fewest of the TP / EP group taken"
+        return slots, sizing
+
+    def _sizing_groups(self) -> list[dist.ProcessGroup]:
+        """The groups whose ranks must hold equal slot counts: TP (the same decode batches),
+        then EP's (every MoE forward is a collective; nested with TP in megatron's layouts)."""
+        groups = []
+        if self.layout.tp_size > 1:
+            groups.append(self.layout.tp_group)
+        expert = self.layout.expert_tp_ep_group
+        if expert is not None:
+            groups.append(expert)
+        return groups
+
+    def _new_cache(self, shape: CacheShape, slots: int, seq_len: int, last: bool) -> KVCache | None:
+        """The cache, or None on every rank of the groups when it was sized from memory and
+        some rank's allocator could not place it in one piece (fragmentation): the caller sizes
+        it again from the driver's free memory alone (``last``: an error on every rank)."""
+        device = next(self.model.parameters()).device
+        if self.options.kv_cache_gib is not None or device.type != "cuda":
+            return KVCache(shape, slots, seq_len, device)
+        cache, error = None, None
+        try:
+            cache = KVCache(shape, slots, seq_len, device)
+        except torch.OutOfMemoryError as e:
+            error = e
+        if _agree_min(int(error is None), self._sizing_groups()) == 1:
+            return cache
+        cache = None
+        if last:
+            raise RuntimeError(
+                f"the KV cache ({slots} slots of {seq_len} tokens) did not fit on this GPU or "
+                "another of its TP / EP group; lower rollout.engine.kv_cache_fraction or set "
+                "rollout.engine.kv_cache_gib"
+            ) from error
+        return None
+
+    def _report(self, cache: KVCache, samples: int, budget: int, sizing: str) -> None:
+        """One log line (global rank 0) at the first call, and whenever the cache holds fewer
+        sequences than ever before."""
+        if self._reported_slots is not None and cache.slots >= self._reported_slots:
+            return
+        self._reported_slots = cache.slots
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        size = _size(cache.kv.numel() * cache.kv.element_size())
+        lines = [
+            f"rollout: KV cache {size}: {cache.slots} slots of {cache.seq_len} tokens for "
+            f"{samples} samples (room for {budget})",
+            *(f"  sized by {part}" for part in sizing.split("; ")),  # short lines: no wrapping
+        ]
+        print("\n".join(lines), flush=True)
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
+
+
+def _agree_min(value: int, groups: list[dist.ProcessGroup]) -> int:
+    """The minimum of ``value`` over the ranks of each group in turn (one all-reduce each)."""
+    for group in groups:
+        value = -all_reduce_max([-value], group, torch.int64)[0]
+    return value
 
 
 class KVCache:

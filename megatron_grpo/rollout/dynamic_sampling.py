@@ -27,9 +27,9 @@ from typing import Protocol
 
 import torch.distributed as dist
 
-from megatron_grpo.train import comm
-from megatron_grpo.train.config import MAX_EXTRA_ROUNDS, FilterGroupsConfig, TrainConfig
-from megatron_grpo.train.rollout_batch import RolloutBatch
+from megatron_grpo.megatron.parallel import all_reduce_max, all_reduce_sum
+from megatron_grpo.rollout.batch import RolloutBatch
+from megatron_grpo.rollout.config import MAX_EXTRA_ROUNDS, FilterGroupsConfig, RolloutConfig
 
 # Extra rounds draw prompts from index 2**40 on, far beyond any run's base prompts.
 EXTRA_PROMPTS_BASE = 1 << 40
@@ -49,7 +49,7 @@ class RoundSource(Protocol):
 
 
 def extra_round_first_prompt(
-    cfg: TrainConfig, step: int, round: int, dp_rank: int, per_rank: int
+    num_prompts: int, step: int, round: int, dp_rank: int, per_rank: int
 ) -> int:
     """Index of DP rank ``dp_rank``'s first prompt in extra round ``round`` (>= 1) of ``step``.
 
@@ -58,7 +58,7 @@ def extra_round_first_prompt(
     if not 1 <= round <= MAX_EXTRA_ROUNDS:
         raise ValueError(f"extra round must be in [1, {MAX_EXTRA_ROUNDS}], got {round}")
     block = step * MAX_EXTRA_ROUNDS + round - 1
-    return EXTRA_PROMPTS_BASE + block * cfg.rollout.num_prompts + dp_rank * per_rank
+    return EXTRA_PROMPTS_BASE + block * num_prompts + dp_rank * per_rank
 
 
 def classify_group(rewards: Sequence[float], loss_tokens: Sequence[int], tolerance: float) -> str:
@@ -204,7 +204,7 @@ class FilteredRollouts:
             want = self.per_rank
         else:  # the prompts that yield ``short`` informative groups at this step's rate so far
             want = min(self.per_rank, math.ceil(short * len(groups) / informative))
-        return int(comm.all_reduce_max([float(want)], self.dp_group)[0])
+        return int(all_reduce_max([float(want)], self.dp_group)[0])
 
     def _count(
         self, batches: list[RolloutBatch], groups: list[Group], kept: int
@@ -221,8 +221,8 @@ class FilteredRollouts:
             sum(sum(b.rewards or []) for b in batches),
             sum(len(b) for b in batches),
         ]
-        gen, correct, wrong, partial, kept_all, filled, tokens, reward, samples = (
-            comm.all_reduce_sum([float(x) for x in local], self.dp_group)
+        gen, correct, wrong, partial, kept_all, filled, tokens, reward, samples = all_reduce_sum(
+            [float(x) for x in local], self.dp_group
         )
         return {
             "rollout/filter_rounds": float(len(batches)),
@@ -239,10 +239,10 @@ class FilteredRollouts:
 
 
 def maybe_filter(
-    cfg: TrainConfig, source: RoundSource, dp_size: int, dp_group: dist.ProcessGroup | None
+    cfg: RolloutConfig, source: RoundSource, dp_size: int, dp_group: dist.ProcessGroup | None
 ) -> RoundSource | FilteredRollouts:
     """``source`` wrapped in :class:`FilteredRollouts` when ``rollout.filter_groups.enabled``."""
-    f = cfg.rollout.filter_groups
+    f = cfg.filter_groups
     if not f.enabled:
         return source
-    return FilteredRollouts(source, f, cfg.rollout.num_prompts // dp_size, dp_group)
+    return FilteredRollouts(source, f, cfg.num_prompts // dp_size, dp_group)

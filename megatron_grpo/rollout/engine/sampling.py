@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from megatron_grpo.rollout.params import SamplingParams
+from megatron_grpo.rollout.engine.params import SamplingParams
 
 
 def sample(

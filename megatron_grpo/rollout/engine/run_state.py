@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_grpo.rollout.params import SamplingParams
-from megatron_grpo.rollout.routes import RouteLog
+from megatron_grpo.rollout.engine.params import SamplingParams
+from megatron_grpo.rollout.engine.routes import RouteLog
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import random
 
-from megatron_grpo.train.tasks.base import Prompt
+from megatron_grpo.rollout.tasks.base import Prompt
 
 _DIGITS = "0123456789"
 

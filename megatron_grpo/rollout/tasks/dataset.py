@@ -8,7 +8,7 @@ A row holds:
   ``{"prompt", "answer"}`` JSONL of ``task: math``); a non-string ground truth becomes its JSON
   text (``Prompt.answer`` is a string);
 * optionally ``data_source`` (a string) and ``extra_info`` (a JSON object); both reach the reward
-  through :class:`~megatron_grpo.train.tasks.base.Prompt`. Other columns are not read.
+  through :class:`~megatron_grpo.rollout.tasks.base.Prompt`. Other columns are not read.
 
 Everything happens at start-up: the files are read, every row checked, the chat template applied
 and the prompts tokenized; prompts over ``rollout.max_prompt_length`` tokens are dropped (and
@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from megatron_grpo.errors import InputError
-from megatron_grpo.train.config import DatasetConfig
-from megatron_grpo.train.tasks.base import Prompt
-from megatron_grpo.train.tasks.math import HFTokenizer, last_number
+from megatron_grpo.rollout.config import DatasetConfig
+from megatron_grpo.rollout.tasks.base import Prompt
+from megatron_grpo.rollout.tasks.math import HFTokenizer, last_number
 
 SECTION = "rollout.dataset"
 # How to get pyarrow when a .parquet dataset is given without it.

@@ -28,88 +28,28 @@ sequence), then runs decode steps: one token per unfinished sequence, attending 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from megatron_grpo.megatron.layout import ParallelLayout
-from megatron_grpo.megatron.moe.local_dispatch import host_sync_reason
 from megatron_grpo.megatron.parallel import all_reduce_max
-from megatron_grpo.rollout import fused_decode as fd
-from megatron_grpo.rollout import kv_cache as kvc
-from megatron_grpo.rollout import memory_release
-from megatron_grpo.rollout import model_io as io
-from megatron_grpo.rollout.graphs import DecodeGraphs, expandable_segments
-from megatron_grpo.rollout.params import SamplingParams
-from megatron_grpo.rollout.requests import Request, start_run, write_back
-from megatron_grpo.rollout.routes import RouteLog, recording
-from megatron_grpo.rollout.run_state import Generation, Launched, Run
-from megatron_grpo.rollout.sampling import sample
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """Knobs of the KV-cached engine (a recipe's ``rollout.engine`` section).
-
-    Attributes:
-        kind: which engine a recipe's rollouts use: ``kv_cache`` (:class:`KVCacheEngine` with
-            these options) or ``recompute`` (no cache: every token re-runs the whole sequence,
-            ``generate(..., engine="recompute")``, the reference the engine is tested against;
-            the other options are then unused). :class:`KVCacheEngine` itself is ``kv_cache``.
-        kv_cache_gib: the KV cache budget per GPU in GiB; sequences beyond it wait for a free
-            slot. None (default): sized from the GPU's memory at each call (``kv_cache_fraction``);
-            on CPU ``kv_cache.CPU_KV_CACHE_GIB`` (16).
-        kv_cache_fraction: with ``kv_cache_gib`` None on GPU, the cache may grow until this
-            fraction of the GPU's total memory is in use (vLLM's ``gpu_memory_utilization``):
-            ``slots = (fraction * total - in_use - headroom) // (bytes per sequence + per-slot
-            headroom)``, ``in_use`` being all but the driver's free memory and PyTorch's unused
-            cached blocks, the headroom the call's other working memory estimated from the
-            shapes (``kv_cache.Headroom``). The rest (``(1 - fraction) * total``) is left for
-            fragmentation, NCCL and other buffers allocated later. TP / EP ranks take their
-            group's minimum.
-        cuda_graphs: replay decode steps as CUDA graphs; None = on for dense models on GPU
-            (MoE routing has data-dependent shapes, so MoE always runs eagerly).
-        max_prefill_tokens: tokens per prefill forward (bounds its activation memory).
-        context_bucket: decode attends to keys in multiples of this many positions.
-        keep_cache: keep the KV cache allocated between calls (CUDA graphs are then always
-            reused; for generation-only use). Off: the cache is freed when a call returns, so
-            the policy update never holds it, and graphs are re-captured only when the next
-            call's cache lands at another address.
-        decode_path: "fused" (``fused_decode``), "modules" (megatron-core's layers), or "auto":
-            fused wherever it covers the model.
-        decode_impl: the fused path's element-wise kernels: "triton", "torch" or "auto"
-            (Triton on GPU).
-        decode_attention: "triton" (``kernels.decode_attention``: split-K over exactly each
-            row's keys), "sdpa" (masked SDPA over the context bucket) or "auto" (as the impl).
-    """
-
-    kind: Literal["kv_cache", "recompute"] = "kv_cache"
-    kv_cache_gib: float | None = None
-    kv_cache_fraction: float = 0.9
-    cuda_graphs: bool | None = None
-    max_prefill_tokens: int = 32768
-    context_bucket: int = 128
-    keep_cache: bool = False
-    decode_path: Literal["auto", "fused", "modules"] = "auto"
-    decode_impl: Literal["auto", "triton", "torch"] = "auto"
-    decode_attention: Literal["auto", "triton", "sdpa"] = "auto"
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("kv_cache", "recompute"):
-            raise ValueError(f"kind must be kv_cache or recompute, got {self.kind!r}")
-        if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
-            raise ValueError(f"kv_cache_gib must be > 0 (or null: auto), got {self.kv_cache_gib}")
-        if not 0.0 < self.kv_cache_fraction <= 1.0:
-            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
-        for name in ("max_prefill_tokens", "context_bucket"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+from megatron_grpo.rollout.engine import fused_decode as fd
+from megatron_grpo.rollout.engine import kv_cache as kvc
+from megatron_grpo.rollout.engine import memory_release
+from megatron_grpo.rollout.engine import model_io as io
+from megatron_grpo.rollout.engine.graphs import DecodeGraphs, plan_graphs
+from megatron_grpo.rollout.engine.options import EngineOptions
+from megatron_grpo.rollout.engine.params import SamplingParams
+from megatron_grpo.rollout.engine.requests import Request, start_run, write_back
+from megatron_grpo.rollout.engine.routes import RouteLog, recording
+from megatron_grpo.rollout.engine.run_state import Generation, Launched, Run
+from megatron_grpo.rollout.engine.sampling import sample
 
 
 class KVCacheEngine:
@@ -132,41 +72,31 @@ class KVCacheEngine:
         if layout is None:
             layout = ParallelLayout.current(model.config.sequence_parallel)
         self.layout = layout
-        self.max_context = max_context
-        self.options = options or EngineOptions()
+        self.options = o = options or EngineOptions()
         cuda = io.model_device(model).type == "cuda"
-        # MoE layers that sync with the host (megatron-core's dispatchers) cannot be captured
-        moe = None if model.config.num_moe_experts is None else host_sync_reason(model)
-        graphs = self.options.cuda_graphs
-        if graphs and (not cuda or moe):
-            why = f"MoE: {moe}" if moe else "a GPU"
-            raise ValueError(
-                f"rollout.engine.cuda_graphs needs a model whose decode step never syncs with "
-                f"the host on GPU, not {why}; set it to null (auto) or false"
-            )
-        expandable = expandable_segments() if cuda else None
-        if graphs and expandable:
-            raise ValueError(
-                f"rollout.engine.cuda_graphs: decode graphs do not capture with {expandable} "
-                "(expandable segments); unset that setting or set cuda_graphs to null / false"
-            )
-        self.use_graphs = (cuda and not moe and not expandable) if graphs is None else graphs
-        # why graphs are off where they would be on (the start-up line says it)
-        self.graphs_off = ""
-        if graphs is None and cuda and (moe or expandable):
-            self.graphs_off = f"off: {expandable}" if expandable else f"off: MoE {moe}"
-        self.graphs = DecodeGraphs() if self.use_graphs else None
-        o = self.options
-        self.decode = fd.plan_decode(
+        plan = fd.plan_decode(
             model, self.layout.tp_size, o.decode_path, o.decode_impl, o.decode_attention
         )
+        use, off = plan_graphs(model, o.cuda_graphs, cuda)
+        self.decode = dataclasses.replace(plan, graphs=use, graphs_off=off)
+        self.graphs = DecodeGraphs() if use else None
+        self.sizer = kvc.CacheSizer(model, o, self.layout, max_context, use)
         self._fused: fd.FusedDecoder | None = None
         self.cache: kvc.KVCache | None = None
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self._static_key: tuple | None = None
         self._rows_moved, self._meta_rows = True, 0  # the host's rows vs the device's meta
-        self._reported_slots: int | None = None  # the fewest slots logged so far
         self.stats: dict[str, float] = {}
+
+    @property
+    def use_graphs(self) -> bool:
+        """Whether decode steps replay CUDA graphs (the decode plan's decision)."""
+        return self.decode.graphs
+
+    @property
+    def graphs_off(self) -> str:
+        """Why graphs are off where auto would have them on ("" otherwise)."""
+        return self.decode.graphs_off
 
     # ------------------------------------------------------------------ public
     @torch.no_grad()
@@ -179,7 +109,7 @@ class KVCacheEngine:
         limits: list[int | None] | None = None,
     ) -> Generation:
         """Responses and log-probs, and with ``record_routes`` per sample its routes
-        ``[P + R, L, k]`` (MoE only; ``megatron_grpo.rollout.routes``). ``limits``: per
+        ``[P + R, L, k]`` (MoE only; ``megatron_grpo.rollout.engine.routes``). ``limits``: per
         sample its own response limit (None: ``params.max_new_tokens``)."""
         io.check_layout(self.layout)
         io.check_prompts(prompts, params, self.model.max_sequence_length)
@@ -203,7 +133,7 @@ class KVCacheEngine:
         keep_kv: bool = False,
         record_routes: bool = False,
     ) -> None:
-        """Continue ``requests`` (none finished; ``megatron_grpo.rollout.requests``) until all
+        """Continue ``requests`` (none finished; ``megatron_grpo.rollout.engine.requests``) until all
         finished or ``stop(finished [N] bool)`` is true between engine steps (an expert group
         stops when all its ranks' ``stop`` are); new tokens are tagged ``version``. Paused
         requests keep their cached rows on the host with ``keep_kv``; with ``record_routes``
@@ -277,9 +207,14 @@ class KVCacheEngine:
         was_training, sp = model.training, cfg.sequence_parallel
         model.eval()
         if sp:
-            _set_sequence_parallel(model, False)
+            io.set_sequence_parallel(model, False)
         try:
-            self.cache = self._allocate(run)
+            kept, self.cache = self.cache, None
+            self.cache = self.sizer.allocate(run.prompts, run.params.max_new_tokens, kept)
+            self.stats["slots"] = self.cache.slots
+            self.stats["kv_cache_gib"] = (
+                self.cache.kv.numel() * self.cache.kv.element_size() / 2**30
+            )
             self.cache.attention = self.decode.attention
             self._prepare_static(run)
             self._rows_moved = True
@@ -289,7 +224,7 @@ class KVCacheEngine:
             if not self.options.keep_cache:  # freed and released before any policy update
                 self._drop_cache()
             if sp:
-                _set_sequence_parallel(model, True)
+                io.set_sequence_parallel(model, True)
             model.train(was_training)
 
     def _drop_cache(self) -> None:
@@ -302,128 +237,6 @@ class KVCacheEngine:
         self.cache = None
         if not memory_release.release(device, dropped):  # e.g. an exception's frames hold it
             warnings.warn("the KV cache is still referenced after the call", stacklevel=2)
-
-    def _allocate(self, run: Run) -> kvc.KVCache:
-        shape = kvc.CacheShape.of(self.model)
-        if self.options.kv_cache_gib is None:  # sized from free memory: unused segments back
-            memory_release.release(io.model_device(self.model))
-        longest = max(len(p) for p in run.prompts) + run.params.max_new_tokens
-        longest = max(longest, self.max_context or 0)
-        bucket = self.options.context_bucket
-        seq_len = min(-(-longest // bucket) * bucket, self.model.max_sequence_length)
-        kept, self.cache = self.cache, None
-        cache = None
-        for cached in (True, False):  # False: again, from the driver's free memory alone
-            budget, sizing = self._budget_slots(run, shape, seq_len, kept, cached)
-            slots = min(len(run.prompts), budget)
-            group = self.layout.expert_tp_ep_group
-            if group is not None:  # equal slot counts: the group pads decode batches to its largest
-                slots = all_reduce_max([slots], group, torch.int64)[0]
-            if (
-                kept is not None
-                and (kept.shape, kept.seq_len) == (shape, seq_len)
-                and kept.slots >= slots
-            ):
-                cache = kept
-                break
-            kept = None  # the kept one, if any, is freed before the new one is allocated
-            cache = self._new_cache(shape, slots, seq_len, last=not cached)
-            if cache is not None:
-                break
-            torch.cuda.empty_cache()  # whole free segments back to the driver
-        self.stats["slots"] = cache.slots
-        self.stats["kv_cache_gib"] = cache.kv.numel() * cache.kv.element_size() / 2**30
-        self._report(cache, len(run.prompts), budget, sizing)
-        return cache
-
-    def _budget_slots(
-        self,
-        run: Run,
-        shape: kvc.CacheShape,
-        seq_len: int,
-        kept: kvc.KVCache | None,
-        cached: bool,
-    ) -> tuple[int, str]:
-        """Sequences of ``seq_len`` tokens the budget holds, and how it was set (for the log).
-        Sized from memory, every rank of the TP / EP groups takes the smallest count."""
-        o = self.options
-        device = io.model_device(self.model)
-        memory = None if o.kv_cache_gib is not None else kvc.device_memory(device, cached)
-        if memory is None:  # an explicit budget, or the CPU default: exactly as set
-            gib = kvc.CPU_KV_CACHE_GIB if o.kv_cache_gib is None else o.kv_cache_gib
-            default = " (the CPU default)" if o.kv_cache_gib is None else ""
-            return kvc.slots_for_budget(shape, gib, seq_len), f"kv_cache_gib={gib}{default}"
-        free, total = memory
-        if kept is not None:  # freed before a new cache is allocated
-            free += kept.kv.numel() * kept.kv.element_size()
-        lens = sorted(len(p) for p in run.prompts)
-        prefill = max(lens[-1], min(o.max_prefill_tokens, sum(lens)))
-        headroom = kvc.Headroom.of(self.model, shape, seq_len, prefill, self.use_graphs)
-        per_seq = shape.bytes_per_token * seq_len
-        local = kvc.memory_slots(free, total, per_seq, o.kv_cache_fraction, headroom)
-        slots = _agree_min(local, self._sizing_groups())
-        kvc.require_slots(slots, free, total, per_seq, o.kv_cache_fraction, headroom)
-        gib = 2**30
-        sizing = (
-            f"kv_cache_fraction={o.kv_cache_fraction} of {total / gib:.2f} GiB, "
-            f"{(total - free) / gib:.2f} GiB in use, headroom {headroom.fixed / gib:.2f} GiB + "
-            f"{headroom.per_slot / 2**20:.2f} MiB a slot"
-        )
-        if slots < local:
-            sizing += f"; {local} here, the fewest of the TP / EP group taken"
-        return slots, sizing
-
-    def _sizing_groups(self) -> list[dist.ProcessGroup]:
-        """The groups whose ranks must hold equal slot counts: TP (the same decode batches),
-        then EP's (every MoE forward is a collective; nested with TP in megatron's layouts)."""
-        groups = []
-        if self.layout.tp_size > 1:
-            groups.append(self.layout.tp_group)
-        expert = self.layout.expert_tp_ep_group
-        if expert is not None:
-            groups.append(expert)
-        return groups
-
-    def _new_cache(
-        self, shape: kvc.CacheShape, slots: int, seq_len: int, last: bool
-    ) -> kvc.KVCache | None:
-        """The cache, or None on every rank of the groups when it was sized from memory and
-        some rank's allocator could not place it in one piece (fragmentation): the caller sizes
-        it again from the driver's free memory alone (``last``: an error on every rank)."""
-        device = io.model_device(self.model)
-        if self.options.kv_cache_gib is not None or device.type != "cuda":
-            return kvc.KVCache(shape, slots, seq_len, device)
-        cache, error = None, None
-        try:
-            cache = kvc.KVCache(shape, slots, seq_len, device)
-        except torch.OutOfMemoryError as e:
-            error = e
-        if _agree_min(int(error is None), self._sizing_groups()) == 1:
-            return cache
-        cache = None
-        if last:
-            raise RuntimeError(
-                f"the KV cache ({slots} slots of {seq_len} tokens) did not fit on this GPU or "
-                "another of its TP / EP group; lower rollout.engine.kv_cache_fraction or set "
-                "rollout.engine.kv_cache_gib"
-            ) from error
-        return None
-
-    def _report(self, cache: kvc.KVCache, samples: int, budget: int, sizing: str) -> None:
-        """One log line (global rank 0) at the first call, and whenever the cache holds fewer
-        sequences than ever before."""
-        if self._reported_slots is not None and cache.slots >= self._reported_slots:
-            return
-        self._reported_slots = cache.slots
-        if dist.is_initialized() and dist.get_rank() != 0:
-            return
-        size = _size(cache.kv.numel() * cache.kv.element_size())
-        lines = [
-            f"rollout: KV cache {size}: {cache.slots} slots of {cache.seq_len} tokens for "
-            f"{samples} samples (room for {budget})",
-            *(f"  sized by {part}" for part in sizing.split("; ")),  # short lines: no wrapping
-        ]
-        print("\n".join(lines), flush=True)
 
     def _prepare_static(self, run: Run) -> None:
         """Static decode inputs/outputs, the RoPE table and the fused decoder's weights: what a
@@ -443,7 +256,7 @@ class KVCacheEngine:
         self._host_out = [
             torch.zeros(2, cache.slots, dtype=torch.float64, pin_memory=pin) for _ in range(2)
         ]
-        self._rope = _rope_table(self.model, cache.seq_len)
+        self._rope = io.rope_table(self.model, cache.seq_len)
         cache.rotary_interleaved = bool(self.model.config.rotary_interleaved)
         self._static_key = key
         if self.graphs is not None:
@@ -681,53 +494,6 @@ class KVCacheEngine:
         self.cache.move_rows([origin[d] for d in dst], dst, ctx or self.cache.seq_len)
 
 
-def _size(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
-
-
-def _agree_min(value: int, groups: list[dist.ProcessGroup]) -> int:
-    """The minimum of ``value`` over the ranks of each group in turn (one all-reduce each)."""
-    for group in groups:
-        value = -all_reduce_max([-value], group, torch.int64)[0]
-    return value
-
-
 def _bucket(rows: int, slots: int) -> int:
     """Decode batch of a CUDA graph: the next power of two, at most ``slots``."""
     return min(1 << (rows - 1).bit_length(), slots)
-
-
-def _rope_table(model: torch.nn.Module, seq_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """RoPE ``(cos, sin)`` ``[seq_len, rot_dim]`` in the model dtype, from the model's own
-    rotary module (YaRN included, its attention factor applied as megatron-core does); None
-    without rotary embeddings."""
-    kind, cfg = model.position_embedding_type, model.config
-    if kind not in ("rope", "yarn"):
-        if kind not in ("learned_absolute", "none"):
-            raise ValueError(f"generation does not support position_embedding_type={kind!r}")
-        return None
-    if getattr(cfg, "multi_latent_attention", False) or getattr(cfg, "no_rope_freq", None):
-        raise ValueError("generation does not support multi-latent attention or no_rope_freq")
-    emb = model.rotary_pos_emb(seq_len)
-    freqs = emb[0] if isinstance(emb, tuple) else emb
-    mscale = 1.0
-    if kind == "yarn":
-        from megatron.core.transformer.attention import (
-            _yarn_get_concentration_factor_from_config,
-        )
-
-        mscale = _yarn_get_concentration_factor_from_config(cfg)
-    dtype = next(model.parameters()).dtype
-    freqs = freqs.flatten(1)  # [seq_len, 1, 1, rot_dim] -> [seq_len, rot_dim]
-    return (torch.cos(freqs) * mscale).to(dtype), (torch.sin(freqs) * mscale).to(dtype)
-
-
-def _set_sequence_parallel(model: torch.nn.Module, value: bool) -> None:
-    try:
-        from megatron.core.transformer.utils import set_model_to_sequence_parallel
-    except ImportError as e:  # megatron-core < 0.15
-        raise ValueError(
-            "generation with sequence_parallel needs megatron-core's "
-            "set_model_to_sequence_parallel (0.15+)"
-        ) from e
-    set_model_to_sequence_parallel(model, value)

@@ -12,28 +12,31 @@ step ``step`` with rewards filled in. ``rollout.source`` picks the implementatio
   :class:`RolloutSource` (:func:`source_class`), e.g. a multi-turn or tool-calling environment,
   or a client of an OpenAI-compatible vLLM / SGLang server with weight sync; the loop is
   untouched.
+
+The wrappers that keep a step's batch full (``partial.py``, ``dynamic_sampling.py``) drive a
+:class:`GeneratedRollouts` through its public members: ``task``, ``params``, ``scorer``,
+``engine`` and ``generator(step, round)``. ``build.py`` assembles the chain.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 
 from megatron_grpo.config.base import ConfigError, field_message, recipe_fields
 from megatron_grpo.errors import InputError
-from megatron_grpo.rollout import Generation, KVCacheEngine, SamplingParams, generate
-from megatron_grpo.train.config import ROLLOUT_SOURCES, TrainConfig
-from megatron_grpo.train.dynamic_sampling import extra_round_first_prompt
-from megatron_grpo.train.plugins import load_object
-from megatron_grpo.train.rollout_batch import RolloutBatch
-from megatron_grpo.train.rollout_io import RolloutFileSource
-from megatron_grpo.train.scoring import RewardScorer
-from megatron_grpo.train.tasks import Task, build_task
+from megatron_grpo.rollout.batch import RolloutBatch
+from megatron_grpo.rollout.config import RolloutConfig
+from megatron_grpo.rollout.context import RolloutContext
+from megatron_grpo.rollout.dynamic_sampling import extra_round_first_prompt
+from megatron_grpo.rollout.engine import Generation, KVCacheEngine, SamplingParams, generate
+from megatron_grpo.rollout.files import RolloutFileSource
+from megatron_grpo.rollout.scoring import RewardScorer
+from megatron_grpo.rollout.tasks import Task, build_task
 
 
 class RolloutSource(Protocol):
@@ -43,9 +46,9 @@ class RolloutSource(Protocol):
     ``rollout.source: "pkg.module:Class"`` (or ``"path/to/file.py:Class"``) is constructed once,
     after the model is built, as ``Class(cfg, task, model, dp_rank, dp_size)``:
 
-    * ``cfg``: the run's :class:`~megatron_grpo.train.config.TrainConfig`;
+    * ``cfg``: the run's root config (the trainer's ``TrainConfig``, every section);
     * ``task``: the task of ``rollout.task`` (prompts by index, tokenizer, reward; built and
-      checked before the model). :class:`~megatron_grpo.train.scoring.RewardScorer`
+      checked before the model). :class:`~megatron_grpo.rollout.scoring.RewardScorer`
       ``(task, cfg.rollout)`` scores with it (or ``rollout.reward_fn``) once per model replica;
     * ``model``: the policy, unwrapped, its first model chunk (a ``GPTModel``; its weights are
       the current policy at every ``next`` call: generate with :func:`megatron_grpo.rollout.
@@ -76,9 +79,9 @@ class RolloutSource(Protocol):
     def metrics(self) -> dict[str, float]: ...
 
 
-def _first_group(cfg: TrainConfig, step: int, dp_rank: int, per_rank: int) -> int:
+def _first_group(num_prompts: int, step: int, dp_rank: int, per_rank: int) -> int:
     """Index of this DP rank's first prompt (or file group) of ``step``."""
-    return step * cfg.rollout.num_prompts + dp_rank * per_rank
+    return step * num_prompts + dp_rank * per_rank
 
 
 class FileRollouts:
@@ -87,11 +90,11 @@ class FileRollouts:
 
     generated = False
 
-    def __init__(self, cfg: TrainConfig, dp_rank: int, dp_size: int) -> None:
+    def __init__(self, cfg: RolloutConfig, ctx: RolloutContext, dp_rank: int, dp_size: int) -> None:
         self.cfg, self.dp_rank = cfg, dp_rank
-        self.per_rank = cfg.rollout.num_prompts // dp_size
-        self.files = RolloutFileSource(cfg.rollout.input_path)
-        needed = cfg.training.steps * cfg.rollout.num_prompts
+        self.per_rank = cfg.num_prompts // dp_size
+        self.files = RolloutFileSource(cfg.input_path)
+        needed = ctx.steps * cfg.num_prompts
         if len(self.files) < needed:
             raise InputError(
                 f"rollout.input_path has {len(self.files)} groups, training.steps * "
@@ -102,43 +105,44 @@ class FileRollouts:
                 raise InputError(
                     f"{where[0]}: rollouts from rollout.input_path must carry a 'reward' column"
                 )
-        self.files.check_against_model(cfg.model.vocab_size, cfg.model.max_sequence_length)
+        self.files.check_against_model(ctx.vocab_size, ctx.max_sequence_length)
 
     def metrics(self) -> dict[str, float]:
         return {}
 
     def next(self, step: int) -> RolloutBatch:
-        start = _first_group(self.cfg, step, self.dp_rank, self.per_rank)
+        start = _first_group(self.cfg.num_prompts, step, self.dp_rank, self.per_rank)
         return self.files.take(start, self.per_rank)
 
 
-def build_checked_task(cfg: TrainConfig) -> Task:
+def build_checked_task(cfg: RolloutConfig, ctx: RolloutContext) -> Task:
     """The task of ``rollout.task`` (checked against the model's vocabulary)."""
-    task = build_task(cfg.rollout, cfg.training.seed)
+    task = build_task(cfg, ctx.seed)
     vocab = task.tokenizer.vocab_size
-    if vocab > cfg.model.vocab_size:
+    if vocab > ctx.vocab_size:
         raise InputError(
-            f"model.vocab_size={cfg.model.vocab_size} is smaller than the task tokenizer's "
+            f"model.vocab_size={ctx.vocab_size} is smaller than the task tokenizer's "
             f"vocabulary ({vocab})"
         )
     return task
 
 
 def sampling_params(
-    cfg: TrainConfig, eos_id: int, task_stop_ids: Sequence[int] = ()
+    cfg: RolloutConfig, vocab_size: int, eos_id: int, task_stop_ids: Sequence[int] = ()
 ) -> SamplingParams:
     """``rollout.sampling`` completed for generation: ``max_new_tokens`` from
-    ``rollout.max_response_length``, ``eos_id``, the model's vocabulary, and ``task_stop_ids``
-    (the task's own ids that end a response, ``Task.stop_ids``, e.g. the ``eos_token_id`` list
-    of the dataset task's ``generation_config.json``) added to ``rollout.sampling.stop_ids``."""
-    r = cfg.rollout
+    ``rollout.max_response_length``, ``eos_id``, the model's vocabulary ``vocab_size``, and
+    ``task_stop_ids`` (the task's own ids that end a response, ``Task.stop_ids``, e.g. the
+    ``eos_token_id`` list of the dataset task's ``generation_config.json``) added to
+    ``rollout.sampling.stop_ids``."""
+    r = cfg
     stop_ids = tuple(dict.fromkeys([*r.sampling.stop_ids, *task_stop_ids]))
     try:
         return dataclasses.replace(
             r.sampling,
             max_new_tokens=r.max_response_length,
             eos_id=eos_id,
-            vocab_size=cfg.model.vocab_size,
+            vocab_size=vocab_size,
             stop_ids=stop_ids,
         )
     except ValueError as e:  # name the recipe's field (e.g. a stop id beyond the vocabulary)
@@ -147,13 +151,13 @@ def sampling_params(
         raise ConfigError(field_message("rollout.sampling", f"{e}{origin}", names)) from e
 
 
-def build_engine(cfg: TrainConfig, model: torch.nn.Module) -> KVCacheEngine | None:
+def build_engine(cfg: RolloutConfig, model: torch.nn.Module) -> KVCacheEngine | None:
     """The :class:`KVCacheEngine` of ``rollout.engine`` (kind ``kv_cache``), or None for
-    ``recompute``; pass ``engine or "recompute"`` to ``generate``."""
-    if cfg.rollout.engine.kind != "kv_cache":
+    ``recompute``; pass ``engine or "recompute"`` to ``generate``. The engine decodes with
+    ``model``'s own parameters, so the policy's updates reach it with no copy."""
+    if cfg.engine.kind != "kv_cache":
         return None
-    r = cfg.rollout
-    engine = KVCacheEngine(model, r.engine, r.max_prompt_length + r.max_response_length)
+    engine = KVCacheEngine(model, cfg.engine, cfg.max_prompt_length + cfg.max_response_length)
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         graphs = "CUDA graphs " + ("on" if engine.use_graphs else engine.graphs_off or "off")
         print(f"rollout: decode steps run {engine.decode}, {graphs}", flush=True)
@@ -178,22 +182,35 @@ def engine_metrics(s: dict[str, float]) -> dict[str, float]:
 
 class GeneratedRollouts:
     """The policy generates ``group_size`` responses per prompt; the task's reward scores them
-    once per model replica (:class:`~megatron_grpo.train.scoring.RewardScorer`).
+    once per model replica (:class:`~megatron_grpo.rollout.scoring.RewardScorer`).
 
     Step ``s`` on DP rank ``d`` samples with a generator seeded from ``(seed, s, d)`` (extra
     round ``k``: ``(seed, s, d, k)``), so a resumed run draws what an uninterrupted one would
     have. ``model`` is the unwrapped policy, its first model chunk (generation needs PP = 1,
-    CP = 1)."""
+    CP = 1).
+
+    What a wrapper that schedules the requests itself (partial rollouts, an asynchronous
+    orchestrator) needs is public: ``task``, ``params`` (the completed sampling parameters),
+    ``scorer``, ``engine`` (None: ``recompute``), ``record_routes`` and
+    :meth:`generator`."""
 
     generated = True
 
     def __init__(
-        self, cfg: TrainConfig, task: Task, model: torch.nn.Module, dp_rank: int, dp_size: int
+        self,
+        cfg: RolloutConfig,
+        ctx: RolloutContext,
+        task: Task,
+        model: torch.nn.Module,
+        dp_rank: int,
+        dp_size: int,
     ) -> None:
-        self.cfg, self.task, self.model, self.dp_rank = cfg, task, model, dp_rank
-        self.per_rank = cfg.rollout.num_prompts // dp_size
-        self.params = sampling_params(cfg, task.tokenizer.eos_id, getattr(task, "stop_ids", ()))
-        self.scorer = RewardScorer(task, cfg.rollout)  # once per replica (train/scoring.py)
+        self.cfg, self.ctx, self.task, self.model, self.dp_rank = cfg, ctx, task, model, dp_rank
+        self.per_rank = cfg.num_prompts // dp_size
+        self.record_routes = ctx.record_routes
+        stop_ids = getattr(task, "stop_ids", ())
+        self.params = sampling_params(cfg, ctx.vocab_size, task.tokenizer.eos_id, stop_ids)
+        self.scorer = RewardScorer(task, cfg)  # once per replica (rollout/scoring.py)
         self.engine = build_engine(cfg, model)  # one per run: CUDA graphs reused across steps
 
     def metrics(self) -> dict[str, float]:
@@ -213,7 +230,7 @@ class GeneratedRollouts:
         """Step ``step``'s prompts; ``round`` >= 1: an extra round of fresh prompts (dynamic
         sampling, ``rollout.filter_groups``) with its own seed; ``count``: only the first
         ``count`` of them (default: all ``num_prompts / DP``)."""
-        r = self.cfg.rollout
+        r = self.cfg
         start = self._first_prompt(step, round)
         prompts = self.task.prompts(start, self.per_rank if count is None else count)
         too_long = [p for p in prompts if len(p.ids) > r.max_prompt_length]
@@ -248,74 +265,24 @@ class GeneratedRollouts:
             self.model,
             samples,
             self.params,
-            self._generator(step, round),
+            self.generator(step, round),
             engine=engine,
-            record_routes=self.cfg.model.moe_enable_routing_replay,
+            record_routes=self.record_routes,
             limits=None if all(k is None for k in limits) else limits,
         )
 
     def _first_prompt(self, step: int, round: int) -> int:
+        n = self.cfg.num_prompts
         if round == 0:
-            return _first_group(self.cfg, step, self.dp_rank, self.per_rank)
-        return extra_round_first_prompt(self.cfg, step, round, self.dp_rank, self.per_rank)
+            return _first_group(n, step, self.dp_rank, self.per_rank)
+        return extra_round_first_prompt(n, step, round, self.dp_rank, self.per_rank)
 
-    def _generator(self, step: int, round: int = 0) -> torch.Generator:
-        key = f"{self.cfg.training.seed}/{step}/{self.dp_rank}"
+    def generator(self, step: int, round: int = 0) -> torch.Generator:
+        """The CPU generator of round ``round`` of ``step`` on this DP rank: seeded from
+        ``(seed, step, dp_rank, round)``, the same on every rank of the model replica."""
+        key = f"{self.ctx.seed}/{step}/{self.dp_rank}"
         key += f"/{round}" if round else ""  # round 0 keeps the seeds of runs without extras
         return torch.Generator().manual_seed(random.Random(key).getrandbits(63))
-
-
-# ------------------------------------------------------------------ rollout.source
-SourceFactory = Callable[[TrainConfig, Task, torch.nn.Module, int, int], RolloutSource]
-_SPEC_FORMS = "generate, files, 'pkg.module:Class' or 'path/to/file.py:Class'"
-
-
-def source_class(spec: str) -> SourceFactory:
-    """What ``rollout.source`` constructs: :class:`GeneratedRollouts` for ``generate``, else
-    the class of ``"pkg.module:Class"`` / ``"path/to/file.py:Class"`` (imported now, so a
-    wrong name fails before the model is built). ``files`` is built by the trainer itself."""
-    if spec == "generate":
-        return GeneratedRollouts
-    if spec in ROLLOUT_SOURCES:
-        raise InputError(f"rollout.source: {spec} is not constructed from a class")
-    cls = load_object(spec, "rollout.source", _SPEC_FORMS, kind="class")
-    missing = [m for m in ("next", "metrics") if not callable(getattr(cls, m, None))]
-    if isinstance(cls, type) and missing:
-        raise InputError(
-            f"rollout.source {spec!r}: {cls.__name__} has no {' / '.join(missing)} method (the "
-            "RolloutSource protocol, megatron_grpo/train/rollout_source.py)"
-        )
-    return cls
-
-
-def build_source(
-    factory: SourceFactory,
-    cfg: TrainConfig,
-    task: Task,
-    model: torch.nn.Module,
-    dp_rank: int,
-    dp_size: int,
-) -> RolloutSource:
-    """``factory(cfg, task, model, dp_rank, dp_size)``, checked against the protocol (and, with
-    ``rollout.filter_groups``, the ``next(step, round, count)`` of dynamic sampling)."""
-    source = factory(cfg, task, model, dp_rank, dp_size)
-    what = f"rollout.source {cfg.rollout.source!r}"
-    missing = [m for m in ("next", "metrics") if not callable(getattr(source, m, None))]
-    if not hasattr(source, "generated"):
-        missing.append("generated")
-    if missing:
-        raise InputError(
-            f"{what}: {type(source).__name__} lacks {', '.join(missing)} (the RolloutSource "
-            "protocol, megatron_grpo/train/rollout_source.py)"
-        )
-    if cfg.rollout.filter_groups.enabled:
-        params = inspect.signature(source.next).parameters
-        if not {"round", "count"} <= set(params):
-            raise InputError(
-                f"{what}: rollout.filter_groups.enabled calls next(step, round, count), but "
-                f"{type(source).__name__}.next takes ({', '.join(params)})"
-            )
-    return source
 
 
 def generated_rollouts(source: object) -> GeneratedRollouts | None:

@@ -42,26 +42,22 @@ from typing import Any
 import torch
 
 from megatron_grpo.megatron.layout import ParallelLayout
-from megatron_grpo.rollout import KVCacheEngine, SamplingParams, generate
-from megatron_grpo.train import comm
-from megatron_grpo.train.config import TrainConfig
-from megatron_grpo.train.rollout_source import (
-    build_engine,
-    generated_rollouts,
-    sampling_params,
-)
-from megatron_grpo.train.scoring import RewardScorer
-from megatron_grpo.train.tasks.base import Prompt, Task
+from megatron_grpo.megatron.parallel import all_reduce_max, all_reduce_sum
+from megatron_grpo.rollout.config import EvaluationConfig, RolloutConfig
+from megatron_grpo.rollout.context import RolloutContext
+from megatron_grpo.rollout.engine import KVCacheEngine, SamplingParams, generate
+from megatron_grpo.rollout.scoring import RewardScorer
+from megatron_grpo.rollout.source import build_engine, generated_rollouts, sampling_params
+from megatron_grpo.rollout.tasks.base import Prompt, Task
 
 PASS_REWARD = 1.0  # a sample passes when its reward is >= this
 _FIELDS = ("reward", "samples", "length", "pass1", "passn", "prompts")  # summed per group
 
 
-def eval_sampling_params(cfg: TrainConfig, eos_id: int, stop_ids: Sequence[int]) -> SamplingParams:
-    """The rollouts' parameters (max response length, stop ids) with ``evaluation``'s
+def eval_sampling_params(cfg: EvaluationConfig, base: SamplingParams) -> SamplingParams:
+    """The rollouts' parameters ``base`` (max response length, stop ids) with ``evaluation``'s
     temperature: 0 = greedy (top-k 1), otherwise plain sampling (no top-p / top-k)."""
-    base = sampling_params(cfg, eos_id, stop_ids)
-    t = cfg.evaluation.temperature
+    t = cfg.temperature
     if t == 0.0:
         return dataclasses.replace(base, temperature=1.0, top_p=1.0, top_k=1)
     return dataclasses.replace(base, temperature=t, top_p=1.0, top_k=0)
@@ -122,10 +118,17 @@ class Evaluator:
     The trainer calls :meth:`log_initial` before its first step and merges
     :meth:`after_step` into each step's metrics."""
 
-    def __init__(self, cfg: TrainConfig, task: Task | None, layout: ParallelLayout) -> None:
-        self.cfg, self.layout = cfg, layout
+    def __init__(
+        self,
+        cfg: EvaluationConfig,
+        rollout: RolloutConfig,
+        ctx: RolloutContext,
+        task: Task | None,
+        layout: ParallelLayout,
+    ) -> None:
+        self.cfg, self.rollout, self.ctx, self.layout = cfg, rollout, ctx, layout
         self.dp_rank, self.dp_size = layout.dp_rank, layout.dp_size
-        self.enabled = cfg.evaluation.enabled
+        self.enabled = cfg.enabled
         if not self.enabled:
             return
         val = getattr(task, "val_prompts", None)
@@ -138,16 +141,16 @@ class Evaluator:
         if not prompts:
             raise ValueError(
                 "evaluation: rollout.dataset.val_files has no prompts left (all longer than "
-                f"rollout.max_prompt_length={cfg.rollout.max_prompt_length}?); set "
+                f"rollout.max_prompt_length={rollout.max_prompt_length}?); set "
                 "evaluation.interval: 0 or give other val_files"
             )
-        limit = cfg.evaluation.max_prompts
+        limit = cfg.max_prompts
         self.task = task
         self.prompts: list[Prompt] = prompts[:limit] if limit else prompts
         self.sources = sorted({p.data_source for p in self.prompts if p.data_source})
-        self.params = eval_sampling_params(
-            cfg, task.tokenizer.eos_id, getattr(task, "stop_ids", ())
-        )
+        stop_ids = getattr(task, "stop_ids", ())
+        base = sampling_params(rollout, ctx.vocab_size, task.tokenizer.eos_id, stop_ids)
+        self.params = eval_sampling_params(cfg, base)
         self.model: torch.nn.Module | None = None
         self.engine: KVCacheEngine | None = None
         self.scorer: RewardScorer | None = None
@@ -164,8 +167,8 @@ class Evaluator:
         if generated is not None and generated.model is model:
             self.engine, self.scorer = generated.engine, generated.scorer
         else:
-            self.engine = build_engine(self.cfg, model)
-            self.scorer = RewardScorer(self.task, self.cfg.rollout, self.layout)
+            self.engine = build_engine(self.rollout, model)
+            self.scorer = RewardScorer(self.task, self.rollout, self.layout)
 
     # ------------------------------------------------------------------ the trainer's calls
     def log_initial(self, start_step: int, monitor: Any) -> None:
@@ -178,8 +181,8 @@ class Evaluator:
         ``interval`` steps and after the last step), else ``{}``."""
         if not self.enabled:
             return {}
-        last = step == self.cfg.training.steps
-        if not last and step % self.cfg.evaluation.interval:
+        last = step == self.ctx.steps
+        if not last and step % self.cfg.interval:
             return {}
         return self.evaluate(step)
 
@@ -189,7 +192,7 @@ class Evaluator:
         if self.model is None:
             raise RuntimeError("Evaluator.attach(model, source) was not called")
         t0 = time.perf_counter()
-        n = self.cfg.evaluation.n_samples
+        n = self.cfg.n_samples
         block, pad = shard(len(self.prompts), self.dp_rank, self.dp_size)
         mine = [self.prompts[i] for i in block]
         filler = [self.prompts[block.start if len(block) else 0]] * pad
@@ -205,15 +208,15 @@ class Evaluator:
             rewards = self.scorer.score(expanded, responses, indices).rewards
         lengths = [len(r) for r in responses]
         sums = group_sums(mine, rewards, lengths, n, self.sources)
-        totals = comm.all_reduce_sum(sums, self.layout.dp_group)
+        totals = all_reduce_sum(sums, self.layout.dp_group)
         metrics = eval_metrics(totals, n, self.sources)
-        metrics["perf/eval_seconds"] = comm.all_reduce_max([time.perf_counter() - t0])[0]
+        metrics["perf/eval_seconds"] = all_reduce_max([time.perf_counter() - t0])[0]
         if self.monitor is not None:
             self.monitor.message(self._summary(step, metrics))
         return metrics
 
     def _summary(self, step: int, m: dict[str, float]) -> str:
-        n = self.cfg.evaluation.n_samples
+        n = self.cfg.n_samples
         passes = f", pass@{n} {m[f'eval/pass_at_{n}']:.3f}" if n > 1 else ""
         return (
             f"eval at step {step}: reward {m['eval/reward_mean']:.3f}, pass@1 "
@@ -222,7 +225,7 @@ class Evaluator:
         )
 
     def _generator(self, step: int) -> torch.Generator:
-        key = f"{self.cfg.training.seed}/eval/{step}/{self.dp_rank}"
+        key = f"{self.ctx.seed}/eval/{step}/{self.dp_rank}"
         return torch.Generator().manual_seed(random.Random(key).getrandbits(63))
 
 

@@ -29,12 +29,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.megatron.layout import ParallelLayout
-from megatron_grpo.rollout.requests import Request
-from megatron_grpo.train import comm
-from megatron_grpo.train.config import TrainConfig
-from megatron_grpo.train.rollout_batch import RolloutBatch
-from megatron_grpo.train.rollout_source import GeneratedRollouts, engine_metrics
-from megatron_grpo.train.tasks import Prompt
+from megatron_grpo.megatron.parallel import all_reduce_max, all_reduce_sum
+from megatron_grpo.rollout.batch import RolloutBatch
+from megatron_grpo.rollout.config import RolloutConfig
+from megatron_grpo.rollout.context import RolloutContext
+from megatron_grpo.rollout.engine.requests import Request
+from megatron_grpo.rollout.source import GeneratedRollouts, engine_metrics
+from megatron_grpo.rollout.tasks import Prompt
 
 
 @dataclass
@@ -69,13 +70,15 @@ class PartialRollouts:
     def __init__(
         self,
         inner: GeneratedRollouts,
-        cfg: TrainConfig,
+        cfg: RolloutConfig,
+        ctx: RolloutContext,
         layout: ParallelLayout,
     ) -> None:
         if inner.engine is None:
             raise ValueError("rollout.partial.enabled needs rollout.engine.kind: kv_cache")
-        self.inner, self.cfg, self.partial = inner, cfg, cfg.rollout.partial
-        self.dp_rank, self.per_rank = layout.dp_rank, cfg.rollout.num_prompts // layout.dp_size
+        self.inner, self.cfg, self.partial = inner, cfg, cfg.partial
+        self.record_routes = ctx.record_routes
+        self.dp_rank, self.per_rank = layout.dp_rank, cfg.num_prompts // layout.dp_size
         self.extra = math.ceil(self.per_rank * self.partial.over_provision)
         self.groups: list[Group] = []  # in flight, oldest first
         self.position = 0  # prompts of this rank's stream admitted so far
@@ -105,8 +108,8 @@ class PartialRollouts:
             new = 1
         if new == 0:
             return
-        g, m = self.cfg.rollout.group_size, self.inner.params.max_new_tokens
-        uniforms = torch.rand(new * g, m, generator=self.inner._generator(step, round))
+        g, m = self.cfg.group_size, self.inner.params.max_new_tokens
+        uniforms = torch.rand(new * g, m, generator=self.inner.generator(step, round))
         for j in range(new):
             index = self._prompt_index(self.position)
             [prompt] = self.inner.task.prompts(index, 1)
@@ -118,10 +121,10 @@ class PartialRollouts:
 
     def _prompt_index(self, c: int) -> int:
         n = self.per_rank
-        return (c // n) * self.cfg.rollout.num_prompts + self.dp_rank * n + c % n
+        return (c // n) * self.cfg.num_prompts + self.dp_rank * n + c % n
 
     def _check_prompt(self, prompt: Prompt) -> None:
-        limit = self.cfg.rollout.max_prompt_length
+        limit = self.cfg.max_prompt_length
         if len(prompt.ids) > limit:
             raise ValueError(
                 f"a prompt has {len(prompt.ids)} tokens > rollout.max_prompt_length={limit}: "
@@ -136,7 +139,7 @@ class PartialRollouts:
         owner = torch.tensor(owner, dtype=torch.long)
         before = torch.tensor([sum(r.finished for r in g.requests) for g in groups])
         ready_before = sum(g.finished for g in self.groups)
-        size = self.cfg.rollout.group_size
+        size = self.cfg.group_size
 
         def stop(finished: torch.Tensor) -> bool:
             done = before.index_add(0, owner, finished.long())
@@ -149,7 +152,7 @@ class PartialRollouts:
             step,
             stop,
             keep_kv=p.kv == "keep",
-            record_routes=self.cfg.model.moe_enable_routing_replay,
+            record_routes=self.record_routes,
         )
 
     def _take(self, need: int) -> list[Group]:
@@ -163,13 +166,13 @@ class PartialRollouts:
 
     def _score(self, groups: list[Group]) -> RolloutBatch:
         """The finished groups scored (only now: every member is complete)."""
-        size = self.cfg.rollout.group_size
+        size = self.cfg.group_size
         expanded = [g.prompt for g in groups for _ in range(size)]
         reqs = [r for g in groups for r in g.requests]
         responses = [r.tokens for r in reqs]
         group_ids = [g.index for g in groups for _ in range(size)]
         scores = self.inner.scorer.score(expanded, responses, group_ids)
-        routes = self.cfg.model.moe_enable_routing_replay
+        routes = self.record_routes
         return RolloutBatch(
             [list(p.ids) for p in expanded],
             responses,
@@ -202,7 +205,7 @@ class PartialRollouts:
         if not dist.is_initialized() or dist.get_world_size(group) == 1:
             return
         fp = float(sum((g.index % 1000003 + 1) * (g.tokens() + 1) for g in self.groups) % 2**50)
-        hi, neg_lo = comm.all_reduce_max([fp, -fp], group)
+        hi, neg_lo = all_reduce_max([fp, -fp], group)
         if hi != -neg_lo:
             raise RuntimeError(
                 "partial rollouts: the ranks of a model replica disagree on the requests that "
@@ -210,7 +213,7 @@ class PartialRollouts:
             )
 
     def _count(self, carried: int, dropped: int) -> dict[str, float]:
-        c, d = comm.all_reduce_sum([float(carried), float(dropped)], self.dp_group)
+        c, d = all_reduce_sum([float(carried), float(dropped)], self.dp_group)
         return {"rollout/partial_carried": c, "rollout/partial_dropped": d}
 
     # ------------------------------------------------------------------ checkpoint
@@ -236,6 +239,17 @@ class PartialRollouts:
             reqs = [Request.from_state(r) for r in g["requests"]]
             self.groups.append(Group(g["index"], g["order"], prompt, reqs))
 
+    def restore(self, state: dict | None, step: int) -> bool:
+        """On resume at ``step``: the saved requests in flight (``state``, this rank's
+        :meth:`state_dict`) continue; without them (a checkpoint of a run without partial
+        rollouts, or of another world size) the stream starts afresh at the synchronous run's
+        prompts of ``step``. Returns whether requests were restored."""
+        if state is not None:
+            self.load_state_dict(state)
+            return True
+        self.groups, self.position = [], step * self.per_rank
+        return False
+
     def in_flight(self) -> int:
         """Requests in flight (holding tokens)."""
         return sum(bool(r.tokens) for g in self.groups for r in g.requests)
@@ -250,8 +264,8 @@ def offpolicy_metrics(batch: RolloutBatch, step: int, group: dist.ProcessGroup) 
     versions = [v for vs in batch.policy_versions for v in vs]
     old = sum(v < step for v in versions)
     lag = max((step - v for v in versions), default=0)
-    old, total = comm.all_reduce_sum([float(old), float(len(versions))], group)
-    [lag] = comm.all_reduce_max([float(lag)], group)
+    old, total = all_reduce_sum([float(old), float(len(versions))], group)
+    [lag] = all_reduce_max([float(lag)], group)
     return {"rollout/offpolicy_token_frac": old / max(total, 1.0), "rollout/staleness_max": lag}
 
 

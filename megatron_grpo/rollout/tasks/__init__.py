@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-from megatron_grpo.train.config import RolloutConfig
-from megatron_grpo.train.tasks.base import Prompt, Task, Tokenizer
-from megatron_grpo.train.tasks.dataset import DatasetTask
-from megatron_grpo.train.tasks.math import HFTokenizer, MathTask
-from megatron_grpo.train.tasks.reverse_digits import DigitTokenizer, ReverseDigitsTask
-from megatron_grpo.train.tasks.reward import PluginReward, load_reward_fn
+from megatron_grpo.rollout.config import RolloutConfig
+from megatron_grpo.rollout.tasks.base import Prompt, Task, Tokenizer
+from megatron_grpo.rollout.tasks.dataset import DatasetTask
+from megatron_grpo.rollout.tasks.math import HFTokenizer, MathTask
+from megatron_grpo.rollout.tasks.reverse_digits import DigitTokenizer, ReverseDigitsTask
+from megatron_grpo.rollout.tasks.reward import PluginReward, load_reward_fn
 
 
 def build_task(cfg: RolloutConfig, seed: int) -> Task:

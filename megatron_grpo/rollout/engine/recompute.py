@@ -17,10 +17,10 @@ import torch
 
 from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.megatron.parallel import all_reduce_max
-from megatron_grpo.rollout import model_io as io
-from megatron_grpo.rollout.params import SamplingParams
-from megatron_grpo.rollout.routes import RouteLog
-from megatron_grpo.rollout.sampling import sample
+from megatron_grpo.rollout.engine import model_io as io
+from megatron_grpo.rollout.engine.params import SamplingParams
+from megatron_grpo.rollout.engine.routes import RouteLog
+from megatron_grpo.rollout.engine.sampling import sample
 
 
 @torch.no_grad()

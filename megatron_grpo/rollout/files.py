@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from megatron_grpo.errors import InputError
-from megatron_grpo.train.rollout_batch import RolloutBatch
+from megatron_grpo.rollout.batch import RolloutBatch
 
 SUFFIXES = (".jsonl", ".parquet")
 

@@ -36,10 +36,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.errors import InputError
-from megatron_grpo.train.config import RolloutConfig
-from megatron_grpo.train.tasks.base import Prompt, Task
-from megatron_grpo.train.tasks.reward import PluginReward, RewardError, reward_value
-from megatron_grpo.train.user_frames import user_frames
+from megatron_grpo.rollout.config import RolloutConfig
+from megatron_grpo.rollout.tasks.base import Prompt, Task
+from megatron_grpo.rollout.tasks.reward import PluginReward, RewardError, reward_value
+from megatron_grpo.rollout.user_frames import user_frames
 
 if TYPE_CHECKING:  # megatron-core loads only where a layout is looked up (scoring.py stays light)
     from megatron_grpo.megatron.layout import ParallelLayout

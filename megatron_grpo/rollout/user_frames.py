@@ -1,5 +1,5 @@
 """Where in the user's own code an exception came from: ``path:line: source`` lines for the
-error report of a failing reward function (``train/scoring.py``), without the frames of this
+error report of a failing reward function (``rollout/scoring.py``), without the frames of this
 package, the standard library or installed packages."""
 
 from __future__ import annotations

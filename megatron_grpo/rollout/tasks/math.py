@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 from megatron_grpo.errors import InputError
-from megatron_grpo.train.tasks.base import Prompt
+from megatron_grpo.rollout.tasks.base import Prompt
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 

@@ -19,7 +19,7 @@ from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.megatron.parallel import comm_device
 from megatron_grpo.ops.lm_head.comm import TPInfo, all_gather_rows
 from megatron_grpo.ops.lm_head.gemm import mm_f32
-from megatron_grpo.rollout.params import SamplingParams
+from megatron_grpo.rollout.engine.params import SamplingParams
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -158,3 +158,40 @@ def check_prompts(
                 f"prompt {i} holds token id {bad[0]} outside the vocabulary "
                 f"[0, {params.vocab_size})"
             )
+
+
+def rope_table(model: torch.nn.Module, seq_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """RoPE ``(cos, sin)`` ``[seq_len, rot_dim]`` in the model dtype, from the model's own
+    rotary module (YaRN included, its attention factor applied as megatron-core does); None
+    without rotary embeddings."""
+    kind, cfg = model.position_embedding_type, model.config
+    if kind not in ("rope", "yarn"):
+        if kind not in ("learned_absolute", "none"):
+            raise ValueError(f"generation does not support position_embedding_type={kind!r}")
+        return None
+    if getattr(cfg, "multi_latent_attention", False) or getattr(cfg, "no_rope_freq", None):
+        raise ValueError("generation does not support multi-latent attention or no_rope_freq")
+    emb = model.rotary_pos_emb(seq_len)
+    freqs = emb[0] if isinstance(emb, tuple) else emb
+    mscale = 1.0
+    if kind == "yarn":
+        from megatron.core.transformer.attention import (
+            _yarn_get_concentration_factor_from_config,
+        )
+
+        mscale = _yarn_get_concentration_factor_from_config(cfg)
+    dtype = next(model.parameters()).dtype
+    freqs = freqs.flatten(1)  # [seq_len, 1, 1, rot_dim] -> [seq_len, rot_dim]
+    return (torch.cos(freqs) * mscale).to(dtype), (torch.sin(freqs) * mscale).to(dtype)
+
+
+def set_sequence_parallel(model: torch.nn.Module, value: bool) -> None:
+    """Switch ``model``'s sequence parallelism (off while generating: one token per row)."""
+    try:
+        from megatron.core.transformer.utils import set_model_to_sequence_parallel
+    except ImportError as e:  # megatron-core < 0.15
+        raise ValueError(
+            "generation with sequence_parallel needs megatron-core's "
+            "set_model_to_sequence_parallel (0.15+)"
+        ) from e
+    set_model_to_sequence_parallel(model, value)

@@ -28,7 +28,7 @@ class RolloutBatch:
             ``timeouts`` (1.0 where the reward call timed out), logged as ``reward/<name>``.
             ``None`` when there are none.
         policy_versions: per response token, the policy version (training step) whose weights
-            sampled it (partial rollouts, ``train/partial.py``); ``None``: all of this step's.
+            sampled it (partial rollouts, ``rollout/partial.py``); ``None``: all of this step's.
     """
 
     prompt_ids: list[list[int]]
