@@ -8,8 +8,8 @@ its torch norms (``WrappedTorchNorm``) refuse sequence parallelism. The portable
   ``SelfAttention`` whose packed-sequence RoPE is one op per tensor (megatron-core loops over
   the documents at every layer); :class:`SDPAttention` applies it before attending.
 * :class:`SDPAttention`: ``torch.nn.functional.scaled_dot_product_attention``, causal, GQA;
-  packed sequences attend per document (``packed_attention``: a few length-bucketed SDPA calls,
-  not one per document), so documents never see each other and no [T, T] mask or
+  packed sequences attend per document (``attention.choice``: one ``varlen_attn`` call, one
+  masked SDPA over fixed blocks, or a few length-bucketed SDPA calls), so documents never see each other and no [T, T] mask or
   score matrix is built (on GPU SDPA picks a flash/memory-efficient kernel: O(s) memory).
   Context parallelism (Megatron's THD CP layout) all-gathers K and V (``cp_attention``).
 * :class:`Norm`: LayerNorm / RMSNorm (fp32 math; RMSNorm as one Triton kernel each way on GPU)
@@ -56,8 +56,9 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
+from megatron_grpo.megatron.attention.choice import PACKED_IMPLS, packed_attention
 from megatron_grpo.megatron.attention.cp import cp_causal_attention
-from megatron_grpo.megatron.attention.packed import BUCKETS, packed_causal_attention
+from megatron_grpo.megatron.attention.packed import BUCKETS
 from megatron_grpo.megatron.attention.rope import PackedRopeSelfAttention, RopedPackedSeqParams
 from megatron_grpo.megatron.compat import define_te_general_gemm
 from megatron_grpo.megatron.moe.grouped_experts import GroupedExperts
@@ -208,6 +209,14 @@ def set_packed_buckets(model: torch.nn.Module | list[torch.nn.Module], buckets: 
     return _set_on(model, (SDPAttention,), "buckets", buckets)
 
 
+def set_packed_attention(model: torch.nn.Module | list[torch.nn.Module], impl: str) -> int:
+    """The packed-document attention path (``attention.choice.PACKED_IMPLS``) of every
+    ``SDPAttention`` of ``model`` (a module or the list of chunks); returns how many were set."""
+    if impl not in PACKED_IMPLS:
+        raise ValueError(f"packed attention impl must be one of {PACKED_IMPLS}, got {impl!r}")
+    return _set_on(model, (SDPAttention,), "packed_impl", impl)
+
+
 def _set_on(model: torch.nn.Module | list[torch.nn.Module], types: tuple, name: str, value) -> int:
     """Set attribute ``name`` of every module of ``types`` in ``model`` (or its chunks)."""
     chunks = model if isinstance(model, list) else [model]
@@ -312,6 +321,7 @@ class SDPAttention(MegatronModule):
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
         self.buckets = "plan_free"  # packed_attention.BUCKETS; set_packed_buckets changes it
+        self.packed_impl = "auto"  # attention.choice.PACKED_IMPLS; set_packed_attention
 
     def _sdpa(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object = None
@@ -351,14 +361,11 @@ class SDPAttention(MegatronModule):
                     query, key, value, packed_seq_params, group, sdpa=self._sdpa
                 )
             if thd:
-                return packed_causal_attention(
-                    query,
-                    key,
-                    value,
-                    packed_seq_params,
-                    sdpa=self._sdpa,
-                    buckets=self.buckets,
-                )
+                p = self.dropout_p if self.training else 0.0
+                return packed_attention(
+                    query, key, value, packed_seq_params, impl=self.packed_impl, sdpa=self._sdpa,
+                    scale=self.softmax_scale, dropout_p=p, buckets=self.buckets,
+                )  # fmt: skip
             # [s, b, n, d] -> [b, n, s, d]
             q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
             mask = dense_mask(
