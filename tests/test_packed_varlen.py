@@ -287,3 +287,51 @@ def test_varlen_attn_on_gpu_equals_reference(dtype):
 def test_blocked_on_gpu_equals_reference(dtype):
     """1 GPU: the blocked path (memory-efficient SDPA with a mask) against the reference."""
     _gpu_case("blocked", dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# the model: a log-prob and a training pass dispatch the same ops for 2 or 10 distinct lengths
+
+
+def _model_ops(chunks, step, lens: list[int]) -> int:
+    from megatron_grpo.megatron import pack_sequences
+    from tests.megatron_utils import VOCAB, train_grads
+
+    g = torch.Generator().manual_seed(len(set(lens)))
+    seqs = [torch.randint(0, VOCAB, (n,), generator=g) for n in lens]
+    old = [-torch.rand(n, generator=g) for n in lens]
+    adv = torch.randn(len(lens), generator=g)
+    batch = pack_sequences(
+        seqs, [torch.arange(n) >= n // 2 for n in lens], advantages=adv, old_logprobs=old
+    )
+    with CountOps() as mode:
+        step.compute_logprobs(chunks, [batch])
+        train_grads(chunks, step, [batch])
+    return mode.count
+
+
+def _model_body(rank: int, world: int) -> None:
+    from megatron_grpo.loss import GRPOLossConfig
+    from megatron_grpo.megatron import GRPOStep, ParallelConfig
+    from megatron_grpo.megatron.model.layer_spec import set_packed_attention
+    from tests.megatron_utils import build_layout, tiny_model
+
+    model_cfg = tiny_model()
+    step = GRPOStep(GRPOLossConfig(), vocab_size=model_cfg.vocab_size)
+    chunks = build_layout(ParallelConfig(), model_cfg)
+    few, many = [16, 3] * 4, [16, 1, 2, 3, 4, 5, 6, 7, 8, 9, 15]  # 76 tokens, longest 16
+    assert sum(few) == sum(many)
+    counts = {}
+    for impl in ("auto", "blocked", "buckets"):
+        assert set_packed_attention(chunks, impl) == model_cfg.num_layers
+        _model_ops(chunks, step, few)  # warm-up (first-call caches)
+        counts[impl] = (_model_ops(chunks, step, few), _model_ops(chunks, step, many))
+    assert counts["auto"][0] == counts["auto"][1], counts  # CPU: "auto" is "blocked"
+    assert counts["blocked"][0] == counts["blocked"][1], counts
+    assert counts["buckets"][1] > counts["buckets"][0], counts  # the count can fail
+
+
+def test_model_passes_op_count_does_not_grow_with_distinct_lengths():
+    from tests.dist_utils import run_distributed
+
+    run_distributed(_model_body, 1)
