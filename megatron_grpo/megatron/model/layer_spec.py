@@ -363,9 +363,16 @@ class SDPAttention(MegatronModule):
             if thd:
                 p = self.dropout_p if self.training else 0.0
                 return packed_attention(
-                    query, key, value, packed_seq_params, impl=self.packed_impl, sdpa=self._sdpa,
-                    scale=self.softmax_scale, dropout_p=p, buckets=self.buckets,
-                )  # fmt: skip
+                    query,
+                    key,
+                    value,
+                    packed_seq_params,
+                    impl=self.packed_impl,
+                    sdpa=self._sdpa,
+                    scale=self.softmax_scale,
+                    dropout_p=p,
+                    buckets=self.buckets,
+                )
             # [s, b, n, d] -> [b, n, s, d]
             q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
             mask = dense_mask(
