@@ -335,3 +335,34 @@ def test_model_passes_op_count_does_not_grow_with_distinct_lengths():
     from tests.dist_utils import run_distributed
 
     run_distributed(_model_body, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# the bounds from their host copy: no device-to-host sync per micro-batch
+
+
+def test_layouts_read_the_recorded_host_bounds():
+    """Bounds on the meta device cannot be read back: the layout comes from the host copy the
+    transport recorded, and from the device again once either copy changes."""
+    host = _params([3, 5]).cu_seqlens_q
+    params = _params([3, 5])
+    params.cu_seqlens_q = params.cu_seqlens_kv = host.to("meta")
+    pa.remember_host_bounds(params, {"cu_seqlens_q": host})
+    assert pa.cached_layout(params, "_t", torch.device("cpu"), lambda b: b) == [0, 3, 8]
+    host[1] = 4  # a changed host copy is not trusted
+    with pytest.raises(NotImplementedError):
+        pa.cached_layout(params, "_t2", torch.device("cpu"), lambda b: b)
+
+
+def test_transport_records_host_bounds_through_the_rope_copy():
+    from megatron_grpo.megatron import ParallelConfig
+    from megatron_grpo.megatron.attention.rope import roped_params
+    from megatron_grpo.megatron.batch.transport import _params_to
+    from megatron_grpo.megatron.config import to_transformer_config
+    from tests.megatron_utils import tiny_model
+
+    params = _params_to(_params([3, 5], [4, 8]), torch.device("cpu"))
+    assert pa._HOST in params.__dict__
+    config = to_transformer_config(tiny_model(), ParallelConfig())
+    roped = roped_params(params, torch.zeros(8, 1, 1, 4), config, "torch")
+    assert roped.__dict__[pa._HOST] is params.__dict__[pa._HOST]
