@@ -23,6 +23,7 @@ LAYOUTS = [
     ([0, 6, 6], None, 12),  # an empty document
     ([3, 0, 6], [4, 0, 8], 14),  # padded bounds (CP/TP style)
     ([33, 31, 2, 1, 30], None, 97),  # several windows, documents across block edges
+    ([6, 6], None, 14),  # equal documents (no mask), 2 tokens of padding
 ]
 
 

@@ -13,6 +13,8 @@ It spends ``(B + W) / mean causal span`` times the FLOPs of exact per-document a
 The window index and mask are built on the device once per micro-batch (cached on the
 ``PackedSeqParams`` next to :mod:`.packed`'s layout) and shared by every layer. Padding tokens
 after the last bound form one more document (so no query row is empty) and get zeros.
+Documents of one length (one long document included) skip the blocks: ``[N, L]`` viewed from the
+input, one causal SDPA without a mask (no ``T x T`` mask for one long document).
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ class BlockLayout:
     blocks: int  # nb
     block: int  # B
     window: int  # W: keys before the block a query may see
-    keys: torch.Tensor  # int64 [nb * (B + W)]: rows of the front-padded K/V (W zero rows first)
-    mask: torch.Tensor  # bool [nb, 1, B, B + W]: True = attend
+    keys: torch.Tensor | None  # int64 [nb * (B + W)]: rows of the front-padded K/V (W zeros first)
+    mask: torch.Tensor | None  # bool [nb, 1, B, B + W]: True = attend; None: nb documents of B
     end: int  # tokens at or after it are padding (zeros out)
 
 
@@ -55,8 +57,10 @@ def _layout(bounds: list[int], tokens: int, device: torch.device) -> BlockLayout
         raise ValueError(
             f"packed_seq_params: the documents end at token {bounds[-1]} but q holds {tokens}"
         )
-    longest = max((b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)), default=0)
-    longest = max(longest, tokens - bounds[-1])  # the padding is a document too
+    lens = {b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)}
+    if len(lens) == 1 and min(lens) > 0:  # equal documents (or one): plain causal, no mask
+        return BlockLayout(len(bounds) - 1, min(lens), 0, None, None, bounds[-1])
+    longest = max(max(lens, default=0), tokens - bounds[-1])  # the padding is a document too
     nb, block, window = _block_sizes(longest, tokens)
     cu = torch.tensor(bounds[1:], dtype=torch.long, device=device)
     rows = nb * block
@@ -94,6 +98,13 @@ def blocked_causal_attention(
     ``[nb, n, S, d]`` batches with a boolean ``mask`` (its GQA, dropout and softmax scale)."""
     tokens = q.size(0)
     lay = block_layout(params, tokens, q.device)
+    if lay.mask is None:  # [end, n, d] -> [nb, n, B, d]: one causal SDPA, no mask
+        qb, kb, vb = (
+            x[: lay.end].view(lay.blocks, lay.block, *x.shape[1:]).transpose(1, 2)
+            for x in (q, k, v)
+        )
+        out = sdpa(qb, kb, vb).transpose(1, 2).reshape(lay.end, *q.shape[1:])
+        return F.pad(out, (0, 0, 0, 0, 0, tokens - lay.end))
     rows = lay.blocks * lay.block
     span = lay.block + lay.window
     groups = q.size(1) // k.size(1)
