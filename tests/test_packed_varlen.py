@@ -205,6 +205,23 @@ def test_choice_on_cpu_and_errors():
                                 buckets="round")  # fmt: skip
     for impl in ("blocked", "buckets"):
         assert choice.choose_packed_impl(impl, q, k, 0.5)[0] == impl
+        assert choice.choose_packed_impl(impl, q, k, 0.0, _params([4, 4]))[0] == impl
+
+
+def test_auto_runs_documents_of_one_length_as_one_sdpa_call():
+    q, k, v = _inputs(10)
+    for lens, want in (([5, 5], "buckets"), ([10], "buckets"), ([4, 6], "blocked")):
+        assert choice.choose_packed_impl("auto", q, k, 0.0, _params(lens))[0] == want, lens
+    calls = []
+
+    def spy(*args):
+        calls.append(args[0].shape)
+        return _sdpa(*args)
+
+    out = choice.packed_attention(q, k, v, _params([5, 5]), impl="auto", sdpa=spy, scale=0.25)
+    assert calls == [torch.Size([2, 4, 5, 16])]  # one causal call on [N, n, L, d]
+    ref, _ = _reference(q, k, v, [0, 5, 10])
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-5)
 
 
 def test_varlen_unavailable_reasons_on_gpu_like_inputs(monkeypatch):

@@ -10,7 +10,9 @@
 * "buckets": :mod:`.packed`, one SDPA per power-of-two length bucket (exact FLOPs up to 2x
   padding, but kernels and host work that grow with the distinct lengths, up to
   ``log2(longest) + 1`` buckets).
-* "auto": "varlen" where it runs, else "blocked"; the choice and its reason are logged once per
+* "auto": documents of one length (one long document included) run as one causal SDPA over
+  ``[N, L]`` (the "buckets" path's shortcut: torch's fastest kernel, cuDNN / flash, one call);
+  others "varlen" where it runs, else "blocked". The choice and its reason are logged once per
   device, dtype and reason.
 
 An explicit choice that cannot run is an error naming why (:func:`choose_packed_impl`).
@@ -25,7 +27,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_grpo.megatron.attention.blocked import blocked_causal_attention
-from megatron_grpo.megatron.attention.packed import BUCKETS, packed_causal_attention
+from megatron_grpo.megatron.attention.packed import BUCKETS, cached_layout, packed_causal_attention
 from megatron_grpo.megatron.attention.varlen import varlen_causal_attention, varlen_unavailable
 
 PACKED_IMPLS = ("auto", "varlen", "blocked", "buckets")
@@ -34,16 +36,32 @@ _log = logging.getLogger(__name__)
 _LOGGED: set[tuple] = set()
 
 
+def _one_length(bounds: list[int]) -> bool:
+    lens = {b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)}
+    return len(lens) == 1 and min(lens) > 0
+
+
 def choose_packed_impl(
-    impl: str, q: torch.Tensor, k: torch.Tensor, dropout_p: float
+    impl: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    dropout_p: float,
+    params: PackedSeqParams | None = None,
 ) -> tuple[str, str]:
-    """(the path ``impl`` means for ``q [T, n_q, d]``, ``k [T, n_kv, d]`` at ``dropout_p``, why).
+    """(the path ``impl`` means for ``q [T, n_q, d]``, ``k [T, n_kv, d]`` at ``dropout_p`` and
+    the documents of ``params`` (None: not looked at), why).
 
     Raises ``ValueError`` for an unknown ``impl`` or an explicit "varlen" that cannot run."""
     if impl not in PACKED_IMPLS:
         raise ValueError(f"packed attention impl must be one of {PACKED_IMPLS}, got {impl!r}")
     if impl in ("blocked", "buckets"):
         return impl, "chosen explicitly"
+    if (
+        impl == "auto"
+        and params is not None
+        and cached_layout(params, "_grpo_one_length", q.device, _one_length)
+    ):
+        return "buckets", "documents of one length: one causal SDPA over [N, L]"
     why = varlen_unavailable(q, k, dropout_p)
     if impl == "varlen" and why is not None:
         raise ValueError(
@@ -73,7 +91,7 @@ def packed_attention(
     and ``scale`` applied) for "blocked" and "buckets"; ``buckets``: ``packed.BUCKETS``."""
     if buckets not in BUCKETS:
         raise ValueError(f"packed attention buckets must be one of {BUCKETS}, got {buckets!r}")
-    path, why = choose_packed_impl(impl, q, k, dropout_p)
+    path, why = choose_packed_impl(impl, q, k, dropout_p, params)
     if impl == "auto":
         key = (q.device.type, q.dtype, path, why)
         if key not in _LOGGED:
