@@ -1,6 +1,7 @@
 """Packed attention whose kernel count does not grow with the distinct document lengths
 (issue 42): the blocked path and the varlen_attn wrapper against a per-document float64 loop
-and the length-bucketed path, the choice of path, and the op counts."""
+and the length-bucketed path, the choice of path, the op counts, and the model's log-probs and
+gradients on the blocked path against the length-bucketed one."""
 
 from __future__ import annotations
 
@@ -311,21 +312,36 @@ def test_blocked_on_gpu_equals_reference(dtype):
 # the model: a log-prob and a training pass dispatch the same ops for 2 or 10 distinct lengths
 
 
-def _model_ops(chunks, step, lens: list[int]) -> int:
+def _batch(lens: list[int]):
     from megatron_grpo.megatron import pack_sequences
-    from tests.megatron_utils import VOCAB, train_grads
+    from tests.megatron_utils import VOCAB
 
     g = torch.Generator().manual_seed(len(set(lens)))
     seqs = [torch.randint(0, VOCAB, (n,), generator=g) for n in lens]
     old = [-torch.rand(n, generator=g) for n in lens]
     adv = torch.randn(len(lens), generator=g)
-    batch = pack_sequences(
-        seqs, [torch.arange(n) >= n // 2 for n in lens], advantages=adv, old_logprobs=old
-    )
+    mask = [torch.arange(n) >= n // 2 for n in lens]
+    return pack_sequences(seqs, mask, advantages=adv, old_logprobs=old)
+
+
+def _model_ops(chunks, step, lens: list[int]) -> int:
+    from tests.megatron_utils import train_grads
+
+    batch = _batch(lens)
     with CountOps() as mode:
         step.compute_logprobs(chunks, [batch])
         train_grads(chunks, step, [batch])
     return mode.count
+
+
+def _logprobs_and_grads(chunks, step, lens: list[int]):
+    from tests.megatron_utils import train_grads
+
+    batch = _batch(lens)
+    logp = step.compute_logprobs(chunks, [batch])[0]
+    train_grads(chunks, step, [batch])
+    grads = {n: p.main_grad.clone() for n, p in chunks[0].named_parameters()}
+    return logp, grads
 
 
 def _model_body(rank: int, world: int) -> None:
@@ -347,6 +363,15 @@ def _model_body(rank: int, world: int) -> None:
     assert counts["auto"][0] == counts["auto"][1], counts  # CPU: "auto" is "blocked"
     assert counts["blocked"][0] == counts["blocked"][1], counts
     assert counts["buckets"][1] > counts["buckets"][0], counts  # the count can fail
+    # the log-probs and gradients of the blocked path equal the length-bucketed path's (fp32)
+    set_packed_attention(chunks, "buckets")
+    want_logp, want = _logprobs_and_grads(chunks, step, many + [5])
+    set_packed_attention(chunks, "blocked")
+    logp, got = _logprobs_and_grads(chunks, step, many + [5])
+    torch.testing.assert_close(logp, want_logp, atol=1e-5, rtol=1e-5)
+    assert all(g.abs().sum() > 0 for name, g in want.items() if "layers.0.self_attention" in name)
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_model_passes_op_count_does_not_grow_with_distinct_lengths():
