@@ -243,12 +243,12 @@ def _reasons(monkeypatch, q, k, p) -> str:
         monkeypatch.undo()
 
 
-def test_set_packed_attention_rejects_unknown_impl():
-    from megatron_grpo.megatron.model.layer_spec import set_packed_attention
+def test_layer_kernels_name_the_packed_attention_choices():
+    from megatron_grpo.ops.kernels import LayerKernels
 
-    with pytest.raises(ValueError, match="must be one of"):
-        set_packed_attention(torch.nn.Linear(2, 2), "flash")
-    assert set_packed_attention(torch.nn.Linear(2, 2), "blocked") == 0
+    assert choice.PACKED_IMPLS == ("auto", "varlen", "blocked", "buckets")
+    with pytest.raises(ValueError, match="packed_attention must be one of .*'blocked'"):
+        LayerKernels(packed_attention="block")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,7 +256,7 @@ def test_set_packed_attention_rejects_unknown_impl():
 
 
 def _gpu_case(impl: str, dtype):
-    from megatron_grpo.megatron.model.layer_spec import sdpa
+    from megatron_grpo.megatron.attention.sdpa import sdpa
 
     lens = [5, 1, 300, 3, 1024, 77, 640, 1, 1]
     q, k, v = _inputs(sum(lens) + 6, n_q=8, n_kv=2, d=128, dtype=dtype, dev="cuda")
@@ -344,30 +344,42 @@ def _logprobs_and_grads(chunks, step, lens: list[int]):
     return logp, grads
 
 
-def _model_body(rank: int, world: int) -> None:
-    from megatron_grpo.loss import GRPOLossConfig
-    from megatron_grpo.megatron import GRPOStep, ParallelConfig
-    from megatron_grpo.megatron.model.layer_spec import set_packed_attention
+def _model(impl: str):
+    """The tiny model whose ``LayerKernels.packed_attention`` is ``impl`` (same seed: same
+    weights)."""
+    import dataclasses
+
+    from megatron_grpo.megatron import ParallelConfig
+    from megatron_grpo.megatron.attention.sdpa import SDPAttention
+    from megatron_grpo.ops.kernels import LayerKernels
     from tests.megatron_utils import build_layout, tiny_model
 
-    model_cfg = tiny_model()
-    step = GRPOStep(GRPOLossConfig(), vocab_size=model_cfg.vocab_size)
-    chunks = build_layout(ParallelConfig(), model_cfg)
+    cfg = dataclasses.replace(tiny_model(), layer_kernels=LayerKernels(packed_attention=impl))
+    chunks = build_layout(ParallelConfig(), cfg)
+    cores = [m for m in chunks[0].modules() if isinstance(m, SDPAttention)]
+    assert len(cores) == cfg.num_layers and all(m.packed == impl for m in cores)
+    return chunks
+
+
+def _model_body(rank: int, world: int) -> None:
+    from megatron_grpo.loss import GRPOLossConfig
+    from megatron_grpo.megatron import GRPOStep
+    from tests.megatron_utils import tiny_model
+
+    step = GRPOStep(GRPOLossConfig(), vocab_size=tiny_model().vocab_size)
+    models = {impl: _model(impl) for impl in ("auto", "blocked", "buckets")}
     few, many = [16, 3] * 4, [16, 1, 2, 3, 4, 5, 6, 7, 8, 9, 15]  # 76 tokens, longest 16
     assert sum(few) == sum(many)
     counts = {}
-    for impl in ("auto", "blocked", "buckets"):
-        assert set_packed_attention(chunks, impl) == model_cfg.num_layers
+    for impl, chunks in models.items():
         _model_ops(chunks, step, few)  # warm-up (first-call caches)
         counts[impl] = (_model_ops(chunks, step, few), _model_ops(chunks, step, many))
     assert counts["auto"][0] == counts["auto"][1], counts  # CPU: "auto" is "blocked"
     assert counts["blocked"][0] == counts["blocked"][1], counts
     assert counts["buckets"][1] > counts["buckets"][0], counts  # the count can fail
     # the log-probs and gradients of the blocked path equal the length-bucketed path's (fp32)
-    set_packed_attention(chunks, "buckets")
-    want_logp, want = _logprobs_and_grads(chunks, step, many + [5])
-    set_packed_attention(chunks, "blocked")
-    logp, got = _logprobs_and_grads(chunks, step, many + [5])
+    want_logp, want = _logprobs_and_grads(models["buckets"], step, many + [5])
+    logp, got = _logprobs_and_grads(models["blocked"], step, many + [5])
     torch.testing.assert_close(logp, want_logp, atol=1e-5, rtol=1e-5)
     attn = [g for name, g in want.items() if "layers.0.self_attention" in name]
     assert attn and all(g.abs().sum() > 0 for g in attn)  # gradients that reach the attention

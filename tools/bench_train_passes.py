@@ -35,15 +35,17 @@ trainer sets them), reference log-probs = old + noise (``--kl-coef`` uses them).
 micro-batch of every timed pass, as a trainer meets them (each pass brings the attention new
 bucket shapes; FLOPs and MFU are those of the first batches).
 
-``--rope`` (a comma list of ``ROPE[/LAYER[/BUCKETS[/ATTN]]]``) is applied with
-``megatron_grpo.megatron.attention.rope.set_packed_rope`` (and ``set_layer_impl``,
-``set_packed_buckets``, ``set_packed_attention``) on the same model, the rows of one L back to back: "megatron" is
+``--rope`` (a comma list of ``ROPE[/LAYER[/BUCKETS[/ATTN]]]``) is the model's
+``ModelConfig.layer_kernels`` (``LayerKernels(rope=ROPE, elementwise=LAYER,
+attention=BUCKETS, packed_attention=ATTN)``, what a recipe's ``model.layer_kernels`` sets): each variant is a model of
+its own, built with it and loaded with the first one's weights (GPU memory: one model per
+variant), the rows of one L back to back: "megatron" is
 megatron-core's per-document loop (the "before"), "auto" / "torch" / "triton" our packed RoPE;
 BUCKETS "exact" runs mixed-length documents on torch's SDPA choice (cuDNN on Hopper, a plan
 per new shape), the default "plan_free" on flash / memory-efficient. ATTN is the packed
-attention path (``attention.choice.PACKED_IMPLS``: auto, varlen, blocked, buckets; default auto),
-e.g. ``auto/auto/plan_free/buckets,auto/auto/plan_free/varlen`` for the length-bucketed SDPA
-against one varlen_attn call per layer (issue 42). The comparison table gives
+attention path (auto, varlen, blocked, buckets; default auto), e.g.
+``auto/auto/plan_free/buckets,auto/auto/plan_free/varlen`` for the length-bucketed SDPA against
+one varlen_attn call per layer (issue 42). The comparison table gives
 each variant's time over the first one's (after / before; < 1 is faster).
 
 Timing: ``--warmup`` iterations, then the median of ``--iters``, each between
@@ -58,6 +60,15 @@ d weight), timed on random tensors of the model's dtype right before each row. P
 ``torch.cuda.max_memory_allocated`` over the timed iterations of each pass (reset before it;
 includes the weights, fp32 gradient buffers and inputs).
 
+``--dense8b``: Qwen3-8B's layer shape (4 layers of hidden 4096, FFN 12288, heads 32/8 x 128,
+vocab 151936, untied). ``--tp N``: tensor parallelism N (sequence parallel on for N > 1) under
+``torchrun --nproc-per-node N`` (data-parallel size 1); MFU is per GPU (model FLOPs / (time * N
+* peak)). ``--tp 1,2,4`` without torchrun runs each size under its own torchrun in turn and
+prints their MFU side by side (tools/bench_tp.py), e.g. on 4 GPUs::
+
+    python tools/bench_train_passes.py --dense8b --tp 1,2,4 --tokens 32768 --micro-batches 2 \\
+        --doc-lens 8192 --mixed 100-4000 --out $OUT/tp
+
 ``--profile``: at L = ``--profile-len`` (default the smallest of ``--doc-lens``), one log-prob
 pass and one fwd+bwd pass per rope impl under ``torch.profiler``: the top ``--top`` kernels (calls,
 total ms, % of GPU time), kernel launches per pass, GPU busy time (the union of kernel
@@ -65,15 +76,6 @@ intervals) vs wall time; a gzipped Chrome trace each under ``--out``.
 
 ``--host-profile``: cProfile of one pass of each kind at ``--profile-len`` (the last variant):
 the ``--top`` Python functions by own time, where a host-bound pass spends it.
-
-``--dense8b``: Qwen3-8B's layer shape (4 layers of hidden 4096, FFN 12288, heads 32/8 x 128,
-vocab 151936, untied). ``--tp N``: tensor parallelism N (sequence parallel on for N > 1) under
-``torchrun --nproc-per-node N`` (data-parallel size 1); MFU is per GPU (model FLOPs / (time * N
-* peak)). ``--tp 1,2,4`` without torchrun runs each size under its own torchrun in turn and
-prints their MFU side by side (tools/bench_tp.py), e.g. on 4 GPUs::
-
-    python tools/bench_train_passes.py --dense8b --tp 1,2,4 --tokens 32768 --micro-batches 2 \
-        --doc-lens 8192 --mixed 100-4000 --out $OUT/tp
 
 ``--out DIR``: ``results.json`` (args, device, versions, model, FLOPs, rows, comparison,
 profile).
@@ -224,6 +226,7 @@ if ARGS is not None and ARGS.device == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
+from megatron.core.parallel_state import model_parallel_is_initialized  # noqa: E402
 
 from megatron_grpo.loss import GRPOLossConfig, reduce_metrics  # noqa: E402
 from megatron_grpo.megatron import (  # noqa: E402
@@ -237,24 +240,20 @@ from megatron_grpo.megatron import (  # noqa: E402
     pack_sequences,
     unwrap,
 )
-from megatron_grpo.megatron.attention.choice import PACKED_IMPLS  # noqa: E402
-from megatron_grpo.megatron.attention.packed import BUCKETS  # noqa: E402
-from megatron_grpo.megatron.attention.rope import IMPLS, set_packed_rope  # noqa: E402
-from megatron_grpo.megatron.model.layer_spec import (  # noqa: E402
-    set_layer_impl,
-    set_packed_attention,
-    set_packed_buckets,
-)
-from megatron_grpo.ops.dispatch import IMPLS as LAYER_IMPLS  # noqa: E402
+from megatron_grpo.megatron.attention.rope import PackedRopeSelfAttention  # noqa: E402
+from megatron_grpo.ops.kernels import CHOICES, LayerKernels  # noqa: E402
+
+IMPLS, LAYER_IMPLS, BUCKETS = CHOICES["rope"], CHOICES["impl"], CHOICES["attention"]
+PACKED = CHOICES["packed_attention"]
 
 GIB = 2**30
 
 # ----------------------------------------------------------------------------- model, batches
 
 
-def build(args, dev: torch.device, experts: str):
-    """(ModelConfig, DDP-wrapped chunks) of the trainer's builder; TP = ``--tp`` (SP when > 1),
-    PP = EP = 1."""
+def build(args, dev: torch.device, experts: str, kernels: LayerKernels):
+    """(ModelConfig, DDP-wrapped chunks) of the trainer's builder running ``kernels``;
+    TP = ``--tp`` (SP when > 1), PP = EP = 1."""
     moe = {}
     if args.moe:
         moe = dict(num_moe_experts=args.num_experts, moe_router_topk=args.topk,
@@ -266,11 +265,13 @@ def build(args, dev: torch.device, experts: str):
         normalization="RMSNorm", layernorm_epsilon=1e-6, qk_layernorm=True,
         gated_linear_unit=True, activation_func="silu", rotary_base=1000000,
         share_embeddings_and_output_weights=args.tied, transformer_impl=args.transformer_impl,
-        params_dtype="bfloat16" if dev.type == "cuda" else "float32", **moe,
+        params_dtype="bfloat16" if dev.type == "cuda" else "float32", layer_kernels=kernels,
+        **moe,
     )  # fmt: skip
     tp = args.tp_size
     parallel = ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
-    initialize_parallel(parallel, seed=args.seed)
+    if not model_parallel_is_initialized():
+        initialize_parallel(parallel, seed=args.seed)
     return cfg, build_model(cfg, parallel)
 
 
@@ -439,20 +440,30 @@ class Passes:
         )
 
 
-def use_rope(chunks, variant: str) -> int:
-    """Apply a ``ROPE[/LAYER[/BUCKETS[/ATTN]]]`` variant: the packed RoPE impl, the layer's
-    element-wise kernels (``set_layer_impl``, default "auto"), how the bucketed attention runs
-    documents of mixed lengths (``set_packed_buckets``, default "plan_free") and the packed
-    attention path (``set_packed_attention``, default "auto")."""
-    impl, layer, buckets, attn = (variant.split("/") + ["", "", ""])[:4]
-    set_layer_impl(chunks, layer or "auto")
-    set_packed_buckets(chunks, buckets or "plan_free")
-    set_packed_attention(chunks, attn or "auto")
-    count = set_packed_rope(chunks, impl)
-    if count == 0:
-        raise SystemExit(f"set_packed_rope(chunks, {impl!r}) set no attention module: --rope "
-                         "acts on the portable spec (--transformer-impl local)")  # fmt: skip
-    return count
+def layer_kernels(variant: str) -> LayerKernels:
+    """A ``ROPE[/LAYER[/BUCKETS[/ATTN]]]`` variant as the model's kernels: the packed RoPE impl,
+    the layers' element-wise kernels (default "auto"), how the bucketed attention runs documents
+    of mixed lengths (default "plan_free") and the packed attention path (default "auto")."""
+    rope, layer, buckets, attn = (variant.split("/") + ["", "", ""])[:4]
+    return LayerKernels(elementwise=layer or "auto", rope=rope, attention=buckets or "plan_free",
+                        packed_attention=attn or "auto")  # fmt: skip
+
+
+def variant_models(args, dev, experts: str, weights) -> dict:
+    """``{variant: (cfg, chunks)}``: one model per ``--rope`` variant, each loaded with the
+    first one's weights (or ``weights``)."""
+    models = {}
+    for rope in args.rope:
+        cfg, chunks = build(args, dev, experts, layer_kernels(rope))
+        gpt = unwrap(chunks[0])
+        if not any(isinstance(m, PackedRopeSelfAttention) for m in gpt.modules()):
+            raise SystemExit("--rope acts on the portable spec (--transformer-impl local)")
+        if weights is not None:  # SequentialMLP's per-expert keys load into GroupedExperts too
+            gpt.load_state_dict(weights)
+        elif models:
+            gpt.load_state_dict(unwrap(next(iter(models.values()))[1][0]).state_dict())
+        models[rope] = (cfg, chunks)
+    return models
 
 
 def run_row(L: int | str, impl: str, passes: Passes, gpt, args, dev, params: tuple[int, int],
@@ -460,7 +471,6 @@ def run_row(L: int | str, impl: str, passes: Passes, gpt, args, dev, params: tup
     """One table row; ``first`` keeps the first impl's log-probs of each L (the same batches
     and weights: the others' max abs difference to them is ``logp_max_abs_vs_first``). A
     ``--mixed`` row times new batches in every pass (their FLOPs: those of the first ones)."""
-    use_rope(passes.chunks, impl.rpartition(":")[2])
     batches = make_batches(L, args, seed=_seed(L, args))
     logprobs = passes.logprob(batches)
     set_old_logprobs(batches, logprobs, seed=_seed(L, args) + 1)
@@ -552,7 +562,7 @@ def profile_pass(name: str, fn, setup, args, dev, out: Path, tag: str) -> dict:
                 top=kernels[: args.top], trace=trace.name)  # fmt: skip
 
 
-def host_profile(passes: Passes, args, dev) -> None:
+def host_profile(variants: dict, args, dev) -> None:
     """The Python functions that take the host's time in one pass of each kind (cProfile,
     sorted by own time): where a host-bound pass spends it."""
     import cProfile
@@ -560,7 +570,7 @@ def host_profile(passes: Passes, args, dev) -> None:
     import pstats
 
     L = args.profile_len
-    use_rope(passes.chunks, args.rope[-1])
+    passes = variants[args.rope[-1]]
     batches = make_batches(L, args, seed=_seed(L, args))
     set_old_logprobs(batches, passes.logprob(batches), seed=_seed(L, args) + 1)
     passes.zero_grads()
@@ -582,12 +592,12 @@ def host_profile(passes: Passes, args, dev) -> None:
         )
 
 
-def run_profile(passes: Passes, args, dev, out: Path, experts: str) -> list[dict]:
+def run_profile(variants: dict, args, dev, out: Path, experts: str) -> list[dict]:
     L = args.profile_len
     results = []
     for rope in args.rope:
         impl = label(args, experts, rope)
-        use_rope(passes.chunks, rope)
+        passes = variants[rope]
         batches = make_batches(L, args, seed=_seed(L, args))
         set_old_logprobs(batches, passes.logprob(batches), seed=_seed(L, args) + 1)
         passes.zero_grads()
@@ -695,15 +705,14 @@ def run_model(args, dev, experts: str, out: Path, acc: tuple, info: dict, weight
     first load the first one's weights: the log-prob column then compares them), run every
     row, profile; returns the weights for the next (host copies) or None."""
     rows, first, prof = acc
-    cfg, chunks = build(args, dev, experts)
+    models = variant_models(args, dev, experts, weights)
+    cfg, chunks = models[args.rope[0]]
     gpt = unwrap(chunks[0])
-    if weights is not None:  # SequentialMLP's per-expert keys load into GroupedExperts too
-        gpt.load_state_dict(weights)
-    elif len(args.experts) > 1:
+    if weights is None and len(args.experts) > 1:
         weights = {k: v.cpu() if torch.is_tensor(v) else v for k, v in gpt.state_dict().items()}
     step = GRPOStep(GRPOLossConfig(kl_coef=args.kl_coef), vocab_size=cfg.vocab_size,
                     logprob_path=args.logprob_path)  # fmt: skip
-    passes = Passes(step, chunks, args.logprob_merge)
+    variants = {r: Passes(step, c, args.logprob_merge) for r, (_, c) in models.items()}
     decoder, head = matmul_params(gpt, cfg.vocab_size)
     decoder *= args.tp_size  # every decoder GEMM weight is split over TP: the model's FLOPs
     info.setdefault("models", {})[experts] = dict(
@@ -724,7 +733,7 @@ def run_model(args, dev, experts: str, out: Path, acc: tuple, info: dict, weight
     for L in args.doc_lens:
         for rope in args.rope:
             name = label(args, experts, rope)
-            row = run_row(L, name, passes, gpt, args, dev, (decoder, head), first)
+            row = run_row(L, name, variants[rope], gpt, args, dev, (decoder, head), first)
             rows.append(row)
             print(
                 f"L={L} {name}: logprob {row['logprob']['ms']:.1f} ms, fwd+bwd "
@@ -735,10 +744,10 @@ def run_model(args, dev, experts: str, out: Path, acc: tuple, info: dict, weight
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
     if args.profile:
-        prof += run_profile(passes, args, dev, out, experts)
+        prof += run_profile(variants, args, dev, out, experts)
     if args.host_profile:
-        host_profile(passes, args, dev)
-    del passes, step, gpt, chunks
+        host_profile(variants, args, dev)
+    del variants, models, step, gpt, chunks
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -754,13 +763,13 @@ def main() -> int:
 
     def known(variant: str) -> bool:
         parts = variant.split("/")
-        choices = (IMPLS, ("", *LAYER_IMPLS), ("", *BUCKETS), ("", *PACKED_IMPLS))
+        choices = (IMPLS, ("", *LAYER_IMPLS), ("", *BUCKETS), ("", *PACKED))
         return len(parts) <= 4 and all(p in c for p, c in zip(parts, choices, strict=False))
 
     unknown = [r for r in args.rope if not known(r)]
     if unknown or not args.rope:
         raise SystemExit(f"--rope: {unknown or args.rope}: ROPE in {IMPLS}, LAYER in "
-                         f"{LAYER_IMPLS}, BUCKETS in {BUCKETS}, ATTN in {PACKED_IMPLS}")  # fmt: skip
+                         f"{LAYER_IMPLS}, BUCKETS in {BUCKETS}, ATTN in {PACKED}")  # fmt: skip
     out = Path(args.out)
     if args.tp_size is None:  # a list of sizes: one torchrun each
         if "RANK" in os.environ:

@@ -1,6 +1,7 @@
 """Which path runs causal attention over packed (THD) documents: the one place it is decided.
 
-``PACKED_IMPLS``:
+``PACKED_IMPLS`` (``ops.kernels.CHOICES["packed_attention"]``, ``LayerKernels.packed_attention``
+given to each ``SDPAttention`` when the model is built):
 
 * "varlen": :mod:`.varlen`, torch's ``varlen_attn`` (FlashAttention-2): one kernel per layer
   and direction whatever the document lengths; CUDA, 16-bit, no dropout, torch >= 2.10.
@@ -27,10 +28,11 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_grpo.megatron.attention.blocked import blocked_causal_attention
-from megatron_grpo.megatron.attention.packed import BUCKETS, cached_layout, packed_causal_attention
+from megatron_grpo.megatron.attention.packed import cached_layout, packed_causal_attention
 from megatron_grpo.megatron.attention.varlen import varlen_causal_attention, varlen_unavailable
+from megatron_grpo.ops.kernels import CHOICES, check_choice
 
-PACKED_IMPLS = ("auto", "varlen", "blocked", "buckets")
+PACKED_IMPLS = CHOICES["packed_attention"]
 
 _log = logging.getLogger(__name__)
 _LOGGED: set[tuple] = set()
@@ -52,8 +54,7 @@ def choose_packed_impl(
     the documents of ``params`` (None: not looked at), why).
 
     Raises ``ValueError`` for an unknown ``impl`` or an explicit "varlen" that cannot run."""
-    if impl not in PACKED_IMPLS:
-        raise ValueError(f"packed attention impl must be one of {PACKED_IMPLS}, got {impl!r}")
+    check_choice("packed_attention", impl)
     if impl in ("blocked", "buckets"):
         return impl, "chosen explicitly"
     if (
@@ -89,8 +90,7 @@ def packed_attention(
 
     ``sdpa(q, k, v[, mask])``: the caller's SDPA on ``[B, n, S, d]`` batches (GQA, ``dropout_p``
     and ``scale`` applied) for "blocked" and "buckets"; ``buckets``: ``packed.BUCKETS``."""
-    if buckets not in BUCKETS:
-        raise ValueError(f"packed attention buckets must be one of {BUCKETS}, got {buckets!r}")
+    check_choice("attention", buckets, "packed attention buckets")
     path, why = choose_packed_impl(impl, q, k, dropout_p, params)
     if impl == "auto":
         key = (q.device.type, q.dtype, path, why)
