@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.megatron.layout import ParallelLayout
+from megatron_grpo.megatron.moe.ep_dispatch import no_host_sync
 from megatron_grpo.megatron.moe.local_dispatch import host_sync_reason
 from megatron_grpo.megatron.parallel import all_reduce_max
 from megatron_grpo.rollout import fused_decode as fd
@@ -69,8 +70,9 @@ class EngineOptions:
             shapes (``kv_cache.Headroom``). The rest (``(1 - fraction) * total``) is left for
             fragmentation, NCCL and other buffers allocated later. TP / EP ranks take their
             group's minimum.
-        cuda_graphs: replay decode steps as CUDA graphs; None = on for dense models on GPU
-            (MoE routing has data-dependent shapes, so MoE always runs eagerly).
+        cuda_graphs: replay decode steps as CUDA graphs; None = on on GPU wherever the decode
+            step never syncs with the host (MoE: grouped experts on the local dispatch, or at
+            EP > 1 the gathered one, ``moe.local_dispatch.host_sync_reason``).
         max_prefill_tokens: tokens per prefill forward (bounds its activation memory).
         context_bucket: decode attends to keys in multiples of this many positions.
         keep_cache: keep the KV cache allocated between calls (CUDA graphs are then always
@@ -618,8 +620,9 @@ class KVCacheEngine:
         self.cache.plan_decode(pos, ctx)
         if self._fused is not None:
             hidden = self._fused(ids, pos, self.cache, self._rope)
-        else:
-            hidden = self._forward(ids[:, None], pos[:, None])[0]  # [b, H]
+        else:  # MoE at EP > 1: the gathered dispatch (every rank of the group steps together)
+            with no_host_sync(self.model):
+                hidden = self._forward(ids[:, None], pos[:, None])[0]  # [b, H]
         logits = io.head_logits(self.model, hidden, self.layout)
         tokens, logp = sample(logits, self._u[:b], params, self.decode.kernels.sample_rows)
         io.broadcast_from_tp_src(self.layout, tokens, logp)

@@ -1,0 +1,226 @@
+"""The gathered expert-parallel dispatch (``moe.ep_dispatch``) against megatron-core's
+all-to-all dispatcher on the same weights and routes: outputs, input, expert and router
+gradients; top-k 1 / 2 / 8, an expert without tokens, every token on one rank's experts; EP 2,
+EP 4, TP 2 + SP with EP 2, and the replicated tokens of generation (TP 2 without SP). Greedy
+generation at EP 2 equals EP 1 token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_grpo.megatron import ParallelConfig, unwrap
+from megatron_grpo.megatron.moe.ep_dispatch import (
+    EPDispatch,
+    GatheredTokenDispatcher,
+    choose_dispatch,
+    no_host_sync,
+    set_moe_dispatch,
+)
+from tests.dist_utils import run_distributed
+from tests.megatron_utils import build_layout, full_params, load_full, tiny_model
+
+H, E = 64, 8
+
+
+def _cfg(topk: int, **kw):
+    kw.setdefault("num_layers", 1)
+    return tiny_model(
+        num_moe_experts=E, moe_router_topk=topk, moe_ffn_hidden_size=32, moe_grouped_gemm=True,
+        moe_router_pre_softmax=topk == 1, moe_token_dispatcher_type="alltoall", **kw,
+    )  # fmt: skip
+
+
+def _cpu_alltoall() -> None:
+    """megatron-core's all-to-all dispatcher on a CUDA-less host (the reference of these tests):
+    its split sizes copied to the host with ``tolist`` instead of its CUDA side stream."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as A2A
+
+    if torch.cuda.is_available():
+        return
+    A2A.cuda_dtoh_stream = "cpu"  # built once per process; never used below
+
+    def to_host(self, point, tokens_per_expert=None):
+        if point == self.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(self, name)
+                if isinstance(value, torch.Tensor):
+                    setattr(self, name, value.tolist())
+            if isinstance(self.num_out_tokens, torch.Tensor):
+                self.num_out_tokens = int(self.num_out_tokens)
+        return tokens_per_expert
+
+    A2A._maybe_dtoh_and_synchronize = to_host
+
+
+def _forced_router(router, ids_of):
+    """The router's own scores (softmax of its logits: gradients reach its weight) gathered at
+    the ids ``ids_of(T)`` gives (None: its own top-k)."""
+
+    def forward(x, *args, **kwargs):
+        logits = x.reshape(-1, x.size(-1)).float() @ router.weight.float().T
+        scores = torch.softmax(logits, dim=-1)
+        ids = ids_of(scores.size(0))
+        if ids is None:
+            ids = torch.topk(scores, router.topk, dim=1).indices
+        probs = torch.zeros_like(scores).scatter(1, ids, scores.gather(1, ids))
+        routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, ids, True)
+        return probs, routing_map
+
+    return forward
+
+
+def _routes(mode: str, topk: int, rank: int, ep: int):
+    g = torch.Generator().manual_seed(11 + rank)
+    local = E // ep
+
+    drawn: dict[int, torch.Tensor] = {}  # the same routes in every forward
+
+    def ids_of(t: int):
+        if mode == "live":
+            return None
+        if mode == "zero":  # expert 1 (EP rank 0's) gets no token from anyone
+            pool = torch.tensor([e for e in range(E) if e != 1])
+        else:  # "one_rank": every token to the last EP rank's experts
+            pool = torch.arange(E - local, E)
+        if t not in drawn:
+            perms = [torch.randperm(len(pool), generator=g)[:topk] for _ in range(t)]
+            drawn[t] = torch.stack([pool[p] for p in perms])
+        return drawn[t]
+
+    return ids_of
+
+
+def _run(mlp, x, gy, params):
+    xi = x.clone().requires_grad_()
+    out, _ = mlp(xi)
+    grads = torch.autograd.grad(out, [xi, *params], gy, allow_unused=True)
+    return [out.detach(), *grads]
+
+
+def _check_case(rank, chunks, ep, topk, mode, replicated):
+    mlp = unwrap(chunks[0]).decoder.layers[0].mlp
+    assert isinstance(mlp.ep_dispatch, EPDispatch)
+    assert isinstance(mlp.ep_dispatch.gathered, GatheredTokenDispatcher)
+    mlp.router.topk = topk
+    mlp.ep_dispatch.gathered.topk = mlp.ep_dispatch.megatron.config.moe_router_topk = topk
+    mlp.router.forward = _forced_router(mlp.router, _routes(mode, topk, rank, ep))
+    seed = 0 if replicated else rank  # generation under TP without SP: the same tokens
+    g = torch.Generator().manual_seed(seed + 100 * topk)
+    x = torch.randn(5, 1, H, generator=g)
+    gy = torch.randn(5, 1, H, generator=g)
+    params = [mlp.router.weight, mlp.experts.weight1, mlp.experts.weight2]
+    if replicated:
+        assert mlp.ep_dispatch.gathered.replicated()
+        params = []  # expert grads: megatron's dispatcher counts each copy (training refuses it)
+    got = {}
+    for choice in ("alltoall", "gathered"):
+        assert set_moe_dispatch(chunks, choice) == 1
+        want = "megatron" if choice == "alltoall" else "gathered"
+        assert mlp.ep_dispatch.resolve() == want
+        got[choice] = _run(mlp, x, gy, params)
+    names = ["output", "input grad", "router grad", "fc1 grad", "fc2 grad"]
+    for name, a, b in zip(names, got["gathered"], got["alltoall"], strict=False):
+        scale = max(1.0, b.abs().max().item())
+        err = (a - b).abs().max().item()
+        what = f"rank {rank} top-{topk} {mode} {name}"
+        assert err <= 1e-5 * scale, f"{what}: {err:.3e} (scale {scale:.2e})"
+    if mode == "zero" and mlp.ep_dispatch.gathered.local_offset == 0:
+        assert got["gathered"][3][1].abs().max() == 0  # expert 1: no token, no gradient
+
+
+def _layer_body(rank, world, parallel, cases):
+    """Every case on one model (the router's top-k set per case; one spawn per layout)."""
+    _cpu_alltoall()
+    chunks = build_layout(parallel, _cfg(8))
+    ep = parallel.expert_model_parallel_size
+    for topk, mode in cases:
+        _check_case(rank, chunks, ep, topk, mode, replicated=False)
+    if parallel.tensor_model_parallel_size > 1:  # generation: SP off, the same tokens
+        from megatron.core.transformer.utils import set_model_to_sequence_parallel
+
+        set_model_to_sequence_parallel(unwrap(chunks[0]), False)
+        unwrap(chunks[0]).eval()
+        _check_case(rank, chunks, ep, 2, "live", replicated=True)
+
+
+EP2 = ParallelConfig(expert_model_parallel_size=2)
+EP4 = ParallelConfig(expert_model_parallel_size=4)
+TP2_SP_EP2 = ParallelConfig(
+    tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
+    expert_tensor_parallel_size=1,
+)  # fmt: skip
+ALL_MODES = [(1, "live"), (2, "live"), (8, "live"), (1, "zero"), (2, "zero"), (2, "one_rank")]
+
+
+@pytest.mark.parametrize(
+    "parallel, world, cases",
+    [
+        pytest.param(EP2, 2, ALL_MODES, id="ep2"),
+        pytest.param(EP4, 4, [(2, "zero"), (2, "one_rank"), (8, "live")], id="ep4"),
+        pytest.param(TP2_SP_EP2, 2, [(2, "live"), (1, "zero")], id="tp2_sp_ep2"),
+    ],
+)
+def test_gathered_dispatch_equals_alltoall(parallel, world, cases):
+    """Outputs, input / router / expert gradients equal megatron-core's all-to-all dispatcher's
+    (fp32); TP 2 + SP also with SP off and the same tokens on both ranks (generation)."""
+    run_distributed(_layer_body, world, parallel, cases)
+
+
+def test_choose_dispatch_is_one_decision():
+    assert choose_dispatch("auto", False, None) == "megatron"
+    assert choose_dispatch("auto", True, None) == "gathered"
+    assert choose_dispatch("auto", True, "expert_tensor_parallel_size=2") == "megatron"
+    assert choose_dispatch("alltoall", True, None) == "megatron"
+    assert choose_dispatch("gathered", False, None) == "gathered"
+    with pytest.raises(ValueError, match="expert_tensor_parallel_size=2"):
+        choose_dispatch("gathered", False, "expert_tensor_parallel_size=2")
+    with pytest.raises(ValueError, match="one of"):
+        choose_dispatch("ragged", True, None)
+
+
+def _generate(model, prompts, rank):
+    from megatron_grpo.rollout import EngineOptions, KVCacheEngine, generate
+    from megatron_grpo.rollout.params import SamplingParams
+
+    params = SamplingParams(temperature=1.0, top_k=1, max_new_tokens=6, eos_id=3, vocab_size=100)
+    engine = KVCacheEngine(model, EngineOptions(kv_cache_gib=0.01, context_bucket=16))
+    return generate(model, prompts, params, torch.Generator().manual_seed(rank), engine=engine)
+
+
+def _generation_body(rank, world):
+    from megatron_grpo.megatron.moe.local_dispatch import host_sync_reason
+
+    _cpu_alltoall()
+    cfg = _cfg(2, num_layers=2)
+    ref = build_layout(ParallelConfig(), cfg)  # EP 1 (DP 2): every expert on each rank
+    weights = full_params(ref)
+    g = torch.Generator().manual_seed(20 + rank)  # ranks hold different prompts and counts
+    prompts = [torch.randint(0, 100, (int(n),), generator=g).tolist() for n in range(3, 6 + rank)]
+    want = _generate(unwrap(ref[0]), prompts, rank)
+    chunks = build_layout(ParallelConfig(expert_model_parallel_size=2), cfg)
+    load_full(chunks, weights, cfg)
+    model = unwrap(chunks[0])
+    assert host_sync_reason(model) is None  # decode steps: the gathered dispatch
+    calls = []
+    gathered = model.decoder.layers[0].mlp.ep_dispatch.gathered
+    original = gathered.dispatch_preprocess
+
+    def counted(*args):
+        calls.append(1)
+        return original(*args)
+
+    gathered.dispatch_preprocess = counted
+    got = _generate(model, prompts, rank)
+    assert calls, "decode did not take the gathered dispatch"
+    assert got.responses == want.responses
+    for a, b in zip(got.logprobs, want.logprobs, strict=True):
+        assert torch.allclose(torch.as_tensor(a), torch.as_tensor(b), atol=1e-5)
+    set_moe_dispatch(chunks, "alltoall")
+    assert "alltoall" in host_sync_reason(model)
+    with no_host_sync(model):
+        assert model.decoder.layers[0].mlp.ep_dispatch.resolve() == "megatron"
+
+
+def test_greedy_generation_ep2_equals_ep1():
+    run_distributed(_generation_body, 2)
