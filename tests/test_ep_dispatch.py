@@ -18,6 +18,7 @@ from megatron_grpo.megatron.moe.ep_dispatch import (
     set_moe_dispatch,
 )
 from tests.dist_utils import run_distributed
+from tests.ep_utils import cpu_alltoall
 from tests.megatron_utils import build_layout, full_params, load_full, tiny_model
 
 H, E = 64, 8
@@ -29,28 +30,6 @@ def _cfg(topk: int, **kw):
         num_moe_experts=E, moe_router_topk=topk, moe_ffn_hidden_size=32, moe_grouped_gemm=True,
         moe_router_pre_softmax=topk == 1, moe_token_dispatcher_type="alltoall", **kw,
     )  # fmt: skip
-
-
-def _cpu_alltoall() -> None:
-    """megatron-core's all-to-all dispatcher on a CUDA-less host (the reference of these tests):
-    its split sizes copied to the host with ``tolist`` instead of its CUDA side stream."""
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as A2A
-
-    if torch.cuda.is_available():
-        return
-    A2A.cuda_dtoh_stream = "cpu"  # built once per process; never used below
-
-    def to_host(self, point, tokens_per_expert=None):
-        if point == self.cuda_dtoh_point:
-            for name in ("input_splits", "output_splits", "output_splits_tp"):
-                value = getattr(self, name)
-                if isinstance(value, torch.Tensor):
-                    setattr(self, name, value.tolist())
-            if isinstance(self.num_out_tokens, torch.Tensor):
-                self.num_out_tokens = int(self.num_out_tokens)
-        return tokens_per_expert
-
-    A2A._maybe_dtoh_and_synchronize = to_host
 
 
 def _forced_router(router, ids_of):
@@ -131,7 +110,7 @@ def _check_case(rank, chunks, ep, topk, mode, replicated):
 
 def _layer_body(rank, world, parallel, cases):
     """Every case on one model (the router's top-k set per case; one spawn per layout)."""
-    _cpu_alltoall()
+    cpu_alltoall()
     chunks = build_layout(parallel, _cfg(8))
     ep = parallel.expert_model_parallel_size
     for topk, mode in cases:
@@ -191,7 +170,7 @@ def _generate(model, prompts, rank):
 def _generation_body(rank, world):
     from megatron_grpo.megatron.moe.local_dispatch import host_sync_reason
 
-    _cpu_alltoall()
+    cpu_alltoall()
     cfg = _cfg(2, num_layers=2)
     ref = build_layout(ParallelConfig(), cfg)  # EP 1 (DP 2): every expert on each rank
     weights = full_params(ref)
