@@ -92,18 +92,27 @@ def _check_case(rank, chunks, ep, topk, mode, replicated):
     if replicated:
         assert mlp.ep_dispatch.gathered.replicated()
         params = []  # expert grads: megatron's dispatcher counts each copy (training refuses it)
+    from megatron.core.transformer.moe import token_dispatcher
+
+    sort_permute = token_dispatcher.permute  # installed by the layer (alltoall_permute)
     got = {}
-    for choice in ("alltoall", "gathered"):
-        assert set_moe_dispatch(chunks, choice) == 1
-        want = "megatron" if choice == "alltoall" else "gathered"
+    for choice in ("megatron", "alltoall", "gathered"):
+        # "megatron": the all-to-all dispatcher with its own mask-based permute, the reference
+        token_dispatcher.permute = (
+            sort_permute.megatron_permute if choice == "megatron" else (sort_permute)
+        )
+        assert set_moe_dispatch(chunks, "alltoall" if choice == "megatron" else choice) == 1
+        want = "gathered" if choice == "gathered" else "megatron"
         assert mlp.ep_dispatch.resolve() == want
         got[choice] = _run(mlp, x, gy, params)
+    token_dispatcher.permute = sort_permute
     names = ["output", "input grad", "router grad", "fc1 grad", "fc2 grad"]
-    for name, a, b in zip(names, got["gathered"], got["alltoall"], strict=False):
-        scale = max(1.0, b.abs().max().item())
-        err = (a - b).abs().max().item()
-        what = f"rank {rank} top-{topk} {mode} {name}"
-        assert err <= 1e-5 * scale, f"{what}: {err:.3e} (scale {scale:.2e})"
+    for choice in ("alltoall", "gathered"):
+        for name, a, b in zip(names, got[choice], got["megatron"], strict=False):
+            scale = max(1.0, b.abs().max().item())
+            err = (a - b).abs().max().item()
+            what = f"rank {rank} {choice} top-{topk} {mode} {name}"
+            assert err <= 1e-5 * scale, f"{what}: {err:.3e} (scale {scale:.2e})"
     if mode == "zero" and mlp.ep_dispatch.gathered.local_offset == 0:
         assert got["gathered"][3][1].abs().max() == 0  # expert 1: no token, no gradient
 
@@ -203,3 +212,31 @@ def _generation_body(rank, world):
 
 def test_greedy_generation_ep2_equals_ep1():
     run_distributed(_generation_body, 2)
+
+
+def test_sort_permute_equals_megatron_permute():
+    """The all-to-all dispatcher's permutation by sort (no ``masked_select`` host syncs) gives
+    megatron-core's rows, probs and token indices; token dropping keeps megatron-core's."""
+    from megatron.core.transformer.moe.moe_utils import permute
+
+    from megatron_grpo.megatron.moe.alltoall_permute import make_sort_permute
+
+    g = torch.Generator().manual_seed(3)
+    t, e, k = 9, 6, 2
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    ids[:, 0] = 4  # every token on expert 4, none on some others
+    ids[:, 1] = torch.where(ids[:, 1] == 4, 0, ids[:, 1])
+    routing_map = torch.zeros(t, e, dtype=torch.bool).scatter_(1, ids, True)
+    probs = torch.rand(t, e, generator=g) * routing_map
+    x = torch.randn(t, 5, generator=g, requires_grad=True)
+    calls = []
+    sort_permute = make_sort_permute(lambda *a: calls.append(1) or permute(*a))
+    got = sort_permute(x, routing_map, probs=probs, num_out_tokens=t * k)
+    want = permute(x, routing_map, probs=probs, num_out_tokens=t * k)
+    assert not calls
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    (gx,) = torch.autograd.grad(got[0], x, torch.ones_like(got[0]))
+    assert torch.equal(gx, torch.full_like(x, float(k)))
+    sort_permute(x, routing_map, probs=probs, num_out_tokens=torch.tensor(t * k))  # a tensor
+    assert calls == [1]

@@ -164,8 +164,14 @@ _EP2 = ["model.num_moe_experts=4", "parallel.expert_model_parallel_size=2"]
         (["model.num_moe_experts=4"], 32768),  # MoE at EP 1: merged as dense models
         # MoE at EP 2 under all-to-all: merged too (the ranks agree on the forward count)
         (_EP2 + ["model.moe_token_dispatcher_type=alltoall"], 32768),
-        (_EP2 + ["model.moe_token_dispatcher_type=alltoall",
-                 "training.logprob_max_tokens_per_micro_batch=4096"], 4096),  # fmt: skip
+        (
+            _EP2
+            + [
+                "model.moe_token_dispatcher_type=alltoall",
+                "training.logprob_max_tokens_per_micro_batch=4096",
+            ],
+            4096,
+        ),  # fmt: skip
         # ... under allgather every forward needs equal tokens: the update's micro-batches
         (_EP2 + ["model.moe_token_dispatcher_type=allgather"], None),
         (["training.logprob_max_tokens_per_micro_batch=4096"], 4096),

@@ -49,6 +49,8 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from torch import Tensor
 
+from megatron_grpo.megatron.moe.alltoall_permute import use_sort_permute
+
 EP_DISPATCHES = ("auto", "alltoall", "gathered")
 
 
@@ -98,6 +100,7 @@ class EPDispatch:
     def of(cls, layer, built: MoETokenDispatcher, groups) -> EPDispatch:
         """``built``: megatron-core's dispatcher of ``layer``; ``groups``: its ``ep``,
         ``expt_tp``, ``tp_ep`` and the attention ``tp`` group."""
+        use_sort_permute()  # megatron-core's dispatcher: one host sync a layer (split sizes)
         why = gathered_dispatch_unsupported(layer.config, groups)
         gathered = None
         if why is None:
