@@ -240,3 +240,19 @@ def test_sort_permute_equals_megatron_permute():
     assert torch.equal(gx, torch.full_like(x, float(k)))
     sort_permute(x, routing_map, probs=probs, num_out_tokens=torch.tensor(t * k))  # a tensor
     assert calls == [1]
+
+
+def test_gathered_decode_width_counts_fixed_buffers():
+    """The engine's per-slot headroom (kv_cache.Headroom) takes the gathered dispatch's
+    buffers: P copies of each row and P * min(k, E_local) expert rows, whatever the routing."""
+    from types import SimpleNamespace
+
+    from megatron_grpo.megatron.moe.ep_dispatch import gathered_decode_width
+
+    cfg = SimpleNamespace(num_moe_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768,
+                          ffn_hidden_size=6144, hidden_size=2048, expert_model_parallel_size=8)  # fmt: skip
+    assert gathered_decode_width(cfg) == 3 * 8 * 2048 + 64 * (2 * 2048 + 3 * 768 + 2)
+    cfg.num_moe_experts = 16  # two local experts: at most 2 rows of a token per rank
+    assert gathered_decode_width(cfg) == 3 * 8 * 2048 + 16 * (2 * 2048 + 3 * 768 + 2)
+    cfg.expert_model_parallel_size = 1
+    assert gathered_decode_width(cfg) == 0

@@ -22,8 +22,9 @@ from torch import Tensor
 from megatron_grpo.megatron.moe.permute import permute_tokens, sort_by_expert
 
 
-def sort_permute_applies(tokens: Tensor, routing_map: Tensor, num_out_tokens, fused: bool,
-                         drop_and_pad: bool) -> int | None:  # fmt: skip
+def sort_permute_applies(
+    tokens: Tensor, routing_map: Tensor, num_out_tokens, fused: bool, drop_and_pad: bool
+) -> int | None:
     """The top-k of a dropless routing map (each row exactly k experts: ``num_out_tokens`` is
     the host int ``T * k``), or None where megatron-core's permute must run."""
     t = tokens.size(0)

@@ -71,6 +71,20 @@ def gathered_dispatch_unsupported(config, groups) -> str | None:
     return ", ".join(bad) or None
 
 
+def gathered_decode_width(config) -> int:
+    """Elements one token of a decode step keeps live in one MoE layer under the gathered
+    dispatch (0 where it does not run: no MoE, EP 1): its P gathered copies, their P *
+    min(k, E_local) permuted rows through the experts (input and output ``H``, fc1 ``2F`` and
+    SwiGLU ``F``; fixed sizes whatever the routing) and the fp32 sum (2 ``H`` of 16 bits)."""
+    p = getattr(config, "expert_model_parallel_size", 1) or 1
+    if not config.num_moe_experts or p == 1:
+        return 0
+    rows = p * min(config.moe_router_topk, config.num_moe_experts // p)
+    ffn = config.moe_ffn_hidden_size or config.ffn_hidden_size
+    hidden = config.hidden_size
+    return 3 * p * hidden + rows * (2 * hidden + 3 * ffn + 2)
+
+
 def choose_dispatch(choice: str, sync_free: bool, gathered_why: str | None) -> str:
     """The one decision, per forward: "gathered" or "megatron" (megatron-core's dispatcher).
 
@@ -121,8 +135,8 @@ class EPDispatch:
 
 def _ep_layers(model) -> list:
     chunks = model if isinstance(model, list) else [model]
-    return [m for c in chunks for m in c.modules() if isinstance(getattr(m, "ep_dispatch", None),
-                                                                 EPDispatch)]  # fmt: skip
+    modules = [m for c in chunks for m in c.modules()]
+    return [m for m in modules if isinstance(getattr(m, "ep_dispatch", None), EPDispatch)]
 
 
 def set_moe_dispatch(model, choice: str) -> int:
