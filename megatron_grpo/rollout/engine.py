@@ -296,6 +296,9 @@ class KVCacheEngine:
         longest = max(longest, self.max_context or 0)
         bucket = self.options.context_bucket
         seq_len = min(-(-longest // bucket) * bucket, self.model.max_sequence_length)
+        if self.graphs is not None and self.layout.expert_tp_ep_group is not None:
+            # decode graphs hold collectives: the group captures and replays the same keys
+            seq_len = all_reduce_max([seq_len], self.layout.expert_tp_ep_group, torch.int64)[0]
         kept, self.cache = self.cache, None
         cache = None
         for cached in (True, False):  # False: again, from the driver's free memory alone
@@ -417,7 +420,11 @@ class KVCacheEngine:
         device, cache = io.model_device(self.model), self.cache
         weights = tuple(p.data_ptr() for p in self.model.parameters())
         key = (cache.slots, cache.seq_len, cache.kv.data_ptr(), weights)
-        if key == self._static_key:
+        changed = key != self._static_key
+        group = self.layout.expert_tp_ep_group
+        if self.graphs is not None and group is not None:  # re-captured by all or none
+            changed = bool(all_reduce_max([int(changed)], group, torch.int64)[0])
+        if not changed:
             return
         if self.decode.path == "fused":
             self._fused = fd.FusedDecoder(self.model, self.decode.kernels, self.layout.tp_group)
@@ -569,6 +576,9 @@ class KVCacheEngine:
             -(-longest // self.options.context_bucket) * self.options.context_bucket,
             self.cache.seq_len,
         )
+        group = self.layout.expert_tp_ep_group
+        if self.graphs is not None and group is not None:  # the group's graphs hold collectives:
+            ctx = all_reduce_max([ctx], group, torch.int64)[0]  # all ranks on one key
         if self._rows_moved or b != self._meta_rows:  # the device's row state is rebuilt
             meta = torch.zeros(4, b, dtype=torch.long)
             meta[:, :n] = run.feeds(samples)
