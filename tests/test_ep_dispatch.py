@@ -2,7 +2,7 @@
 all-to-all dispatcher on the same weights and routes: outputs, input, expert and router
 gradients; top-k 1 / 2 / 8, an expert without tokens, every token on one rank's experts; EP 2,
 EP 4, TP 2 + SP with EP 2, and the replicated tokens of generation (TP 2 without SP). Greedy
-generation at EP 2 equals EP 1 token for token."""
+generation at EP 2 equals EP 1 token for token, merged log-prob passes unmerged ones."""
 
 from __future__ import annotations
 
@@ -204,14 +204,20 @@ def _generation_body(rank, world):
     assert got.responses == want.responses
     for a, b in zip(got.logprobs, want.logprobs, strict=True):
         assert torch.allclose(torch.as_tensor(a), torch.as_tensor(b), atol=1e-5)
+    from tests.test_ep_logprobs import check_merged_logprobs
+
+    check_merged_logprobs(rank, ref, chunks, cfg)
     set_moe_dispatch(chunks, "alltoall")
     assert "alltoall" in host_sync_reason(model)
     with no_host_sync(model):
         assert model.decoder.layers[0].mlp.ep_dispatch.resolve() == "megatron"
 
 
-def test_greedy_generation_ep2_equals_ep1():
-    run_distributed(_generation_body, 2)
+def test_greedy_generation_and_merged_logprobs_ep2_equal_ep1():
+    """Greedy generation at EP 2 (decode through the gathered dispatch) equals EP 1 token for
+    token; log-prob passes merged at EP 2 equal unmerged ones with uneven micro-batch counts
+    (``test_ep_logprobs.check_merged_logprobs``)."""
+    run_distributed(_generation_body, 2, timeout=300)
 
 
 def test_sort_permute_equals_megatron_permute():
