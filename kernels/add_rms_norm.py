@@ -3,7 +3,7 @@
 ``t = x (+ bias)``, ``res = residual + t`` (each sum rounded to the model dtype, as megatron-core's
 bias-dropout-add does in that dtype), then ``y = rms_norm(res) * weight`` in fp32, rounded to
 the model dtype once (megatron_grpo's ``Norm``). One program owns one row; H fits one block.
-The reference is ``megatron_grpo.rollout.decode_ops.add_rms_norm_torch``.
+The reference is ``megatron_grpo.ops.layers.decode.add_rms_norm_torch``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ of two epilogues, with ``z = acc * inv_temperature``:
 
 * stats: per (vocab block j, row i) ``m = max z``, ``s = sum exp(z - m)``, ``zt = z[target]``
   (0 unless the target is in the block) and ``b = sum exp(z - m) z`` into ``[NB, M]`` fp32
-  partials (``NB = cdiv(N, BLOCK_N)``), merged over blocks by ``ops.stats.merge_row_stats``.
+  partials (``NB = cdiv(N, BLOCK_N)``), merged over blocks by ``ops.lm_head.stats.merge_row_stats``.
   Optionally the block also stores ``z - m`` (shifted logits) in ``w``'s dtype into
   ``shifted [M, N]``: near the row maximum, where the probability mass is, the shift keeps the
   stored value small, so its rounding error is that of a small number, not of ``|z|``

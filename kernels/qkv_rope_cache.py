@@ -12,7 +12,7 @@ group ``g``: its ``R`` query heads, then one key and one value head). For row ``
 Roundings follow megatron-core's module path in the model dtype: the norm's output, ``t * cos``,
 ``rotate_half(t) * sin`` and their sum are each rounded (RoPE is applied to the first ``ROT``
 features, the rest pass through). One program per (row, group, head).
-The reference is ``megatron_grpo.rollout.decode_ops.qkv_rope_cache_torch``.
+The reference is ``megatron_grpo.ops.layers.decode.qkv_rope_cache_torch``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ it) without the fp32 copies of the input and gradient; only the mean's summation
 Rows may be strided (``row_stride``, unit stride inside a row): megatron's k heads are a view of
 the fused QKV output. Programs take tiles of ``ROWS`` rows; the backward is persistent (a grid of
 at most a few programs per SM) so the weight gradient's partial sums stay small.
-The reference is ``megatron_grpo.ops.rms_norm.rms_norm_torch``.
+The reference is ``megatron_grpo.ops.layers.rms_norm.rms_norm_torch``.
 """
 
 from __future__ import annotations

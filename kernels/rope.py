@@ -9,7 +9,7 @@ for bit in bf16, fp16 and fp32 (fp32 is compiled without FMA contraction for tha
 (interleaved) or ``(i + ROT / 2) mod ROT``, and ``sign(i) = -1`` for the even / first-half
 features. ``p`` is an involution, so the backward is the same kernel with the partner's sine:
 ``dx[j] = g[j] * cos[j] - sign(j) * g[p(j)] * sin[p(j)]``. Programs tile (token block, head).
-The reference is ``megatron_grpo.ops.rope.apply_rotary_torch``.
+The reference is ``megatron_grpo.ops.layers.rope.apply_rotary_torch``.
 """
 
 from __future__ import annotations

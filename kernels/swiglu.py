@@ -3,8 +3,8 @@
 ``y = x (+ bias)`` (rounded to the model dtype), ``gate, up = y[:, :F], y[:, F:]`` (megatron-core's
 ``chunk(2, -1)``), ``out = silu(gate) * up`` with ``silu(gate)`` and the product each rounded to
 the model dtype, as megatron-core's unfused path computes them. Programs tile (row, F block).
-The reference is ``megatron_grpo.rollout.decode_ops.swiglu_torch``; ``swiglu_bwd`` is its
-gradient for the training passes (``megatron_grpo.ops.swiglu``).
+The reference is ``megatron_grpo.ops.layers.decode.swiglu_torch``; ``swiglu_bwd`` is its
+gradient for the training passes (``megatron_grpo.ops.layers.swiglu``).
 """
 
 from __future__ import annotations

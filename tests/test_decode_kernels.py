@@ -14,7 +14,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from megatron_grpo.rollout import decode_ops  # noqa: E402
+from megatron_grpo.ops.layers import decode as decode_ops  # noqa: E402
 from tests.interpreter import interpreter_only, run_interpreter_tests  # noqa: E402
 
 
@@ -201,7 +201,7 @@ def _attention_test(dtype, device="cpu", b=5, groups=2, heads=3, d=24, seq=768):
     float64, bounded by the same-dtype SDPA with a key-padding mask."""
     from megatron_grpo.kernels import decode_attention
 
-    from megatron_grpo.megatron.model.layer_spec import sdpa
+    from megatron_grpo.megatron.attention.sdpa import sdpa
 
     g = torch.Generator().manual_seed(4)
     q = torch.randn(b, groups, heads, d, generator=g)

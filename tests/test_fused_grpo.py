@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 from megatron_grpo.loss import GRPOLossConfig, grpo_loss
 from megatron_grpo.ops import fused_grpo_loss, fused_grpo_loss_plan, vocab_parallel_logprobs
-from megatron_grpo.ops import tiling as tiling_mod
-from megatron_grpo.ops.lm_head import LMHead
-from megatron_grpo.ops.plan import (
+from megatron_grpo.ops.lm_head import tiling as tiling_mod
+from megatron_grpo.ops.lm_head.head import LMHead
+from megatron_grpo.ops.lm_head.plan import (
     SINGLE_PASS_MIN_ROWS,
     TILE_FRACTION,
     HeadShape,

@@ -13,8 +13,8 @@ import torch
 from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.loss.math import true_positions
 from megatron_grpo.loss.segments import check_cu_seqlens, cu_seqlens_violations
-from megatron_grpo.ops import fused_grpo as fg
 from megatron_grpo.ops import fused_grpo_loss
+from megatron_grpo.ops.lm_head import fused_grpo as fg
 from tests.test_fused_grpo import (
     CONFIGS,
     VOCAB,
@@ -33,7 +33,7 @@ HOST_READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__",
 
 def setup_args(cfg: GRPOLossConfig, batch: dict, **op) -> fg._Args:
     """The arguments of ``fused_grpo_loss(..., cfg, **batch, **op)``, for ``_fused_setup``."""
-    return fg._Args.of(cfg, None, None, None, False, batch | op)
+    return fg._Args.of(cfg, None, None, None, False, batch | op, None)
 
 
 def count_host_reads(monkeypatch, fn) -> list[str]:
@@ -231,7 +231,7 @@ def test_op_select_rows_reads_the_device_once(monkeypatch, rows):
     """The op's row selection (vocab_parallel_logprobs ``rows=``): the row count and the target
     check in one fetch; the indices are those of ``rows.nonzero()`` (None: every row); a bad
     target at an active row still raises its error, one at an inactive row does not."""
-    from megatron_grpo.ops.lm_head import select_rows
+    from megatron_grpo.ops.lm_head.head import select_rows
 
     t = torch.tensor([3, 0, -100, 7, 2, -100, 5])
     mask = {"none": None, "all": torch.ones(7, dtype=torch.bool), "some": t >= 0,

@@ -1,4 +1,4 @@
-"""Grouped MoE experts (``GroupedExperts``, ``ops.grouped_mm``) against megatron-core's
+"""Grouped MoE experts (``GroupedExperts``, ``ops.layers.grouped_mm``) against megatron-core's
 ``SequentialMLP`` on the same weights: the op, the experts module (zero-token experts, uneven
 loads, fp32 and bf16), whole models (top-k 1/2/8, router gradients), op counts that must not grow
 with the number of experts, checkpoints in both directions, and EP 2 / TP 2 + SP + EP 2."""
@@ -13,7 +13,8 @@ import torch
 from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.megatron import GRPOStep, ParallelConfig, unwrap
 from megatron_grpo.megatron.moe.grouped_experts import GroupedExperts
-from megatron_grpo.ops.grouped_mm import grouped_mm, resolve_grouped_mm
+from megatron_grpo.ops.kernels import LayerKernels
+from megatron_grpo.ops.layers.grouped_mm import grouped_mm, resolve_grouped_mm
 from tests.dist_utils import run_distributed
 from tests.megatron_utils import (
     assert_close,
@@ -215,13 +216,14 @@ def _body_single(rank: int, world: int) -> None:
     assert host_sync_reason(unwrap(grp[0])) is None
     assert "SequentialMLP experts" in host_sync_reason(unwrap(seq[0]))
     # the padded-bmm grouped GEMM, chosen explicitly: the same model, a host sync per layer
-    from megatron_grpo.megatron.layer_spec import set_grouped_gemm_impl, set_layer_impl
-
-    assert set_grouped_gemm_impl(grp, "padded_bmm") == 2 and set_layer_impl(grp, "torch") >= 2
-    assert "padded_bmm" in host_sync_reason(unwrap(grp[0]))
-    _check_models(seq, grp, batches)
-    with pytest.raises(ValueError, match="grouped GEMM impl must be one of"):
-        set_grouped_gemm_impl(grp, "loop")
+    kernels = LayerKernels(grouped_gemm="padded_bmm", elementwise="torch")
+    padded = build_layout(ParallelConfig(), _moe_cfg(topk, layer_kernels=kernels))
+    load_full(padded, full_params(seq), _moe_cfg(topk))
+    assert (_experts(padded).gemm_impl, _experts(padded).impl) == ("padded_bmm", "torch")
+    assert "padded_bmm" in host_sync_reason(unwrap(padded[0]))
+    _check_models(seq, padded, batches)
+    with pytest.raises(ValueError, match="grouped_gemm must be one of"):
+        LayerKernels(grouped_gemm="loop")
     # no per-expert loop: the op count of a layer's forward + backward does not grow with E
     grouped = [_layer_ops(e, grouped=True) for e in (4, 16)]
     looped = [_layer_ops(e, grouped=False) for e in (4, 16)]

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_grpo.ops import reference
-from megatron_grpo.ops.stats import OVER_TILES, GlobalRowStats, RowStats, merge_row_stats
+from megatron_grpo.ops.lm_head import reference
+from megatron_grpo.ops.lm_head.stats import OVER_TILES, GlobalRowStats, RowStats, merge_row_stats
 from tests.interpreter import interpreter_only, run_interpreter_tests
 
 M, N, K = 70, 600, 96  # N: 3 blocks of 256, the last partial; K: not a multiple of 64

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from megatron_grpo.ops import vocab_parallel_logprobs
-from megatron_grpo.ops.lm_head import LMHead
-from megatron_grpo.ops.plan import TILE_FRACTION
-from megatron_grpo.ops.reference import logits_grad, logits_row_stats
-from megatron_grpo.ops.tiling import TILE_BYTES, Tiling
+from megatron_grpo.ops.lm_head.head import LMHead
+from megatron_grpo.ops.lm_head.plan import TILE_FRACTION
+from megatron_grpo.ops.lm_head.reference import logits_grad, logits_row_stats
+from megatron_grpo.ops.lm_head.tiling import TILE_BYTES, Tiling
 
 # ---------------------------------------------------------------- float64 reference helpers
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.ops import vocab_parallel_logprobs
-from megatron_grpo.ops.plan import TILE_FRACTION
+from megatron_grpo.ops.lm_head.plan import TILE_FRACTION
 from tests.dist_utils import run_distributed
 from tests.test_logprobs import close, make_inputs, ref_logprobs, rel_err, upstream
 

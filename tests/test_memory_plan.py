@@ -23,10 +23,10 @@ from megatron_grpo.megatron.plan.memory import (
     stage_params,
 )
 from megatron_grpo.ops import fused_grpo_loss
-from megatron_grpo.ops.options import LMHeadOptions
-from megatron_grpo.ops.plan import DEFAULT_MEMORY_BUDGET, TILE_FRACTION
-from megatron_grpo.ops.reference import STATS_BLOCK
-from megatron_grpo.ops.tiling import TILE_BYTES, Tiling
+from megatron_grpo.ops.lm_head.options import LMHeadOptions
+from megatron_grpo.ops.lm_head.plan import DEFAULT_MEMORY_BUDGET, TILE_FRACTION
+from megatron_grpo.ops.lm_head.reference import STATS_BLOCK
+from megatron_grpo.ops.lm_head.tiling import TILE_BYTES, Tiling
 from megatron_grpo.train.dry_run import (
     check_layout,
     format_layout,

@@ -108,9 +108,9 @@ def test_loss_without_old_logprobs_is_the_on_policy_loss_bit_for_bit(name, path)
 def test_grpo_step_decides_the_on_policy_semantics_once():
     seq_is = GRPOLossConfig(is_correction_level="sequence")
     # on-policy sequence IS weights need whole sequences: the automatic fused request is tiled
-    assert GRPOStep(seq_is, vocab_size=V, on_policy=True).path.options.path == "fused_tiled"
-    assert GRPOStep(seq_is, vocab_size=V).path.options.path == "fused"
-    assert GRPOStep(GRPOLossConfig(), vocab_size=V, on_policy=True).path.options.path == "fused"
+    assert GRPOStep(seq_is, vocab_size=V, on_policy=True).path.request.path == "fused_tiled"
+    assert GRPOStep(seq_is, vocab_size=V).path.request.path == "fused"
+    assert GRPOStep(GRPOLossConfig(), vocab_size=V, on_policy=True).path.request.path == "fused"
     with pytest.raises(ValueError, match="fused_single_pass.*on-policy"):
         GRPOStep(seq_is, vocab_size=V, logprob_path="fused_single_pass", on_policy=True)
 

@@ -135,7 +135,7 @@ def test_spec_sdpa_with_gqa_on_every_bucket_way_on_gpu(dtype):
     the same answer as the per-document float64 loop, within the dtype's error."""
     from functools import partial
 
-    from megatron_grpo.megatron.model.layer_spec import sdpa
+    from megatron_grpo.megatron.attention.sdpa import sdpa
 
     lens = [5, 1, 300, 3, 1024, 77, 640]
     q, k, v = _inputs(sum(lens), n_q=8, n_kv=2, d=128, dtype=dtype, dev="cuda")

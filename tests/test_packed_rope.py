@@ -1,4 +1,4 @@
-"""Packed-sequence RoPE in one op (ops.rope, megatron.packed_rope) against megatron-core's own
+"""Packed-sequence RoPE in one op (ops.layers.rope, megatron.packed_rope) against megatron-core's own
 per-document loop (``_apply_rotary_pos_emb_thd``): bit for bit in the torch reference, to the
 kernel's rounding contract in Triton (interpreted on CPU), forward and backward."""
 
@@ -9,7 +9,7 @@ import torch
 from megatron.core.models.common.embeddings import rope_utils
 
 from megatron_grpo.megatron.attention.rope import packed_positions
-from megatron_grpo.ops.rope import apply_rotary
+from megatron_grpo.ops.layers.rope import apply_rotary
 
 LAYOUTS = {
     "one_doc": [37],

@@ -4,11 +4,14 @@ partial and interleaved rotary), and the work per layer does not grow with the d
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.megatron import GRPOStep, ParallelConfig, pack_sequences
-from megatron_grpo.megatron.attention.rope import PackedRopeSelfAttention, set_packed_rope
+from megatron_grpo.megatron.attention.rope import PackedRopeSelfAttention
+from megatron_grpo.ops.kernels import LayerKernels
 from tests.dist_utils import run_distributed
 from tests.megatron_utils import (
     VOCAB,
@@ -24,8 +27,18 @@ from tests.megatron_utils import (
 from tests.op_count import CountOps
 
 
-def _run(chunks, step, batches, impl, model_cfg):
-    assert set_packed_rope(chunks, impl) == model_cfg.num_layers // len(chunks) * len(chunks)
+def _build(parallel, model_cfg, rope: str, weights=None) -> list:
+    """The model with ``layer_kernels.rope = rope`` (the same seed: the same weights)."""
+    cfg = dataclasses.replace(model_cfg, layer_kernels=LayerKernels(rope=rope))
+    chunks = build_layout(parallel, cfg)
+    if weights is not None:
+        load_full(chunks, weights, cfg)
+    modules = [m for m in chunks[0].modules() if isinstance(m, PackedRopeSelfAttention)]
+    assert [m.packed_rope for m in modules] == [rope] * model_cfg.num_layers
+    return chunks
+
+
+def _run(chunks, step, batches, model_cfg):
     logp = step.compute_logprobs(chunks, batches)
     train_grads(chunks, step, batches)
     return logp, gather_full_grads(chunks, model_cfg)
@@ -33,20 +46,21 @@ def _run(chunks, step, batches, impl, model_cfg):
 
 def _compare(parallel, model_cfg, seqs, label, weights=None):
     step = GRPOStep(GRPOLossConfig(), vocab_size=model_cfg.vocab_size)
-    chunks = build_layout(parallel, model_cfg)
-    if weights is not None:
-        load_full(chunks, weights, model_cfg)
     multiple = parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1
     batches = [pack(seqs[:5], multiple), pack(seqs[5:], multiple)]
-    want = _run(chunks, step, batches, "megatron", model_cfg)
-    got = _run(chunks, step, batches, "auto", model_cfg)
+    # two models of one seed (the same weights; ``weights`` loaded into both when given)
+    chunks = _build(parallel, model_cfg, "megatron", weights)
+    start = full_params(chunks)
+    want = _run(chunks, step, batches, model_cfg)
+    chunks = _build(parallel, model_cfg, "auto", weights)
+    got = _run(chunks, step, batches, model_cfg)
     for i, (a, b) in enumerate(zip(got[0], want[0], strict=True)):
         assert torch.equal(a, b), f"{label} logprobs[{i}]: {(a - b).abs().max()}"
     for name, g in want[1].items():
         assert torch.equal(got[1][name], g), (
             f"{label} grad {name}: {(got[1][name] - g).abs().max()}"
         )
-    return full_params(chunks) if weights is None else weights
+    return start if weights is None else weights
 
 
 def _body(rank: int, world: int) -> None:
@@ -86,14 +100,14 @@ def _ops_per_pass(chunks, step, docs: int) -> int:
 def _count_body(rank: int, world: int) -> None:
     model_cfg = tiny_model()
     step = GRPOStep(GRPOLossConfig(), vocab_size=model_cfg.vocab_size)
-    chunks = build_layout(ParallelConfig(), model_cfg)
-    assert any(isinstance(m, PackedRopeSelfAttention) for m in chunks[0].modules())
+    chunks = _build(ParallelConfig(), model_cfg, "auto")
     _ops_per_pass(chunks, step, 2)  # warm-up (first-call caches)
     few, many = _ops_per_pass(chunks, step, 3), _ops_per_pass(chunks, step, 48)
     # packed attention adds at most a few length buckets; a per-document loop adds ~10 ops per
     # document and layer (the megatron path below shows it)
     assert many - few < 60, (few, many)
-    set_packed_rope(chunks, "megatron")
+    chunks = _build(ParallelConfig(), model_cfg, "megatron")
+    _ops_per_pass(chunks, step, 2)
     looped = _ops_per_pass(chunks, step, 48)
     assert looped - many > 45 * model_cfg.num_layers, (many, looped)
 

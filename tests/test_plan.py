@@ -1,4 +1,4 @@
-"""The LM-head plan (ops/plan.py): deterministic and explained by its fields, the memory-budget
+"""The LM-head plan (ops/lm_head/plan.py): deterministic and explained by its fields, the memory-budget
 knob, its errors, and every path it can choose (op, fused_tiled, fused_single_pass, megatron; both
 backward loop orders) against a float64 reference and Megatron's vocab_parallel_cross_entropy at
 TP = 4, 2, 1 with and without sequence parallelism (one spawn of 4 gloo ranks), at an odd
@@ -24,7 +24,7 @@ from megatron_grpo.ops import (
     plan_lm_head,
     vocab_parallel_logprobs,
 )
-from megatron_grpo.ops.plan import (
+from megatron_grpo.ops.lm_head.plan import (
     ACCUMULATOR_TILES,
     ACCUMULATORS,
     LOOP_ORDERS,

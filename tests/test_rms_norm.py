@@ -1,5 +1,5 @@
 """The RMSNorm kernels (forward and backward) against float64 ground truth: within the fp32
-torch reference's error (``ops.rms_norm.rms_norm_torch``) plus a few units of roundoff, at odd
+torch reference's error (``ops.layers.rms_norm.rms_norm_torch``) plus a few units of roundoff, at odd
 widths, strided rows (megatron's k heads are a view of the QKV output), bf16 and fp32.
 
 As in test_kernels.py the interpreter tests run in a fresh process with TRITON_INTERPRET=1; GPU
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_grpo.ops.rms_norm import rms_norm, rms_norm_torch
+from megatron_grpo.ops.layers.rms_norm import rms_norm, rms_norm_torch
 
 EPS = 1e-6
 

@@ -85,7 +85,8 @@ def _check_generation(chunks, prompts, params, got, want, multiple, forced) -> N
 
 def _single_body(rank: int, world: int) -> None:
     from megatron_grpo.megatron import ParallelConfig, unwrap
-    from megatron_grpo.rollout import EngineOptions, Generation, KVCacheEngine, decode_ops, generate
+    from megatron_grpo.ops.layers import decode as decode_ops
+    from megatron_grpo.rollout import EngineOptions, Generation, KVCacheEngine, generate
 
     _, chunks = _model(ParallelConfig())  # RoPE, GQA (4 q / 2 kv heads), qk-layernorm
     prompts = _prompts(9)

@@ -11,7 +11,7 @@ import torch
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_grpo.megatron.model.layer_spec import SDPAttention
+from megatron_grpo.megatron.attention.sdpa import SDPAttention
 
 
 def _attention(mask_type=AttnMaskType.causal) -> SDPAttention:

@@ -15,7 +15,7 @@ import torch
 
 from megatron_grpo.loss import GRPOLossConfig, LossInputs, build_context, grpo_loss
 from megatron_grpo.ops import fused_grpo_loss, fused_grpo_loss_plan, logprobs_plan
-from megatron_grpo.ops.options import DEFAULT_MEMORY_BUDGET, PATHS, REQUESTS, LMHeadOptions
+from megatron_grpo.ops.lm_head.options import DEFAULT_MEMORY_BUDGET, PATHS, REQUESTS, LMHeadOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "megatron_grpo"
@@ -217,14 +217,10 @@ def test_initialize_parallel_returns_the_layout():
 # parallel_state; every other module is handed a ParallelLayout (the reward scorer of a
 # plug-in's source looks it up through megatron/parallel.py's current_layout).
 READS_PARALLEL_STATE = {
-    "megatron_grpo.megatron.layout",  # ParallelLayout.current: the one read of every fact
+    "megatron_grpo.megatron.layout",  # ParallelLayout.current (every fact), the rank groups
     "megatron_grpo.megatron.parallel",  # initializes it, seeds per rank
     "megatron_grpo.megatron.model.build",  # pipeline stages of each chunk, checks the sizes
-    "megatron_grpo.megatron.model.layer_spec",  # the CP group of the model's attention
-    "megatron_grpo.megatron.attention.rope",  # the CP rank inside the model's RoPE
-    "megatron_grpo.megatron.moe.grouped_experts",  # the expert groups of the built layer
-    "megatron_grpo.megatron.moe.routing_replay",  # the TP split inside the router's hooks
-    "megatron_grpo.train.dry_run",  # megatron-core's RankGenerator class, no process state
+    "megatron_grpo.megatron.model.layer_spec",  # the CP and expert groups the modules are given
 }
 
 
@@ -385,3 +381,109 @@ def test_the_package_is_formatted_by_the_formatter():
         if "# fmt: skip" in line or "# fmt: off" in line
     ]
     assert not marks, "formatter overrides: " + ", ".join(marks)
+
+
+# ---------------------------------------------------------------- the kernel road
+
+KERNEL_ROAD = "megatron_grpo.ops.kernels"  # the one module that imports megatron_grpo.kernels
+
+
+def _kernel_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, how) of every import of ``megatron_grpo.kernels`` in ``path``: import statements
+    anywhere (function-local too) and ``importlib.import_module("megatron_grpo.kernels...")``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Call) and ast.unparse(node.func).endswith("import_module"):
+            names = [a.value for a in node.args if isinstance(a, ast.Constant)]
+        if any(str(n).startswith("megatron_grpo.kernels") for n in names):
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_one_module_reaches_the_kernels():
+    roads = {name: hits for name, path in _modules().items() if (hits := _kernel_imports(path))}
+    assert set(roads) == {KERNEL_ROAD}, (
+        "reach megatron_grpo.kernels through megatron_grpo.ops.kernels only: "
+        + "; ".join(f"{n}: {h}" for n, h in roads.items() if n != KERNEL_ROAD)
+    )
+    # and the road's own imports sit at its top, none inside a function
+    tree = ast.parse(_modules()[KERNEL_ROAD].read_text())
+    top = [n.lineno for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert all(line in top for line, _ in roads[KERNEL_ROAD]), roads[KERNEL_ROAD]
+
+
+def test_one_vocabulary_of_kernel_choices():
+    """Every kernel choice reads its names from ops.kernels.CHOICES; a bad name says which."""
+    from megatron_grpo.megatron.attention.packed import BUCKETS
+    from megatron_grpo.ops.kernels import CHOICES, IMPLS, LayerKernels, check_choice
+    from megatron_grpo.ops.layers.grouped_mm import GROUPED_MM_IMPLS
+
+    assert IMPLS is CHOICES["impl"] and GROUPED_MM_IMPLS is CHOICES["grouped_gemm"]
+    assert BUCKETS is CHOICES["attention"]
+    assert LayerKernels() == LayerKernels("auto", "auto", "auto", "plan_free")
+    for field, bad, hint in [("elementwise", "trition", "triton"), ("rope", "megatorn", "megatron"),
+                             ("grouped_gemm", "padded", "padded_bmm"), ("attention", "x", None)]:  # fmt: skip
+        with pytest.raises(ValueError, match=f"^{field} must be one of") as err:
+            LayerKernels(**{field: bad})
+        assert (f"did you mean {hint!r}" in str(err.value)) == (hint is not None)
+    with pytest.raises(ValueError, match="decode impl must be one of"):
+        check_choice("impl", "cuda", "decode impl")
+    with pytest.raises(AttributeError):
+        LayerKernels().rope = "torch"  # type: ignore[misc]  (frozen: chosen once)
+
+
+def test_layer_kernels_recipe_section():
+    """``model.layer_kernels`` maps 1:1 onto LayerKernels; unknown keys name the closest."""
+    from megatron_grpo.config import ConfigError, from_dict
+    from megatron_grpo.megatron import ModelConfig
+
+    cfg = from_dict(ModelConfig, {"vocab_size": 8, "layer_kernels": {"rope": "torch"}})
+    assert cfg.layer_kernels.rope == "torch" and cfg.layer_kernels.elementwise == "auto"
+    with pytest.raises(ConfigError, match="did you mean 'attention'"):
+        from_dict(ModelConfig, {"vocab_size": 8, "layer_kernels": {"atention": "exact"}})
+    with pytest.raises(ConfigError, match="layer_kernels.rope must be one of"):
+        from_dict(ModelConfig, {"vocab_size": 8, "layer_kernels": {"rope": "fast"}})
+
+
+# ---------------------------------------------------------------- keyword forms
+
+# The documented keyword forms of the public LM-head and loss functions (README: their options'
+# and inputs' fields by keyword); no other package function takes ``**overrides``.
+KEYWORD_FORMS = {
+    "megatron_grpo.loss.grpo.grpo_loss",
+    "megatron_grpo.loss.inputs.LossInputs.of",
+    "megatron_grpo.loss.math.build_context",
+    "megatron_grpo.ops.lm_head.fused_grpo.fused_grpo_loss",
+    "megatron_grpo.ops.lm_head.fused_grpo.fused_grpo_loss_plan",
+    "megatron_grpo.ops.lm_head.logprobs.logprobs_plan",
+    "megatron_grpo.ops.lm_head.logprobs.vocab_parallel_logprobs",
+    "megatron_grpo.ops.lm_head.options.LMHeadOptions.of",
+    "megatron_grpo.ops.lm_head.plan.plan_lm_head",
+}
+
+
+def _override_functions(name: str, path: Path) -> set[str]:
+    found = set()
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}.{child.name}")
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if child.args.kwarg is not None and child.args.kwarg.arg == "overrides":
+                    found.add(f"{prefix}.{child.name}")
+
+    visit(ast.parse(path.read_text()), name)
+    return found
+
+
+def test_no_new_overrides_keyword_forms():
+    found = set().union(*(_override_functions(n, p) for n, p in _modules().items()))
+    assert found <= KEYWORD_FORMS, (
+        f"pass a typed value instead of **overrides: {found - KEYWORD_FORMS}"
+    )

@@ -1,5 +1,5 @@
 """The split d_weight accumulator (kernels/split_accumulator.py, its torch reference in
-ops/reference.py) and the single pass that uses it (a bf16 weight without main_grad).
+ops/lm_head/reference.py) and the single pass that uses it (a bf16 weight without main_grad).
 
 The pair ``hi + lo * scale(hi)`` must hold a sum of many GEMMs to about 2^-15 of its magnitude,
 so the gradient resolved from it is the float64 truth rounded once to bf16, where summing in
@@ -14,7 +14,7 @@ import torch
 
 from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.ops import fused_grpo_loss, fused_grpo_loss_plan
-from megatron_grpo.ops import reference as ref
+from megatron_grpo.ops.lm_head import reference as ref
 from tests.interpreter import interpreter_only, run_interpreter_tests
 from tests.test_fused_grpo import VOCAB, loss_batch, make_inputs
 
@@ -208,7 +208,7 @@ def test_gpu_real_shape_sums_like_fp32():
     the resolved gradient is the fp32 sum rounded once, where a bf16 sum is not."""
     from megatron_grpo.kernels import split_acc_addmm, split_acc_resolve
 
-    from megatron_grpo.ops.gemm import mm_f32
+    from megatron_grpo.ops.lm_head.gemm import mm_f32
 
     v, hd, c, dev = 151936, 4096, 1344, torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)

@@ -13,8 +13,9 @@ import torch
 from megatron.core.transformer.mlp import MLP
 
 from megatron_grpo.megatron import ParallelConfig
-from megatron_grpo.megatron.model.layer_spec import SwiGLUMLP, set_layer_impl
-from megatron_grpo.ops.swiglu import swiglu, swiglu_scaled_torch, swiglu_torch
+from megatron_grpo.megatron.model.layers import SwiGLUMLP
+from megatron_grpo.ops.kernels import LayerKernels
+from megatron_grpo.ops.layers.swiglu import swiglu, swiglu_scaled_torch, swiglu_torch
 from tests.dist_utils import run_distributed
 from tests.megatron_utils import build_layout, tiny_model
 
@@ -134,10 +135,11 @@ def test_scaled_torch_path_is_megatron_expert_activation():
 
 
 def _mlp_body(rank: int, world: int) -> None:
-    chunks = build_layout(ParallelConfig(), tiny_model(add_qkv_bias=False, add_bias_linear=False))
-    assert set_layer_impl(chunks, "torch") > 0
+    kernels = LayerKernels(elementwise="torch")
+    cfg = tiny_model(add_qkv_bias=False, add_bias_linear=False, layer_kernels=kernels)
+    chunks = build_layout(ParallelConfig(), cfg)
     mlps = [m for m in chunks[0].modules() if isinstance(m, SwiGLUMLP)]
-    assert mlps and all(m.fused_swiglu for m in mlps)
+    assert mlps and all(m.fused_swiglu and m.impl == "torch" for m in mlps)
     mlp = mlps[0]
     x = torch.randn(9, 1, mlp.config.hidden_size, generator=torch.Generator().manual_seed(0))
     grad = torch.randn_like(x)

@@ -22,7 +22,7 @@ import torch
 import triton
 from megatron_grpo.kernels import head_gemm, split_accumulator
 
-from megatron_grpo.ops.gemm import mm_f32
+from megatron_grpo.ops.lm_head.gemm import mm_f32
 
 # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, programs per SM (the TMA kernel; each fits: the
 # sm_90 compile's shared memory and registers, tools/kernel_resources.py)

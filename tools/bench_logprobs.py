@@ -23,10 +23,10 @@ allocated before the step, as Megatron's DDP grad buffer (d weight lands there, 
 the counted gradient is then ``h.grad`` only, main_grad being part of the baseline; only our
 methods support it (the peers are skipped).
 
-Each of our methods prints the LM-head plan it ran with (``megatron_grpo/ops/plan.py``: path,
+Each of our methods prints the LM-head plan it ran with (``megatron_grpo/ops/lm_head/plan.py``: path,
 kernels, tiles or single-pass chunks, backward loop order, d_weight mode, memory budget; a short
 label in the tables). fused_grpo's token-ratio path is the plan's choice (single pass when a
-full-width chunk of >= 1024 rows fits the budget, ``ops.plan``); ``--fused-path``
+full-width chunk of >= 1024 rows fits the budget, ``ops.lm_head.plan``); ``--fused-path``
 names one (``fused_single_pass`` / ``fused_tiled``) to measure both at one size (fused_gspo
 ignores it: its plan's path, "fused_tiled"), and ``--memory-budget-gib`` sets the plan's memory
 budget (default 1 GiB: 256 MiB tiles).

@@ -40,7 +40,7 @@ class Problem:
     group: object = None  # TP group (None = no TP)
     sp: bool = False
     chunk_size: int | None = None
-    memory_budget: int | None = None  # bytes of the LM head's working set (ops.plan)
+    memory_budget: int | None = None  # bytes of the LM head's working set (ops.lm_head.plan)
     fused_path: str | None = None  # fused_grpo_loss's path= (None: the plan's choice)
 
     def op_args(self) -> dict:

@@ -31,7 +31,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_grpo.megatron.attention.packed import document_layout, packed_causal_attention
-from megatron_grpo.megatron.model.layer_spec import sdpa
+from megatron_grpo.megatron.attention.sdpa import sdpa
 
 
 def _params(tokens: int, length: int, device) -> PackedSeqParams:

@@ -43,9 +43,11 @@ trainer sets them), reference log-probs = old + noise (``--kl-coef`` uses them).
 micro-batch of every timed pass, as a trainer meets them (each pass brings the attention new
 bucket shapes; FLOPs and MFU are those of the first batches).
 
-``--rope`` (a comma list of ``ROPE[/LAYER[/BUCKETS]]``) is applied with
-``megatron_grpo.megatron.attention.rope.set_packed_rope`` (and ``set_layer_impl``,
-``set_packed_buckets``) on the same model, the rows of one L back to back: "megatron" is
+``--rope`` (a comma list of ``ROPE[/LAYER[/BUCKETS]]``) is the model's
+``ModelConfig.layer_kernels`` (``LayerKernels(rope=ROPE, elementwise=LAYER,
+attention=BUCKETS)``, what a recipe's ``model.layer_kernels`` sets): each variant is a model of
+its own, built with it and loaded with the first one's weights (GPU memory: one model per
+variant), the rows of one L back to back: "megatron" is
 megatron-core's per-document loop (the "before"), "auto" / "torch" / "triton" our packed RoPE;
 BUCKETS "exact" runs mixed-length documents on torch's SDPA choice (cuDNN on Hopper, a plan
 per new shape), the default "plan_free" on flash / memory-efficient. The comparison table gives
@@ -206,6 +208,7 @@ if ARGS is not None and ARGS.device == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
+from megatron.core.parallel_state import model_parallel_is_initialized  # noqa: E402
 
 from megatron_grpo.loss import GRPOLossConfig, reduce_metrics  # noqa: E402
 from megatron_grpo.megatron import (  # noqa: E402
@@ -219,10 +222,10 @@ from megatron_grpo.megatron import (  # noqa: E402
     pack_sequences,
     unwrap,
 )
-from megatron_grpo.megatron.attention.packed import BUCKETS  # noqa: E402
-from megatron_grpo.megatron.attention.rope import IMPLS, set_packed_rope  # noqa: E402
-from megatron_grpo.megatron.model.layer_spec import set_layer_impl, set_packed_buckets  # noqa: E402
-from megatron_grpo.ops.dispatch import IMPLS as LAYER_IMPLS  # noqa: E402
+from megatron_grpo.megatron.attention.rope import PackedRopeSelfAttention  # noqa: E402
+from megatron_grpo.ops.kernels import CHOICES, LayerKernels  # noqa: E402
+
+IMPLS, LAYER_IMPLS, BUCKETS = CHOICES["rope"], CHOICES["impl"], CHOICES["attention"]
 
 GIB = 2**30
 RANK, WORLD = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -232,8 +235,9 @@ if RANK:  # torchrun: rank 0 prints the tables and writes the results
 # ----------------------------------------------------------------------------- model, batches
 
 
-def build(args, dev: torch.device, experts: str):
-    """(ModelConfig, DDP-wrapped chunks) of the trainer's builder; TP = PP = 1, EP ``--ep``."""
+def build(args, dev: torch.device, experts: str, kernels: LayerKernels):
+    """(ModelConfig, DDP-wrapped chunks) of the trainer's builder running ``kernels``;
+    TP = PP = 1, EP ``--ep``."""
     moe = {}
     if args.moe:
         moe = dict(num_moe_experts=args.num_experts, moe_router_topk=args.topk,
@@ -245,11 +249,13 @@ def build(args, dev: torch.device, experts: str):
         normalization="RMSNorm", layernorm_epsilon=1e-6, qk_layernorm=True,
         gated_linear_unit=True, activation_func="silu", rotary_base=1000000,
         share_embeddings_and_output_weights=args.tied, transformer_impl=args.transformer_impl,
-        params_dtype="bfloat16" if dev.type == "cuda" else "float32", **moe,
+        params_dtype="bfloat16" if dev.type == "cuda" else "float32", layer_kernels=kernels,
+        **moe,
     )  # fmt: skip
     parallel = ParallelConfig(expert_model_parallel_size=args.ep,
                               expert_tensor_parallel_size=1 if args.ep > 1 else None)  # fmt: skip
-    initialize_parallel(parallel, seed=args.seed)
+    if not model_parallel_is_initialized():
+        initialize_parallel(parallel, seed=args.seed)
     return cfg, build_model(cfg, parallel)
 
 
@@ -419,18 +425,29 @@ class Passes:
         )
 
 
-def use_rope(chunks, variant: str) -> int:
-    """Apply a ``ROPE[/LAYER[/BUCKETS]]`` variant: the packed RoPE impl, the layer's
-    element-wise kernels (``set_layer_impl``, default "auto") and how the attention runs
-    documents of mixed lengths (``set_packed_buckets``, default "plan_free")."""
-    impl, layer, buckets = (variant.split("/") + ["", ""])[:3]
-    set_layer_impl(chunks, layer or "auto")
-    set_packed_buckets(chunks, buckets or "plan_free")
-    count = set_packed_rope(chunks, impl)
-    if count == 0:
-        raise SystemExit(f"set_packed_rope(chunks, {impl!r}) set no attention module: --rope "
-                         "acts on the portable spec (--transformer-impl local)")  # fmt: skip
-    return count
+def layer_kernels(variant: str) -> LayerKernels:
+    """A ``ROPE[/LAYER[/BUCKETS]]`` variant as the model's kernels: the packed RoPE impl, the
+    layers' element-wise kernels (default "auto") and how the attention runs documents of mixed
+    lengths (default "plan_free")."""
+    rope, layer, buckets = (variant.split("/") + ["", ""])[:3]
+    return LayerKernels(elementwise=layer or "auto", rope=rope, attention=buckets or "plan_free")
+
+
+def variant_models(args, dev, experts: str, weights) -> dict:
+    """``{variant: (cfg, chunks)}``: one model per ``--rope`` variant, each loaded with the
+    first one's weights (or ``weights``)."""
+    models = {}
+    for rope in args.rope:
+        cfg, chunks = build(args, dev, experts, layer_kernels(rope))
+        gpt = unwrap(chunks[0])
+        if not any(isinstance(m, PackedRopeSelfAttention) for m in gpt.modules()):
+            raise SystemExit("--rope acts on the portable spec (--transformer-impl local)")
+        if weights is not None:  # SequentialMLP's per-expert keys load into GroupedExperts too
+            gpt.load_state_dict(weights)
+        elif models:
+            gpt.load_state_dict(unwrap(next(iter(models.values()))[1][0]).state_dict())
+        models[rope] = (cfg, chunks)
+    return models
 
 
 def run_row(L: int | str, impl: str, passes: Passes, gpt, args, dev, params: tuple[int, int],
@@ -438,7 +455,6 @@ def run_row(L: int | str, impl: str, passes: Passes, gpt, args, dev, params: tup
     """One table row; ``first`` keeps the first impl's log-probs of each L (the same batches
     and weights: the others' max abs difference to them is ``logp_max_abs_vs_first``). A
     ``--mixed`` row times new batches in every pass (their FLOPs: those of the first ones)."""
-    use_rope(passes.chunks, impl.rpartition(":")[2])
     batches = make_batches(L, args, seed=_seed(L, args))
     logprobs = passes.logprob(batches)
     set_old_logprobs(batches, logprobs, seed=_seed(L, args) + 1)
@@ -530,7 +546,7 @@ def profile_pass(name: str, fn, setup, args, dev, out: Path, tag: str) -> dict:
                 top=kernels[: args.top], trace=trace.name)  # fmt: skip
 
 
-def host_profile(passes: Passes, args, dev) -> None:
+def host_profile(variants: dict, args, dev) -> None:
     """The Python functions that take the host's time in one pass of each kind (cProfile,
     sorted by own time): where a host-bound pass spends it."""
     import cProfile
@@ -538,7 +554,7 @@ def host_profile(passes: Passes, args, dev) -> None:
     import pstats
 
     L = args.profile_len
-    use_rope(passes.chunks, args.rope[-1])
+    passes = variants[args.rope[-1]]
     batches = make_batches(L, args, seed=_seed(L, args))
     set_old_logprobs(batches, passes.logprob(batches), seed=_seed(L, args) + 1)
     passes.zero_grads()
@@ -560,12 +576,12 @@ def host_profile(passes: Passes, args, dev) -> None:
         )
 
 
-def run_profile(passes: Passes, args, dev, out: Path, experts: str) -> list[dict]:
+def run_profile(variants: dict, args, dev, out: Path, experts: str) -> list[dict]:
     L = args.profile_len
     results = []
     for rope in args.rope:
         impl = label(args, experts, rope)
-        use_rope(passes.chunks, rope)
+        passes = variants[rope]
         batches = make_batches(L, args, seed=_seed(L, args))
         set_old_logprobs(batches, passes.logprob(batches), seed=_seed(L, args) + 1)
         passes.zero_grads()
@@ -673,16 +689,15 @@ def run_model(args, dev, experts: str, out: Path, acc: tuple, info: dict, weight
     first load the first one's weights: the log-prob column then compares them), run every
     row, profile; returns the weights for the next (host copies) or None."""
     rows, first, prof = acc
-    cfg, chunks = build(args, dev, experts)
+    models = variant_models(args, dev, experts, weights)
+    cfg, chunks = models[args.rope[0]]
     gpt = unwrap(chunks[0])
-    if weights is not None:  # SequentialMLP's per-expert keys load into GroupedExperts too
-        gpt.load_state_dict(weights)
-    elif len(args.experts) > 1:
+    if weights is None and len(args.experts) > 1:
         weights = {k: v.cpu() if torch.is_tensor(v) else v for k, v in gpt.state_dict().items()}
     step = GRPOStep(GRPOLossConfig(kl_coef=args.kl_coef), vocab_size=cfg.vocab_size,
                     logprob_path=args.logprob_path)  # fmt: skip
     group = torch.distributed.group.WORLD if args.ep > 1 else None
-    passes = Passes(step, chunks, args.logprob_merge, group)
+    variants = {r: Passes(step, c, args.logprob_merge, group) for r, (_, c) in models.items()}
     decoder, head = matmul_params(gpt, cfg.vocab_size)
     info.setdefault("models", {})[experts] = dict(
         config={k: v for k, v in vars(cfg).items() if not k.startswith("yarn")},
@@ -701,7 +716,7 @@ def run_model(args, dev, experts: str, out: Path, acc: tuple, info: dict, weight
     for L in args.doc_lens:
         for rope in args.rope:
             name = label(args, experts, rope)
-            row = run_row(L, name, passes, gpt, args, dev, (decoder, head), first)
+            row = run_row(L, name, variants[rope], gpt, args, dev, (decoder, head), first)
             rows.append(row)
             print(
                 f"L={L} {name}: logprob {row['logprob']['ms']:.1f} ms, fwd+bwd "
@@ -712,10 +727,10 @@ def run_model(args, dev, experts: str, out: Path, acc: tuple, info: dict, weight
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
     if args.profile:
-        prof += run_profile(passes, args, dev, out, experts)
+        prof += run_profile(variants, args, dev, out, experts)
     if args.host_profile:
-        host_profile(passes, args, dev)
-    del passes, step, gpt, chunks
+        host_profile(variants, args, dev)
+    del variants, models, step, gpt, chunks
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()

@@ -20,6 +20,14 @@
 #   bash tools/gpu_e2e.sh partial   # the dense twin on one GPU, toy task num_digits [8, 512]:
 #                                   # rollout.partial off vs on (tools/bench_partial.py; STEPS_PARTIAL,
 #                                   # 6 here; PARTIAL_MODES "off recompute"): bench_partial.md
+#   bash tools/gpu_e2e.sh memory    # tools/memory_probe.py: memory per phase and step (before /
+#                                   # after rollout, after log-prob, after update): MEMORY_RUNS
+#                                   # of twin, twin_partial (1 GPU), 8b, 8b_partial (Qwen3-8B
+#                                   # shape, TP4, 4 GPUs, MEMORY_LAYERS=4), each optionally
+#                                   # with _baseline (without the fix): memory_probe.md
+#   bash tools/gpu_e2e.sh async_sync # 4 GPUs: weight sync of the Qwen3-0.6B and -8B shapes,
+#                                   # trainer TP2 -> one TP2 replica, then -> two TP1 replicas
+#                                   # (tools/bench_weight_sync.py; SYNC_BUCKET_MIB "256 1024")
 #   bash tools/gpu_e2e.sh all       # dense, moe_twin, maxctx (may exceed a 10-minute limit)
 # Each mode runs every path of PATHS ("fused megatron"); the trainer must expose
 # lm_head.path (GRPOStep.logprob_path). Results under $OUT (at most 4 files):
@@ -405,6 +413,45 @@ case "$MODE" in
         echo "gpu_e2e partial: exit $status; results in $OUT"
         exit "$status"
         ;;
+    memory)
+        # tools/memory_probe.py: memory per phase and step; MEMORY_RUNS picks the runs (each a
+        # few minutes: two or three fit one 10-minute call): twin, twin_partial (1 GPU), 8b,
+        # 8b_partial (Qwen3-8B shape at TP4 on 4 GPUs, MEMORY_LAYERS of 36 layers), a
+        # "_baseline" suffix for the same run without the fix. The default allocator: decode
+        # graphs do not capture under expandable segments.
+        setup || exit 1
+        if [ -n "${MEMORY_ALLOC_CONF:-}" ]; then
+            export PYTORCH_CUDA_ALLOC_CONF=$MEMORY_ALLOC_CONF
+        else
+            unset PYTORCH_CUDA_ALLOC_CONF
+        fi
+        for run in ${MEMORY_RUNS:-twin_partial twin_partial_baseline}; do
+            args=(--out "$OUT" --work "$WORK" --steps "${MEMORY_STEPS:-3}")
+            case "$run" in *partial*) args+=(--partial) ;; esac
+            case "$run" in *baseline) args+=(--baseline) ;; esac
+            case "$run" in
+                twin*) cmd=(python3 tools/memory_probe.py --preset twin) ;;
+                8b*) cmd=(python3 -m torch.distributed.run --standalone --nproc-per-node 4
+                    tools/memory_probe.py --preset 8b --layers "${MEMORY_LAYERS:-4}") ;;
+                *) echo "unknown MEMORY_RUNS entry $run"; status=1; continue ;;
+            esac
+            echo "== memory: $run" | tee -a "$LOG"
+            "${cmd[@]}" "${args[@]}" 2>&1 | tee -a "$LOG" || status=1
+        done
+        echo "gpu_e2e memory: exit $status; tables in $OUT/memory_probe.md"
+        exit "$status"
+        ;;
+    async_sync)
+        setup || exit 1
+        for rtp in 2 1; do
+            python3 -m torch.distributed.run --standalone --nproc-per-node 4 \
+                tools/bench_weight_sync.py --replica-tp "$rtp" \
+                --bucket-mib ${SYNC_BUCKET_MIB:-256 1024} --out "$OUT" 2>&1 | tee -a "$LOG" ||
+                status=1
+        done
+        echo "gpu_e2e async_sync: exit $status; results in $OUT"
+        exit "$status"
+        ;;
     all)
         setup || exit 1
         twin dense qwen3_8b_long_sp_twin 8192 4 || status=1
@@ -412,7 +459,7 @@ case "$MODE" in
         maxctx || status=1
         ;;
     *)
-        echo "usage: $0 [dense|moe|moe_twin|moe_ep|maxctx|step|partial|all]"
+        echo "usage: $0 [dense|moe|moe_twin|moe_ep|maxctx|step|partial|memory|async_sync|all]"
         exit 2
         ;;
 esac

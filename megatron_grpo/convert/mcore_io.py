@@ -92,17 +92,10 @@ def meta_model(model_cfg: ModelConfig) -> torch.nn.Module:
     cfg = dataclasses.replace(
         model_cfg, transformer_impl="local", moe_grouped_gemm=False if moe else None
     )
-    overrides = {"moe_token_dispatcher_type": "allgather", "variable_seq_lengths": False}
-    if cfg.num_moe_experts is None:
-        overrides = {}
-    config = to_transformer_config(
-        cfg,
-        ParallelConfig(),
-        params_dtype=torch.float32,
-        use_cpu_initialization=True,
-        perform_initialization=False,
-        **overrides,
-    )
+    extra = {"use_cpu_initialization": True, "perform_initialization": False}
+    if cfg.num_moe_experts is not None:
+        extra |= {"moe_token_dispatcher_type": "allgather", "variable_seq_lengths": False}
+    config = to_transformer_config(cfg, ParallelConfig(), params_dtype=torch.float32, extra=extra)
     with torch.device("meta"):
         return build_gpt_chunk(cfg, config, None)
 

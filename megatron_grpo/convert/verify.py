@@ -97,7 +97,7 @@ def load_megatron_model(
     )
     tp = ParallelLayout.current(sequence_parallel=False).tp_size
     par = ParallelConfig(tensor_model_parallel_size=tp)
-    tcfg = to_transformer_config(cfg, par, params_dtype=torch.float32, **cpu_moe_overrides(cfg))
+    tcfg = to_transformer_config(cfg, par, params_dtype=torch.float32, extra=cpu_moe_overrides(cfg))
     model = unwrap(build_model(cfg, par, wrap_ddp=False, transformer_config=tcfg)[0])
     with cuda_compat():
         state = dist_checkpointing.load(model.sharded_state_dict(), str(ckpt_dir))

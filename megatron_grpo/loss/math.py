@@ -1,6 +1,6 @@
 """The GRPO loss math: the one place that computes ratios, clips, KL, IS weights, coefficients.
 
-THE SEAM (used by ``grpo_loss`` and by the fused log-prob path ``ops/fused_grpo.py``)
+THE SEAM (used by ``grpo_loss`` and by the fused log-prob path ``ops/lm_head/fused_grpo.py``)
 ------------------------------------------------------------------------------------
 The loss is split into two calls:
 

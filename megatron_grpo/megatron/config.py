@@ -16,13 +16,15 @@ vs TP, experts vs EP, world size) live in :func:`check_parallel`, which :func:`b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 
 from megatron_grpo.config import check_positive
+from megatron_grpo.ops.kernels import LayerKernels
 
 ParamsDtype = Literal["auto", "float32", "bfloat16", "float16"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -126,6 +128,9 @@ class ModelConfig:
     recompute_granularity: Literal["full", "selective"] | None = None
     recompute_method: Literal["uniform", "block"] | None = None
     recompute_num_layers: int | None = None
+    # The portable spec's layer kernels (element-wise, grouped GEMM, RoPE, attention buckets),
+    # given to its modules when the model is built (not Megatron fields: TE's spec ignores them).
+    layer_kernels: LayerKernels = field(default_factory=LayerKernels)
 
     def __post_init__(self) -> None:
         check_positive(self, "vocab_size", "num_layers", "hidden_size", "num_attention_heads")
@@ -235,12 +240,25 @@ class ModelConfig:
         return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
+# The sizes that shape the model's shards, by Megatron's names (those of ``TransformerConfig``
+# and ``parallel_state.initialize_model_parallel``): the one list of them.
+LAYOUT_FIELDS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+)
+
+
 @dataclass
 class ParallelConfig:
     """Megatron parallel layout (ModelParallelConfig names) plus DDP gradient-reduction knobs.
 
     ``expert_tensor_parallel_size=None`` means Megatron's default (= tensor_model_parallel_size).
-    World size = TP * CP * PP * DP, and must also be divisible by ETP * EP * PP.
+    World size = TP * CP * PP * DP, and must also be divisible by ETP * EP * PP
+    (:attr:`expert_model_size`); the derived sizes are computed here and nowhere else.
     """
 
     tensor_model_parallel_size: int = 1
@@ -254,15 +272,7 @@ class ParallelConfig:
     overlap_grad_reduce: bool = False
 
     def __post_init__(self) -> None:
-        check_positive(
-            self,
-            "tensor_model_parallel_size",
-            "pipeline_model_parallel_size",
-            "virtual_pipeline_model_parallel_size",
-            "context_parallel_size",
-            "expert_model_parallel_size",
-            "expert_tensor_parallel_size",
-        )
+        check_positive(self, *LAYOUT_FIELDS)
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
         vpp = self.virtual_pipeline_model_parallel_size
@@ -273,11 +283,35 @@ class ParallelConfig:
 
     @property
     def model_parallel_size(self) -> int:
+        """TP * PP * CP: the ranks of one model replica."""
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        return tp * pp * self.context_parallel_size
+
+    @property
+    def expert_tensor_size(self) -> int:
+        """ETP: ``expert_tensor_parallel_size``, by default TP (Megatron's rule)."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+    @property
+    def expert_model_size(self) -> int:
+        """ETP * EP * PP: the ranks of one replica of the experts."""
         return (
-            self.tensor_model_parallel_size
+            self.expert_tensor_size
+            * self.expert_model_parallel_size
             * self.pipeline_model_parallel_size
-            * self.context_parallel_size
         )
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """DP of ``world_size`` ranks."""
+        return world_size // self.model_parallel_size
+
+    def expert_data_parallel_size(self, world_size: int) -> int:
+        """Expert DP of ``world_size`` ranks: the replicas of each expert shard."""
+        return world_size // self.expert_model_size
+
+    def layout_sizes(self) -> dict[str, int | None]:
+        """The :data:`LAYOUT_FIELDS` by name (Megatron's keyword arguments)."""
+        return {name: getattr(self, name) for name in LAYOUT_FIELDS}
 
 
 def _div(value: int, by: int, what: str, by_name: str) -> None:
@@ -328,8 +362,7 @@ def _check_world_size(parallel: ParallelConfig, world_size: int) -> None:
             f"world size {world_size} is not divisible by tensor * pipeline * context parallel "
             f"sizes = {parallel.model_parallel_size}"
         )
-    etp = parallel.expert_tensor_parallel_size or parallel.tensor_model_parallel_size
-    expert_mp = etp * parallel.expert_model_parallel_size * parallel.pipeline_model_parallel_size
+    expert_mp = parallel.expert_model_size
     if world_size % expert_mp:
         raise ValueError(
             f"world size {world_size} is not divisible by expert_tensor * expert_model * "
@@ -349,41 +382,22 @@ def to_transformer_config(
     parallel: ParallelConfig,
     *,
     params_dtype: torch.dtype | None = None,
-    **overrides: Any,
+    extra: Mapping[str, Any] | None = None,
 ):
     """Megatron ``TransformerConfig`` for this model and layout.
 
     Sets ``calculate_per_token_loss=True`` (the convention of ``forward.py``'s loss function),
     ``variable_seq_lengths=True`` under pipeline parallelism (packed micro-batches differ in
     length, so stages exchange shapes) and CPU initialization when no GPU is present.
-    ``overrides`` are passed to ``TransformerConfig`` as-is (for fields this config does not
-    cover).
+    ``extra``: ``TransformerConfig`` fields by name, passed as-is after these (for fields this
+    config does not cover).
     """
     from megatron.core.transformer import TransformerConfig
 
     dtype = params_dtype or model.torch_dtype()
     moe = model.num_moe_experts is not None
     kwargs: dict[str, Any] = dict(
-        num_layers=model.num_layers,
-        hidden_size=model.hidden_size,
-        num_attention_heads=model.num_attention_heads,
-        num_query_groups=model.num_query_groups,
-        ffn_hidden_size=model.ffn_hidden_size,
-        kv_channels=model.kv_channels,
-        normalization=model.normalization,
-        layernorm_epsilon=model.layernorm_epsilon,
-        qk_layernorm=model.qk_layernorm,
-        add_qkv_bias=model.add_qkv_bias,
-        add_bias_linear=model.add_bias_linear,
-        gated_linear_unit=model.gated_linear_unit,
-        activation_func=_ACTIVATIONS[model.activation_func],
-        rotary_interleaved=model.rotary_interleaved,
-        init_method_std=model.init_method_std,
-        hidden_dropout=model.hidden_dropout,
-        attention_dropout=model.attention_dropout,
-        recompute_granularity=model.recompute_granularity,
-        recompute_method=model.recompute_method,
-        recompute_num_layers=model.recompute_num_layers,
+        **_model_kwargs(model),
         **_parallel_kwargs(parallel),
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -404,22 +418,43 @@ def to_transformer_config(
     )
     if moe:
         kwargs.update(_moe_kwargs(model))
-    kwargs.update(overrides)
+    kwargs.update(extra or {})
     config = TransformerConfig(**kwargs)
     if model.position_embedding_type == "yarn":
         _attach_yarn(config, model)
     return config
 
 
+def _model_kwargs(model: ModelConfig) -> dict[str, Any]:
+    """TransformerConfig's architecture fields (same names as ModelConfig's)."""
+    return dict(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        ffn_hidden_size=model.ffn_hidden_size,
+        kv_channels=model.kv_channels,
+        normalization=model.normalization,
+        layernorm_epsilon=model.layernorm_epsilon,
+        qk_layernorm=model.qk_layernorm,
+        add_qkv_bias=model.add_qkv_bias,
+        add_bias_linear=model.add_bias_linear,
+        gated_linear_unit=model.gated_linear_unit,
+        activation_func=_ACTIVATIONS[model.activation_func],
+        rotary_interleaved=model.rotary_interleaved,
+        init_method_std=model.init_method_std,
+        hidden_dropout=model.hidden_dropout,
+        attention_dropout=model.attention_dropout,
+        recompute_granularity=model.recompute_granularity,
+        recompute_method=model.recompute_method,
+        recompute_num_layers=model.recompute_num_layers,
+    )
+
+
 def _parallel_kwargs(parallel: ParallelConfig) -> dict[str, Any]:
     """TransformerConfig's layout fields (Megatron's names)."""
     return dict(
-        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
-        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
-        context_parallel_size=parallel.context_parallel_size,
-        expert_model_parallel_size=parallel.expert_model_parallel_size,
-        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
+        **parallel.layout_sizes(),
         sequence_parallel=parallel.sequence_parallel,
         variable_seq_lengths=parallel.pipeline_model_parallel_size > 1,
     )

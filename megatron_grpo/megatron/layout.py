@@ -21,6 +21,8 @@ micro-batches live here and nowhere else:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import reduce
+from operator import mul
 
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -77,6 +79,11 @@ class ParallelLayout:
                 raise ValueError(f"{dim}_size must be an int >= 1, got {size!r}")
             if not isinstance(rank, int) or not 0 <= rank < size:
                 raise ValueError(f"{dim}_rank must be in [0, {dim}_size = {size}), got {rank!r}")
+
+    @property
+    def sizes(self) -> tuple[int, int, int, int]:
+        """(TP, PP, CP, EP): the sizes a process group layout is built with."""
+        return self.tp_size, self.pp_size, self.cp_size, self.ep_size
 
     @property
     def token_multiple(self) -> int:
@@ -160,3 +167,68 @@ class ParallelLayout:
             pp_size=par.pipeline_model_parallel_size,
             sequence_parallel=par.sequence_parallel,
         )
+
+
+# ---- the global ranks of every group, from a config alone (the dry run's layout)
+
+
+def orthogonal_groups(sizes: list[int], members: list[bool]) -> list[list[int]]:
+    """Rank groups of a mixed-radix layout (first dimension fastest): each group varies the
+    ``members`` dimensions and fixes the others; groups and ranks in ascending order."""
+    strides = [reduce(mul, sizes[:i], 1) for i in range(len(sizes))]
+
+    def offsets(dims: list[tuple[int, int]]) -> list[int]:
+        out = [0]
+        for size, stride in dims:
+            out = [o + i * stride for i in range(size) for o in out]
+        return out
+
+    inner = [(n, st) for n, st, m in zip(sizes, strides, members, strict=True) if m]
+    outer = [(n, st) for n, st, m in zip(sizes, strides, members, strict=True) if not m]
+    return [[base + o for o in offsets(inner)] for base in offsets(outer)]
+
+
+ORDER = ("tp", "cp", "ep", "dp", "pp")  # Megatron's default order "tp-cp-ep-dp-pp"
+DENSE_GROUPS = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",), "dp-cp": ("cp", "dp")}
+EXPERT_GROUPS = {"ep": ("ep",), "etp": ("tp",), "edp": ("dp",)}
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    sizes: dict[str, int]  # tp, cp, pp, dp, ep, etp, edp
+    groups: dict[str, list[list[int]]]
+    verified: str
+
+
+def rank_layout(par: ParallelConfig, world_size: int) -> RankLayout:
+    """The global ranks of every TP / CP / DP / PP / DP-CP and EP / expert-TP / expert-DP group
+    (computed arithmetically; compared with megatron-core's ``RankGenerator`` when it exists)."""
+    tp, cp = par.tensor_model_parallel_size, par.context_parallel_size
+    pp, ep = par.pipeline_model_parallel_size, par.expert_model_parallel_size
+    etp = par.expert_tensor_size
+    dp, edp = par.data_parallel_size(world_size), par.expert_data_parallel_size(world_size)
+    dense = dict(tp=tp, cp=cp, ep=1, dp=dp, pp=pp)
+    expert = dict(tp=etp, cp=1, ep=ep, dp=edp, pp=pp)
+    groups = {}
+    for table, dims in ((DENSE_GROUPS, dense), (EXPERT_GROUPS, expert)):
+        for name, varying in table.items():
+            sizes = [dims[d] for d in ORDER]
+            groups[name] = orthogonal_groups(sizes, [d in varying for d in ORDER])
+    sizes = dict(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp, edp=edp)
+    return RankLayout(sizes, groups, _verify(groups, dense, expert))
+
+
+def _verify(groups: dict, dense: dict, expert: dict) -> str:
+    try:
+        RankGenerator = parallel_state.RankGenerator  # noqa: N806
+
+        order = "-".join(ORDER)
+        for table, dims in ((DENSE_GROUPS, dense), (EXPERT_GROUPS, expert)):
+            gen = RankGenerator(dims["tp"], dims["ep"], dims["dp"], dims["pp"], dims["cp"], order)
+            for name, varying in table.items():
+                token = "-".join(d for d in ORDER if d in varying)
+                if gen.get_ranks(token) != groups[name]:
+                    raise RuntimeError(f"{name} groups differ from megatron's RankGenerator")
+    except (AttributeError, TypeError) as e:  # older/newer megatron-core without this API
+        return f"not verified against megatron-core ({type(e).__name__}: {e})"
+    return "matches megatron.core.parallel_state.RankGenerator"

@@ -257,35 +257,17 @@ def initialize_parallel(
             f"world size {world} is not divisible by tensor * pipeline * context parallel sizes "
             f"= {parallel_cfg.model_parallel_size}"
         )
-    if parallel_state.model_parallel_is_initialized():
-        current = (
-            parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_pipeline_model_parallel_world_size(),
-            parallel_state.get_context_parallel_world_size(),
-            parallel_state.get_expert_model_parallel_world_size(),
-        )
-        wanted = (
-            parallel_cfg.tensor_model_parallel_size,
-            parallel_cfg.pipeline_model_parallel_size,
-            parallel_cfg.context_parallel_size,
-            parallel_cfg.expert_model_parallel_size,
-        )
-        if current != wanted:
-            raise RuntimeError(
-                f"Megatron parallel_state is already initialized with (TP, PP, CP, EP) = {current}"
-                f", not {wanted}; call destroy_parallel() first"
-            )
-    else:
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=parallel_cfg.tensor_model_parallel_size,
-            pipeline_model_parallel_size=parallel_cfg.pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=parallel_cfg.virtual_pipeline_model_parallel_size,
-            context_parallel_size=parallel_cfg.context_parallel_size,
-            expert_model_parallel_size=parallel_cfg.expert_model_parallel_size,
-            expert_tensor_parallel_size=parallel_cfg.expert_tensor_parallel_size,
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(**parallel_cfg.layout_sizes())
+    layout = ParallelLayout.current(parallel_cfg.sequence_parallel)
+    current, wanted = layout.sizes, ParallelLayout.of_config(parallel_cfg).sizes
+    if current != wanted:
+        raise RuntimeError(
+            f"Megatron parallel_state is already initialized with (TP, PP, CP, EP) = {current}"
+            f", not {wanted}; call destroy_parallel() first"
         )
     seed_everything(seed)
-    return ParallelLayout.current(parallel_cfg.sequence_parallel)
+    return layout
 
 
 def parallel_initialized() -> bool:

@@ -20,14 +20,17 @@ sequence), then runs decode steps: one token per unfinished sequence, attending 
   broadcast), DP (each rank its own prompts), EP (every MoE forward is a collective over the
   expert group: ranks agree by one all-reduce MAX per phase and pad to the group's sizes; ranks
   with nothing left run dummy rows until the group is done). PP and CP > 1 are refused.
-* The cache is freed when the call returns, before any policy update; a CUDA graph pool and a
-  few static buffers stay with the engine.
+* The cache is freed when the call returns, before any policy update, and its memory returned
+  to the driver (``memory_release``); a CUDA graph pool and a few static buffers stay with the
+  engine.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal
@@ -41,6 +44,7 @@ from megatron_grpo.megatron.moe.local_dispatch import host_sync_reason
 from megatron_grpo.megatron.parallel import all_reduce_max
 from megatron_grpo.rollout import fused_decode as fd
 from megatron_grpo.rollout import kv_cache as kvc
+from megatron_grpo.rollout import memory_release
 from megatron_grpo.rollout import model_io as io
 from megatron_grpo.rollout.graphs import DecodeGraphs, expandable_segments
 from megatron_grpo.rollout.params import SamplingParams
@@ -284,14 +288,27 @@ class KVCacheEngine:
             with kvc.attached(model, self.cache):
                 yield
         finally:
-            if not self.options.keep_cache:
-                self.cache = None  # freed before any policy update
+            if not self.options.keep_cache:  # freed and released before any policy update
+                self._drop_cache()
             if sp:
                 _set_sequence_parallel(model, True)
             model.train(was_training)
 
+    def _drop_cache(self) -> None:
+        """Free the cache and return its memory to the driver (``memory_release``): kept by
+        the allocator, the update's long-lived tensors would land in it and pin it."""
+        if self.cache is None:
+            return
+        dropped = weakref.ref(self.cache.kv)
+        device = self.cache.kv.device
+        self.cache = None
+        if not memory_release.release(device, dropped):  # e.g. an exception's frames hold it
+            warnings.warn("the KV cache is still referenced after the call", stacklevel=2)
+
     def _allocate(self, run: Run) -> kvc.KVCache:
         shape = kvc.CacheShape.of(self.model)
+        if self.options.kv_cache_gib is None:  # sized from free memory: unused segments back
+            memory_release.release(io.model_device(self.model))
         longest = max(len(p) for p in run.prompts) + run.params.max_new_tokens
         longest = max(longest, self.max_context or 0)
         bucket = self.options.context_bucket

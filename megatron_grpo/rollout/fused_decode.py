@@ -8,7 +8,7 @@ step: ~1000 kernels). This path reads the same parameters and runs per layer::
     add + RMSNorm -> QKV GEMM -> q/k norm + RoPE + KV-cache write -> attention -> proj GEMM
     (TP all-reduce) -> add + RMSNorm -> fc1 GEMM -> SwiGLU -> fc2 GEMM (TP all-reduce)
 
-with each element-wise step one kernel (``decode_ops``: Triton on GPU, the torch reference
+with each element-wise step one kernel (``ops.layers.decode``: Triton on GPU, the torch reference
 elsewhere) that keeps the module path's roundings in the model dtype. Prefill stays on the
 modules (its cost is the GEMMs).
 
@@ -33,15 +33,13 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor
 
 from megatron_grpo.megatron.attention.rope import PackedRopeSelfAttention
-from megatron_grpo.megatron.model.layer_spec import Norm, SwiGLUMLP
-from megatron_grpo.ops.dispatch import resolve_impl, triton_runs_on
-from megatron_grpo.rollout import decode_ops
-from megatron_grpo.rollout.decode_ops import DecodeKernels
+from megatron_grpo.megatron.model.layers import Norm, SwiGLUMLP
+from megatron_grpo.ops.kernels import check_choice, resolve_impl, triton_runs_on
+from megatron_grpo.ops.layers import decode as decode_ops
+from megatron_grpo.ops.layers.decode import DecodeKernels
 from megatron_grpo.rollout.kv_cache import KVCache, decode_attention, softmax_scale
 
 PATHS = ("auto", "fused", "modules")
-IMPLS = ("auto", *decode_ops.IMPLS)
-ATTENTIONS = ("auto", "sdpa", "triton")
 
 
 @dataclass(frozen=True)
@@ -73,17 +71,14 @@ def plan_decode(
     """The decode path of ``model`` (``tp_size``: the layout's): ``path``/``impl`` "auto" picks
     the fused path where :func:`unsupported` finds nothing, with Triton on GPU; an explicit "fused" that the model
     cannot take is an error naming the reason. ``attention`` "auto" follows ``impl``."""
-    if path not in PATHS or impl not in IMPLS or attention not in ATTENTIONS:
-        raise ValueError(
-            f"decode path must be one of {PATHS}, impl one of {IMPLS} and "
-            f"attention one of {ATTENTIONS}, got {path!r} / {impl!r} / "
-            f"{attention!r}"
-        )
+    if path not in PATHS:
+        raise ValueError(f"decode path must be one of {PATHS}, got {path!r}")
+    check_choice("impl", impl, "decode impl")
+    check_choice("decode_attention", attention, "decode attention")
     device = next(model.parameters()).device.type
-    if impl == "auto":
-        impl = resolve_impl("auto", device)
     if "triton" in (impl, attention) and not triton_runs_on(device):
         raise ValueError("decode impl 'triton' needs the model on GPU; use 'torch' or 'auto'")
+    impl = resolve_impl(impl, device)
     if attention == "auto":
         attention = "triton" if impl == "triton" else "sdpa"
     reason = "" if path == "modules" else unsupported(model, tp_size)

@@ -42,6 +42,9 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
         self.captures = 0
+        # One warm-up stream for every capture: cuBLAS keeps a workspace per stream it ran on
+        # (tens of MiB each, never freed), so a new stream per capture would leave one each.
+        self.side: torch.cuda.Stream | None = None
 
     def run(
         self, key: Hashable, step: Callable[[], None], checkpoint: Callable[[], Callable[[], None]]
@@ -61,7 +64,9 @@ class DecodeGraphs:
         # Warm up on a side stream (cuBLAS workspaces, NCCL communicators), undo the step's
         # advance of its inputs, then capture (capturing runs nothing). The warm-up's K/V writes
         # are the replay's, at the same positions.
-        side = torch.cuda.Stream()
+        if self.side is None:
+            self.side = torch.cuda.Stream()
+        side = self.side
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             restore = checkpoint()

@@ -31,9 +31,10 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron_grpo.megatron.attention.packed import packed_causal_attention
-from megatron_grpo.megatron.model.layer_spec import sdpa
+from megatron_grpo.megatron.attention.sdpa import sdpa
 from megatron_grpo.megatron.moe.ep_dispatch import gathered_decode_width
-from megatron_grpo.ops.rope import rope_reference
+from megatron_grpo.ops.kernels import triton_kernels
+from megatron_grpo.ops.layers.rope import rope_reference
 
 
 @dataclass(frozen=True)
@@ -288,9 +289,7 @@ def decode_attention(q: Tensor, kc: Tensor, vc: Tensor, cache: KVCache, scale: f
     mask (cuDNN on GPU)."""
     b, ctx = q.size(0), cache.ctx
     if cache.attention == "triton":
-        from megatron_grpo.kernels import decode_attention as kernel
-
-        out = kernel(q.contiguous(), kc, vc, cache.write_pos, ctx, scale)
+        out = triton_kernels.decode_attention(q.contiguous(), kc, vc, cache.write_pos, ctx, scale)
         return out.reshape(b, -1)
     with _decode_backends(q.device):
         out = sdpa(q, kc[:b, :, :ctx], vc[:b, :, :ctx], mask=cache.mask, scale=scale)

@@ -17,8 +17,8 @@ from torch import Tensor
 from megatron_grpo.megatron.gpt import hidden_states_only, output_weight
 from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.megatron.parallel import comm_device
-from megatron_grpo.ops.comm import TPInfo, all_gather_rows
-from megatron_grpo.ops.gemm import mm_f32
+from megatron_grpo.ops.lm_head.comm import TPInfo, all_gather_rows
+from megatron_grpo.ops.lm_head.gemm import mm_f32
 from megatron_grpo.rollout.params import SamplingParams
 
 

@@ -44,7 +44,7 @@ from megatron.core.tensor_parallel import random as mcore_random
 
 from megatron_grpo.config import ConfigError, from_dict
 from megatron_grpo.convert.layout import HF_ASSETS_DIR, copy_hf_assets, write_model_config
-from megatron_grpo.megatron.config import ModelConfig
+from megatron_grpo.megatron.config import LAYOUT_FIELDS, ModelConfig
 from megatron_grpo.megatron.model.build import unwrap
 from megatron_grpo.megatron.parallel import cuda_compat
 from megatron_grpo.train.writer_queue import install_writer_queue
@@ -313,16 +313,8 @@ def check_checkpoint_files(path: str | Path, fix: str | None = None) -> None:
         ) from e
 
 
-# The parallel sizes that shape a checkpoint's model and optimizer shards. DP may change on
-# resume (the trainer's optimizer states reload at any DP size); these may not.
-LAYOUT_FIELDS = (
-    "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
-    "virtual_pipeline_model_parallel_size",
-    "context_parallel_size",
-    "expert_model_parallel_size",
-    "expert_tensor_parallel_size",
-)
+# LAYOUT_FIELDS: the parallel sizes that shape a checkpoint's model and optimizer shards. DP
+# may change on resume (the trainer's optimizer states reload at any DP size); these may not.
 
 
 def check_resume_layout(path: str | Path, parallel: Any) -> None:

@@ -31,7 +31,7 @@ from megatron_grpo.convert.hf_config import check_same_architecture
 from megatron_grpo.convert.layout import MODEL_CONFIG_NAME, read_model_config
 from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.megatron.config import ModelConfig, ParallelConfig, dispatcher_type
-from megatron_grpo.ops.options import LMHeadOptions
+from megatron_grpo.ops.lm_head.options import LMHeadOptions
 from megatron_grpo.rollout.engine import EngineOptions
 from megatron_grpo.rollout.params import SamplingParams
 
@@ -488,6 +488,12 @@ class TrainingConfig:
         max_wall_minutes: stop the same way once the time since the process started plus the
             slowest step so far would exceed this many minutes (set it below the scheduler's
             limit by one checkpoint save); null = no limit.
+        offload_during_rollout: move the optimizer state and the main gradients to pinned host
+            memory while the policy generates, so the KV cache can use their device memory
+            (``train/offload.py``; bit-exact; logged as ``perf/offload_seconds``). "auto"
+            (default): on when the step's samples would not all get a cache slot otherwise
+            (from the memory plan; the start-up line says which and why); needs generated
+            rollouts.
     """
 
     steps: int = 100
@@ -505,6 +511,7 @@ class TrainingConfig:
         Literal["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGXCPU"]
     ] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"])
     max_wall_minutes: float | None = None
+    offload_during_rollout: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         check_positive(self, "steps", "mini_batches_per_step", "max_consecutive_nonfinite_skips")
@@ -642,6 +649,11 @@ class TrainConfig:
                 f"model.max_sequence_length = {self.model.max_sequence_length}"
             )
         self._check_evaluation()
+        if self.training.offload_during_rollout is True and self.rollout.input_path is not None:
+            raise ValueError(
+                "training.offload_during_rollout: true needs generated rollouts, but "
+                "rollout.input_path reads them from files (set it to auto or false)"
+            )
         p = self.rollout.partial
         if p.enabled and p.max_staleness > 0 and self.loss.is_correction_level is None:
             raise ValueError(

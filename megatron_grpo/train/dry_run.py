@@ -8,81 +8,20 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from functools import reduce
 from itertools import pairwise
-from operator import mul
 from typing import TYPE_CHECKING, TextIO
 
 from megatron_grpo.megatron.config import ModelConfig, ParallelConfig, check_parallel
-from megatron_grpo.megatron.plan.memory import MemoryPlan, expert_tp_size, format_plan, memory_plan
+from megatron_grpo.megatron.layout import (  # noqa: F401 (orthogonal_groups: a public name)
+    EXPERT_GROUPS,
+    RankLayout,
+    orthogonal_groups,
+    rank_layout,
+)
+from megatron_grpo.megatron.plan.memory import MemoryPlan, format_plan, memory_plan
 
 if TYPE_CHECKING:  # the config module loads the engines; the dry run needs none of them
     from megatron_grpo.train.config import TrainConfig
-
-
-def orthogonal_groups(sizes: list[int], members: list[bool]) -> list[list[int]]:
-    """Rank groups of a mixed-radix layout (first dimension fastest): each group varies the
-    ``members`` dimensions and fixes the others; groups and ranks in ascending order."""
-    strides = [reduce(mul, sizes[:i], 1) for i in range(len(sizes))]
-
-    def offsets(dims: list[tuple[int, int]]) -> list[int]:
-        out = [0]
-        for size, stride in dims:
-            out = [o + i * stride for i in range(size) for o in out]
-        return out
-
-    inner = [(n, st) for n, st, m in zip(sizes, strides, members, strict=True) if m]
-    outer = [(n, st) for n, st, m in zip(sizes, strides, members, strict=True) if not m]
-    return [[base + o for o in offsets(inner)] for base in offsets(outer)]
-
-
-ORDER = ("tp", "cp", "ep", "dp", "pp")  # Megatron's default order "tp-cp-ep-dp-pp"
-_DENSE_GROUPS = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",), "dp-cp": ("cp", "dp")}
-_EXPERT_GROUPS = {"ep": ("ep",), "etp": ("tp",), "edp": ("dp",)}
-
-
-@dataclass(frozen=True)
-class RankLayout:
-    sizes: dict[str, int]  # tp, cp, pp, dp, ep, etp, edp
-    groups: dict[str, list[list[int]]]
-    verified: str
-
-
-def rank_layout(par: ParallelConfig, world_size: int) -> RankLayout:
-    """The global ranks of every TP / CP / DP / PP / DP-CP and EP / expert-TP / expert-DP group
-    (computed arithmetically; compared with megatron-core's ``RankGenerator`` when it exists)."""
-    tp, cp = par.tensor_model_parallel_size, par.context_parallel_size
-    pp, ep, etp = (
-        par.pipeline_model_parallel_size,
-        par.expert_model_parallel_size,
-        expert_tp_size(par),
-    )
-    dp, edp = world_size // (tp * cp * pp), world_size // (etp * ep * pp)
-    dense = dict(tp=tp, cp=cp, ep=1, dp=dp, pp=pp)
-    expert = dict(tp=etp, cp=1, ep=ep, dp=edp, pp=pp)
-    groups = {}
-    for table, dims in ((_DENSE_GROUPS, dense), (_EXPERT_GROUPS, expert)):
-        for name, varying in table.items():
-            sizes = [dims[d] for d in ORDER]
-            groups[name] = orthogonal_groups(sizes, [d in varying for d in ORDER])
-    sizes = dict(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp, edp=edp)
-    return RankLayout(sizes, groups, _verify(groups, dense, expert))
-
-
-def _verify(groups: dict, dense: dict, expert: dict) -> str:
-    try:
-        from megatron.core.parallel_state import RankGenerator
-
-        order = "-".join(ORDER)
-        for table, dims in ((_DENSE_GROUPS, dense), (_EXPERT_GROUPS, expert)):
-            gen = RankGenerator(dims["tp"], dims["ep"], dims["dp"], dims["pp"], dims["cp"], order)
-            for name, varying in table.items():
-                token = "-".join(d for d in ORDER if d in varying)
-                if gen.get_ranks(token) != groups[name]:
-                    raise RuntimeError(f"{name} groups differ from megatron's RankGenerator")
-    except (ImportError, TypeError) as e:  # older/newer megatron-core without this API
-        return f"not verified against megatron-core ({type(e).__name__}: {e})"
-    return "matches megatron.core.parallel_state.RankGenerator"
 
 
 def _fmt_group(ranks: list[int]) -> str:
@@ -103,7 +42,7 @@ def format_layout(layout: RankLayout, max_groups: int = 8) -> str:
     trivial = [name for name, groups in layout.groups.items() if len(groups[0]) == 1]
     same = sz["ep"] == 1 and sz["etp"] == sz["tp"]  # expert groups = the dense tp / dp ones
     for name, groups in layout.groups.items():
-        if name in trivial or (same and name in _EXPERT_GROUPS):
+        if name in trivial or (same and name in EXPERT_GROUPS):
             continue
         shown = " ".join(f"[{_fmt_group(g)}]" for g in groups[:max_groups])
         more = f" ... (+{len(groups) - max_groups} more)" if len(groups) > max_groups else ""
@@ -127,7 +66,7 @@ def check_layout(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, world_siz
             "parallel.sequence_parallel must be true for MoE with tensor_model_parallel_size > 1 "
             "(megatron-core's MoE layer refuses to train without it)"
         )
-    return world_size // parallel_cfg.model_parallel_size
+    return parallel_cfg.data_parallel_size(world_size)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_grpo.megatron.model.build import unwrap
 from megatron_grpo.megatron.parallel import cuda_compat
 from megatron_grpo.train.config import OptimizerConfig
+from megatron_grpo.train.optimizer_memory import release_before_first_step
 
 
 def mcore_optimizer_config(cfg: OptimizerConfig, params_dtype: torch.dtype) -> McoreOptimizerConfig:
@@ -71,7 +72,9 @@ def wire_schedule(chunks: list[torch.nn.Module], optimizer) -> None:
 
 @torch.no_grad()
 def optimizer_step(optimizer, scheduler) -> tuple[bool, float | None]:
-    """One Megatron optimizer step (clip, step, LR schedule); ``(updated, grad_norm)``."""
+    """One Megatron optimizer step (clip, step, LR schedule); ``(updated, grad_norm)``. The
+    first one creates the optimizer state in segments of its own (``optimizer_memory``)."""
+    release_before_first_step(optimizer)
     with cuda_compat():
         updated, grad_norm, _ = optimizer.step()
     if updated:

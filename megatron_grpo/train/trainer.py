@@ -41,6 +41,8 @@ from megatron_grpo.train.dynamic_sampling import maybe_filter
 from megatron_grpo.train.evaluation import Evaluator
 from megatron_grpo.train.monitor import Monitor, truncate_jsonl, write_resolved_config
 from megatron_grpo.train.nonfinite import NonFiniteError, NonFiniteGuard
+from megatron_grpo.train.offload import RolloutOffload
+from megatron_grpo.train.offload import decide as offload_decision
 from megatron_grpo.train.optim import build_optimizer, optimizer_step, zero_grads
 from megatron_grpo.train.partial import PartialRollouts, offpolicy_metrics, partial_source
 from megatron_grpo.train.rollout_batch import RolloutBatch
@@ -97,6 +99,10 @@ class Trainer:
         self.evaluator = Evaluator(cfg, task, self.layout)  # the evaluation: section (off: a no-op)
         self._setup_models()
         policy = unwrap(self.model[0])
+        offload, line = offload_decision(cfg, policy, self.layout)  # one start-up line
+        self.offload = RolloutOffload(self.model, self.optimizer, offload)
+        if line and torch.distributed.get_rank() == 0:
+            print(line, flush=True)
         self.source: RolloutSource = (
             build_source(factory, cfg, task, policy, *dp) if factory is not None else files
         )
@@ -227,8 +233,11 @@ class Trainer:
                     break
                 stages: dict[str, float] = {}
                 t0 = time.perf_counter()
-                with sm.timed(stages, "rollout"):  # generation (or file read) + scoring
-                    batch = self.source.next(step)
+                with self.offload.during_rollout():  # optimizer state + grads on the host
+                    with sm.timed(stages, "rollout"):  # generation (or file read) + scoring
+                        batch = self.source.next(step)
+                if self.offload.enabled:
+                    stages["offload"] = self.offload.seconds  # perf/offload_seconds
                 self.save_rollouts(step, batch)
                 advantages = self.advantages(batch)
                 mini_batches = self.pack(batch, advantages)

@@ -32,10 +32,12 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from megatron_grpo.ops.kernels import CHOICES
+
 # sdpa(q, k, v[, attn_mask]) on [B, n, S, d] batches: causal without a mask
 SDPA = Callable[..., torch.Tensor]
 # how the gathered buckets run (see the module docstring)
-BUCKETS = ("plan_free", "exact")
+BUCKETS = CHOICES["attention"]
 _PLAN_FREE = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

@@ -6,12 +6,12 @@ small kernels per layer on a batch of short rollouts. The portable spec's attent
 (:class:`PackedRopeSelfAttention`) instead hands the rotary table to the core attention, which
 gathers ``cos`` / ``sin`` at each token's position (:func:`packed_positions`, megatron's
 positions, context-parallel halves included) once per micro-batch and applies
-:func:`megatron_grpo.ops.rope.apply_rotary` to q and k: the same formula, mscale (YaRN),
+:func:`megatron_grpo.ops.layers.rope.apply_rotary` to q and k: the same formula, mscale (YaRN),
 interleaving and partial rotary, equal bit for bit in the torch reference.
 
-The choice is data: ``PackedRopeSelfAttention.packed_rope`` is one of :data:`IMPLS` ("auto",
-"torch", "triton", or "megatron" = megatron-core's own loop, the baseline), set for a model with
-:func:`set_packed_rope`.
+The choice is data: ``PackedRopeSelfAttention.packed_rope`` is one of the ``rope`` names of
+:data:`megatron_grpo.ops.kernels.CHOICES` ("auto", "torch", "triton", or "megatron" =
+megatron-core's own loop, the baseline): ``LayerKernels.rope``, given by the layer spec.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import dataclasses
 from dataclasses import dataclass, field
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import attention as mcore_attention
 from megatron.core.transformer.attention import SelfAttention
@@ -28,9 +27,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
 from megatron_grpo.megatron.attention.packed import cached_layout
-from megatron_grpo.ops.rope import apply_rotary
-
-IMPLS = ("auto", "torch", "triton", "megatron")
+from megatron_grpo.ops.kernels import check_choice
+from megatron_grpo.ops.layers.rope import apply_rotary
 
 
 def packed_positions(bounds: list[int], tokens: int, cp_size: int = 1, cp_rank: int = 0) -> Tensor:
@@ -138,9 +136,11 @@ def roped_params(
     emb: Tensor | tuple[Tensor, Tensor],
     config: TransformerConfig,
     impl: str,
+    cp_rank: int = 0,
 ) -> RopedPackedSeqParams:
     """``params`` carrying the RoPE of ``emb`` (cached on ``params``: every layer and the
-    recompute in backward get the same object, hence the same position and cos / sin tables)."""
+    recompute in backward get the same object, hence the same position and cos / sin tables);
+    ``cp_rank``: this rank's context-parallel rank (its halves of each document)."""
     q_freqs, k_freqs = emb if isinstance(emb, tuple) else (emb, emb)
     cached = params.__dict__.get("_grpo_roped")
     if cached is not None and cached[0] is q_freqs and cached[1] is k_freqs and cached[2] == impl:
@@ -153,7 +153,7 @@ def roped_params(
         bool(config.rotary_interleaved),
         impl,
         cp,
-        parallel_state.get_context_parallel_rank() if cp > 1 else 0,
+        cp_rank if cp > 1 else 0,
     )
     # A copy of the fields (no __post_init__: nothing is recomputed), plus the rope.
     roped = RopedPackedSeqParams.__new__(RopedPackedSeqParams)
@@ -167,9 +167,13 @@ class PackedRopeSelfAttention(SelfAttention):
     """megatron-core's ``SelfAttention``; on packed (THD) batches outside inference its RoPE is
     left to the core attention (``RopedPackedSeqParams``), one op per tensor instead of
     megatron-core's per-document loop. ``packed_rope`` ("auto" | "torch" | "triton" |
-    "megatron") picks the path; "megatron" keeps megatron-core's."""
+    "megatron": ``LayerKernels.rope``) picks the path; "megatron" keeps megatron-core's.
+    ``cp_rank``: the context-parallel rank (both given by the layer spec)."""
 
-    packed_rope: str = "auto"
+    def __init__(self, *args, packed_rope: str = "auto", cp_rank: int = 0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.packed_rope = check_choice("rope", packed_rope, "packed_rope")
+        self.cp_rank = cp_rank
 
     def forward(self, hidden_states: Tensor, *args, **kwargs):
         emb, params = kwargs.get("rotary_pos_emb"), kwargs.get("packed_seq_params")
@@ -181,20 +185,7 @@ class PackedRopeSelfAttention(SelfAttention):
             and supports(self.config)
         ):
             kwargs["rotary_pos_emb"] = None
-            kwargs["packed_seq_params"] = roped_params(params, emb, self.config, self.packed_rope)
+            kwargs["packed_seq_params"] = roped_params(
+                params, emb, self.config, self.packed_rope, self.cp_rank
+            )
         return super().forward(hidden_states, *args, **kwargs)
-
-
-def set_packed_rope(model: torch.nn.Module | list[torch.nn.Module], impl: str) -> int:
-    """Set how every portable-spec attention of ``model`` (a module or the list of chunks)
-    applies packed RoPE; returns how many attention modules were set."""
-    if impl not in IMPLS:
-        raise ValueError(f"packed_rope must be one of {IMPLS}, got {impl!r}")
-    chunks = model if isinstance(model, list) else [model]
-    count = 0
-    for chunk in chunks:
-        for module in chunk.modules():
-            if isinstance(module, PackedRopeSelfAttention):
-                module.packed_rope = impl
-                count += 1
-    return count

@@ -106,13 +106,7 @@ def pack_sequences(
         pad_to_multiple_of: pad T with one extra all-masked sequence (e.g. the TP size under
             sequence parallelism).
     """
-    if len(sequences) != len(response_masks) or not sequences:
-        raise ValueError("sequences and response_masks must be non-empty and of equal length")
-    if pad_to_multiple_of < 1:
-        raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
-    for i, (seq, rmask) in enumerate(zip(sequences, response_masks, strict=True)):
-        if seq.dim() != 1 or rmask.shape != seq.shape or seq.numel() == 0:
-            raise ValueError(f"sequence {i}: tokens and response mask must be equal [L_i], L_i > 0")
+    _check_sequences(sequences, response_masks, pad_to_multiple_of)
     lens = [seq.numel() for seq in sequences]
     n = sum(lens)
     pad = -n % pad_to_multiple_of
@@ -136,12 +130,7 @@ def pack_sequences(
     cu[1:] = torch.tensor(lens).cumsum(0)
     extra = {}
     if advantages is not None:
-        adv = torch.as_tensor(advantages, dtype=torch.float32)
-        if adv.shape != (len(sequences),):
-            raise ValueError(f"advantages must have one value per sequence, got {list(adv.shape)}")
-        extra["advantages"] = torch.repeat_interleave(
-            torch.cat([adv, adv.new_zeros(int(pad > 0))]), torch.tensor(lens)
-        )
+        extra["advantages"] = _per_token_advantages(advantages, len(sequences), lens, pad)
     named = {"old_logprobs": old_logprobs, "ref_logprobs": ref_logprobs}
     named["rollout_logprobs"] = rollout_logprobs
     for name, values in named.items():
@@ -150,6 +139,30 @@ def pack_sequences(
     if routes is not None:
         extra["routes"] = _cat_routes(routes, lens, pad)
     return PackedBatch(toks, pos, targets, masks, cu, **extra)
+
+
+def _check_sequences(
+    sequences: Sequence[Tensor], response_masks: Sequence[Tensor], pad_to_multiple_of: int
+) -> None:
+    if len(sequences) != len(response_masks) or not sequences:
+        raise ValueError("sequences and response_masks must be non-empty and of equal length")
+    if pad_to_multiple_of < 1:
+        raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
+    for i, (seq, rmask) in enumerate(zip(sequences, response_masks, strict=True)):
+        if seq.dim() != 1 or rmask.shape != seq.shape or seq.numel() == 0:
+            raise ValueError(f"sequence {i}: tokens and response mask must be equal [L_i], L_i > 0")
+
+
+def _per_token_advantages(
+    advantages: Sequence[float] | Tensor, count: int, lens: list[int], pad: int
+) -> Tensor:
+    """One value per sequence -> ``[T]`` (the padding sequence, when ``pad``, gets 0)."""
+    adv = torch.as_tensor(advantages, dtype=torch.float32)
+    if adv.shape != (count,):
+        raise ValueError(f"advantages must have one value per sequence, got {list(adv.shape)}")
+    return torch.repeat_interleave(
+        torch.cat([adv, adv.new_zeros(int(pad > 0))]), torch.tensor(lens)
+    )
 
 
 def _cat_as(parts: Sequence[Tensor], dtype: torch.dtype) -> Tensor:

@@ -80,7 +80,7 @@ def build_gpt_chunk(
     model = GPTModel(
         config=config,
         transformer_layer_spec=decoder_block_spec(
-            config, use_transformer_engine(model_cfg), vp_stage
+            config, use_transformer_engine(model_cfg), vp_stage, model_cfg.layer_kernels
         ),
         vocab_size=padded_vocab_size(model_cfg, config.tensor_model_parallel_size),
         max_sequence_length=model_cfg.max_sequence_length,

@@ -13,8 +13,9 @@ are two stacked parameters and the forward is
 on the rows the token dispatcher permuted (sorted by local expert; ``ends`` their cumulative
 counts). As in megatron-core's expert MLPs, no communication happens here: the dispatcher
 gathers the tokens and reduces the expert-TP partial sums (and orders them by local expert with
-one gather: ``moe.permute``, installed with the first GroupedExperts). ``impl`` picks the grouped GEMM
-(``ops.grouped_mm``; ``set_grouped_gemm_impl``), ``impl`` the SwiGLU kernel (``set_layer_impl``).
+one gather: ``moe.permute``, installed with the first GroupedExperts). ``gemm_impl`` picks the
+grouped GEMM (``ops.layers.grouped_mm``), ``impl`` the SwiGLU kernel: ``LayerKernels``'
+``grouped_gemm`` and ``elementwise``, given by the layer spec.
 
 Checkpoints: :meth:`sharded_state_dict` writes exactly SequentialMLP's tensors (keys, global
 shapes, expert and TP offsets, swiglu halves, replica ids: ``expert_checkpoint``), so
@@ -29,7 +30,6 @@ from copy import deepcopy
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import (
     get_cuda_rng_tracker,
     get_expert_parallel_rng_tracker_name,
@@ -44,8 +44,9 @@ from megatron_grpo.megatron.moe.expert_checkpoint import (
     stacked_expert_factory,
 )
 from megatron_grpo.megatron.moe.permute import sort_chunks_by_index
-from megatron_grpo.ops.grouped_mm import grouped_mm
-from megatron_grpo.ops.swiglu import swiglu
+from megatron_grpo.ops.kernels import check_choice
+from megatron_grpo.ops.layers.grouped_mm import grouped_mm
+from megatron_grpo.ops.layers.swiglu import swiglu
 
 _LEGACY_KEY = re.compile(r"local_experts\.(\d+)\.linear_fc([12])\.(weight|_extra_state)")
 
@@ -68,17 +69,14 @@ def grouped_experts_unsupported(config: TransformerConfig) -> str | None:
     return ", ".join(found) or None
 
 
-def _expert_groups(pg_collection) -> tuple:
-    """(expert-TP, EP, expert-DP) groups: the layer's collection (megatron-core >= 0.15) or
-    parallel_state's (older versions pass none)."""
+def _expert_groups(pg_collection, expert_groups: tuple | None) -> tuple:
+    """(expert-TP, EP, expert-DP) groups: the layer's collection (megatron-core >= 0.15), else
+    the ones the layer spec gives (older versions pass no collection)."""
     if pg_collection is not None and hasattr(pg_collection, "expt_tp"):
         return pg_collection.expt_tp, pg_collection.ep, pg_collection.expt_dp
-    ps = parallel_state
-    return (
-        ps.get_expert_tensor_parallel_group(),
-        ps.get_expert_model_parallel_group(),
-        ps.get_expert_data_parallel_group(),
-    )
+    if expert_groups is None:
+        raise ValueError("GroupedExperts needs its expert groups (pg_collection or expert_groups)")
+    return expert_groups
 
 
 class GroupedExperts(MegatronModule):
@@ -86,10 +84,9 @@ class GroupedExperts(MegatronModule):
 
     Parameters: ``weight1 [E_local, 2F/ETP, H]`` (each expert's ``linear_fc1.weight``: its
     gate rows, then its up rows) and ``weight2 [E_local, H, F/ETP]`` (``linear_fc2.weight``).
+    ``gemm_impl`` / ``impl``: the grouped GEMM and the SwiGLU kernel (``LayerKernels``);
+    ``expert_groups``: (expert-TP, EP, expert-DP) where megatron-core passes no collection.
     """
-
-    gemm_impl: str = "auto"  # ops.grouped_mm.GROUPED_MM_IMPLS; set_grouped_gemm_impl
-    impl: str = "auto"  # the SwiGLU kernel (ops.dispatch.IMPLS), as SwiGLUMLP's; set_layer_impl
 
     def __init__(
         self,
@@ -98,6 +95,9 @@ class GroupedExperts(MegatronModule):
         submodules=None,
         pg_collection=None,
         name: str | None = None,
+        gemm_impl: str = "auto",
+        impl: str = "auto",
+        expert_groups: tuple | None = None,
     ) -> None:
         why = grouped_experts_unsupported(config)
         if why:
@@ -110,7 +110,10 @@ class GroupedExperts(MegatronModule):
             config.ffn_hidden_size = config.moe_ffn_hidden_size
         super().__init__(config=config)
         self.num_local_experts = num_local_experts
-        self.tp_group, self.ep_group, self.dp_group = _expert_groups(pg_collection)
+        self.gemm_impl = check_choice("grouped_gemm", gemm_impl, "GroupedExperts gemm_impl")
+        self.impl = check_choice("impl", impl, "GroupedExperts impl")  # its SwiGLU
+        groups = _expert_groups(pg_collection, expert_groups)
+        self.tp_group, self.ep_group, self.dp_group = groups
         etp = self.tp_group.size()
         if config.moe_ffn_hidden_size % etp:
             raise ValueError(

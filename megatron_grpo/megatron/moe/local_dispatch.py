@@ -121,7 +121,7 @@ def host_sync_reason(model: torch.nn.Module) -> str | None:
     gathered one (``ep_dispatch``) whose grouped experts run torch's grouped GEMM (the padded
     fallback sizes its buffer on the host)."""
     from megatron_grpo.megatron.moe.grouped_experts import GroupedExperts
-    from megatron_grpo.ops.grouped_mm import grouped_mm_supports
+    from megatron_grpo.ops.layers.grouped_mm import grouped_mm_supports
 
     for i, layer in enumerate(model.decoder.layers):
         mlp = layer.mlp
@@ -140,7 +140,7 @@ def host_sync_reason(model: torch.nn.Module) -> str | None:
         for w in (experts.weight1, experts.weight2):
             why = grouped_mm_supports(w.new_empty(1, w.size(2)), w)
             if experts.gemm_impl == "padded_bmm":
-                why = "set_grouped_gemm_impl(..., 'padded_bmm')"
+                why = "layer_kernels.grouped_gemm='padded_bmm'"
             if why:
                 return f"layer {i}: the padded grouped-GEMM fallback ({why})"
     return None

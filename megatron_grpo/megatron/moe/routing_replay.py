@@ -45,7 +45,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from torch import Tensor
 
 from megatron_grpo.loss.math import kl_estimate
@@ -64,6 +63,7 @@ class _RouteHook:
 
     layer: int  # index among the model's MoE layers
     config: Any  # the router's TransformerConfig
+    tp_group: Any = None  # the router's TP group (megatron-core's ``router.tp_group``)
     mode: str | None = None  # None (live), "record" or "replay"
     shape: tuple[int, int] = (0, 0)  # (S_local, B) of the router's current input
     # (ids, (S_local, B), sequence parallel) of each recorded forward
@@ -107,7 +107,7 @@ class _RouteHook:
             )
         s_local, b = self.shape
         t = self.routes.shape[0]
-        tp = parallel_state.get_tensor_model_parallel_world_size() if self.sequence_parallel else 1
+        tp = self.tp_group.size() if self.sequence_parallel else 1
         if s_local * b != n or t != s_local * b * tp or self.routes.shape[1] != topk:
             raise ValueError(
                 f"routing replay: routes for {t} tokens x top-{self.routes.shape[1]} do not fit "
@@ -115,7 +115,7 @@ class _RouteHook:
             )
         r = self.routes.view(b, s_local * tp, topk).transpose(0, 1)
         if tp > 1:
-            rank = parallel_state.get_tensor_model_parallel_rank()
+            rank = self.tp_group.rank()
             r = r[rank * s_local : (rank + 1) * s_local]
         return r.reshape(-1, topk)
 
@@ -186,7 +186,7 @@ def _install(router: torch.nn.Module, layer: int) -> _RouteHook:
         )
     if router.routing_type in ("sinkhorn", "quantile_balancing"):
         raise ValueError(f"routing replay does not support {router.routing_type!r} routing")
-    hook = _RouteHook(layer=layer, config=router.config)
+    hook = _RouteHook(layer=layer, config=router.config, tp_group=router.tp_group)
     router.register_forward_pre_hook(_save_shape(hook), with_kwargs=True)
     router.router_replay = hook
     return hook
@@ -216,15 +216,14 @@ class RouteRecorder:
         for ids, (s_local, b), sequence_parallel in hook.recorded:
             x = ids.view(s_local, b, -1)
             if sequence_parallel:
-                x = _gather_tp(x)
+                x = _gather_tp(x, hook.tp_group)
             parts.append(x.transpose(0, 1).reshape(-1, x.shape[-1]))
         if not parts:
             raise RuntimeError(f"no forward recorded routes of MoE layer {hook.layer}")
         return torch.cat(parts).long()
 
 
-def _gather_tp(x: Tensor) -> Tensor:
-    group = parallel_state.get_tensor_model_parallel_group()
+def _gather_tp(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts)

@@ -6,7 +6,7 @@ optional frozen reference copy, activations of the in-flight micro-batches and t
 working set. Parameter counts are exact for the models ``build_model`` builds (the tests compare
 them with ``numel``); activations and working sets are estimates whose assumptions the plan
 lists. The log-prob working set is that of the LM-head plan the step runs
-(:func:`megatron_grpo.ops.plan.plan_lm_head`: path, tiles, loop order, d_weight mode). The rank
+(:func:`megatron_grpo.ops.lm_head.plan.plan_lm_head`: path, tiles, loop order, d_weight mode). The rank
 layout and ``--dry-run`` live in :mod:`megatron_grpo.train.dry_run`.
 """
 
@@ -21,9 +21,9 @@ from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.megatron.config import ModelConfig, ParallelConfig
 from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.megatron.model.build import padded_vocab_size
-from megatron_grpo.ops.options import LMHeadOptions
-from megatron_grpo.ops.plan import REQUESTS, HeadShape, LMHeadPlan, plan_lm_head
-from megatron_grpo.ops.reference import STATS_BLOCK
+from megatron_grpo.ops.lm_head.options import LMHeadOptions
+from megatron_grpo.ops.lm_head.plan import REQUESTS, HeadShape, LMHeadPlan, plan_lm_head
+from megatron_grpo.ops.lm_head.reference import STATS_BLOCK
 
 GIB = 2**30
 ASSUMPTIONS = (
@@ -129,7 +129,7 @@ def layer_params(cfg: ModelConfig, par: ParallelConfig, moe: bool) -> tuple[int,
     if cfg.moe_shared_expert_intermediate_size:
         dense += _mlp_params(cfg, cfg.moe_shared_expert_intermediate_size, tp)
         dense += cfg.hidden_size if cfg.moe_shared_expert_gate else 0  # [1, H], replicated
-    etp = expert_tp_size(par)
+    etp = par.expert_tensor_size
     local = experts // par.expert_model_parallel_size
     return dense, local * _mlp_params(cfg, cfg.moe_ffn_hidden_size or _ffn(cfg), etp)
 
@@ -191,7 +191,7 @@ def layer_activation_bytes(
         sp_terms += 4 * experts / act_bytes  # fp32 router logits
         shared = cfg.moe_shared_expert_intermediate_size or 0
         tp_terms += (glu + 1) * shared
-        etp = expert_tp_size(par)
+        etp = par.expert_tensor_size
         copies = tokens / tp * cfg.moe_router_topk * etp  # tokens enter MoE SP-split (TP>1: SP)
         f_moe = cfg.moe_ffn_hidden_size or _ffn(cfg)
         extra = copies * (2 * h + (glu + 1) * f_moe / etp) * act_bytes  # permuted in/out
@@ -272,7 +272,7 @@ def lm_head_plan(
 
 def _tiled_bytes(plan: LMHeadPlan, hidden: int, tp: int) -> tuple[float, float]:
     """(logits tile: fp32, or the GEMM dtype's d logits with the fused epilogue; d_hidden /
-    d_weight buffers) of the op's tiled passes (``ops.passes``) in the plan's loop order."""
+    d_weight buffers) of the op's tiled passes (``ops.lm_head.passes``) in the plan's loop order."""
     tiling, n = plan.tiling(), plan.rows
     tile = min(tiling.rows, n) * tiling.cols * _size(plan.tile_dtype)
     if plan.loop_order == "rows_outer":  # an fp32 [R, H] d_hidden block
@@ -285,7 +285,7 @@ def _tiled_bytes(plan: LMHeadPlan, hidden: int, tp: int) -> tuple[float, float]:
 
 def _single_pass_bytes(plan: LMHeadPlan, hidden: int, v_local: int, tp: int) -> tuple[float, float]:
     """([C, V_local] chunk: fp32 logits, or shifted logits in the GEMM dtype with the fused
-    epilogue; buffers) of the fused single pass (``ops.single_pass``): the chunk's fp32 [C, H]
+    epilogue; buffers) of the fused single pass (``ops.lm_head.single_pass``): the chunk's fp32 [C, H]
     d_hidden and block statistics, the d_hidden kept for backward (fp32 [T, H] under TP, else
     in the hidden dtype: the gradient itself) and what the plan's d_weight accumulator holds
     beyond the gradient (an int8 residual, an fp32 buffer or nothing)."""
@@ -437,8 +437,8 @@ def memory_plan(
         raise ValueError(f"optimizer must be 'adam' or 'sgd', got {optimizer!r}")
     dtype, par = _dtype(model_cfg, params_dtype), parallel_cfg
     pbytes = torch.finfo(dtype).bits // 8
-    tp, cp, etp = par.tensor_model_parallel_size, par.context_parallel_size, expert_tp_size(par)
-    edp = tp * cp * dp_size // (etp * par.expert_model_parallel_size)
+    tp, cp = par.tensor_model_parallel_size, par.context_parallel_size
+    edp = par.expert_data_parallel_size(par.model_parallel_size * dp_size)
     shards = (dp_size * cp, edp) if use_distributed_optimizer else (1, 1)
     tokens = micro_batch_tokens / cp
     logprob_path = (lm_head.path if lm_head is not None else None) or "fused"
@@ -456,10 +456,6 @@ def memory_plan(
     ranks = tp * cp * dp_size
     lm_head = lm_head_plan(logprob_path, **head)
     return MemoryPlan(tuple(stages), logprob_path, paths, micro_batch_tokens, dtype, ranks, lm_head)
-
-
-def expert_tp_size(par: ParallelConfig) -> int:
-    return par.expert_tensor_parallel_size or par.tensor_model_parallel_size
 
 
 _COLUMNS = ("params", "grads", "optimizer", "reference", "activations", "logprobs")

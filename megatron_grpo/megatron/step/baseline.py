@@ -8,7 +8,7 @@ import torch
 from megatron.core import tensor_parallel
 from torch import Tensor
 
-from megatron_grpo.ops.lm_head import check_targets
+from megatron_grpo.ops.lm_head.head import check_targets
 
 
 def megatron_logprobs(

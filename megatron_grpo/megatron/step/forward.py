@@ -12,7 +12,7 @@ Usage with any Megatron schedule (PP, VPP, micro-batching work as usual)::
 On the last pipeline stage the decoder runs to its final-normed hidden states (the GPTModel's
 output layer is skipped: no [T, V] logits), then one of three log-prob paths
 (``GRPOStep.logprob_path``) feeds the GRPO loss. Which one runs, and how (tiles, kernels, loop
-order, d_weight mode), is the LM-head plan of each call (:mod:`megatron_grpo.ops.plan`; its
+order, d_weight mode), is the LM-head plan of each call (:mod:`megatron_grpo.ops.lm_head.plan`; its
 ``memory_budget`` is ``GRPOStep.memory_budget``):
 
 * ``"fused"``: ``fused_grpo_loss``: by default the op's tiled stats pass, the loss on all rows
@@ -69,7 +69,7 @@ from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.megatron.moe.routing_replay import replay_routes, set_replay_routes
 from megatron_grpo.megatron.parallel import all_reduce_max, cuda_compat
 from megatron_grpo.megatron.step.logprob_paths import LogprobPath, choose_path
-from megatron_grpo.ops.options import LMHeadOptions, LMHeadRequest
+from megatron_grpo.ops.lm_head.options import LMHeadOptions, LMHeadRequest
 
 
 def get_forward_backward_func() -> Callable:
@@ -103,7 +103,7 @@ class GRPOStep:
             by name ("fused_tiled", "fused_single_pass": token ratio only). "megatron"
             computes no entropy, so it needs ``loss_cfg.entropy_coef == 0``.
         memory_budget: bytes of the LM head's working set, trading memory for speed
-            (:mod:`megatron_grpo.ops.plan`); None = its default (1 GiB).
+            (:mod:`megatron_grpo.ops.lm_head.plan`); None = its default (1 GiB).
         gemm: the logits GEMM mode of the LM-head op ("auto", "separate", "fused_epilogue").
         on_policy: the training step is the only optimizer step on its rollouts, so a batch
             without ``old_logprobs`` uses the current log-probs, detached (the loss's

@@ -1,18 +1,18 @@
 """The log-prob path of a ``GRPOStep``, chosen once when the step is built.
 
-:func:`choose_path` turns the step's :class:`~megatron_grpo.ops.options.LMHeadOptions` (its
-``path``, one of :data:`megatron_grpo.ops.options.REQUESTS`) into an object with the two things
+:func:`choose_path` turns the step's :class:`~megatron_grpo.ops.lm_head.options.LMHeadOptions` (its
+``path``, one of :data:`megatron_grpo.ops.lm_head.options.REQUESTS`) into an object with the two things
 a step needs on the last stage: the training loss of a micro-batch and its no-grad log-probs.
 
 * :class:`HeadOpPath` ("fused", "fused_tiled", "fused_single_pass", "op"): the LM-head op on
-  the output weight; the plan of each call picks how it runs (:mod:`megatron_grpo.ops.plan`).
+  the output weight; the plan of each call picks how it runs (:mod:`megatron_grpo.ops.lm_head.plan`).
 * :class:`MegatronPath` ("megatron"): Megatron's output layer and cross entropy
   (:func:`megatron_grpo.megatron.step.baseline.megatron_logprobs`), then ``grpo_loss``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 from megatron.core.models.gpt import GPTModel
@@ -24,8 +24,8 @@ from megatron_grpo.megatron.gpt import output_weight
 from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.megatron.step.baseline import megatron_logprobs
 from megatron_grpo.ops import fused_grpo_loss, vocab_parallel_logprobs
-from megatron_grpo.ops.options import LMHeadOptions
-from megatron_grpo.ops.plan import resolve_request
+from megatron_grpo.ops.lm_head.options import LMHeadOptions
+from megatron_grpo.ops.lm_head.plan import HeadRequest, resolve_request
 
 # on-policy IS weights of these levels need each sequence's current log-probs first
 
@@ -56,10 +56,11 @@ class LogprobPath(Protocol):
 
 @dataclass(frozen=True)
 class HeadOpPath:
-    """The LM-head op: ``fused_grpo_loss`` for the loss (``options.path``: the loss's
-    request), ``vocab_parallel_logprobs`` for log-probs alone."""
+    """The LM-head op: ``fused_grpo_loss`` for the loss (``request``: the loss's request,
+    resolved once when the step was built), ``vocab_parallel_logprobs`` for log-probs alone."""
 
     options: LMHeadOptions
+    request: HeadRequest
 
     def loss(
         self,
@@ -79,6 +80,7 @@ class HeadOpPath:
             options=self.options,
             tp_group=layout.tp_group,
             sequence_parallel=layout.sequence_parallel,
+            request=self.request,
         )
         return loss, metrics
 
@@ -137,8 +139,8 @@ def choose_path(cfg: GRPOLossConfig, options: LMHeadOptions, on_policy: bool) ->
     "megatron", GSPO with "fused_single_pass"). On-policy with a sequence-level IS correction
     the automatic fused request becomes "fused_tiled" (the IS weight needs whole sequences of
     current log-probs); "fused_single_pass" is refused."""
-    resolve_request(options.path, cfg)  # a sequence ratio (GSPO): checked and resolved there
-    if options.path == "megatron":
+    request = resolve_request(options.path, cfg)  # once per step (a sequence ratio: GSPO too)
+    if request.path == "megatron":
         return MegatronPath(options)
     # on-policy only (a sequence ratio is the plan's: resolve_request above)
     if cfg.needs_whole_sequences(on_policy) and not cfg.needs_whole_sequences():
@@ -148,6 +150,7 @@ def choose_path(cfg: GRPOLossConfig, options: LMHeadOptions, on_policy: bool) ->
                 f"is_correction_level {cfg.is_correction_level!r} weighs each sequence by all "
                 "of its current log-probs: use 'fused' / 'fused_tiled' or 'op'"
             )
-        if options.path in (None, "fused"):
-            return HeadOpPath(replace(options, path="fused_tiled"))
-    return HeadOpPath(options)
+        if request.path == "fused":
+            why = f"on-policy is_correction_level {cfg.is_correction_level!r}: whole sequences"
+            request = HeadRequest("fused_tiled", why)
+    return HeadOpPath(options, request)

@@ -1,7 +1,7 @@
 """Where the LM-head weight gradient goes: ``weight.main_grad`` (Megatron) or ``weight.grad``.
 
 The gradient is accumulated vocab tile by vocab tile in fp32, in one of the plan's modes
-(``LMHeadPlan.weight_grad``, decided by :func:`megatron_grpo.ops.plan.weight_grad_mode`):
+(``LMHeadPlan.weight_grad``, decided by :func:`megatron_grpo.ops.lm_head.plan.weight_grad_mode`):
 "accumulate_fp32" *in place* where an fp32 buffer of the gradient already exists or is the
 gradient itself: an fp32 ``weight.main_grad`` (Megatron DDP, gradient_accumulation_fusion
 semantics), or a fresh fp32 gradient of an fp32 weight. Otherwise ("write_tiles": a new gradient
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megatron_grpo.ops.gemm import mm_f32
+from megatron_grpo.ops.lm_head.gemm import mm_f32
 
 
 def main_grad_of(weight: Tensor) -> Tensor | None:

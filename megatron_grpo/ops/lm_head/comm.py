@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_grpo.ops.stats import GlobalRowStats, Reduction, RowStats, merge_row_stats
+from megatron_grpo.ops.lm_head.stats import GlobalRowStats, Reduction, RowStats, merge_row_stats
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def all_reduce_sum_(x: Tensor, tp: TPInfo) -> Tensor:
 
 def combine_row_stats(local: RowStats, tp: TPInfo) -> GlobalRowStats:
     """Combines this shard's row stats (each [R]) into the global ones with the log-sum-exp
-    merge of :func:`megatron_grpo.ops.stats.merge_row_stats` over the TP group.
+    merge of :func:`megatron_grpo.ops.lm_head.stats.merge_row_stats` over the TP group.
 
     Two collectives: all-reduce MAX of m, then ONE all-reduce SUM of the stacked
     ``[s * exp(m - M), zt, b * exp(m - M)]``. ``logp = zt - lse``, ``entropy = lse - pz``.

@@ -6,7 +6,7 @@ over tiles, then over TP ranks. The two merges are the same algebra, with ``M = 
     s = sum_i s_i exp(m_i - M),   zt = sum_i zt_i,   b = sum_i b_i exp(m_i - M)
 
 so one function (:func:`merge_row_stats`) does both; only the reduction differs: over a stacked
-leading axis (:data:`OVER_TILES`) or over the TP group (``ops.comm.combine_row_stats``).
+leading axis (:data:`OVER_TILES`) or over the TP group (``ops.lm_head.comm.combine_row_stats``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """2D tiling of the LM head: row blocks x vocabulary tiles, one fp32 logits tile alive at a time.
 
 A tile is ``[R, Vc]`` fp32 logits with ``R * Vc * 4 <= tile_bytes`` (the plan's share of its memory
-budget, :mod:`megatron_grpo.ops.plan`; ``TILE_BYTES`` at the default budget). Square-ish tiles keep
+budget, :mod:`megatron_grpo.ops.lm_head.plan`; ``TILE_BYTES`` at the default budget). Square-ish tiles keep
 the GEMMs large and bound the traffic of the fp32 gradient accumulators: with rows outer the
 ``[R, H]`` d_hidden block is read and written once per vocab tile, and the ``[V_local, H]``
 d_weight accumulator once per row block, i.e. ``8 * T * V * H * (1 / R + 1 / Vc)`` bytes. A 1D row
@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from megatron_grpo.ops.stats import OVER_TILES, RowStats, merge_row_stats
+from megatron_grpo.ops.lm_head.stats import OVER_TILES, RowStats, merge_row_stats
 
 # One fp32 [R, Vc] logits tile at the default memory budget (its low-precision gradient is
-# written in place); ops.plan derives the tile of any other budget.
+# written in place); ops.lm_head.plan derives the tile of any other budget.
 TILE_BYTES = 256 * 2**20
 ROW_ALIGN = 64
 COL_ALIGN = 256
@@ -98,7 +98,7 @@ def merge_tile_stats(
     parts: list[RowStats], rows: int, device: torch.device, with_b: bool
 ) -> RowStats:
     """Combines per-tile row stats (each [R]) into this shard's stats: the log-sum-exp merge
-    (:func:`megatron_grpo.ops.stats.merge_row_stats`) over the stacked tiles. One tile is its
+    (:func:`megatron_grpo.ops.lm_head.stats.merge_row_stats`) over the stacked tiles. One tile is its
     own merge; no tile (an all-padded shard) gives the identities (-inf, 0, 0, 0)."""
     if not parts:
         return RowStats.identity(rows, device, with_b)

@@ -5,32 +5,30 @@ Forward: per [R, Vc] tile fp32 logits ``h @ W^T`` -> tile row stats (kernel seam
 over tiles -> one TP combine over all active rows (all-reduce MAX, then one all-reduce SUM).
 Only [R]-sized stats are saved. Backward recomputes each tile's logits, turns them into d logits
 (kernel seam) and runs the two gradient GEMMs with fp32 accumulation (see
-:mod:`megatron_grpo.ops.passes`); d_hidden is reduce-scattered (sequence parallel) or
+:mod:`megatron_grpo.ops.lm_head.passes`); d_hidden is reduce-scattered (sequence parallel) or
 all-reduced (replicated hidden) across TP in fp32. Tiles, kernels and loop order are the
-call's :class:`~megatron_grpo.ops.plan.LMHeadPlan` (path "op"; :func:`logprobs_plan`).
+call's :class:`~megatron_grpo.ops.lm_head.plan.LMHeadPlan` (path "op"; :func:`logprobs_plan`).
 """
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_grpo.ops.comm import TPInfo
-from megatron_grpo.ops.lm_head import LMHead, build_lm_head, select_rows
-from megatron_grpo.ops.options import LMHeadOptions
-from megatron_grpo.ops.passes import (
+from megatron_grpo.ops.lm_head.comm import TPInfo
+from megatron_grpo.ops.lm_head.head import LMHead, build_lm_head, head_shard, select_rows
+from megatron_grpo.ops.lm_head.options import LMHeadOptions
+from megatron_grpo.ops.lm_head.passes import (
     backward_grads,
     forward_stats,
     gather_hidden,
     local_targets,
     scatter_rows,
 )
-from megatron_grpo.ops.plan import HeadShape, LMHeadPlan, plan_lm_head
-from megatron_grpo.ops.stats import RowGrads
-from megatron_grpo.ops.weight_grad import WeightGradSink
+from megatron_grpo.ops.lm_head.plan import OP_REQUEST, HeadShape, LMHeadPlan, plan_lm_head
+from megatron_grpo.ops.lm_head.stats import RowGrads
+from megatron_grpo.ops.lm_head.weight_grad import WeightGradSink
 
 
 class _VocabParallelLogprobs(torch.autograd.Function):
@@ -88,12 +86,12 @@ def vocab_parallel_logprobs(
         weight: [V_local, H], this rank's rows ``[rank * V_local, (rank + 1) * V_local)`` of the
             padded vocabulary.
         targets: [T] global token ids (identical on all TP ranks).
-        options: how the op runs (:class:`~megatron_grpo.ops.options.LMHeadOptions`:
+        options: how the op runs (:class:`~megatron_grpo.ops.lm_head.options.LMHeadOptions`:
             ``temperature`` divides the logits; ``vocab_size``, the real vocabulary, default
             V_local * TP: padded rows ``>= vocab_size`` never contribute; ``chunk_size``: rows
             per fp32 logits tile, None = automatic; ``impl``: "torch", "triton" or "auto"
             (triton on CUDA when it imports); ``memory_budget``: bytes of the LM head's working
-            set, None = 1 GiB, see :mod:`ops.plan`; ``gemm``: "auto", "fused_epilogue" or
+            set, None = 1 GiB, see :mod:`ops.lm_head.plan`; ``gemm``: "auto", "fused_epilogue" or
             "separate"; its ``path`` is ignored: the op is path "op"). Its fields may also be
             given by keyword (``overrides``), replacing those of ``options``.
         tp_group: the tensor-parallel group; None means no TP (never the default group).
@@ -139,16 +137,16 @@ def _prepare(
     """The validated head bound to its plan, and the active rows' indices (None = all). The
     op runs path "op" whatever ``options.path`` requests (that is a loss call's request)."""
     tp = TPInfo.of(tp_group)
-    head = build_lm_head(
-        hidden, weight, targets, options, tp=tp, sequence_parallel=sequence_parallel
-    )
-    idx = select_rows(rows, targets, head.vocab_size)
+    shard = head_shard(hidden, weight, targets, options, tp=tp, sequence_parallel=sequence_parallel)
+    idx = select_rows(rows, targets, shard.vocab_size)
     grad_on = torch.is_grad_enabled()
     shape = HeadShape.of(
         weight,
         rows=targets.shape[0] if idx is None else idx.numel(),
-        n_valid=head.n_valid,
+        n_valid=shard.n_valid,
         want_dh=grad_on and hidden.requires_grad,
         want_dw=grad_on and weight.requires_grad,
     )
-    return head.with_plan(plan_lm_head(shape, replace(options, path="op"))), idx
+    plan = plan_lm_head(shape, options, request=OP_REQUEST)  # the op: path "op", whatever asked
+    head = build_lm_head(weight, shard, plan, options, tp=tp, sequence_parallel=sequence_parallel)
+    return head, idx

@@ -7,7 +7,7 @@ stats (kernel seam) -> merged across tiles, then one TP combine over all active 
 Backward (:func:`backward_grads`): recompute each tile's logits, d logits (kernel seam, in place
 in the GEMM dtype), then ``d_hidden += dlogits @ W_tile`` and ``d_weight_tile += dlogits^T @ h``
 with fp32 accumulation. The tiles and the loop order are the plan's (``head.plan``,
-:mod:`megatron_grpo.ops.plan`); the order follows where the fp32 accumulators live:
+:mod:`megatron_grpo.ops.lm_head.plan`); the order follows where the fp32 accumulators live:
 
 * rows outer (d_weight accumulated in place in fp32 ``main_grad`` / an fp32 weight's gradient):
   extra memory one tile + an fp32 [R, H] d_hidden block;
@@ -26,17 +26,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megatron_grpo.ops.comm import (
+from megatron_grpo.ops.lm_head.comm import (
     all_gather_rows,
     all_reduce_sum_,
     combine_row_stats,
     reduce_scatter_rows,
 )
-from megatron_grpo.ops.gemm import mm_f32
-from megatron_grpo.ops.lm_head import LMHead, take_rows
-from megatron_grpo.ops.stats import GlobalRowStats, RowGrads, RowStats
-from megatron_grpo.ops.tiling import Tiling, merge_tile_stats
-from megatron_grpo.ops.weight_grad import WeightGradSink
+from megatron_grpo.ops.lm_head.gemm import mm_f32
+from megatron_grpo.ops.lm_head.head import LMHead, take_rows
+from megatron_grpo.ops.lm_head.stats import GlobalRowStats, RowGrads, RowStats
+from megatron_grpo.ops.lm_head.tiling import Tiling, merge_tile_stats
+from megatron_grpo.ops.lm_head.weight_grad import WeightGradSink
 
 
 def gather_hidden(hidden: Tensor, head: LMHead) -> Tensor:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from megatron_grpo.ops.dispatch import resolve_impl
+from megatron_grpo.ops.kernels import MAX_SCALED_F, resolve_impl, triton_kernels
 
 
 def swiglu_torch(x: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -29,9 +29,7 @@ def swiglu_torch(x: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 def _swiglu_triton(rows: Tensor, shape: torch.Size) -> Tensor:
-    from megatron_grpo.kernels import swiglu
-
-    return swiglu(rows).view(*shape[:-1], shape[-1] // 2)
+    return triton_kernels.swiglu(rows).view(*shape[:-1], shape[-1] // 2)
 
 
 class _SwiGLUTriton(torch.autograd.Function):
@@ -44,27 +42,21 @@ class _SwiGLUTriton(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        from megatron_grpo.kernels import swiglu_bwd
-
         (rows,) = ctx.saved_tensors
         g = grad.reshape(rows.size(0), -1).contiguous()
-        return swiglu_bwd(rows, g).view(ctx.shape)
+        return triton_kernels.swiglu_bwd(rows, g).view(ctx.shape)
 
 
 class _SwiGLUScaledTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, probs: Tensor) -> Tensor:
-        from megatron_grpo.kernels import swiglu_scaled
-
         ctx.save_for_backward(x, probs)
-        return swiglu_scaled(x, probs)
+        return triton_kernels.swiglu_scaled(x, probs)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        from megatron_grpo.kernels import swiglu_scaled_bwd
-
         x, probs = ctx.saved_tensors
-        dx, dp = swiglu_scaled_bwd(x, probs, grad.contiguous())
+        dx, dp = triton_kernels.swiglu_scaled_bwd(x, probs, grad.contiguous())
         return dx, dp.to(probs.dtype)
 
 
@@ -77,7 +69,7 @@ def swiglu_scaled_torch(x: Tensor, probs: Tensor) -> Tensor:
 
 def swiglu(x: Tensor, *, impl: str = "auto", probs: Tensor | None = None) -> Tensor:
     """SwiGLU of ``x [..., 2F]`` -> ``[..., F]`` in ``x``'s dtype; ``impl`` as
-    :func:`megatron_grpo.ops.dispatch.resolve_impl` decides ("auto": the kernels on CUDA).
+    :func:`megatron_grpo.ops.kernels.resolve_impl` decides ("auto": the kernels on CUDA).
     ``probs [rows]`` (x ``[rows, 2F]``): each row scaled by it (the routed experts)."""
     if x.size(-1) % 2:
         raise ValueError(f"swiglu: the last dim of x must be even (2F), got {list(x.shape)}")
@@ -98,14 +90,10 @@ def _swiglu_scaled(x: Tensor, probs: Tensor, impl: str) -> Tensor:
         )
     if resolve_impl(impl, x.device.type) == "torch":
         return swiglu_scaled_torch(x, probs)
-    from megatron_grpo.kernels.swiglu import MAX_SCALED_F
-
     fits = probs.dtype == torch.float32 and x.size(1) // 2 <= MAX_SCALED_F
     if impl == "auto" and not fits:  # the kernel's limits (explicit "triton": its error)
         return swiglu_scaled_torch(x, probs)
     x, probs = x.contiguous(), probs.contiguous()
     if not (torch.is_grad_enabled() and (x.requires_grad or probs.requires_grad)):
-        from megatron_grpo.kernels import swiglu_scaled
-
-        return swiglu_scaled(x, probs)
+        return triton_kernels.swiglu_scaled(x, probs)
     return _SwiGLUScaledTriton.apply(x, probs)

@@ -16,7 +16,7 @@ The decisions, each a field of the plan:
   "sequence"``): a token's ratio is its sequence's mean log-ratio, so every log-prob of a
   sequence comes before any gradient: ``"fused"`` runs "fused_tiled" (all rows' stats, the loss
   at once, the recompute backward), "fused_single_pass" (the loss chunk by chunk) raises.
-* ``impl``: the kernel seam, "torch" or "triton" (``ops.dispatch.resolve_impl``).
+* ``impl``: the kernel seam, "torch" or "triton" (``ops.kernels.resolve_impl``).
 * ``gemm``: how the logits GEMM meets the softmax work. "fused_epilogue": the GEMM reduces its
   fp32 accumulator in registers (``kernels.head_gemm``): the stats pass writes no logits at all,
   the recompute writes d logits in the GEMM dtype, the single pass keeps shifted logits in the
@@ -31,7 +31,7 @@ The decisions, each a field of the plan:
   ``kernels.split_accumulator``: fp32-grade sums for 1 byte per element over the gradient) or
   "fp32" (an extra fp32 [V_local, H] buffer: other dtypes, a low-precision ``main_grad``).
 * ``loop_order`` of the tiled backward: "rows_outer" where d_weight accumulates in place
-  ("accumulate_fp32" / "none"), else "vocab_outer" (see ``ops.passes``).
+  ("accumulate_fp32" / "none"), else "vocab_outer" (see ``ops.lm_head.passes``).
 * chunk sizes: ``tile_rows x tile_cols`` tiles of the tiled passes (fp32 logits, or d logits
   in the GEMM dtype with "fused_epilogue"; also the single pass's recompute), ``chunk_rows``
   full-width rows per single-pass chunk.
@@ -45,7 +45,7 @@ and makes the single pass possible on wider shards; a smaller one less memory. A
 V_local = 151936, H = 4096, bf16, the peak beyond the gradients measured on an H200 is 0.38 GiB
 (T = 8192) and 0.88 GiB (T = 32768 without an fp32 main_grad): within 1 GiB.
 
-The single-pass rule (measurements: ``ops/fused_grpo.py``): the accumulator's extra bytes
+The single-pass rule (measurements: docs/benchmarks.md): the accumulator's extra bytes
 (:func:`accumulator_of`) come out of the budget first (with the "separate" GEMM: they must fit
 ``ACCUMULATOR_TILES`` tiles), a full-width chunk must fit the rest (the fused epilogue: bf16
 shifted logits; "separate": an fp32 [C, V_local] chunk in the tile; C = ``chunk_size``, or as
@@ -60,13 +60,14 @@ Without gradients or loss rows both fused paths are the same stats pass: "fused_
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from megatron_grpo.loss import GRPOLossConfig
-from megatron_grpo.ops.dispatch import resolve_impl
-from megatron_grpo.ops.options import (  # noqa: F401 (the plan's public names too)
+from megatron_grpo.ops.kernels import resolve_impl
+from megatron_grpo.ops.lm_head.options import (  # noqa: F401 (the plan's public names too)
     DEFAULT_MEMORY_BUDGET,
     GEMMS,
     PATHS,
@@ -75,15 +76,15 @@ from megatron_grpo.ops.options import (  # noqa: F401 (the plan's public names t
     LMHeadOptions,
     is_int,
 )
-from megatron_grpo.ops.reference import STATS_BLOCK
-from megatron_grpo.ops.tiling import ROW_ALIGN, Tiling, round_down
-from megatron_grpo.ops.weight_grad import main_grad_of
+from megatron_grpo.ops.lm_head.reference import STATS_BLOCK
+from megatron_grpo.ops.lm_head.tiling import ROW_ALIGN, Tiling, round_down
+from megatron_grpo.ops.lm_head.weight_grad import main_grad_of
 
 WEIGHT_GRADS = ("none", "accumulate_fp32", "write_tiles", "add_tiles")
 LOOP_ORDERS = ("rows_outer", "vocab_outer")
 ACCUMULATORS = ("in_place", "split", "fp32")
 
-# Smallest full-width chunk worth the single pass (auto), per GEMM mode (ops/fused_grpo.py).
+# Smallest full-width chunk worth the single pass (auto), per GEMM mode (ops/lm_head/fused_grpo.py).
 SINGLE_PASS_MIN_ROWS = {"separate": 4096, "fused_epilogue": 1024}
 # ... and with the split accumulator, whose pair is read + written once per chunk (measured on
 # an H200, bf16 weight, no main_grad, x = time over the floor at T = 8192 / 32768: 1344-row
@@ -225,8 +226,20 @@ def weight_grad_mode(shape: HeadShape) -> str:
     return "write_tiles" if shape.main_grad_dtype is None else "add_tiles"
 
 
-def resolve_request(path: str | None, loss: GRPOLossConfig | None) -> tuple[str, str]:
-    """(``"op"`` | ``"fused"`` | an explicit path, why) of a request; raises on impossible ones.
+class HeadRequest(NamedTuple):
+    """A resolved LM-head request, decided once (:func:`resolve_request`) and carried as a
+    value into the plans of the calls it serves: ``path`` "op", "megatron", "fused" (the plan
+    picks a fused path), "fused_tiled" or "fused_single_pass"; ``reason``: why."""
+
+    path: str
+    reason: str
+
+
+OP_REQUEST = HeadRequest("op", "requested")  # the log-prob op's own request
+
+
+def resolve_request(path: str | None, loss: GRPOLossConfig | None) -> HeadRequest:
+    """The request ``path`` means for ``loss``; raises on impossible ones.
 
     ``"fused"`` here still has to pick between the fused paths (:func:`plan_lm_head`); a
     sequence ratio's automatic request is already "fused_tiled", so the single pass, which runs
@@ -240,11 +253,11 @@ def resolve_request(path: str | None, loss: GRPOLossConfig | None) -> tuple[str,
             f"loss.entropy_coef must be 0, got {loss.entropy_coef}"
         )
     if path in ("op", "megatron"):
-        return path, "requested"
+        return HeadRequest(path, "requested")
     if loss is None:
         if path is not None:
             raise ValueError(f"path {path!r} fuses the loss: it needs a loss config")
-        return "op", "log-probs only"
+        return HeadRequest("op", "log-probs only")
     if loss.needs_whole_sequences():  # GSPO
         if path == "fused_single_pass":
             raise ValueError(
@@ -253,8 +266,10 @@ def resolve_request(path: str | None, loss: GRPOLossConfig | None) -> tuple[str,
                 "path 'fused' / 'fused_tiled' or 'op'"
             )
         if path in (None, "fused"):
-            return "fused_tiled", _SEQUENCE_REASON
-    return ("fused", "auto") if path in (None, "fused") else (path, "requested")
+            return HeadRequest("fused_tiled", _SEQUENCE_REASON)
+    return (
+        HeadRequest("fused", "auto") if path in (None, "fused") else HeadRequest(path, "requested")
+    )
 
 
 def plan_lm_head(
@@ -262,6 +277,7 @@ def plan_lm_head(
     options: LMHeadOptions | None = None,
     *,
     loss: GRPOLossConfig | None = None,
+    request: HeadRequest | None = None,
     single_pass_min_rows: int | None = None,
     **overrides: object,
 ) -> LMHeadPlan:
@@ -273,6 +289,8 @@ def plan_lm_head(
             impl, GEMM mode, chunk size and memory budget (:class:`LMHeadOptions`; its
             temperature and vocab size do not change the plan).
         loss: the GRPO loss config (its ``ratio_level``), None for log-probs alone.
+        request: the request already resolved (:func:`resolve_request`, once per step or
+            call); None = resolved here from ``options.path`` and ``loss``.
         single_pass_min_rows: the automatic rule's row threshold; None =
             :data:`SINGLE_PASS_MIN_ROWS` of the GEMM mode.
         overrides: :class:`LMHeadOptions` fields by keyword (``path=``, ``memory_budget=``...).
@@ -281,13 +299,11 @@ def plan_lm_head(
     min_rows = single_pass_min_rows
     if min_rows is not None and (not is_int(min_rows) or min_rows < 0):
         raise ValueError(f"single_pass_min_rows must be an int >= 0, got {min_rows!r}")
-    budget = opts.budget
-    request, reason = resolve_request(opts.path, loss)
-    weight_grad = weight_grad_mode(shape)
-    if request == "megatron":
+    request = request or resolve_request(opts.path, loss)
+    if request.path == "megatron":
         return LMHeadPlan(
             "megatron",
-            reason,
+            request.reason,
             None,
             None,
             None,
@@ -297,29 +313,38 @@ def plan_lm_head(
             None,
             None,
             None,
-            budget,
+            opts.budget,
             shape.dtype,
         )
+    return _kernel_plan(shape, opts, request, min_rows)
+
+
+def _kernel_plan(
+    shape: HeadShape, opts: LMHeadOptions, request: HeadRequest, min_rows: int | None
+) -> LMHeadPlan:
+    """The plan of a request the LM-head op runs (not "megatron")."""
+    budget, weight_grad = opts.budget, weight_grad_mode(shape)
     impl_name = resolve_impl(opts.impl, shape.device_type)
     gemm_name = resolve_gemm(opts.gemm, impl_name)
     tile_dtype = shape.dtype if gemm_name == "fused_epilogue" else torch.float32
-    chunk_size = opts.chunk_size
-    tiling = Tiling.plan(shape.rows, shape.n_valid, chunk_size, budget // TILE_FRACTION, tile_dtype)
-    chunk_rows = None
-    if request != "op":
+    tiling = Tiling.plan(
+        shape.rows, shape.n_valid, opts.chunk_size, budget // TILE_FRACTION, tile_dtype
+    )
+    path, reason, chunk_rows = request.path, request.reason, None
+    if path != "op":
         if min_rows is None:
             min_rows = SINGLE_PASS_MIN_ROWS[gemm_name]
             if accumulator_of(shape, weight_grad)[0] == "split":  # pays per chunk: big ones
                 min_rows = max(min_rows, SPLIT_MIN_ROWS)
-        request, chunk_rows, reason = _fused_path(
-            request, reason, shape, weight_grad, chunk_size, budget, gemm_name, min_rows
+        path, chunk_rows, reason = _fused_path(
+            path, reason, shape, weight_grad, opts.chunk_size, budget, gemm_name, min_rows
         )
     loop = "rows_outer" if weight_grad in ("none", "accumulate_fp32") else "vocab_outer"
     acc, acc_bytes = None, 0
-    if request == "fused_single_pass":
+    if path == "fused_single_pass":
         acc, acc_bytes = accumulator_of(shape, weight_grad)
     return LMHeadPlan(
-        request,
+        path,
         reason,
         impl_name,
         gemm_name,

@@ -24,7 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-GROUPED_MM_IMPLS = ("auto", "grouped_mm", "padded_bmm")
+from megatron_grpo.ops.kernels import CHOICES, check_choice
+
+GROUPED_MM_IMPLS = CHOICES["grouped_gemm"]
 
 _TORCH_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
@@ -54,8 +56,7 @@ def resolve_grouped_mm(impl: str, x: Tensor, weight: Tensor) -> str:
 
     ``auto`` = torch's grouped GEMM wherever it takes the operands, else the padded bmm.
     An explicit ``grouped_mm`` it cannot take is an error naming why, never a silent switch."""
-    if impl not in GROUPED_MM_IMPLS:
-        raise ValueError(f"grouped mm impl must be one of {GROUPED_MM_IMPLS}, got {impl!r}")
+    check_choice("grouped_gemm", impl, "grouped mm impl")
     if impl == "padded_bmm":
         return impl
     why = grouped_mm_supports(x, weight)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megatron_grpo.kernels.split_accumulator import RESIDUAL_BITS
-from megatron_grpo.ops.gemm import mm_f32
+from megatron_grpo.ops.kernels import RESIDUAL_BITS
+from megatron_grpo.ops.lm_head.gemm import mm_f32
 
 
 def _target_hits(targets_local: Tensor, n_valid: int) -> tuple[Tensor, Tensor]:

@@ -1,10 +1,10 @@
 """``fused_grpo_loss``: the GRPO loss straight from hidden states and the LM-head shard.
 
 The loss context (``loss.math.build_context``) is built once, then one of two paths runs,
-chosen by the call's plan (:func:`megatron_grpo.ops.plan.plan_lm_head`; ``path=`` picks one
+chosen by the call's plan (:func:`megatron_grpo.ops.lm_head.plan.plan_lm_head`; ``path=`` picks one
 explicitly, :func:`fused_grpo_loss_plan` shows it); (a) serves ratio_level "token" only:
 
-(a) single pass, 3 GEMMs, no recompute (:mod:`megatron_grpo.ops.single_pass`): per full-width
+(a) single pass, 3 GEMMs, no recompute (:mod:`megatron_grpo.ops.lm_head.single_pass`): per full-width
     row chunk [C, V_local] of the loss's rows: logits (bf16 shifted logits and block stats from
     the fused-epilogue GEMM, or fp32 logits), row stats, TP combine of those rows,
     logp / entropy, ``loss.math.objective`` on the chunk under autograd (metrics merged),
@@ -13,46 +13,29 @@ explicitly, :func:`fused_grpo_loss_plan` shows it); (a) serves ratio_level "toke
     plan's accumulator (a bf16 weight's gradient + int8 residual, or an fp32 buffer). Backward
     only scales by grad_output (see "grad_output" below).
 (b) tiled recompute, 4 GEMMs: the op's tiled stats pass over the loss rows
-    (:func:`ops.passes.forward_stats`), the objective of all rows at once (d loss / d logp,
+    (:func:`ops.lm_head.passes.forward_stats`), the objective of all rows at once (d loss / d logp,
     d loss / d entropy by autograd: ``single_pass.objective_grads``), and in backward the op's
-    recompute pass (:func:`ops.passes.backward_grads`) with those row gradients; one logits
+    recompute pass (:func:`ops.lm_head.passes.backward_grads`) with those row gradients; one logits
     tile, d_weight straight into an fp32 ``main_grad``.
 
-The rule (``ops.plan``). (a) keeps complete rows of one chunk (a row's loss needs its
+The rule (``ops.lm_head.plan``). (a) keeps complete rows of one chunk (a row's loss needs its
 full-vocabulary statistics). With the fused-epilogue GEMM (``kernels.head_gemm``, the default
 with the triton kernels) a chunk is bf16 *shifted* logits ``z - m_block`` plus fp32 block
 statistics, so the 1 GiB default budget holds C = 3200 rows of a 152k shard; with the
 "separate" GEMM it is fp32 logits (C = 384 at the 256 MiB tile). (a) reads + writes the fp32
 [V_local, H] d_weight once per chunk, ``8 V_local H`` bytes against ``6 C V_local H`` GEMM flops,
-so it wins from a few thousand rows. Measured on one H200 (2026-11-23, H = 4096, V = 151936,
-bf16, fp32 ``main_grad``, ``tools/bench_logprobs.py --main-grad``; x = time over the 3-GEMM
-floor timed around each method, T = 8192 / 32768; docs/benchmarks.md has the runs):
-
-    (a) fused epilogue, C = 3200 (1 GiB)    1.13-1.16x / 1.11-1.14x  over 0.96 GiB
-    (a) fused epilogue, C = 6464 (2 GiB)    1.17x / 1.10x (start floor)  over 1.94 GiB
-    (a) fused epilogue, C = 8192/12992 (4 GiB)  1.13x / 1.06x (start floor)
-    (b) tiled, fused epilogue               1.40x / 1.41x  over 0.38 / 0.42 GiB
-    Megatron's fused CE (no main_grad)      1.27x / 1.28x  over 12.7 / 54 GiB
-
-(a) queues every chunk without a host sync (its one finiteness check runs before the last
-chunk's gradient GEMMs): a sync per chunk idled the GPU while the next chunk was launched.
-
-So the automatic threshold is ``ops.plan.SINGLE_PASS_MIN_ROWS["fused_epilogue"] = 1024`` rows.
-Without an fp32 ``main_grad`` (bf16 weight) (a) sums d_weight in the bf16 gradient itself
-plus an int8 [V_local, H] residual (``kernels.split_accumulator``: fp32-grade sums, the gradient
-rounded once; 0.58 GiB at V_local = 151936, H = 4096), each chunk reading + writing the pair (3 +
-3 bytes a weight element) in its d_weight GEMM's epilogue. Measured on one H200 (2026-11-23,
-third session, no main_grad, adj. floor, T = 8192 / 32768): at 1 GiB (C = 1344) 1.46x / 1.45x,
-the tiled path (b) 1.32x / 1.42x; at 4 GiB (C = 8192 / 11136) 1.23x / 1.21x. The split GEMM
-takes 4.1 ms a 1344-row chunk against cuBLAS's 2.2 (bf16 out) / 2.8 (fp32 accumulate): its
-main loop alone 2.5 ms, the pair's read + write not overlapped. So the split accumulator runs
-only for chunks of at least ``ops.plan.SPLIT_MIN_ROWS = 4096`` rows (a budget of ~2.5 GiB and
-up); at the 1 GiB default (b) runs. A bf16 ``main_grad`` needs an fp32 buffer instead. The
-"separate" GEMM keeps the older rule
-(``SINGLE_PASS_MIN_ROWS["separate"] = 4096`` rows of fp32 logits; its measurements:
-``x = 1.16 + 266 / C`` at TP = 1, and at TP = 4 each chunk's TP all-reduce and host sync made
-C = 1728 slower than (b)). Without gradients (no_grad / frozen) (b)'s stats pass runs. A larger
-``memory_budget`` enlarges chunks and tiles.
+so it wins from a few thousand rows: the automatic threshold is
+``ops.lm_head.plan.SINGLE_PASS_MIN_ROWS["fused_epilogue"] = 1024`` rows. (a) queues every chunk
+without a host sync (its one finiteness check runs before the last chunk's gradient GEMMs).
+Without an fp32 ``main_grad`` (bf16 weight) (a) sums d_weight in the bf16 gradient itself plus
+an int8 [V_local, H] residual (``kernels.split_accumulator``: fp32-grade sums, the gradient
+rounded once), each chunk reading + writing the pair in its d_weight GEMM's epilogue; that pays
+per chunk, so the split accumulator runs only for chunks of at least
+``ops.lm_head.plan.SPLIT_MIN_ROWS = 4096`` rows (a budget of ~2.5 GiB and up); at the 1 GiB
+default (b) runs. A bf16 ``main_grad`` needs an fp32 buffer instead. The "separate" GEMM keeps
+``SINGLE_PASS_MIN_ROWS["separate"] = 4096`` rows of fp32 logits. Without gradients (no_grad /
+frozen) (b)'s stats pass runs. A larger ``memory_budget`` enlarges chunks and tiles. The
+measurements behind these thresholds: docs/benchmarks.md ("The fused path's thresholds").
 
 grad_output in (a): d_weight lands in an fp32 ``main_grad`` during the forward, for a
 grad_output of 1 (Megatron's bf16 per-token-loss step: ``loss_scale * loss`` with scale 1). A
@@ -87,21 +70,31 @@ from torch import Tensor
 from megatron_grpo.loss import GRPOLossConfig, LossInputs, grpo_loss
 from megatron_grpo.loss.math import LossContext, build_context, raise_on_nonfinite
 from megatron_grpo.loss.metrics import MetricDict, merge_metrics
-from megatron_grpo.ops.comm import TPInfo
-from megatron_grpo.ops.lm_head import LMHead, build_lm_head, targets_check
-from megatron_grpo.ops.logprobs import logprobs_plan, vocab_parallel_logprobs
-from megatron_grpo.ops.options import LMHeadOptions
-from megatron_grpo.ops.passes import (
+from megatron_grpo.ops.lm_head.comm import TPInfo
+from megatron_grpo.ops.lm_head.head import LMHead, build_lm_head, head_shard, targets_check
+from megatron_grpo.ops.lm_head.logprobs import logprobs_plan, vocab_parallel_logprobs
+from megatron_grpo.ops.lm_head.options import LMHeadOptions
+from megatron_grpo.ops.lm_head.passes import (
     backward_grads,
     forward_stats,
     gather_hidden,
     local_targets,
     scatter_rows,
 )
-from megatron_grpo.ops.plan import HeadShape, LMHeadPlan, plan_lm_head, resolve_request
-from megatron_grpo.ops.single_pass import ForwardWeightGrad, TokenSinglePass, objective_grads
-from megatron_grpo.ops.stats import RowGrads
-from megatron_grpo.ops.weight_grad import WeightGradSink, main_grad_done
+from megatron_grpo.ops.lm_head.plan import (
+    HeadRequest,
+    HeadShape,
+    LMHeadPlan,
+    plan_lm_head,
+    resolve_request,
+)
+from megatron_grpo.ops.lm_head.single_pass import (
+    ForwardWeightGrad,
+    TokenSinglePass,
+    objective_grads,
+)
+from megatron_grpo.ops.lm_head.stats import RowGrads
+from megatron_grpo.ops.lm_head.weight_grad import WeightGradSink, main_grad_done
 
 _NO_GRADS = (None,) * 6
 
@@ -227,6 +220,7 @@ def fused_grpo_loss(
     tp_group: dist.ProcessGroup | None = None,
     sequence_parallel: bool = False,
     return_entropy: bool = False,
+    request: HeadRequest | None = None,
     **overrides: object,
 ) -> tuple[Tensor, MetricDict, Tensor] | tuple[Tensor, MetricDict, Tensor, Tensor]:
     """``grpo_loss`` of the log-probs of ``hidden @ weight^T / temperature``: same loss,
@@ -237,7 +231,7 @@ def fused_grpo_loss(
     :func:`vocab_parallel_logprobs`; ``inputs``: the loss inputs (:class:`LossInputs`, all
     [T], ``cu_seqlens`` [S+1]; as :func:`megatron_grpo.loss.grpo_loss`; ``old_logprobs=None``:
     on-policy, the current log-probs detached). ``options``: :class:`LMHeadOptions`; its
-    ``path``: None / "fused" = the plan's choice (:mod:`megatron_grpo.ops.plan`;
+    ``path``: None / "fused" = the plan's choice (:mod:`megatron_grpo.ops.lm_head.plan`;
     "fused_tiled" for a sequence ratio), or "fused_tiled", "fused_single_pass" (token ratio
     only), "op" (log-probs, then ``grpo_loss``); ``chunk_size``: rows per logits tile on either
     fused path; ``memory_budget``: bytes, trading memory for speed (None = 1 GiB); ``gemm``:
@@ -246,13 +240,15 @@ def fused_grpo_loss(
     ``options``. Entropy is computed only when ``cfg.entropy_coef != 0`` or
     ``return_entropy``. On the single pass an fp32 ``weight.main_grad`` receives d_weight
     during the forward (module doc); :func:`fused_grpo_loss_plan` returns the plan a call runs.
+    ``request``: the path request already resolved (``GRPOStep`` resolves it once); None =
+    resolved here, once, from ``options.path`` and ``cfg``.
 
     Returns:
         ``(loss, metrics, logprobs[, entropy])``: the float32 scalar loss (differentiable
         w.r.t. hidden and weight), the loss metrics, and detached float32 [T] log-probs (and
         entropy) of the loss's rows (0 elsewhere), identical on every TP rank.
     """
-    args = _Args.of(cfg, inputs, options, tp_group, sequence_parallel, overrides)
+    args = _Args.of(cfg, inputs, options, tp_group, sequence_parallel, overrides, request)
     need_ent = return_entropy or cfg.entropy_coef != 0
     if _request(args) == "op":
         return _op_path(hidden, weight, targets, args, need_ent, return_entropy)
@@ -273,11 +269,12 @@ def fused_grpo_loss_plan(
     options: LMHeadOptions | None = None,
     tp_group: dist.ProcessGroup | None = None,
     sequence_parallel: bool = False,
+    request: HeadRequest | None = None,
     **overrides: object,
 ) -> LMHeadPlan:
     """The plan :func:`fused_grpo_loss` runs with the same arguments. Path "op" is the plan of
     its log-prob op."""
-    args = _Args.of(cfg, inputs, options, tp_group, sequence_parallel, overrides)
+    args = _Args.of(cfg, inputs, options, tp_group, sequence_parallel, overrides, request)
     if _request(args) == "fused":
         return _fused_setup(hidden, weight, targets, args)[0].plan
     plan = logprobs_plan(
@@ -289,7 +286,7 @@ def fused_grpo_loss_plan(
         tp_group=tp_group,
         sequence_parallel=sequence_parallel,
     )
-    return replace(plan, reason=resolve_request(args.options.path, cfg)[1])
+    return replace(plan, reason=args.request.reason)
 
 
 @dataclass(frozen=True)
@@ -301,6 +298,7 @@ class _Args:
     options: LMHeadOptions
     tp_group: dist.ProcessGroup | None
     sequence_parallel: bool
+    request: HeadRequest  # resolved once per call (or per step: GRPOStep's)
 
     @staticmethod
     def of(
@@ -310,6 +308,7 @@ class _Args:
         tp_group: dist.ProcessGroup | None,
         sequence_parallel: bool,
         overrides: dict[str, object],
+        request: HeadRequest | None,
     ) -> _Args:
         """The call of the public arguments: keyword ``overrides`` go to the options when they
         name an option, else to the inputs (an unknown name raises TypeError there)."""
@@ -318,13 +317,15 @@ class _Args:
         names = LMHeadOptions.field_names()
         opts = LMHeadOptions.of(options, **{k: v for k, v in overrides.items() if k in names})
         rest = {k: v for k, v in overrides.items() if k not in names}
-        return _Args(cfg, LossInputs.of(inputs, **rest), opts, tp_group, sequence_parallel)
+        request = request or resolve_request(opts.path, cfg)
+        inputs = LossInputs.of(inputs, **rest)
+        return _Args(cfg, inputs, opts, tp_group, sequence_parallel, request)
 
 
 def _request(args: _Args) -> str:
     """The request the call's path means here: "op", or "fused" (either fused path, the plan's
     to pick); "megatron" is GRPOStep's alone."""
-    request = resolve_request(args.options.path, args.cfg)[0]
+    request = args.request.path
     if request == "megatron":
         raise ValueError("path 'megatron' runs Megatron's output layer: use GRPOStep")
     return "op" if request == "op" else "fused"
@@ -340,18 +341,17 @@ def _fused_setup(
     hidden: Tensor, weight: Tensor, targets: Tensor, args: _Args
 ) -> tuple[LMHead, LossContext]:
     """(the head bound to its plan, the loss context) of a fused args."""
-    tp = TPInfo.of(args.tp_group)
-    head = build_lm_head(
-        hidden, weight, targets, args.options, tp=tp, sequence_parallel=args.sequence_parallel
-    )
+    tp, sp = TPInfo.of(args.tp_group), args.sequence_parallel
+    shard = head_shard(hidden, weight, targets, args.options, tp=tp, sequence_parallel=sp)
     # the target check joins the context's checks: one host sync for all of them
-    check = partial(targets_check, targets, vocab_size=head.vocab_size)
+    check = partial(targets_check, targets, vocab_size=shard.vocab_size)
     lctx = build_context(args.cfg, args.inputs, row_checks=[check])
     want_dh, want_dw = _wants(hidden, weight)
     shape = HeadShape.of(
-        weight, rows=lctx.num_rows, n_valid=head.n_valid, want_dh=want_dh, want_dw=want_dw
+        weight, rows=lctx.num_rows, n_valid=shard.n_valid, want_dh=want_dh, want_dw=want_dw
     )
-    return head.with_plan(plan_lm_head(shape, args.options, loss=args.cfg)), lctx
+    plan = plan_lm_head(shape, args.options, loss=args.cfg, request=args.request)
+    return build_lm_head(weight, shard, plan, args.options, tp=tp, sequence_parallel=sp), lctx
 
 
 def _op_path(

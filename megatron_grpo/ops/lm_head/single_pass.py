@@ -1,5 +1,5 @@
 """The single pass of ``fused_grpo_loss`` (token ratio): the loss and both gradients in one pass
-over the vocabulary (3 GEMMs, no recompute). The plan chooses it (``ops.plan``, path
+over the vocabulary (3 GEMMs, no recompute). The plan chooses it (``ops.lm_head.plan``, path
 "fused_single_pass") and sizes its chunks (``LMHeadPlan.chunk_rows``).
 
 Per full-width row chunk of the loss's valid rows: logits ``[C, n_valid]`` (plan.gemm
@@ -10,7 +10,7 @@ chunk under autograd (d loss / d logp, d loss / d entropy) -> d logits (kernel s
 the GEMM dtype) -> ``dh_chunk = dlogits @ W`` and ``d_weight += dlogits^T @ h``, both with fp32
 accumulation, d_weight summed over the chunks in the plan's accumulator (``ForwardWeightGrad``).
 The gradients are those of grad_output 1; the autograd Function in
-:mod:`megatron_grpo.ops.fused_grpo` applies the real grad_output in backward. Why and when this
+:mod:`megatron_grpo.ops.lm_head.fused_grpo` applies the real grad_output in backward. Why and when this
 beats the tiled path: see that module's docstring.
 """
 
@@ -24,13 +24,13 @@ from torch import Tensor
 from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.loss.math import LossContext, objective, raise_on_nonfinite
 from megatron_grpo.loss.metrics import MetricDict
-from megatron_grpo.ops.comm import combine_row_stats
-from megatron_grpo.ops.gemm import mm_f32
-from megatron_grpo.ops.lm_head import LMHead, take_rows
-from megatron_grpo.ops.passes import HiddenGrad
-from megatron_grpo.ops.stats import GlobalRowStats, RowGrads, RowStats
-from megatron_grpo.ops.tiling import merge_tile_stats, tile_view
-from megatron_grpo.ops.weight_grad import main_grad_of
+from megatron_grpo.ops.lm_head.comm import combine_row_stats
+from megatron_grpo.ops.lm_head.gemm import mm_f32
+from megatron_grpo.ops.lm_head.head import LMHead, take_rows
+from megatron_grpo.ops.lm_head.passes import HiddenGrad
+from megatron_grpo.ops.lm_head.stats import GlobalRowStats, RowGrads, RowStats
+from megatron_grpo.ops.lm_head.tiling import merge_tile_stats, tile_view
+from megatron_grpo.ops.lm_head.weight_grad import main_grad_of
 
 
 def objective_grads(
@@ -53,7 +53,7 @@ def objective_grads(
 
 class ForwardWeightGrad:
     """d_weight of the single pass for grad_output 1, summed over the chunks during the forward
-    in the plan's ``accumulator`` (``ops.plan``).
+    in the plan's ``accumulator`` (``ops.lm_head.plan``).
 
     "in_place": straight into an fp32 ``weight.main_grad`` (Megatron's DDP buffer:
     ``in_main_grad``, which then already holds it before backward) or the fp32 gradient of an

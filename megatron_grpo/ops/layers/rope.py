@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megatron_grpo.ops.dispatch import resolve_impl
+from megatron_grpo.ops.kernels import resolve_impl, triton_kernels
 
 
 def rotate_half(x: Tensor, interleaved: bool) -> Tensor:
@@ -41,9 +41,9 @@ def apply_rotary_torch(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -
 
 
 def _rope_triton(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
-    from megatron_grpo.kernels import rope
-
-    return rope(x if x.stride(-1) == 1 else x.contiguous(), cos, sin, interleaved=interleaved)
+    return triton_kernels.rope(
+        x if x.stride(-1) == 1 else x.contiguous(), cos, sin, interleaved=interleaved
+    )
 
 
 class _RotaryTriton(torch.autograd.Function):
@@ -55,11 +55,14 @@ class _RotaryTriton(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        from megatron_grpo.kernels import rope
-
         cos, sin = ctx.saved_tensors
         g = grad if grad.stride(-1) == 1 else grad.contiguous()
-        return rope(g, cos, sin, interleaved=ctx.interleaved, backward=True), None, None, None
+        return (
+            triton_kernels.rope(g, cos, sin, interleaved=ctx.interleaved, backward=True),
+            None,
+            None,
+            None,
+        )
 
 
 def apply_rotary(
@@ -69,7 +72,7 @@ def apply_rotary(
     ``mscale`` already applied; ``ROT <= d`` even) -> ``[T, n, d]``.
 
     ``impl``: "torch" (:func:`apply_rotary_torch`), "triton" (the kernel) or "auto" (the kernel
-    on CUDA when triton imports), as :func:`megatron_grpo.ops.dispatch.resolve_impl` decides.
+    on CUDA when triton imports), as :func:`megatron_grpo.ops.kernels.resolve_impl` decides.
     """
     if x.dim() != 3 or cos.shape != (x.size(0), cos.size(-1)) or sin.shape != cos.shape:
         raise ValueError(

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from megatron_grpo.ops.dispatch import resolve_impl
+from megatron_grpo.ops.kernels import resolve_impl, triton_kernels
 
 
 def rms_norm_torch(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -23,18 +23,14 @@ def rms_norm_torch(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 class _RMSNormTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        from megatron_grpo.kernels import rms_norm_fwd
-
-        y, rstd = rms_norm_fwd(x, weight, eps)
+        y, rstd = triton_kernels.rms_norm_fwd(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         return y
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        from megatron_grpo.kernels import rms_norm_bwd
-
         x, weight, rstd = ctx.saved_tensors
-        dx, dw = rms_norm_bwd(grad, x, weight, rstd)
+        dx, dw = triton_kernels.rms_norm_bwd(grad, x, weight, rstd)
         return dx, dw, None
 
 
@@ -42,7 +38,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, *, impl: str = "auto") -> Te
     """RMSNorm of ``x [..., N]`` with ``weight [N]``, computed in fp32, in ``x``'s dtype.
 
     ``impl``: "torch" (:func:`rms_norm_torch`), "triton" (the kernels) or "auto" (the kernels
-    on CUDA when triton imports), as :func:`megatron_grpo.ops.dispatch.resolve_impl` decides.
+    on CUDA when triton imports), as :func:`megatron_grpo.ops.kernels.resolve_impl` decides.
     """
     if weight.dim() != 1 or x.size(-1) != weight.numel():
         raise ValueError(
@@ -52,7 +48,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, *, impl: str = "auto") -> Te
     if resolve_impl(impl, x.device.type) == "torch":
         return rms_norm_torch(x, weight, eps)
     if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-        from megatron_grpo.kernels import rms_norm_fwd
-
-        return rms_norm_fwd(x, weight, eps)[0]  # no graph to record: skip Function.apply's cost
+        return triton_kernels.rms_norm_fwd(x, weight, eps)[
+            0
+        ]  # no graph to record: skip Function.apply's cost
     return _RMSNormTriton.apply(x, weight, eps)

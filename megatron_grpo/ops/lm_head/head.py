@@ -1,16 +1,16 @@
 """The vocab-parallel LM head shared by the log-prob op and the fused GRPO path.
 
-Logits are computed in 2D tiles (:mod:`megatron_grpo.ops.tiling`): ``[R, Vc]`` fp32, the only
+Logits are computed in 2D tiles (:mod:`megatron_grpo.ops.lm_head.tiling`): ``[R, Vc]`` fp32, the only
 vocabulary-sized tensor alive. The three GEMMs (logits, d_hidden, d_weight) run through torch
 (cuBLAS on GPU) with fp32 results; the per-tile softmax work goes through the kernel seam
-(:mod:`megatron_grpo.ops.reference` or ``megatron_grpo.kernels``), which sees each vocab tile as
+(:mod:`megatron_grpo.ops.lm_head.reference` or ``megatron_grpo.kernels``), which sees each vocab tile as
 a shard of ``Vc`` valid columns. How a call runs (tiles, kernels, paths) is its
-:class:`megatron_grpo.ops.plan.LMHeadPlan`, bound to the head with :meth:`LMHead.with_plan`.
+:class:`megatron_grpo.ops.lm_head.plan.LMHeadPlan`, the head is built with (:func:`build_lm_head`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,16 +18,16 @@ from torch import Tensor
 
 from megatron_grpo.loss.checks import DeviceCheck, fetch
 from megatron_grpo.loss.math import true_positions
-from megatron_grpo.ops.comm import TPInfo
-from megatron_grpo.ops.dispatch import Kernels, kernels_named
-from megatron_grpo.ops.gemm import mm_f32
-from megatron_grpo.ops.options import LMHeadOptions
-from megatron_grpo.ops.reference import STATS_BLOCK
-from megatron_grpo.ops.stats import OVER_TILES, RowGrads, RowStats, merge_row_stats
-from megatron_grpo.ops.tiling import narrow_alias, tile_view
+from megatron_grpo.ops.lm_head.comm import TPInfo
+from megatron_grpo.ops.lm_head.gemm import mm_f32
+from megatron_grpo.ops.lm_head.options import LMHeadOptions
+from megatron_grpo.ops.lm_head.reference import STATS_BLOCK
+from megatron_grpo.ops.lm_head.seam import Kernels, kernels_named
+from megatron_grpo.ops.lm_head.stats import OVER_TILES, RowGrads, RowStats, merge_row_stats
+from megatron_grpo.ops.lm_head.tiling import narrow_alias, tile_view
 
 if TYPE_CHECKING:
-    from megatron_grpo.ops.plan import LMHeadPlan
+    from megatron_grpo.ops.lm_head.plan import LMHeadPlan
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,8 @@ class LMHead:
 
     ``weight`` is this rank's [V_local, H] shard: rows ``[vocab_start, vocab_start + V_local)``
     of the padded vocabulary, of which the first ``n_valid`` are real tokens (only those are
-    tiled). ``plan`` / ``kernels``: the call's plan and its kernel seam (:meth:`with_plan`).
+    tiled). ``plan`` / ``kernels``: the call's plan and its kernel seam (:func:`build_lm_head`
+    builds it once, with both).
     """
 
     weight: Tensor
@@ -46,14 +47,8 @@ class LMHead:
     vocab_start: int
     n_valid: int
     inv_temperature: float
-    plan: LMHeadPlan | None = None
-    kernels: Kernels | None = None
-
-    def with_plan(self, plan: LMHeadPlan) -> LMHead:
-        """This head running ``plan`` (its tiles, loop order and ``impl``'s kernels)."""
-        if plan.n_valid != self.n_valid:
-            raise ValueError(f"plan for {plan.n_valid} valid columns, shard has {self.n_valid}")
-        return replace(self, plan=plan, kernels=kernels_named(plan.impl))
+    plan: LMHeadPlan
+    kernels: Kernels
 
     def logits(self, h: Tensor, start: int, stop: int, buf: Tensor) -> Tensor:
         """[R, H] -> raw fp32 logits [R, stop - start] of vocab rows ``start:stop``, in ``buf``
@@ -163,7 +158,43 @@ class LMHead:
         )
 
 
+@dataclass(frozen=True)
+class HeadShard:
+    """This rank's rows ``[vocab_start, vocab_start + V_local)`` of the padded vocabulary, the
+    first ``n_valid`` of them real tokens (``vocab_size``: the real vocabulary)."""
+
+    vocab_size: int
+    vocab_start: int
+    n_valid: int
+
+
 def build_lm_head(
+    weight: Tensor,
+    shard: HeadShard,
+    plan: LMHeadPlan,
+    options: LMHeadOptions,
+    *,
+    tp: TPInfo,
+    sequence_parallel: bool,
+) -> LMHead:
+    """The head of ``shard`` (:func:`head_shard`) running ``plan`` (its tiles, loop order and
+    ``impl``'s kernels): built once, when its plan is known."""
+    if plan.n_valid != shard.n_valid:
+        raise ValueError(f"plan for {plan.n_valid} valid columns, shard has {shard.n_valid}")
+    return LMHead(
+        weight=weight,
+        tp=tp,
+        sequence_parallel=sequence_parallel and tp.size > 1,
+        vocab_size=shard.vocab_size,
+        vocab_start=shard.vocab_start,
+        n_valid=shard.n_valid,
+        inv_temperature=1.0 / float(options.temperature),
+        plan=plan,
+        kernels=kernels_named(plan.impl),
+    )
+
+
+def head_shard(
     hidden: Tensor,
     weight: Tensor,
     targets: Tensor,
@@ -171,10 +202,9 @@ def build_lm_head(
     *,
     tp: TPInfo,
     sequence_parallel: bool,
-) -> LMHead:
+) -> HeadShard:
     """Validates the op's inputs against each other (errors name the argument; ``options``
-    validated themselves) and describes this rank's shard (without a plan:
-    :meth:`LMHead.with_plan`)."""
+    validated themselves) and describes this rank's shard."""
     _check_shapes(hidden, weight, targets, tp, sequence_parallel)
     vocab_size = options.vocab_size
     v_local = weight.shape[0]
@@ -187,15 +217,7 @@ def build_lm_head(
             f"got {vocab_size}"
         )
     start = tp.rank * v_local
-    return LMHead(
-        weight=weight,
-        tp=tp,
-        sequence_parallel=sequence_parallel and tp.size > 1,
-        vocab_size=vocab_size,
-        vocab_start=start,
-        n_valid=min(max(vocab_size - start, 0), v_local),
-        inv_temperature=1.0 / float(options.temperature),
-    )
+    return HeadShard(vocab_size, start, min(max(vocab_size - start, 0), v_local))
 
 
 def _check_shapes(

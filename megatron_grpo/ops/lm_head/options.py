@@ -5,7 +5,7 @@ The options that ``vocab_parallel_logprobs``, ``fused_grpo_loss``, their ``*_pla
 GEMM mode, the memory budget, the tile / chunk rows, the temperature and the real vocabulary
 size. Where the call runs (TP group, sequence parallelism) is not an option: it comes with
 the call. This module also holds the one list of log-prob paths (:data:`PATHS`,
-:data:`REQUESTS`): ``ops.plan``, ``GRPOStep``, the memory plan and the training config read
+:data:`REQUESTS`): ``ops.lm_head.plan``, ``GRPOStep``, the memory plan and the training config read
 it from here.
 """
 
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Literal, get_args
 
 from megatron_grpo.config import RUNTIME_ONLY
-from megatron_grpo.ops.dispatch import IMPLS
-from megatron_grpo.ops.tiling import TILE_BYTES
+from megatron_grpo.ops.kernels import check_choice
+from megatron_grpo.ops.lm_head.tiling import TILE_BYTES
 
 # The paths a plan can run ("megatron": Megatron's output layer, run by GRPOStep alone) and the
 # requests a caller may make ("fused": the plan picks the fused path); the Literal types are
@@ -41,8 +41,8 @@ class LMHeadOptions:
     Attributes:
         path: the request: None / "fused" (the plan picks), or one of :data:`PATHS`
             ("op": log-probs then the loss; "megatron": ``GRPOStep`` only).
-        impl: the kernel seam, "auto", "torch" or "triton" (``ops.dispatch``).
-        gemm: "auto" or one of :data:`GEMMS` (``ops.plan``).
+        impl: the kernel seam, "auto", "torch" or "triton" (``ops.kernels``).
+        gemm: "auto" or one of :data:`GEMMS` (``ops.lm_head.plan``).
         memory_budget: bytes of the LM head's working set, trading memory for speed; None =
             :data:`DEFAULT_MEMORY_BUDGET` (1 GiB).
         chunk_size: rows per logits tile / single-pass chunk; None = automatic.
@@ -64,8 +64,7 @@ class LMHeadOptions:
     def __post_init__(self) -> None:
         if self.path is not None and self.path not in REQUESTS:
             raise ValueError(f"path must be one of {list(REQUESTS)} or None, got {self.path!r}")
-        if self.impl not in IMPLS:
-            raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
+        check_choice("impl", self.impl)
         if self.gemm != "auto" and self.gemm not in GEMMS:
             raise ValueError(f"gemm must be 'auto' or one of {list(GEMMS)}, got {self.gemm!r}")
         if self.memory_budget is not None and (

@@ -15,11 +15,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from megatron_grpo.ops.rms_norm import rms_norm_torch
-from megatron_grpo.ops.rope import rope_reference
-from megatron_grpo.ops.swiglu import swiglu_torch
-
-IMPLS = ("torch", "triton")
+from megatron_grpo.ops.kernels import triton_kernels
+from megatron_grpo.ops.layers.rms_norm import rms_norm_torch
+from megatron_grpo.ops.layers.rope import rope_reference
+from megatron_grpo.ops.layers.swiglu import swiglu_torch
 
 
 def add_rms_norm_torch(
@@ -77,11 +76,11 @@ class DecodeKernels(NamedTuple):
 
 
 def decode_kernels(impl: str) -> DecodeKernels:
-    """The decode functions of ``impl`` (one of :data:`IMPLS`)."""
+    """The decode functions of a resolved ``impl`` ("torch" or "triton":
+    :func:`megatron_grpo.ops.kernels.resolve_impl`)."""
     if impl == "torch":
         return DecodeKernels(add_rms_norm_torch, qkv_rope_cache_torch, swiglu_torch, None)
     if impl == "triton":
-        from megatron_grpo.kernels import add_rms_norm, qkv_rope_cache, sample_rows, swiglu
-
-        return DecodeKernels(add_rms_norm, qkv_rope_cache, swiglu, sample_rows)
-    raise ValueError(f"decode kernel impl must be one of {IMPLS}, got {impl!r}")
+        k = triton_kernels
+        return DecodeKernels(k.add_rms_norm, k.qkv_rope_cache, k.swiglu, k.sample_rows)
+    raise ValueError(f"decode kernel impl must be 'torch' or 'triton', got {impl!r}")

@@ -1,0 +1,116 @@
+"""The one road to the Triton kernels, and every kernel choice's vocabulary and resolver.
+
+* The only module of the package that imports ``megatron_grpo.kernels`` (``kernels/`` at the
+  repository's top, installed under the package): the ops reach a kernel as
+  ``triton_kernels.<name>`` (the kernel package, imported once here) and its constants from here.
+* :data:`CHOICES`: the names each kernel choice takes, one table for training and decode
+  (``impl``: the element-wise ops, the LM-head seam and the decode step; ``rope``: packed RoPE;
+  ``grouped_gemm``: the MoE experts; ``attention``: how packed documents run through SDPA;
+  ``decode_attention``: the decode step's attention).
+* :func:`resolve_impl`: THE decision of what ``impl`` "auto" means on a device.
+* :class:`LayerKernels`: the model's layer kernel choices as one frozen value, given to the
+  layer spec when the model is built (a recipe's ``model.layer_kernels`` section).
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import megatron_grpo.kernels as triton_kernels
+from megatron_grpo.kernels.split_accumulator import RESIDUAL_BITS
+from megatron_grpo.kernels.swiglu import MAX_SCALED_F
+
+__all__ = [
+    "CHOICES",
+    "IMPLS",
+    "MAX_SCALED_F",
+    "RESIDUAL_BITS",
+    "LayerKernels",
+    "check_choice",
+    "resolve_impl",
+    "triton_kernels",
+    "triton_runs_on",
+]
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    # "auto": the Triton kernels on CUDA when triton imports, else the torch reference
+    "impl": ("auto", "torch", "triton"),
+    # "megatron": megatron-core's own per-document loop (the baseline)
+    "rope": ("auto", "torch", "triton", "megatron"),
+    # "auto": torch's grouped_mm where it takes the operands, else the padded bmm
+    "grouped_gemm": ("auto", "grouped_mm", "padded_bmm"),
+    # the SDPA backends of packed documents' length buckets (attention/packed.py)
+    "attention": ("plan_free", "exact"),
+    # "auto": follows the decode impl ("triton": exact row lengths; "sdpa": the masked bucket)
+    "decode_attention": ("auto", "sdpa", "triton"),
+}
+IMPLS = CHOICES["impl"]
+
+
+def check_choice(kind: str, value: str, field: str | None = None) -> str:
+    """``value`` when it is one of ``CHOICES[kind]``, else a ValueError naming ``field`` (default:
+    ``kind``), the valid names and the closest one."""
+    names = CHOICES[kind]
+    if value in names:
+        return value
+    close = difflib.get_close_matches(str(value), names, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ValueError(f"{field or kind} must be one of {names}, got {value!r}{hint}")
+
+
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_runs_on(device_type: str) -> bool:
+    """Whether the Triton kernels run on ``device_type`` tensors: triton imports, and the
+    tensors are on CUDA or Triton's CPU interpreter is on (``TRITON_INTERPRET=1``)."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    return _triton_importable() and (device_type == "cuda" or interpreted)
+
+
+def resolve_impl(impl: str, device_type: str) -> str:
+    """The kernel implementation ``impl`` means on ``device_type`` tensors: "torch" or "triton".
+
+    ``auto`` = triton on CUDA when triton imports, else torch. ``triton`` on CPU tensors only
+    works under ``TRITON_INTERPRET=1``: anything else is an error rather than a silent switch to
+    the torch path. The one resolver of the LM-head plan, the layer ops and the decode plan.
+    """
+    check_choice("impl", impl)
+    if impl == "torch":
+        return "torch"
+    if impl == "auto":
+        return "triton" if device_type == "cuda" and _triton_importable() else "torch"
+    if not _triton_importable():
+        raise ImportError("impl='triton' needs the triton package")
+    if not triton_runs_on(device_type):
+        raise ValueError(
+            f"impl='triton' on {device_type} tensors needs TRITON_INTERPRET=1 (or use impl='torch')"
+        )
+    return "triton"
+
+
+@dataclass(frozen=True)
+class LayerKernels:
+    """The kernels of the portable spec's layers, chosen once when the model is built.
+
+    Attributes (each one of :data:`CHOICES` of its kind; errors name the field):
+        elementwise: RMSNorm and SwiGLU (dense MLP and grouped experts): ``impl`` names.
+        grouped_gemm: the MoE experts' two grouped GEMMs: ``grouped_gemm`` names.
+        rope: packed (THD) RoPE: ``rope`` names ("megatron": megatron-core's loop).
+        attention: how packed documents of mixed lengths run: ``attention`` names.
+    """
+
+    elementwise: str = "auto"
+    grouped_gemm: str = "auto"
+    rope: str = "auto"
+    attention: str = "plan_free"
+
+    def __post_init__(self) -> None:
+        check_choice("impl", self.elementwise, "elementwise")
+        check_choice("grouped_gemm", self.grouped_gemm)
+        check_choice("rope", self.rope)
+        check_choice("attention", self.attention)
