@@ -111,9 +111,10 @@ def test_unknown_keys_and_bad_values_name_the_field(override, message):
             [
                 "model.num_moe_experts=4",
                 "parallel.expert_model_parallel_size=2",
+                "model.moe_token_dispatcher_type=allgather",
                 "training.logprob_max_tokens_per_micro_batch=4096",
             ],
-            "logprob_max_tokens_per_micro_batch needs parallel.expert_model_parallel_size=1",
+            "logprob_max_tokens_per_micro_batch needs model.moe_token_dispatcher_type alltoall",
         ),
     ],
 )
@@ -153,13 +154,26 @@ def test_checkpoint_architecture_check_names_the_field(tmp_path):
         check_checkpoint_architecture(other, str(tmp_path))
 
 
+_EP2 = ["model.num_moe_experts=4", "parallel.expert_model_parallel_size=2"]
+
+
 @pytest.mark.parametrize(
     "overrides, merge",
     [
         ([], 32768),  # "auto" on a dense model
         (["model.num_moe_experts=4"], 32768),  # MoE at EP 1: merged as dense models
-        # MoE at EP 2: every MoE forward is a collective, the update's micro-batches
-        (["model.num_moe_experts=4", "parallel.expert_model_parallel_size=2"], None),
+        # MoE at EP 2 under all-to-all: merged too (the ranks agree on the forward count)
+        (_EP2 + ["model.moe_token_dispatcher_type=alltoall"], 32768),
+        (
+            _EP2
+            + [
+                "model.moe_token_dispatcher_type=alltoall",
+                "training.logprob_max_tokens_per_micro_batch=4096",
+            ],
+            4096,
+        ),  # fmt: skip
+        # ... under allgather every forward needs equal tokens: the update's micro-batches
+        (_EP2 + ["model.moe_token_dispatcher_type=allgather"], None),
         (["training.logprob_max_tokens_per_micro_batch=4096"], 4096),
         (["training.logprob_max_tokens_per_micro_batch=null"], None),
     ],

@@ -11,6 +11,14 @@ Per document length L (``--doc-lens``) and packed-RoPE implementation (``--rope`
 wheels/ carried. The first command took about 4 minutes on an H100: megatron-core's RoPE loop
 at L=32 alone costs ~18 s per fwd+bwd pass.)
 
+Expert parallelism (``--moe --ep N``, one process per GPU under torchrun; expert-TP 1, every
+rank its own micro-batches as data-parallel ranks have; MFU per GPU from the rank's active
+FLOPs; rank 0 prints and writes)::
+
+    torchrun --nproc-per-node 4 tools/bench_train_passes.py --moe --ep 4 --out $OUT
+    torchrun --nproc-per-node 4 tools/bench_train_passes.py --moe --ep 4 --mixed 100-4000 \
+        --profile --profile-len 8192 --out $OUT        # kernel tables (a trace per rank)
+
 CPU dry run of the same logic (tiny model; run by tests/test_tools.py)::
 
     python tools/bench_train_passes.py --device cpu --tiny --rope megatron,auto
@@ -140,6 +148,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     f"implementations {EXPERTS}, a model each (same seed), e.g. "
                     "sequential,grouped for before/after")  # fmt: skip
     ap.add_argument("--num-experts", type=int, default=None, help="--moe: default 128")
+    ap.add_argument("--ep", type=int, default=1, help="--moe: expert_model_parallel_size "
+                    "(one process per GPU under torchrun, expert-TP 1; the world size must be "
+                    "a multiple)")  # fmt: skip
     ap.add_argument("--topk", type=int, default=None, help="--moe: default 8")
     ap.add_argument("--moe-ffn", type=int, default=None, help="--moe: default 768")
     ap.add_argument("--micro-batches", type=int, default=None, help="default 4")
@@ -208,6 +219,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         from megatron_grpo.train.config import LOGPROB_MERGE_TOKENS
 
         a.logprob_merge = LOGPROB_MERGE_TOKENS
+    if a.ep < 1 or (a.ep > 1 and not a.moe):
+        ap.error(f"--ep {a.ep}: a positive size, > 1 only with --moe")
     if min(a.doc_lens) < 2 or a.tokens < 2:
         ap.error("--doc-lens and --tokens must be >= 2")
     a.doc_lens = [min(L, a.tokens) for L in a.doc_lens]  # a document fills a micro-batch at most
@@ -247,13 +260,16 @@ IMPLS, LAYER_IMPLS, BUCKETS = CHOICES["rope"], CHOICES["impl"], CHOICES["attenti
 PACKED = CHOICES["packed_attention"]
 
 GIB = 2**30
+RANK, WORLD = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+if RANK:  # torchrun: rank 0 prints the tables and writes the results
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115
 
 # ----------------------------------------------------------------------------- model, batches
 
 
 def build(args, dev: torch.device, experts: str, kernels: LayerKernels):
     """(ModelConfig, DDP-wrapped chunks) of the trainer's builder running ``kernels``;
-    TP = ``--tp`` (SP when > 1), PP = EP = 1."""
+    TP = ``--tp`` (SP when > 1), EP ``--ep``, PP = 1."""
     moe = {}
     if args.moe:
         moe = dict(num_moe_experts=args.num_experts, moe_router_topk=args.topk,
@@ -269,7 +285,9 @@ def build(args, dev: torch.device, experts: str, kernels: LayerKernels):
         **moe,
     )  # fmt: skip
     tp = args.tp_size
-    parallel = ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
+                              expert_model_parallel_size=args.ep,
+                              expert_tensor_parallel_size=1 if args.ep > 1 else None)  # fmt: skip
     if not model_parallel_is_initialized():
         initialize_parallel(parallel, seed=args.seed)
     return cfg, build_model(cfg, parallel)
@@ -288,7 +306,8 @@ def _doc_lens(L: int | str, tokens: int, g: torch.Generator) -> list[int]:
 
 
 def _seed(L: int | str, args) -> int:
-    return args.seed + (L if isinstance(L, int) else 7919)
+    """The batches' seed; each rank its own (data-parallel ranks hold different data)."""
+    return args.seed + (L if isinstance(L, int) else 7919) + 100003 * RANK
 
 
 def make_batches(L: int | str, args, seed: int) -> list[PackedBatch]:
@@ -418,11 +437,12 @@ def gemm_floor(gpt, args, dev, scored_rows: int) -> dict:
 class Passes:
     """The trainer's two passes over a list of micro-batches."""
 
-    def __init__(self, step: GRPOStep, chunks: list[torch.nn.Module], merge: int):
+    def __init__(self, step: GRPOStep, chunks: list[torch.nn.Module], merge: int, count_group=None):
         self.step, self.chunks, self.merge = step, chunks, merge or None
+        self.count_group = count_group  # EP > 1: the ranks agree on the forward count
 
     def logprob(self, batches: list[PackedBatch]) -> list[torch.Tensor]:
-        return self.step.compute_logprobs(self.chunks, batches, self.merge)
+        return self.step.compute_logprobs(self.chunks, batches, self.merge, self.count_group)
 
     def zero_grads(self) -> None:
         for c in self.chunks:
@@ -546,7 +566,7 @@ def profile_pass(name: str, fn, setup, args, dev, out: Path, tag: str) -> dict:
         fn()
         sync(dev)
         wall_ms = (time.perf_counter() - t0) * 1e3
-    trace = out / f"trace_{tag}_{name}.json.gz"
+    trace = out / f"trace_{tag}_{name}{f'_rank{RANK}' if WORLD > 1 else ''}.json.gz"
     prof.export_chrome_trace(str(trace))
     events = _device_events(prof, dev)
     spans = [(e.time_range.start, e.time_range.end) for e in events]
@@ -686,7 +706,7 @@ def run_info(args, dev) -> dict:
 
     name = torch.cuda.get_device_name() if dev.type == "cuda" else platform.processor() or "cpu"
     return dict(device=name, device_type=dev.type, args=vars(args), tp=args.tp_size,
-                world_size=int(os.environ.get("WORLD_SIZE", "1")), torch=torch.__version__,
+                world_size=WORLD, torch=torch.__version__,
                 megatron_core=megatron.core.__version__, triton=triton.__version__,
                 cuda=torch.version.cuda, git_head=git_head(),
                 time=time.strftime("%Y-%m-%d %H:%M:%S"))  # fmt: skip
@@ -712,7 +732,8 @@ def run_model(args, dev, experts: str, out: Path, acc: tuple, info: dict, weight
         weights = {k: v.cpu() if torch.is_tensor(v) else v for k, v in gpt.state_dict().items()}
     step = GRPOStep(GRPOLossConfig(kl_coef=args.kl_coef), vocab_size=cfg.vocab_size,
                     logprob_path=args.logprob_path)  # fmt: skip
-    variants = {r: Passes(step, c, args.logprob_merge) for r, (_, c) in models.items()}
+    group = torch.distributed.group.WORLD if args.ep > 1 else None
+    variants = {r: Passes(step, c, args.logprob_merge, group) for r, (_, c) in models.items()}
     decoder, head = matmul_params(gpt, cfg.vocab_size)
     decoder *= args.tp_size  # every decoder GEMM weight is split over TP: the model's FLOPs
     info.setdefault("models", {})[experts] = dict(
@@ -757,6 +778,8 @@ def run_model(args, dev, experts: str, out: Path, acc: tuple, info: dict, weight
 def main() -> int:
     args = ARGS or parse_args()
     dev = torch.device(args.device)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if dev.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: use --device cpu --tiny for a dry run", file=sys.stderr)
         return 2
@@ -777,12 +800,12 @@ def main() -> int:
         import bench_tp
 
         return bench_tp.sweep(__file__, sys.argv[1:], args.tp, out)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != args.tp_size:
+    if args.ep == 1 and WORLD != args.tp_size:
         raise SystemExit(f"--tp {args.tp_size} needs torchrun --nproc-per-node {args.tp_size} "
-                         f"(world size {world}; the timings use data-parallel size 1)")  # fmt: skip
-    if os.environ.get("RANK", "0") != "0":  # one report: rank 0's
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+                         f"(world size {WORLD}; the timings use data-parallel size 1)")  # fmt: skip
+    if args.ep > 1 and (WORLD % args.tp_size or WORLD % args.ep):
+        raise SystemExit(f"--ep {args.ep} --tp {args.tp_size}: the world size {WORLD} must be a "
+                         "multiple of both (torchrun --nproc-per-node)")  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     info = run_info(args, dev)
     print(
@@ -797,7 +820,7 @@ def main() -> int:
     comp = comparison(rows, labels)
     print_comparison(comp)
     result = dict(info, rows=rows, comparison=comp, profile=prof or None)
-    if os.environ.get("RANK", "0") == "0":
+    if RANK == 0:
         (out / "results.json").write_text(json.dumps(result, indent=1, default=str))
         print(f"\nwrote {out / 'results.json'}")
     return 0

@@ -313,12 +313,14 @@ class Trainer:
         ``old_logprobs`` stay None and the loss uses the update's own log-probs, detached."""
         flat = [mb for mini in mini_batches for mb in mini]
         merge = self.cfg.logprob_merge_tokens
+        # MoE: the ranks agree on the number of (merged) forwards, as on micro-batches
+        count_group = self._moe_groups()[0] if merge is not None else None
         old = ref = None
         if not self.on_policy:
-            old = self.step_fn.compute_logprobs(self.model, flat, merge)
+            old = self.step_fn.compute_logprobs(self.model, flat, merge, count_group)
         self.replay.after_logprob_pass(flat, self.step_fn.compute_logprobs)  # same weights
         if self.ref_model is not None:
-            ref = self.step_fn.compute_logprobs(self.ref_model, flat, merge)
+            ref = self.step_fn.compute_logprobs(self.ref_model, flat, merge, count_group)
         return attach_logprobs(mini_batches, old, ref)
 
     def update(self, mini_batches: list[list[PackedBatch]]) -> dict[str, float]:

@@ -36,6 +36,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from megatron_grpo.megatron.attention.packed import packed_causal_attention
 from megatron_grpo.megatron.attention.sdpa import sdpa
 from megatron_grpo.megatron.layout import ParallelLayout
+from megatron_grpo.megatron.moe.ep_dispatch import gathered_decode_width
 from megatron_grpo.megatron.parallel import all_reduce_max
 from megatron_grpo.ops.kernels import triton_kernels
 from megatron_grpo.ops.layers.rope import rope_reference
@@ -110,7 +111,8 @@ class Headroom:
         ``prefill_tokens`` (:func:`activation_width` elements a token). ``per_slot`` (a decode
         step over every slot, or the first tokens of as many prefilled prompts): fp32 logits
         (the local ``[V / TP]`` head output, the ``[V]`` gathered over TP and ~5 sampling
-        temporaries of ``[V]``), the step's activations and static buffers; twice with CUDA
+        temporaries of ``[V]``), the step's activations (MoE at EP > 1: the gathered
+        dispatch's, ``ep_dispatch.gathered_decode_width``) and static buffers; twice with CUDA
         graphs (the graphs' memory pool and the eager warm-up before each capture)."""
         cfg = model.config
         itemsize = torch.finfo(shape.dtype).bits // 8
@@ -119,7 +121,9 @@ class Headroom:
         vocab_local = _output_rows(model)
         rope = seq_len * (cfg.kv_channels or 0) * 16  # cos and sin, and their fp32 sources
         fixed = shape.bytes_per_token * seq_len + rope + prefill_tokens * width * itemsize
-        step = 4 * (vocab_local + 6 * vocab_local * tp) + width * itemsize
+        # MoE at EP > 1: a decode row's gathered-dispatch buffers (moe.ep_dispatch)
+        step_width = max(width, gathered_decode_width(cfg))
+        step = 4 * (vocab_local + 6 * vocab_local * tp) + step_width * itemsize
         return cls(int(fixed), int(step * (2 if graphs else 1) + 64))
 
 
@@ -227,6 +231,9 @@ class CacheSizer:
         longest = max(longest, self.max_context or 0)
         bucket = self.options.context_bucket
         seq_len = min(-(-longest // bucket) * bucket, self.model.max_sequence_length)
+        if self.graphs and self.layout.expert_tp_ep_group is not None:
+            # decode graphs hold collectives: the group captures and replays the same keys
+            seq_len = all_reduce_max([seq_len], self.layout.expert_tp_ep_group, torch.int64)[0]
         cache = None
         for cached in (True, False):  # False: again, from the driver's free memory alone
             budget, sizing = self._budget_slots(prompts, shape, seq_len, kept, cached)

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.megatron.layout import ParallelLayout
+from megatron_grpo.megatron.moe.ep_dispatch import no_host_sync
 from megatron_grpo.megatron.parallel import all_reduce_max
 from megatron_grpo.rollout.engine import fused_decode as fd
 from megatron_grpo.rollout.engine import kv_cache as kvc
@@ -245,7 +246,11 @@ class KVCacheEngine:
         device, cache = io.model_device(self.model), self.cache
         weights = tuple(p.data_ptr() for p in self.model.parameters())
         key = (cache.slots, cache.seq_len, cache.kv.data_ptr(), weights)
-        if key == self._static_key:
+        changed = key != self._static_key
+        group = self.layout.expert_tp_ep_group
+        if self.graphs is not None and group is not None:  # re-captured by all or none
+            changed = bool(all_reduce_max([int(changed)], group, torch.int64)[0])
+        if not changed:
             return
         if self.decode.path == "fused":
             self._fused = fd.FusedDecoder(self.model, self.decode.kernels, self.layout.tp_group)
@@ -397,6 +402,9 @@ class KVCacheEngine:
             -(-longest // self.options.context_bucket) * self.options.context_bucket,
             self.cache.seq_len,
         )
+        group = self.layout.expert_tp_ep_group
+        if self.graphs is not None and group is not None:  # the group's graphs hold collectives:
+            ctx = all_reduce_max([ctx], group, torch.int64)[0]  # all ranks on one key
         if self._rows_moved or b != self._meta_rows:  # the device's row state is rebuilt
             meta = torch.zeros(4, b, dtype=torch.long)
             meta[:, :n] = run.feeds(samples)
@@ -448,8 +456,9 @@ class KVCacheEngine:
         self.cache.plan_decode(pos, ctx)
         if self._fused is not None:
             hidden = self._fused(ids, pos, self.cache, self._rope)
-        else:
-            hidden = self._forward(ids[:, None], pos[:, None])[0]  # [b, H]
+        else:  # MoE at EP > 1: the gathered dispatch (every rank of the group steps together)
+            with no_host_sync(self.model):
+                hidden = self._forward(ids[:, None], pos[:, None])[0]  # [b, H]
         logits = io.head_logits(self.model, hidden, self.layout)
         tokens, logp = sample(logits, self._u[:b], params, self.decode.kernels.sample_rows)
         io.broadcast_from_tp_src(self.layout, tokens, logp)
