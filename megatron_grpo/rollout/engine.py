@@ -29,8 +29,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -41,71 +39,13 @@ from megatron_grpo.megatron.parallel import all_reduce_max
 from megatron_grpo.rollout import fused_decode as fd
 from megatron_grpo.rollout import kv_cache as kvc
 from megatron_grpo.rollout import model_io as io
+from megatron_grpo.rollout.engine_options import EngineOptions
 from megatron_grpo.rollout.graphs import DecodeGraphs, expandable_segments
 from megatron_grpo.rollout.params import SamplingParams
 from megatron_grpo.rollout.requests import Request, start_run, write_back
 from megatron_grpo.rollout.routes import RouteLog, recording
 from megatron_grpo.rollout.run_state import Generation, Launched, Run
 from megatron_grpo.rollout.sampling import sample
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """Knobs of the KV-cached engine (a recipe's ``rollout.engine`` section).
-
-    Attributes:
-        kind: which engine a recipe's rollouts use: ``kv_cache`` (:class:`KVCacheEngine` with
-            these options) or ``recompute`` (no cache: every token re-runs the whole sequence,
-            ``generate(..., engine="recompute")``, the reference the engine is tested against;
-            the other options are then unused). :class:`KVCacheEngine` itself is ``kv_cache``.
-        kv_cache_gib: the KV cache budget per GPU in GiB; sequences beyond it wait for a free
-            slot. None (default): sized from the GPU's memory at each call (``kv_cache_fraction``);
-            on CPU ``kv_cache.CPU_KV_CACHE_GIB`` (16).
-        kv_cache_fraction: with ``kv_cache_gib`` None on GPU, the cache may grow until this
-            fraction of the GPU's total memory is in use (vLLM's ``gpu_memory_utilization``):
-            ``slots = (fraction * total - in_use - headroom) // (bytes per sequence + per-slot
-            headroom)``, ``in_use`` being all but the driver's free memory and PyTorch's unused
-            cached blocks, the headroom the call's other working memory estimated from the
-            shapes (``kv_cache.Headroom``). The rest (``(1 - fraction) * total``) is left for
-            fragmentation, NCCL and other buffers allocated later. TP / EP ranks take their
-            group's minimum.
-        cuda_graphs: replay decode steps as CUDA graphs; None = on for dense models on GPU
-            (MoE routing has data-dependent shapes, so MoE always runs eagerly).
-        max_prefill_tokens: tokens per prefill forward (bounds its activation memory).
-        context_bucket: decode attends to keys in multiples of this many positions.
-        keep_cache: keep the KV cache allocated between calls (CUDA graphs are then always
-            reused; for generation-only use). Off: the cache is freed when a call returns, so
-            the policy update never holds it, and graphs are re-captured only when the next
-            call's cache lands at another address.
-        decode_path: "fused" (``fused_decode``), "modules" (megatron-core's layers), or "auto":
-            fused wherever it covers the model.
-        decode_impl: the fused path's element-wise kernels: "triton", "torch" or "auto"
-            (Triton on GPU).
-        decode_attention: "triton" (``kernels.decode_attention``: split-K over exactly each
-            row's keys), "sdpa" (masked SDPA over the context bucket) or "auto" (as the impl).
-    """
-
-    kind: Literal["kv_cache", "recompute"] = "kv_cache"
-    kv_cache_gib: float | None = None
-    kv_cache_fraction: float = 0.9
-    cuda_graphs: bool | None = None
-    max_prefill_tokens: int = 32768
-    context_bucket: int = 128
-    keep_cache: bool = False
-    decode_path: Literal["auto", "fused", "modules"] = "auto"
-    decode_impl: Literal["auto", "triton", "torch"] = "auto"
-    decode_attention: Literal["auto", "triton", "sdpa"] = "auto"
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("kv_cache", "recompute"):
-            raise ValueError(f"kind must be kv_cache or recompute, got {self.kind!r}")
-        if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
-            raise ValueError(f"kv_cache_gib must be > 0 (or null: auto), got {self.kv_cache_gib}")
-        if not 0.0 < self.kv_cache_fraction <= 1.0:
-            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
-        for name in ("max_prefill_tokens", "context_bucket"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
 class KVCacheEngine:

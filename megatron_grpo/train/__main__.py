@@ -1,5 +1,9 @@
 """``python -m megatron_grpo.train --config recipes/tiny.yaml [--set a.b=value ...] [--resume]``.
 
+``--check`` checks the recipe (every mistake at once, each with its file and line), its data
+files, tokenizer and reward function in seconds, without torchrun, a GPU or megatron-core, and
+exits (2 on any problem). Every run runs the same checks first.
+
 ``--dry-run [--world-size N]`` prints the rank layout and per-rank memory plan and exits.
 
 Runs under ``torchrun`` (single node or multi-node rendezvous) or as a plain ``python`` process
@@ -25,8 +29,6 @@ import textwrap
 import time
 from collections.abc import Sequence
 from pathlib import Path
-
-import torch.distributed as dist
 
 from megatron_grpo.config import ConfigError
 from megatron_grpo.errors import InputError
@@ -76,6 +78,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "run refuses to start there)",
     )
     parser.add_argument(
+        "--check",
+        action="store_true",
+        help="check the recipe (every mistake at once), its data, tokenizer and reward in "
+        "seconds (no torchrun, no GPU), print a summary and exit: 0 ok, 2 a problem",
+    )
+    parser.add_argument(
         "--dry-run",
         action="store_true",
         help="validate the parallel layout, print the rank groups and the per-rank memory plan "
@@ -96,8 +104,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     # Megatron-core's and torch's warnings (imports, model build, the run) go to
     # logging.dir/warnings.log on the logging rank, with a count on the console.
+    if args.check:  # before torch and megatron-core are imported
+        from megatron_grpo.train.check import run_check
+
+        return run_check(args.config, args.overrides)
     with WarningLog() as log:
         code = _main(args, argv, log)
+    import torch.distributed as dist
+
     if dist.is_initialized():
         from megatron_grpo.megatron.parallel import shutdown_process_groups
 
@@ -109,11 +123,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace, argv: list[str], log: WarningLog) -> int:
-    from megatron_grpo.train.config import load_train_config  # imports megatron-core
+    from megatron_grpo.train.check import check_inputs
+    from megatron_grpo.train.config import load_train_config
 
-    try:
+    try:  # the checks of --check: the config, then its files, user code and data
         cfg = load_train_config(args.config, args.overrides)
-    except (ConfigError, FileNotFoundError) as e:
+        task = check_inputs(cfg)
+    except (ConfigError, FileNotFoundError, InputError) as e:
         return report_error(e)
     if args.dry_run:
         from megatron_grpo.train.dry_run import dry_run
@@ -133,7 +149,7 @@ def _main(args: argparse.Namespace, argv: list[str], log: WarningLog) -> int:
     stop = StopRequest.from_config(cfg.training)
     stop.install()
     try:
-        return _train(cfg, args.resume, args.overwrite, stop, argv, log)
+        return _train(cfg, args.resume, args.overwrite, stop, argv, log, task)
     finally:
         stop.uninstall()  # the previous handlers again (after a stop: the signals stay ignored)
 
@@ -165,7 +181,9 @@ def world_size_hint(parallel, world: int) -> str:
     )
 
 
-def _train(cfg, resume: bool, overwrite: bool, stop: StopRequest, argv: list[str], log) -> int:
+def _train(
+    cfg, resume: bool, overwrite: bool, stop: StopRequest, argv: list[str], log, task=None
+) -> int:
     # Imported after the config is valid: Megatron's import is slow and noisy.
     from megatron_grpo.train.checkpoint import CheckpointError
     from megatron_grpo.train.rundir import RunDirError, release_locks
@@ -174,7 +192,7 @@ def _train(cfg, resume: bool, overwrite: bool, stop: StopRequest, argv: list[str
 
     t0 = time.perf_counter()
     try:
-        trainer = Trainer(cfg, resume=resume, overwrite=overwrite, stop=stop)
+        trainer = Trainer(cfg, resume=resume, overwrite=overwrite, stop=stop, task=task)
         if trainer.monitor.enabled:  # the run directory is claimed: the log may be written
             log.attach(Path(cfg.logging.dir) / "warnings.log")
             if (line := log.count_line()) is not None:
@@ -203,6 +221,8 @@ def report_error(e: BaseException) -> int:
     checkpoint): rank 0 prints it. A reward function fails on one data-parallel replica's
     samples and reaches that replica's peers from its scoring rank (``train/scoring.py``): the
     replica's first rank prints it (rank 0 may not have failed at all)."""
+    import torch.distributed as dist
+
     from megatron_grpo.train.tasks.reward import RewardError
 
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
@@ -215,6 +235,8 @@ def report_error(e: BaseException) -> int:
 def _replica_leader() -> bool:
     """Whether this rank is the first of its model replica (rank 0 of the model-parallel
     group; every rank when no parallel state exists)."""
+    import torch.distributed as dist
+
     from megatron_grpo.megatron.parallel import current_layout
 
     layout = current_layout()  # None without Megatron's parallel state

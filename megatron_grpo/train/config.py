@@ -25,14 +25,14 @@ from megatron_grpo.config import (
     rename_keys,
     to_dict,
 )
-from megatron_grpo.config.base import recipe_line
+from megatron_grpo.config.base import collect_errors, raise_collected, report
 from megatron_grpo.convert.errors import ConversionError
 from megatron_grpo.convert.hf_config import check_same_architecture
 from megatron_grpo.convert.layout import MODEL_CONFIG_NAME, read_model_config
 from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.megatron.config import ModelConfig, ParallelConfig
 from megatron_grpo.ops.options import LMHeadOptions
-from megatron_grpo.rollout.engine import EngineOptions
+from megatron_grpo.rollout.engine_options import EngineOptions
 from megatron_grpo.rollout.params import SamplingParams
 
 TaskName = Literal["reverse_digits", "math", "dataset"]
@@ -718,13 +718,13 @@ def load_train_config(path: str | Path | None, overrides: Sequence[str] = ()) ->
     checkpoint into, e.g., a model with another rotary base without any error.
     """
     data = _load_yaml(path) if path is not None else {}
-    try:
-        return _train_config(data, overrides)
-    except ConfigError as e:
-        line = recipe_line(path, e.key, overrides) if path is not None else None
-        if line is None:
-            raise
-        raise ConfigError(f"{path}:{line}: {e}", key=e.key) from None
+    with collect_errors() as errors:  # every mistake of the recipe, each with its line
+        try:
+            cfg = _train_config(data, overrides)
+        except ConfigError as e:  # one that stops the build (e.g. no model section)
+            report(e)
+    raise_collected(errors, path, overrides)
+    return cfg
 
 
 def _train_config(data: dict, overrides: Sequence[str]) -> TrainConfig:

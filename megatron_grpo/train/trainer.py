@@ -54,6 +54,7 @@ from megatron_grpo.train.rollout_source import (
 )
 from megatron_grpo.train.rundir import RunDirError, claim_run_dirs
 from megatron_grpo.train.stop import Stopped, StopRequest
+from megatron_grpo.train.tasks import Task
 from megatron_grpo.train.writer_queue import install_writer_queue
 
 __all__ = ["NonFiniteError", "Trainer"]
@@ -66,11 +67,13 @@ class Trainer:
         resume: bool = False,
         overwrite: bool = False,
         stop: StopRequest | None = None,
+        task: Task | None = None,
     ) -> None:
         """``resume``: continue from ``checkpoint.dir`` (an error when it holds none);
         ``overwrite``: a fresh run may delete a previous run's outputs (see ``rundir``);
         ``stop``: the run's :class:`StopRequest` (default: from ``training``; ``train()``
-        installs its signal handlers unless they are installed already)."""
+        installs its signal handlers unless they are installed already); ``task``: the task
+        ``train/check.py`` built and checked already (default: built here)."""
         self.cfg = cfg
         self.stop = stop if stop is not None else StopRequest.from_config(cfg.training)
         self.stopped: Stopped | None = None  # set when the run stopped early (``train/stop.py``)
@@ -92,7 +95,8 @@ class Trainer:
         # checked) before the slow model build.
         r, dp = cfg.rollout, (self.dp_rank, self.dp_size)
         files = FileRollouts(cfg, *dp) if r.source == "files" else None
-        task = build_checked_task(cfg) if files is None or cfg.evaluation.enabled else None
+        if task is None and (files is None or cfg.evaluation.enabled):
+            task = build_checked_task(cfg)
         factory = source_class(r.source) if files is None else None
         self.evaluator = Evaluator(cfg, task, self.layout)  # the evaluation: section (off: a no-op)
         self._setup_models()
