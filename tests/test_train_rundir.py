@@ -51,7 +51,9 @@ def test_second_concurrent_writer_is_refused_and_a_dead_ones_lock_is_taken_over(
         proc.kill()  # like kill -9: the lock file stays behind
         proc.wait()
     notice = acquire_lock(tmp_path)
-    assert notice is not None and f"pid {proc.pid}" in notice and "no longer running" in notice
+    assert (
+        notice is not None and f"pid {proc.pid}" in notice and "died without cleaning up" in notice
+    )
     owner = json.loads((tmp_path / rundir.LOCK_NAME).read_text())
     assert owner["pid"] != proc.pid
     assert acquire_lock(tmp_path) is None  # re-entrant in one process

@@ -193,10 +193,8 @@ def _train(
     t0 = time.perf_counter()
     try:
         trainer = Trainer(cfg, resume=resume, overwrite=overwrite, stop=stop, task=task)
-        if trainer.monitor.enabled:  # the run directory is claimed: the log may be written
-            log.attach(Path(cfg.logging.dir) / "warnings.log")
-            if (line := log.count_line()) is not None:
-                print(line, flush=True)
+        if trainer.monitor.enabled:  # the log is written once the first step completed
+            trainer.monitor.at_first_step(lambda: _attach_warnings(log, cfg))
         start = trainer.start_step
         trainer.train()
         release_locks()  # a clean end: the next run gets no stale-lock notice
@@ -209,8 +207,15 @@ def _train(
             summary = _summary(cfg, start, time.perf_counter() - t0, rows, log.count_line())
             trainer.monitor.message(summary)
     except (InputError, RunDirError, CheckpointError, RewardError) as e:
+        release_locks(failed=True)  # a handled end: no stale lock, no empty run folders
         return report_error(e)
     return 0
+
+
+def _attach_warnings(log: WarningLog, cfg) -> None:
+    log.attach(Path(cfg.logging.dir) / "warnings.log")
+    if (line := log.count_line()) is not None:
+        print(line, flush=True)
 
 
 def report_error(e: BaseException) -> int:

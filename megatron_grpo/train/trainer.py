@@ -39,7 +39,7 @@ from megatron_grpo.train.batching import attach_logprobs, make_mini_batches
 from megatron_grpo.train.config import TrainConfig, check_checkpoint_architecture
 from megatron_grpo.train.dynamic_sampling import maybe_filter
 from megatron_grpo.train.evaluation import Evaluator
-from megatron_grpo.train.monitor import Monitor, truncate_jsonl, write_resolved_config
+from megatron_grpo.train.monitor import Monitor, write_resolved_config
 from megatron_grpo.train.nonfinite import NonFiniteError, NonFiniteGuard
 from megatron_grpo.train.optim import build_optimizer, optimizer_step, zero_grads
 from megatron_grpo.train.partial import PartialRollouts, offpolicy_metrics, partial_source
@@ -52,6 +52,7 @@ from megatron_grpo.train.rollout_source import (
     build_source,
     source_class,
 )
+from megatron_grpo.train.run_outputs import start_outputs
 from megatron_grpo.train.rundir import RunDirError, claim_run_dirs
 from megatron_grpo.train.stop import Stopped, StopRequest
 from megatron_grpo.train.tasks import Task
@@ -140,11 +141,16 @@ class Trainer:
         )
         self.stop.announce = self.monitor.enabled
         if self.monitor.enabled:
-            # A resume with no step left (a finished run) keeps the run's config.yaml as it is.
-            finished = resume and self.start_step >= cfg.training.steps
-            write_resolved_config(cfg, to_dict(cfg), self.dp_size, write=not finished)
-            truncate_jsonl(cfg.logging.metrics_path, self.start_step)
+            # config.yaml and the metrics' truncation wait for the first completed step (a
+            # failed start leaves the run directory as it was); a finished run keeps them.
+            write_resolved_config(cfg, to_dict(cfg), self.dp_size, write=False)
+            if not (resume and self.start_step >= cfg.training.steps):
+                self.monitor.at_first_step(self._start_outputs)
         self.evaluator.attach(policy, self.source, self.monitor)
+
+    def _start_outputs(self) -> None:
+        if (line := start_outputs(self.cfg, to_dict(self.cfg), self.start_step)) is not None:
+            self.monitor.message(line)
 
     def _setup_models(self) -> None:
         cfg = self.cfg
