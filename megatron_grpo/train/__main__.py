@@ -13,8 +13,8 @@ A signal (``training.exit_signals``: SIGTERM, SIGINT, SIGUSR1) or ``training.max
 stops the run after the current step: it saves a checkpoint and prints the command that resumes.
 
 Exit codes: 0 done, 1 a failed run (the reward function raised), 2 bad input (config, data
-files, rows, user code named in the recipe, run directory, checkpoint), 3 stopped. An error is
-one line from one rank, without a traceback. Under torchrun these are the ranks' codes: torchrun
+files, rows, user code named in the recipe, a reward value that is not a number, run directory,
+checkpoint), 3 stopped. An error is one line from one rank, without a traceback. Under torchrun these are the ranks' codes: torchrun
 itself exits 1 when any rank exits non-zero, after its own ChildFailedError report.
 """
 
@@ -228,13 +228,13 @@ def report_error(e: BaseException) -> int:
     replica's first rank prints it (rank 0 may not have failed at all)."""
     import torch.distributed as dist
 
-    from megatron_grpo.train.tasks.reward import RewardError
+    from megatron_grpo.train.tasks.reward import RewardError, RewardValueError
 
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
     if _replica_leader() if isinstance(e, RewardError) else rank == 0:
         prefix = "config error" if isinstance(e, (ConfigError, FileNotFoundError)) else "error"
         print(f"{prefix}: {e}", file=sys.stderr, flush=True)
-    return 1 if isinstance(e, RewardError) else 2
+    return 1 if isinstance(e, RewardError) and not isinstance(e, RewardValueError) else 2
 
 
 def _replica_leader() -> bool:
