@@ -35,6 +35,12 @@ from megatron_grpo.errors import InputError
 from megatron_grpo.train.monitor import WarningLog, read_metrics, results_summary
 from megatron_grpo.train.stop import STOP_EXIT_CODE, StopRequest
 
+# After an error of the checks that run before training: how to find them all faster.
+CHECK_HINT = (
+    "  (python -m megatron_grpo.train --config {config} [--set ...] --check finds every such "
+    "problem at once, without torchrun or a GPU)"
+)
+
 
 def help_description(doc: str = __doc__, width: int | None = None) -> str:
     """The module docstring as ``--help`` text: plain words (the RST double backticks removed),
@@ -130,7 +136,10 @@ def _main(args: argparse.Namespace, argv: list[str], log: WarningLog) -> int:
         cfg = load_train_config(args.config, args.overrides)
         task = check_inputs(cfg)
     except (ConfigError, FileNotFoundError, InputError) as e:
-        return report_error(e)
+        code = report_error(e)
+        if int(os.environ.get("RANK", "0")) == 0:  # the next try: seconds, not a launch
+            print(CHECK_HINT.format(config=args.config), file=sys.stderr, flush=True)
+        return code
     if args.dry_run:
         from megatron_grpo.train.dry_run import dry_run
 
