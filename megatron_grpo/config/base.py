@@ -226,6 +226,10 @@ def from_dict(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:
         error = _check_error(cls, path, e, list(fields))
         report(error, cause=None if error is e else e)
         return _unchecked(cls, kwargs)
+    except AttributeError:  # a check reading a stand-in above: a cascade of an error found
+        if not _COLLECTED.get():
+            raise
+        return _unchecked(cls, kwargs)
 
 
 def _check_error(cls: type, path: str, e: Exception, fields: list[str]) -> ConfigError:

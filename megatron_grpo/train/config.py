@@ -706,7 +706,9 @@ RENAMED_KEYS = {
 
 
 def load_train_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
-    """``TrainConfig`` from a YAML recipe plus ``a.b=value`` overrides (validated).
+    """``TrainConfig`` from a YAML recipe plus ``a.b=value`` overrides (validated). Every
+    mistake is collected (``config.base.collect_errors``) and raised as one ConfigError, each
+    on its own line led by the recipe's ``FILE:LINE`` (one mistake: that line alone).
 
     A key of :data:`RENAMED_KEYS` (in the YAML or an override) moves to its new path with a
     deprecation warning naming it; the old and the new key both set is a ConfigError.

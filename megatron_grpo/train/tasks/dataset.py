@@ -24,6 +24,7 @@ ground truth is a number, else the whole response, stripped, as a string.
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 from array import array
@@ -317,7 +318,9 @@ class PromptEncoder:
 def _is_rank0() -> bool:
     import torch.distributed as dist
 
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return os.environ.get("RANK", "0") == "0"  # torchrun's ranks before the process group
 
 
 def overlong_report(
