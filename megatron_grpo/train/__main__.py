@@ -134,7 +134,7 @@ def _main(args: argparse.Namespace, argv: list[str], log: WarningLog) -> int:
 
     try:  # the checks of --check: the config, then its files, user code and data
         cfg = load_train_config(args.config, args.overrides)
-        task = check_inputs(cfg)
+        task = check_inputs(cfg, planning=args.dry_run)
     except (ConfigError, FileNotFoundError, InputError) as e:
         code = report_error(e)
         if int(os.environ.get("RANK", "0")) == 0:  # the next try: seconds, not a launch

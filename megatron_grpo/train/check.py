@@ -43,8 +43,13 @@ class InputErrors(InputError):
             super().__init__(f"{len(problems)} problems with the run's inputs:\n{lines}")
 
 
+# The run's large inputs, which often live only on the cluster: a --dry-run made elsewhere notes
+# them instead of failing (training and --check stop on them).
+ARTIFACTS = ("rollout.input_path", "checkpoint.load")
+
+
 def missing_paths(cfg: TrainConfig) -> list[str]:
-    """One line per file or directory the config names that does not exist."""
+    """One line per file or directory the config names that does not exist (``field: ...``)."""
     r = cfg.rollout
     wanted: list[tuple[str, str, bool]] = []  # (field, path, is a directory)
     if r.input_path is None and r.task == "dataset":
@@ -114,12 +119,19 @@ def needs_task(cfg: TrainConfig) -> bool:
     return cfg.rollout.source != "files" or cfg.evaluation.enabled
 
 
-def check_inputs(cfg: TrainConfig, announce: bool = True) -> Task | None:
+def check_inputs(cfg: TrainConfig, announce: bool = True, planning: bool = False) -> Task | None:
     """Steps 2-4 of the module docstring for a valid ``cfg``: the task (None when the run reads
     rollout files and does not evaluate). Raises :class:`InputErrors` listing every problem
     found (the data is checked only once its files, tokenizer and reward load). ``announce``:
-    print :func:`repeat_warning` (on rank 0)."""
-    problems = missing_paths(cfg) + _user_code(cfg)
+    print :func:`repeat_warning` (on rank 0). ``planning`` (``--dry-run``): a missing
+    :data:`ARTIFACTS` path is one ``note:`` line, not an error."""
+    missing = missing_paths(cfg)
+    if planning:
+        away = [m for m in missing if m.startswith(ARTIFACTS)]
+        if away and announce and os.environ.get("RANK", "0") == "0":
+            print(f"note: not on this machine (a training run stops on it): {'; '.join(away)}")
+        missing = [m for m in missing if m not in away]
+    problems = missing + _user_code(cfg)
     if problems:
         raise InputErrors(problems)
     if not needs_task(cfg):
