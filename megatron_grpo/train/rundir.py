@@ -6,9 +6,11 @@ A run writes into ``logging.dir`` (``config.yaml``, ``metrics.jsonl``), ``checkp
 * ``logging.dir`` and ``checkpoint.dir`` get a lock file, ``.megatron_grpo.lock`` holding the
   writer's pid and host, locked with ``flock`` for the writer's lifetime. The kernel drops the lock when the
   process dies (even under ``kill -9``), so a lock file left behind is stale by construction: it
-  is taken over, and the dead writer's pid is reported. A run that ends cleanly empties its record
-  (:func:`release_locks`), so the next one starts without that notice. A live writer makes a
-  second run refuse.
+  is taken over, and the dead writer's pid is reported. A run that ends cleanly or through a
+  handled error (bad input, a failed reward, a signal) empties its record
+  (:func:`release_locks`), so the next one starts without that notice; an error exit also
+  removes the lock files and empty directories it created. A live writer makes a second run
+  refuse.
 * a fresh run (no ``--resume``) refuses to start over a previous run's outputs (non-empty
   ``metrics.jsonl``, checkpoints, rollout files) unless ``--overwrite`` is given; only then are
   exactly those files deleted (never the directories, never anything we did not write).
