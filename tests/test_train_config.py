@@ -195,11 +195,22 @@ rollout:
 @pytest.mark.parametrize(
     ("fix", "overrides", "message"),
     [
-        ("", [], "{path}:3: unknown config key 'rollout.num_prompt'; did you mean 'num_prompts'?"),
+        # every mistake at once, in file order, each with its line
+        (
+            "",
+            [],
+            "2 mistakes in {path}:\n  {path}:3: unknown config key 'rollout.num_prompt'; did you "
+            "mean 'num_prompts'?\n  {path}:5: rollout.sampling.temperature must be > 0, got -1.0",
+        ),
         ("num_prompts", [], "{path}:5: rollout.sampling.temperature must be > 0, got -1.0"),
         # a value from --set: no line of the file is at fault
         ("num_prompts", ["rollout.sampling.temperature=-2"], "rollout.sampling.temperature must"),
-        ("num_prompts", ["training.seeds=1"], "unknown config key 'training.seeds'; did you mean"),
+        (
+            "num_prompts",
+            ["training.seeds=1"],
+            "2 mistakes in {path} (with its --set overrides):\n  unknown config key "
+            "'training.seeds'; did you mean 'seed'?\n  {path}:5: rollout.sampling.temperature",
+        ),
     ],
 )
 def test_errors_in_a_recipe_name_its_file_and_line(tmp_path, fix, overrides, message):

@@ -27,7 +27,7 @@ from megatron_grpo.config import (
     rename_keys,
     to_dict,
 )
-from megatron_grpo.config.base import recipe_line
+from megatron_grpo.config.base import collect_errors, raise_collected, report
 from megatron_grpo.convert.errors import ConversionError
 from megatron_grpo.convert.hf_config import check_same_architecture
 from megatron_grpo.convert.layout import MODEL_CONFIG_NAME, read_model_config
@@ -373,7 +373,9 @@ RENAMED_KEYS = {
 
 
 def load_train_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
-    """``TrainConfig`` from a YAML recipe plus ``a.b=value`` overrides (validated).
+    """``TrainConfig`` from a YAML recipe plus ``a.b=value`` overrides (validated). Every
+    mistake is collected (``config.base.collect_errors``) and raised as one ConfigError, each
+    on its own line led by the recipe's ``FILE:LINE`` (one mistake: that line alone).
 
     A key of :data:`RENAMED_KEYS` (in the YAML or an override) moves to its new path with a
     deprecation warning naming it; the old and the new key both set is a ConfigError.
@@ -385,13 +387,13 @@ def load_train_config(path: str | Path | None, overrides: Sequence[str] = ()) ->
     checkpoint into, e.g., a model with another rotary base without any error.
     """
     data = _load_yaml(path) if path is not None else {}
-    try:
-        return _train_config(data, overrides)
-    except ConfigError as e:
-        line = recipe_line(path, e.key, overrides) if path is not None else None
-        if line is None:
-            raise
-        raise ConfigError(f"{path}:{line}: {e}", key=e.key) from None
+    with collect_errors() as errors:  # every mistake of the recipe, each with its line
+        try:
+            cfg = _train_config(data, overrides)
+        except ConfigError as e:  # one that stops the build (e.g. no model section)
+            report(e)
+    raise_collected(errors, path, overrides)
+    return cfg
 
 
 def _train_config(data: dict, overrides: Sequence[str]) -> TrainConfig:

@@ -328,9 +328,12 @@ class CacheSizer:
         return None
 
     def _report(self, cache: KVCache, samples: int, budget: int, sizing: str) -> None:
-        """One log line (global rank 0) at the first call, and whenever the cache holds fewer
-        sequences than ever before."""
-        if self._reported_slots is not None and cache.slots >= self._reported_slots:
+        """One log line (global rank 0) at the first call, and whenever memory (not a smaller
+        batch: an evaluation's, a shortfall round's) lets the cache hold fewer sequences than
+        ever before."""
+        bound = cache.slots < samples  # the budget, not the batch, sets the slots
+        seen = self._reported_slots
+        if seen is not None and (cache.slots >= seen or not bound):
             return
         self._reported_slots = cache.slots
         if dist.is_initialized() and dist.get_rank() != 0:
