@@ -262,3 +262,31 @@ def test_gathered_decode_width_counts_fixed_buffers():
     assert gathered_decode_width(cfg) == 3 * 8 * 2048 + 16 * (2 * 2048 + 3 * 768 + 2)
     cfg.expert_model_parallel_size = 1
     assert gathered_decode_width(cfg) == 0
+
+
+def test_sort_permute_keeps_the_five_value_contract_of_megatron_core_0_19():
+    """megatron-core 0.19's ``permute`` takes ``tokens_per_expert`` / ``align_size`` and returns
+    five values: the sort path returns the same arity (no padding: None, the counts as given),
+    and an alignment it does not do goes to megatron-core's."""
+    from megatron_grpo.megatron.moe.alltoall_permute import make_sort_permute
+
+    calls = []
+
+    def permute_019(
+        tokens, routing_map, probs=None, num_out_tokens=None, fused=False, drop_and_pad=False,
+        tokens_per_expert=None, align_size=0,
+    ):  # fmt: skip
+        calls.append(align_size)
+        return tokens, probs, None, "pad", tokens_per_expert
+
+    sort_permute = make_sort_permute(permute_019)
+    t, e, k = 6, 4, 2
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2], [0, 3], [3, 1], [2, 0]])
+    routing_map = torch.zeros(t, e, dtype=torch.bool).scatter_(1, ids, True)
+    counts = routing_map.sum(0)
+    x = torch.randn(t, 3)
+    out = sort_permute(x, routing_map, num_out_tokens=t * k, tokens_per_expert=counts)
+    assert len(out) == 5 and out[3] is None and out[4] is counts and not calls
+    assert out[0].shape == (t * k, 3)
+    sort_permute(x, routing_map, num_out_tokens=t * k, tokens_per_expert=counts, align_size=16)
+    assert calls == [16]

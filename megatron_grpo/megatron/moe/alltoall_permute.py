@@ -14,6 +14,7 @@ own permute (:func:`sort_permute_applies`).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -37,7 +38,10 @@ def sort_permute_applies(
 
 def make_sort_permute(megatron_permute: Callable) -> Callable:
     """``moe_utils.permute``'s contract, by sort where :func:`sort_permute_applies`, else
-    ``megatron_permute``."""
+    ``megatron_permute``. megatron-core >= 0.19's permute also takes ``tokens_per_expert`` /
+    ``align_size`` and returns two more values (pad offsets, padded counts): None and the
+    counts unchanged here (no padding)."""
+    five = "tokens_per_expert" in inspect.signature(megatron_permute).parameters
 
     def sort_permute(
         tokens: Tensor,
@@ -46,19 +50,24 @@ def make_sort_permute(megatron_permute: Callable) -> Callable:
         num_out_tokens=None,
         fused: bool = False,
         drop_and_pad: bool = False,
-    ) -> tuple[Tensor, Tensor | None, Tensor]:
+        **extra,
+    ) -> tuple:
         """``tokens [T, H]``, ``routing_map [T, E]`` (k per row), ``probs [T, E]`` ->
-        (``[T*k, H]`` expert-major, probs ``[T*k]``, the token of each row ``[T*k]``)."""
+        (``[T*k, H]`` expert-major, probs ``[T*k]``, the token of each row ``[T*k]``; with
+        0.19's contract also None, ``tokens_per_expert``)."""
         k = sort_permute_applies(tokens, routing_map, num_out_tokens, fused, drop_and_pad)
-        if k is None:
-            return megatron_permute(tokens, routing_map, probs, num_out_tokens, fused, drop_and_pad)
+        if k is None or extra.get("align_size", 0):
+            return megatron_permute(
+                tokens, routing_map, probs, num_out_tokens, fused, drop_and_pad, **extra
+            )
         ids = torch.topk(routing_map.to(torch.uint8), k, dim=1, sorted=False).indices
         order, inverse, _ = sort_by_expert(ids, routing_map.size(1))
         permuted = permute_tokens(tokens, order, inverse, k)
         permuted_probs = None
         if probs is not None:
             permuted_probs = probs.gather(1, ids).reshape(-1).index_select(0, order)
-        return permuted, permuted_probs, torch.div(order, k, rounding_mode="floor")
+        out = (permuted, permuted_probs, torch.div(order, k, rounding_mode="floor"))
+        return (*out, None, extra.get("tokens_per_expert")) if five else out
 
     sort_permute.megatron_permute = megatron_permute
     return sort_permute
