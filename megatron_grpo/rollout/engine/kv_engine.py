@@ -170,8 +170,10 @@ class KVCacheEngine:
             "prefill_seconds",
             "decode_seconds",
             "kv_recomputed",
+            "graph_captures",
         )
         self.stats = dict.fromkeys(names, 0)
+        self._captures_before = 0 if self.graphs is None else self.graphs.captures
 
     def _restore_kv(self, run: Run, requests: list[Request]) -> None:
         """Requests paused with their cached rows (``keep``) go straight into slots. When the
@@ -298,6 +300,8 @@ class KVCacheEngine:
                 self._decode_stream(run)
             self.stats["prefill_seconds"] += t1 - t0
             self.stats["decode_seconds"] += time.perf_counter() - t1
+            if self.graphs is not None:  # re-captured when the cache or a weight moved
+                self.stats["graph_captures"] = self.graphs.captures - self._captures_before
 
     @staticmethod
     def _stopping(
