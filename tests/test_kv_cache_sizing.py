@@ -282,9 +282,9 @@ def test_the_cache_line_repeats_only_when_memory_shrinks_it(capsys):
     slots than samples (memory-bound) than ever before prints again (issue 39)."""
     from types import SimpleNamespace
 
-    from megatron_grpo.rollout.engine import KVCacheEngine
+    from megatron_grpo.rollout.engine.kv_cache import CacheSizer
 
-    engine = KVCacheEngine.__new__(KVCacheEngine)
+    engine = CacheSizer.__new__(CacheSizer)
     engine._reported_slots = None
 
     def report(slots: int, samples: int) -> str:

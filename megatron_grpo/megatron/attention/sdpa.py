@@ -181,24 +181,23 @@ class SDPAttention(MegatronModule):
                     dropout_p=p,
                     buckets=self.buckets,
                 )
-            # [s, b, n, d] -> [b, n, s, d]
-            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-            mask = dense_mask(
-                q.size(2),
-                k.size(2),
-                attn_mask_type or self.attn_mask_type,
-                attention_mask,
-                q.device,
-            )
-            p = self.dropout_p if self.training else 0.0
-            out = sdpa(
-                q,
-                k,
-                v,
-                mask=None if mask is True else mask,
-                causal=mask is True,
-                scale=self.softmax_scale,
-                dropout_p=p,
-            )
+            return self._dense(query, key, value, attention_mask, attn_mask_type)
+
+    def _dense(self, query, key, value, attention_mask, attn_mask_type) -> torch.Tensor:
+        """``[s, b, n, d]`` sequences under a causal or given mask -> ``[s, b, n * d]``."""
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # -> [b, n, s, d]
+        mask = dense_mask(
+            q.size(2), k.size(2), attn_mask_type or self.attn_mask_type, attention_mask, q.device
+        )
+        p = self.dropout_p if self.training else 0.0
+        out = sdpa(
+            q,
+            k,
+            v,
+            mask=None if mask is True else mask,
+            causal=mask is True,
+            scale=self.softmax_scale,
+            dropout_p=p,
+        )
         s, b = query.size(0), query.size(1)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)

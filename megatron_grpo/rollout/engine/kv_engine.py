@@ -44,7 +44,8 @@ from megatron_grpo.rollout.engine import fused_decode as fd
 from megatron_grpo.rollout.engine import kv_cache as kvc
 from megatron_grpo.rollout.engine import memory_release
 from megatron_grpo.rollout.engine import model_io as io
-from megatron_grpo.rollout.engine.graphs import DecodeGraphs, plan_graphs
+from megatron_grpo.rollout.engine.cached_attention import attached
+from megatron_grpo.rollout.engine.graphs import DecodeGraphs, graph_batch, plan_graphs
 from megatron_grpo.rollout.engine.options import EngineOptions
 from megatron_grpo.rollout.engine.params import SamplingParams
 from megatron_grpo.rollout.engine.requests import Request, start_run, write_back
@@ -221,7 +222,7 @@ class KVCacheEngine:
             self.cache.attention = self.decode.attention
             self._prepare_static(run)
             self._rows_moved = True
-            with kvc.attached(model, self.cache):
+            with attached(model, self.cache):
                 yield
         finally:
             if not self.options.keep_cache:  # freed and released before any policy update
@@ -399,7 +400,7 @@ class KVCacheEngine:
         """Enqueue one decode step of the active rows (``ahead`` steps of theirs are still in
         flight) and the copy of its tokens to the host."""
         n = len(run.rows)
-        b = _bucket(rows, self.cache.slots) if self.use_graphs else rows
+        b = graph_batch(rows, self.cache.slots) if self.use_graphs else rows
         samples = torch.tensor(run.rows, dtype=torch.long)
         longest = int((run.prompt_lens[samples] + run.lengths[samples]).max()) + ahead if n else 1
         ctx = min(
@@ -489,24 +490,9 @@ class KVCacheEngine:
 
     def _retire(self, run: Run, finished: list[int], ctx: int | None = None) -> None:
         """Drop the ``finished`` rows (ascending), moving the last active rows into their
-        slots."""
+        slots (``Run.retire`` says which cache rows move where)."""
         if not finished:
             return
         self._rows_moved = True
-        # Each destination is copied from its row's origin, so a row moved twice (into a
-        # finished slot that is later the last one and moves on) comes from where its cache is;
-        # origins lie past the new row count, so no copy reads a slot another one wrote.
-        origin: dict[int, int] = {}  # destination slot -> the slot holding its row's cache now
-        for r in reversed(finished):  # highest first: a moved row is never finished
-            last = len(run.rows) - 1
-            if r != last:
-                origin[r] = origin.pop(last, last)
-                run.rows[r] = run.rows[last]
-            run.rows.pop()
-        dst = list(origin)
-        self.cache.move_rows([origin[d] for d in dst], dst, ctx or self.cache.seq_len)
-
-
-def _bucket(rows: int, slots: int) -> int:
-    """Decode batch of a CUDA graph: the next power of two, at most ``slots``."""
-    return min(1 << (rows - 1).bit_length(), slots)
+        src, dst = run.retire(finished)
+        self.cache.move_rows(src, dst, ctx or self.cache.seq_len)
