@@ -262,17 +262,21 @@ def test_compaction_moves_each_row_from_where_its_cache_is():
     from types import SimpleNamespace
 
     from megatron_grpo.rollout.engine.kv_engine import KVCacheEngine
+    from megatron_grpo.rollout.engine.run_state import Run
 
     for finished in ([1, 3], [0, 2, 3], [1, 2, 4, 5], [0, 5], [4]):
         slots = list(range(6))  # slot i holds the cache of sample i
-        run = SimpleNamespace(rows=list(range(6)))
+        run = Run.__new__(Run)  # only its rows take part
+        run.rows = list(range(6))
 
         def move_rows(src, dst, ctx, slots=slots):
             moved = [slots[s] for s in src]  # batched: read everything first
             for d, v in zip(dst, moved, strict=True):
                 slots[d] = v
 
-        engine = SimpleNamespace(cache=SimpleNamespace(move_rows=move_rows, seq_len=8))
+        engine = SimpleNamespace(
+            cache=SimpleNamespace(move_rows=move_rows, seq_len=8), _rows_moved=False
+        )
         KVCacheEngine._retire(engine, run, finished)
         assert sorted(run.rows) == sorted(set(range(6)) - set(finished))
         assert [slots[r] for r in range(len(run.rows))] == run.rows, (finished, slots, run.rows)
