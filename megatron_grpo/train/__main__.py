@@ -126,7 +126,12 @@ def _main(args: argparse.Namespace, argv: list[str], log: WarningLog) -> int:
         except ValueError as e:
             return report_error(ConfigError(str(e)))
         return 0
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    from megatron_grpo.train.placement import trainer_world_size
+
+    try:  # rollout.placement: separate trains on the ranks that do not generate
+        world = trainer_world_size(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    except ConfigError as e:
+        return report_error(e)
     if world % smallest_world_size(cfg.parallel):
         return report_error(ConfigError(world_size_hint(cfg.parallel, world)))
     # Handlers first: a signal during the (slow) set-up stops the run before its first step.
@@ -169,11 +174,14 @@ def _train(cfg, resume: bool, overwrite: bool, stop: StopRequest, argv: list[str
     # Imported after the config is valid: Megatron's import is slow and noisy.
     from megatron_grpo.rollout.tasks.reward import RewardError
     from megatron_grpo.train.checkpoint import CheckpointError
+    from megatron_grpo.train.placement import run_generation_rank
     from megatron_grpo.train.rundir import RunDirError, release_locks
     from megatron_grpo.train.trainer import Trainer
 
     t0 = time.perf_counter()
     try:
+        if run_generation_rank(cfg):  # rollout.placement: separate, a generation rank
+            return 0
         trainer = Trainer(cfg, resume=resume, overwrite=overwrite, stop=stop)
         if trainer.monitor.enabled:  # the run directory is claimed: the log may be written
             log.attach(Path(cfg.logging.dir) / "warnings.log")

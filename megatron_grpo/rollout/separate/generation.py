@@ -1,0 +1,134 @@
+"""The generation ranks' loop: generate every unit assigned to this replica, with the weights of
+its scheduled policy version, and ship it to its trainer ranks.
+
+Each rank builds the policy at ``rollout.separate.tensor_model_parallel_size`` (its own
+megatron-core layout over the generation sub-world), a :class:`WeightReceiver`, and the
+:class:`~megatron_grpo.rollout.source.GeneratedRollouts` of a colocated run (same task,
+prompts, sampling generators, engine and scorer). The next version is always being received
+(``begin`` right after each ``swap``), so the transfer overlaps generation; a swap happens only
+between units, when the next unit is scheduled on a newer version (``channel.unit_version``),
+and stops the generators for the copy alone. A version of ``STOP`` ends the loop.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from megatron_grpo.megatron.config import ModelConfig, ParallelConfig
+from megatron_grpo.megatron.model.build import build_model, unwrap
+from megatron_grpo.megatron.parallel import initialize_parallel
+from megatron_grpo.rollout.config import RolloutConfig
+from megatron_grpo.rollout.context import RolloutContext
+from megatron_grpo.rollout.separate.channel import (
+    Start,
+    Unit,
+    exchange_start,
+    replica_of,
+    send_unit,
+    unit_version,
+)
+from megatron_grpo.rollout.separate.world import SOURCE, SeparateWorld
+from megatron_grpo.rollout.source import GeneratedRollouts, build_checked_task
+from megatron_grpo.rollout.weight_sync import WeightReceiver
+
+STOP = -1  # the version the trainer sends last: no more weights, no more units
+
+
+class GenerationLoop:
+    """One generation rank of a separate placement (module docstring); :meth:`run` to the end."""
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        cfg: RolloutConfig,
+        ctx: RolloutContext,
+        world: SeparateWorld,
+    ) -> None:
+        self.cfg, self.ctx, self.world = cfg, ctx, world
+        par = ParallelConfig(tensor_model_parallel_size=world.tp)
+        layout = initialize_parallel(par, ctx.seed)
+        [chunk] = build_model(model_cfg, par, wrap_ddp=False)
+        self.model = unwrap(chunk)
+        self.model.eval()
+        # Collective with the trainer's WeightSender, then the trainer's opening message.
+        self.receiver = WeightReceiver(self.model, layout, world.sync_group, SOURCE)
+        self.start: Start = exchange_start(None, world.data_group)
+        task = build_checked_task(cfg, ctx)
+        self.gen = GeneratedRollouts(cfg, ctx, task, self.model, 0, self.start.dp_size)
+        self.version: int | None = None
+        self.sends: list = []
+        self.sync_metrics: dict[str, float] = {}
+
+    def run(self) -> int:
+        """Generate this replica's units; returns how many it generated."""
+        s, done = self.start, 0
+        self._swap()  # the run's first weights: version ``start``
+        k = self.cfg.separate.max_staleness
+        for step in range(s.first_unit_step, s.steps):
+            mine = [
+                d
+                for d in range(s.dp_size)
+                if replica_of(step, d, s.dp_size, self.world.replicas) == self.world.replica
+            ]
+            if not mine:
+                continue
+            t0 = time.perf_counter()
+            need = unit_version(step, s.start, k)
+            while self.version != STOP and self.version < need:
+                self._swap()
+            if self.version == STOP:
+                break
+            if self.version != need:
+                raise RuntimeError(
+                    f"separate placement: step {step} is scheduled on policy version {need}, "
+                    f"but the generators hold version {self.version}"
+                )
+            idle = time.perf_counter() - t0
+            for d in mine:
+                self._unit(step, d, idle)
+                idle, done = 0.0, done + 1
+            self.receiver.poll()  # CPU: moves the next version's buckets on
+        while self.version != STOP:  # the trainer's remaining versions, until it stops
+            self._swap()
+        self._finish_sends()
+        return done
+
+    def _swap(self) -> None:
+        """Complete the version being received, copy it in, start receiving the next."""
+        if self.version is None:
+            self.receiver.begin()
+        metrics = self.receiver.swap()
+        self.version = int(metrics.pop("version"))
+        self.sync_metrics = metrics
+        if self.version != STOP:
+            self.receiver.begin()
+
+    @torch.no_grad()
+    def _unit(self, step: int, dp_rank: int, idle: float) -> None:
+        """Generate and score unit ``(step, dp_rank)``; the replica's first rank sends it."""
+        t0 = time.perf_counter()
+        self.gen.dp_rank = dp_rank  # the colocated run's prompts and sampling generator of d
+        batch = self.gen.next(step)
+        batch.policy_versions = [[self.version] * len(r) for r in batch.response_ids]
+        metrics = {
+            **self.gen.metrics(),
+            "perf/generation_seconds": time.perf_counter() - t0,
+            "perf/generator_idle_seconds": idle,
+            "rollout/weight_swap_seconds": self.sync_metrics.get(
+                "rollout/weight_swap_seconds", 0.0
+            ),
+        }
+        if not self.world.is_leader:
+            return
+        unit = Unit(step, dp_rank, self.version, batch, metrics)
+        dsts = self.start.trainers_of(dp_rank)
+        self.sends.append(send_unit(unit, dsts, self.start.dp_size, self.world.data_group))
+        self.sends = [s for s in self.sends if not all(w.is_completed() for w in s[0])]
+
+    def _finish_sends(self) -> None:
+        for works, *_ in self.sends:
+            for w in works:
+                w.wait()
+        self.sends = []
