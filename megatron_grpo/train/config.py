@@ -324,6 +324,11 @@ class TrainConfig:
                 f"model.num_attention_heads={m.num_attention_heads} and the query groups "
                 f"({groups})"
             )
+        if self.training.offload_during_rollout is True:
+            raise ValueError(
+                "training.offload_during_rollout: true frees memory for generation, but with "
+                "rollout.placement: separate the trainer ranks do not generate (set auto or false)"
+            )
         if self.evaluation.enabled:
             raise ValueError(
                 "evaluation with rollout.placement: separate is not supported yet (set "
