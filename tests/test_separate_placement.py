@@ -74,7 +74,7 @@ def _colocated(rank: int, world: int, tmp: Path, steps: int) -> None:
 
 
 def _separate(rank: int, world: int, tmp: Path, name: str, steps: int, *extra: str) -> None:
-    _run(tmp, name, f"training.steps={steps}", *SEPARATE, *extra)
+    _run(tmp, name, f"training.steps={steps}", *SEPARATE[:1], *extra)
 
 
 def _rollouts(tmp: Path, name: str) -> dict[str, str]:
@@ -92,9 +92,13 @@ def _weights_equal(tmp: Path, a: str, b: str) -> None:
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_staleness_0_separate_is_the_colocated_run(tmp_path):
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_staleness_0_separate_is_the_colocated_run(tmp_path, replicas):
+    """One replica generates each step's rollouts in the colocated run's engine call; two
+    generate half of its prompt groups each (``separate/parts.py``) from the same uniforms."""
     run_distributed(_colocated, 1, tmp_path, 3)
-    run_distributed(_separate, 2, tmp_path, "sep0", 3, "rollout.separate.max_staleness=0")
+    gen = (f"rollout.separate.generation_ranks={replicas}", "rollout.separate.max_staleness=0")
+    run_distributed(_separate, 1 + replicas, tmp_path, "sep0", 3, *gen)
     assert _rollouts(tmp_path, "colocated") == _rollouts(tmp_path, "sep0")
     for a, b in zip(_metrics(tmp_path, "colocated"), _metrics(tmp_path, "sep0"), strict=True):
         for key in LOSS_KEYS:

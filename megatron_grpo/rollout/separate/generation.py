@@ -6,7 +6,7 @@ megatron-core layout over the generation sub-world), a :class:`WeightReceiver`, 
 :class:`~megatron_grpo.rollout.source.GeneratedRollouts` of a colocated run (same task,
 prompts, sampling generators, engine and scorer). The next version is always being received
 (``begin`` right after each ``swap``), so the transfer overlaps generation; a swap happens only
-between units, when the next unit is scheduled on a newer version (``channel.unit_version``),
+between parts of units (``parts``), when the next one is scheduled on a newer version (``channel.unit_version``),
 and stops the generators for the copy alone. A version of ``STOP`` ends the loop.
 """
 
@@ -29,6 +29,7 @@ from megatron_grpo.rollout.separate.channel import (
     send_unit,
     unit_version,
 )
+from megatron_grpo.rollout.separate.parts import generate_part
 from megatron_grpo.rollout.separate.world import SOURCE, SeparateWorld
 from megatron_grpo.rollout.source import GeneratedRollouts, build_checked_task
 from megatron_grpo.rollout.weight_sync import WeightReceiver
@@ -57,6 +58,7 @@ class GenerationLoop:
         self.start: Start = exchange_start(None, world.data_group)
         task = build_checked_task(cfg, ctx)
         self.gen = GeneratedRollouts(cfg, ctx, task, self.model, 0, self.start.dp_size)
+        self.ranges = self.start.ranges(world.replicas)  # the parts of a unit
         self.version: int | None = None
         self.sends: list = []
         self.sync_metrics: dict[str, float] = {}
@@ -65,12 +67,14 @@ class GenerationLoop:
         """Generate this replica's units; returns how many it generated."""
         s, done = self.start, 0
         self._swap()  # the run's first weights: version ``start``
-        k = self.cfg.separate.max_staleness
+        k, parts = self.cfg.separate.max_staleness, len(self.ranges)
         for step in range(s.first_unit_step, s.steps):
             mine = [
-                d
+                (d, j)
                 for d in range(s.dp_size)
-                if replica_of(step, d, s.dp_size, self.world.replicas) == self.world.replica
+                for j in range(parts)
+                if replica_of(step, d, j, s.dp_size, parts, self.world.replicas)
+                == self.world.replica
             ]
             if not mine:
                 continue
@@ -86,8 +90,8 @@ class GenerationLoop:
                     f"but the generators hold version {self.version}"
                 )
             idle = time.perf_counter() - t0
-            for d in mine:
-                self._unit(step, d, idle)
+            for d, j in mine:
+                self._unit(step, d, j, idle)
                 idle, done = 0.0, done + 1
             self.receiver.poll()  # CPU: moves the next version's buckets on
         while self.version != STOP:  # the trainer's remaining versions, until it stops
@@ -106,12 +110,12 @@ class GenerationLoop:
             self.receiver.begin()
 
     @torch.no_grad()
-    def _unit(self, step: int, dp_rank: int, idle: float) -> None:
-        """Generate and score unit ``(step, dp_rank)``; the replica's first rank sends it."""
+    def _unit(self, step: int, dp_rank: int, part: int, idle: float) -> None:
+        """Generate and score part ``part`` of unit ``(step, dp_rank)``; the replica's first
+        rank sends it."""
         t0 = time.perf_counter()
-        self.gen.dp_rank = dp_rank  # the colocated run's prompts and sampling generator of d
-        batch = self.gen.next(step)
-        batch.policy_versions = [[self.version] * len(r) for r in batch.response_ids]
+        lo, hi = self.ranges[part]
+        batch = generate_part(self.gen, step, dp_rank, lo, hi, self.version)
         metrics = {
             **self.gen.metrics(),
             "perf/generation_seconds": time.perf_counter() - t0,
@@ -122,9 +126,9 @@ class GenerationLoop:
         }
         if not self.world.is_leader:
             return
-        unit = Unit(step, dp_rank, self.version, batch, metrics)
-        dsts = self.start.trainers_of(dp_rank)
-        self.sends.append(send_unit(unit, dsts, self.start.dp_size, self.world.data_group))
+        unit = Unit(step, dp_rank, part, self.version, batch, metrics)
+        dsts, s = self.start.trainers_of(dp_rank), self.start
+        self.sends.append(send_unit(unit, dsts, s.dp_size, len(self.ranges), self.world.data_group))
         self.sends = [s for s in self.sends if not all(w.is_completed() for w in s[0])]
 
     def _finish_sends(self) -> None:

@@ -94,7 +94,8 @@ class SeparateRollouts:
         self._dropped = dropped  # counted in the first step's rollout/stale_dropped_groups
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, self.layout.dp_rank)
-        info = Start(start, first, self.steps, self.layout.dp_size, list(gathered))
+        groups = self.cfg.num_prompts // self.layout.dp_size
+        info = Start(start, first, self.steps, self.layout.dp_size, list(gathered), groups)
         self.start = exchange_start(info if dist.get_rank() == 0 else None, self.world.data_group)
         self._push(start)
         if saved is None and start == 0:
@@ -139,12 +140,17 @@ class SeparateRollouts:
         return batch
 
     def _recv(self, step: int) -> Unit:
-        s = self.start
+        """Unit ``(step, dp_rank)``: its parts from their replicas, joined."""
+        s, d, w = self.start, self.layout.dp_rank, self.world
         assert s is not None, "SeparateRollouts.open first"
-        leader = self.world.replica_leaders()[
-            replica_of(step, self.layout.dp_rank, s.dp_size, self.world.replicas)
-        ]
-        return recv_unit(step, self.layout.dp_rank, s.dp_size, leader, self.world.data_group)
+        n = len(s.ranges(w.replicas))
+        got = []
+        for j in range(n):
+            leader = w.replica_leaders()[replica_of(step, d, j, s.dp_size, n, w.replicas)]
+            got.append(recv_unit((step, d, j), s.dp_size, n, leader, w.data_group))
+        metrics = {k: max(u.metrics[k] for u in got) for k in got[0].metrics}
+        batch = RolloutBatch.concat([u.batch for u in got])
+        return Unit(step, d, 0, min(u.version for u in got), batch, metrics)
 
     # ------------------------------------------------------------------ weights
     def push(self, step: int) -> dict[str, float]:
