@@ -48,7 +48,9 @@ class GenerationLoop:
         world: SeparateWorld,
     ) -> None:
         self.cfg, self.ctx, self.world = cfg, ctx, world
-        par = ParallelConfig(tensor_model_parallel_size=world.tp)
+        moe_tp = world.tp > 1 and model_cfg.num_moe_experts is not None
+        # MoE at TP > 1: the sequence-parallel path megatron-core's MoE layer is built for
+        par = ParallelConfig(tensor_model_parallel_size=world.tp, sequence_parallel=moe_tp)
         layout = initialize_parallel(par, ctx.seed)
         [chunk] = build_model(model_cfg, par, wrap_ddp=False)
         self.model = unwrap(chunk)
