@@ -148,7 +148,7 @@ def main() -> int:
         for placement in PLACEMENTS:
             history = run(task, placement, args)
             rows[f"{task}/{placement}"] = None if history is None else row(history)
-    text = "## Colocated vs separate placement (dense twin, 4 ranks)\n\n" + table(rows)
+    text = f"## Colocated vs separate placement ({args.recipe}, 4 ranks)\n\n" + table(rows)
     (Path(args.out) / "bench_async.md").write_text(text)
     (Path(args.out) / "bench_async.json").write_text(json.dumps(rows, indent=1))
     print(text, flush=True)
