@@ -69,8 +69,8 @@ def _run(tmp: Path, name: str, *extra: str, resume: bool = False) -> list[dict] 
 SEPARATE = ("rollout.placement=separate", "rollout.separate.generation_ranks=1")
 
 
-def _colocated(rank: int, world: int, tmp: Path, steps: int) -> None:
-    _run(tmp, "colocated", f"training.steps={steps}")
+def _colocated(rank: int, world: int, tmp: Path, steps: int, *extra: str) -> None:
+    _run(tmp, "colocated", f"training.steps={steps}", *extra)
 
 
 def _separate(rank: int, world: int, tmp: Path, name: str, steps: int, *extra: str) -> None:
@@ -106,6 +106,26 @@ def test_staleness_0_separate_is_the_colocated_run(tmp_path, replicas):
         assert b["rollout/policy_lag_max"] == 0.0 and b["rollout/stale_dropped_groups"] == 0.0
         assert b["rollout/weight_sync_gib"] > 0
     _weights_equal(tmp_path, "colocated", "sep0")
+
+
+MOE = (
+    "model.num_moe_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32",
+    "model.moe_token_dispatcher_type=allgather", "model.moe_enable_routing_replay=true",
+)  # fmt: skip
+
+
+def test_moe_routes_recorded_by_the_generator_are_replayed(tmp_path):
+    """MoE with routing replay, max_staleness 0: the generator records each token's routes, they
+    travel with the samples, and the trainer replays them: the colocated run exactly."""
+    run_distributed(_colocated, 1, tmp_path, 2, *MOE)
+    run_distributed(_separate, 2, tmp_path, "moe", 2, "rollout.separate.max_staleness=0", *MOE)
+    assert _rollouts(tmp_path, "colocated") == _rollouts(tmp_path, "moe")
+    for a, b in zip(_metrics(tmp_path, "colocated"), _metrics(tmp_path, "moe"), strict=True):
+        for key in (*LOSS_KEYS, "moe/replay_mismatch_frac"):
+            if key in a:
+                assert a[key] == b[key], key
+        assert any(k.startswith("moe/") for k in b), sorted(b)
+    _weights_equal(tmp_path, "colocated", "moe")
 
 
 def _stop_at(at: int):
