@@ -220,3 +220,22 @@ def test_separate_config_errors(tmp_path, extra, match):
 
     with pytest.raises((ConfigError, ValueError), match=match):
         load_train_config(RECIPE, _overrides(tmp_path, "x", *SEPARATE, *extra))
+
+
+def _nccl_body(rank: int, world: int, tmp: Path) -> None:
+    history = _run(tmp, "nccl", *SEPARATE, "rollout.separate.max_staleness=1", "training.steps=4")
+    if history is not None:
+        assert [m["rollout/policy_lag_max"] for m in history] == [0.0, 1.0, 1.0, 1.0]
+        assert all(m["rollout/weight_sync_gib"] > 0 for m in history)
+
+
+@pytest.mark.gpu
+def test_separate_over_nccl():
+    """2 GPUs: a trainer and a generation rank over NCCL (weights) and gloo (rollouts),
+    max_staleness 1: every step after the first trains on tokens one version old."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run_distributed(_nccl_body, 2, Path(tmp), backend="nccl")
