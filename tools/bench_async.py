@@ -80,8 +80,6 @@ def run(task: str, placement: str, args: argparse.Namespace) -> list[dict] | Non
     if args.cpu:  # the tiny recipe: TP2 without SP, a small batch
         sets += ["rollout.num_prompts=8", "rollout.group_size=4", "training.micro_batch_size=16"]
         sets += ["loss.is_correction_level=token"]  # the twin has sequence_mean
-    else:
-        sets += ["parallel.sequence_parallel=true", "model.max_sequence_length=2048"]
     sets += [f"logging.dir={logdir}", "logging.progress_bar=false", "checkpoint.dir=null"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
     cmd += ["-m", "megatron_grpo.train", "--config", args.recipe, "--overwrite"]
