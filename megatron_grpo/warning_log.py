@@ -2,7 +2,8 @@
 made in the files of megatron-core, torch, Transformer Engine, Apex and the Hugging Face
 libraries, and their loggers' records at WARNING and above, into a ``warnings.log`` file, and
 the console gets one count line. The trainer writes the log to ``logging.dir``; the converter
-(``tools/convert_checkpoint.py``) to its output directory. Our own warnings print as usual.
+(``tools/convert_checkpoint.py``) beside its output directory, as ``OUT.warnings.log`` (a Hugging
+Face folder holds only what is uploaded). Our own warnings print as usual.
 """
 
 from __future__ import annotations

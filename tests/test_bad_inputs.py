@@ -59,8 +59,10 @@ def world(tmp_path_factory) -> Path:
 
 # (case, --set overrides, other arguments, exit code of the ranks, the error line's start)
 CASES = [
+    # every mistake at once: the typo, and the stand-in's context is shorter than the default
+    # prompt + response lengths, which typo.yaml (unlike byo_task.yaml) leaves as they are
     ("yaml_typo", [], ["--config", "{w}/typo.yaml"], 2,
-     "config error: {w}/typo.yaml:4: unknown config key 'rollout.num_prompt'; did you mean"),
+     "config error: 2 mistakes in {w}/typo.yaml (with its --set overrides):"),
     ("set_typo", ["rollout.num_prompt=8"], [], 2,
      "config error: unknown config key 'rollout.num_prompt'; did you mean 'num_prompts'?"),
     ("missing_file", ["rollout.dataset.train_files=[{w}/data/nope.parquet]"], [], 2,
@@ -121,6 +123,10 @@ def test_a_bad_input_is_one_error_line_from_one_rank(world, case, sets, args, co
     assert errors[0] in ranks[0] and "Traceback" not in text, text[-3000:]
     # torchrun: exit 1 and its own report listing each rank's code
     assert out.returncode == 1 and f"exitcode  : {code} (pid:" in out.stderr, out.stderr[-3000:]
+    if case == "yaml_typo":  # each mistake on its own line, the recipe's with FILE:LINE
+        rest = ranks[0].split(errors[0], 1)[1].splitlines()[1:3]
+        assert rest[0].startswith(f"  {w}/typo.yaml:4: unknown config key 'rollout.num_prompt'")
+        assert "exceeds model.max_sequence_length" in rest[1], rest
     if case == "reward_raises":  # the user's own frames follow, none of megatron_grpo's
         rest = ranks[0].split(errors[0], 1)[1].splitlines()[1:3]
         assert rest == [

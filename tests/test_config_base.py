@@ -104,3 +104,37 @@ def test_rename_keys_moves_scalars_only():
     with pytest.warns(FutureWarning, match=r"a\.old is deprecated .*: use a\.new\.x"):
         assert rename_keys(data, ["a.sec={kind: 3}"], renamed) == ["a.sec={kind: 3}"]
     assert data == {"a": {"new": {"x": 1}, "sec": {"kind": 2}}}
+
+
+def test_collect_errors_finds_every_mistake_and_raising_stays_the_default():
+    """Issue 39: under collect_errors every bad key and value is recorded (a failed section
+    becomes an unchecked stand-in, so its parent's checks still run); outside it the first
+    error is raised as before."""
+    from megatron_grpo.config.base import collect_errors
+
+    @dataclass
+    class Inner:
+        n: int = 1
+        choice: int | list[int] = 1
+
+        def __post_init__(self) -> None:
+            if self.n < 0:
+                raise ValueError(f"n must be >= 0, got {self.n}")
+
+    @dataclass
+    class Outer:
+        inner: Inner = field(default_factory=Inner)
+        flag: bool = False
+
+    data = {"inner": {"n": -1, "nn": 2, "choice": "x"}, "flg": True, "flag": "yes"}
+    with collect_errors() as errors:
+        cfg = from_dict(Outer, data)
+    messages = [str(e) for e in errors]
+    assert len(messages) == 5, messages
+    assert "unknown config key 'inner.nn'; did you mean 'n'?" in messages
+    assert "unknown config key 'flg'; did you mean 'flag'?" in messages
+    assert any(m.startswith("inner.choice: 'x' fits none of") for m in messages), messages
+    assert "inner.n must be >= 0, got -1" in messages and cfg.inner.n == -1
+    assert "flag: expected true/false, got 'yes'" in messages and cfg.flag is False
+    with pytest.raises(ConfigError, match="unknown config key 'inner.nn'"):
+        from_dict(Outer, data)

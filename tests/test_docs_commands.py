@@ -17,7 +17,7 @@ def test_conversion_page_runs(tmp_path):
     pytest.importorskip("transformers")
     outs = run_page(ROOT / "docs" / "conversion.md", tmp_path)
     assert len(outs) == 3
-    for out in outs:  # a few lines each, the libraries' warnings in OUT/warnings.log
+    for out in outs:  # a few lines each, the libraries' warnings in OUT.warnings.log
         assert len(out.stdout.splitlines()) <= 10 and out.stderr == "", (out.stdout, out.stderr)
     assert "max |logit difference| transformers vs Megatron (TP=2)" in outs[1].stdout
     assert (tmp_path / "hf" / "qwen3_back" / "model.safetensors").is_file()

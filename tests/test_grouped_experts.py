@@ -252,7 +252,11 @@ def _body_parallel(rank: int, world: int, parallel: ParallelConfig) -> None:
     assert not unwrap(chunks[0]).decoder.layers[0].mlp.local_dispatch  # megatron-core's
     from megatron_grpo.megatron.moe.local_dispatch import host_sync_reason
 
-    assert "token dispatcher" in host_sync_reason(unwrap(chunks[0]))
+    why = host_sync_reason(unwrap(chunks[0]))  # decode: the gathered dispatch at expert-TP 1
+    if (parallel.expert_tensor_parallel_size or parallel.tensor_model_parallel_size) == 1:
+        assert why is None, why
+    else:
+        assert "token dispatcher (expert_tensor_parallel_size=2)" in why, why
     assert _experts(chunks).weight1.shape[0] == 8 // parallel.expert_model_parallel_size
     etp = parallel.expert_tensor_parallel_size or parallel.tensor_model_parallel_size
     assert _experts(chunks).weight2.shape[2] == 32 // etp  # the FFN split over expert-TP

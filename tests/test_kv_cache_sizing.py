@@ -275,3 +275,24 @@ def _gpu_body(rank: int, world: int) -> None:
 @pytest.mark.gpu
 def test_gpu_auto_sized_cache():
     run_distributed(_gpu_body, 1, backend="nccl")
+
+
+def test_the_cache_line_repeats_only_when_memory_shrinks_it(capsys):
+    """An evaluation's smaller batch gets fewer slots without a second KV-cache line; fewer
+    slots than samples (memory-bound) than ever before prints again (issue 39)."""
+    from types import SimpleNamespace
+
+    from megatron_grpo.rollout.engine.kv_cache import CacheSizer
+
+    engine = CacheSizer.__new__(CacheSizer)
+    engine._reported_slots = None
+
+    def report(slots: int, samples: int) -> str:
+        cache = SimpleNamespace(slots=slots, seq_len=16, kv=torch.zeros(4))
+        engine._report(cache, samples, 64, "a budget")
+        return capsys.readouterr().out
+
+    assert report(32, 32).startswith("rollout: KV cache")  # the first call
+    assert report(8, 8) == ""  # a smaller batch (evaluation): same cache budget
+    assert report(32, 32) == ""
+    assert report(4, 32).startswith("rollout: KV cache")  # memory-bound, fewer than ever

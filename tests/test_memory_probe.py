@@ -96,6 +96,8 @@ def _gpu_body(rank: int, world: int, tmp: Path) -> None:
             "step": step,
             "phase": phase,
             "in_use": total - free,
+            "allocated": torch.cuda.memory_allocated(),
+            "reserved": torch.cuda.memory_reserved(),
             "pools": pools,
             "state": state,
         }
@@ -105,8 +107,14 @@ def _gpu_body(rank: int, world: int, tmp: Path) -> None:
     trainer.train()
     first, second = (r for r in rows if r["phase"] == "before_rollout")
     assert first["state"] == 0 and second["state"] > 0  # Adam's state: created by step 1
-    grown = second["in_use"] - first["in_use"] - (second["pools"] - first["pools"])
+    # PyTorch's memory grows by the optimizer state alone; outside the allocator (CUDA context:
+    # lazily loaded kernels, library workspaces) the driver sees a one-time growth after the
+    # first update (~2 GiB on an H100, torch 2.11), which no release can return.
+    grown = second["allocated"] - first["allocated"]
     assert abs(grown - second["state"]) < 512 * 2**20, (grown / 2**30, second["state"] / 2**30)
+    # and the allocator holds no freed blocks of step 1 (the old cache's segment) at sizing
+    held = second["reserved"] - second["allocated"] - (second["pools"] - first["pools"])
+    assert held < 512 * 2**20, held / 2**30
 
 
 @pytest.mark.gpu

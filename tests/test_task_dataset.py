@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 
 import pytest
 
 from megatron_grpo.config import ConfigError
+from megatron_grpo.errors import InputError
 from megatron_grpo.rollout.config import DatasetConfig, RolloutConfig
 from megatron_grpo.rollout.source import sampling_params
 from megatron_grpo.rollout.tasks import DatasetTask, Prompt, build_task
@@ -435,3 +437,33 @@ def test_unknown_key_in_the_recipe_section(tmp_path):
 def test_default_rollout_config_is_unchanged():
     r = RolloutConfig()
     assert r.task == "reverse_digits" and r.dataset == DatasetConfig()
+
+
+# ---- issue 39: silent data problems are errors (or one warning) -----------------------------
+
+
+def test_mostly_unknown_tokens_empty_content_and_blank_prompts_name_file_row(tmp_path, chat_tok):
+    ok = {"prompt": "what is 1 plus 2 ?", "answer": "3"}
+    cases = [
+        ({"prompt": "qué es uno más dos ?", "answer": "3"}, "of the prompt's"),
+        ({"prompt": [{"role": "user", "content": ""}], "answer": "3"}, "[0].content' is empty"),
+        ({"prompt": "   ", "answer": "3"}, "column 'prompt' is empty (whitespace only)"),
+    ]
+    for i, (row, what) in enumerate(cases):
+        path = _jsonl(tmp_path / f"d{i}.jsonl", [ok, row])
+        with pytest.raises(InputError, match=re.escape(what)) as e:
+            _task([path], chat_tok)
+        assert str(e.value).startswith(f"{path}:2: "), str(e.value)
+        if i == 0:
+            assert f"unknown token '<unk>' of the tokenizer in '{chat_tok}'" in str(e.value)
+
+
+def test_fewer_rows_than_num_prompts_is_one_warning(tmp_path, chat_tok):
+    from megatron_grpo.train.check import repeat_warning
+    from megatron_grpo.train.config import load_train_config
+
+    path = _jsonl(tmp_path / "d.jsonl", [{"prompt": "what is 1 plus 2 ?", "answer": "3"}] * 3)
+    cfg = load_train_config("recipes/tiny.yaml", ["rollout.num_prompts=8"])
+    line = repeat_warning(cfg, _task([path], chat_tok))
+    assert line is not None and line.startswith("warning: rollout.num_prompts=8 but the training")
+    assert "has 3 prompts" in line and repeat_warning(cfg, _task([path] * 3, chat_tok)) is None

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
 
@@ -122,3 +124,44 @@ def test_bench_train_passes_dry_run(tmp_path):
     ]  # fmt: skip
     for p in profile:
         assert p["launches"] > 0 and p["top"] and (tmp_path / p["trace"]).exists()
+
+
+def test_bench_train_passes_tp_dry_run(tmp_path):
+    """--tp 2 under torchrun (gloo, SP on): one row per rope variant, MFU per GPU of the TP
+    group, the packed attention path as the variant's 4th part; rank 0 writes the report."""
+    stdout = run_tool(
+        "bench_train_passes.py", "--tiny", "--tp", "2", "--doc-lens", "32", "--micro-batches",
+        "1", "--warmup", "0", "--rope", "auto/auto/plan_free/blocked", out=tmp_path, nproc=2,
+    )  # fmt: skip
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["tp"] == 2 and result["world_size"] == 2
+    (row,) = result["rows"]
+    assert row["rope"] == "auto/auto/plan_free/blocked" and row["loss"] is not None
+    flops, train = row["flops"]["total"], row["train"]
+    assert abs(train["mfu"] - 3 * flops / (train["ms"] / 1e3) / (989e12 * 2)) < 1e-9 * train["mfu"]
+    assert stdout.count("| 32 | 8 | auto/auto/plan_free/blocked |") == 1  # rank 0 prints
+
+
+def test_bench_tp_comparison_table(capsys):
+    """tools/bench_tp.py: each size's MFU next to the first size's; the child's arguments."""
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import bench_tp
+    finally:
+        sys.path.remove(str(TOOLS))
+
+    def result(mfu: float, ms: float) -> dict:
+        p = dict(ms=ms, mfu=mfu)
+        return dict(rows=[dict(L=32, rope="auto", logprob=p, train=dict(p, mfu=mfu / 2))])
+
+    rows = bench_tp.compare({1: result(0.5, 10.0), 4: result(0.4, 3.0)})
+    assert rows[0]["sizes"][4]["logprob"]["mfu_vs_first"] == 0.4 / 0.5
+    assert rows[0]["sizes"][4]["train"]["mfu"] == 0.2
+    bench_tp.print_table(rows, [1, 4])
+    assert "| 32 | auto | 50% (1.00x) | 40% (0.80x) | 10.0 | 3.0 |" in capsys.readouterr().out
+    argv = ["--dense8b", "--tp", "1,2", "--out", "x", "--tp=4", "--out=y", "--iters", "2"]
+    assert bench_tp._child_argv(argv) == ["--dense8b", "--iters", "2"]
+    assert bench_tp.parse_sizes("1,2,4") == [1, 2, 4]
+    for bad in ("0", "1,1", "a", ""):
+        with pytest.raises(SystemExit, match="--tp"):
+            bench_tp.parse_sizes(bad)

@@ -46,10 +46,11 @@ def test_help_reads_as_plain_text(columns, monkeypatch, capsys):
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert "``" not in out and "`" not in out
-    description = out.split("\n\n")[1:5]
-    assert description[0].startswith("--dry-run [--world-size N] prints the rank layout")
-    assert description[1].startswith("Runs under torchrun (single node")
-    assert " ".join(description[3].split()).startswith("Exit codes: 0 done, 1 a failed run")
+    description = out.split("\n\n")[1:6]
+    assert description[0].startswith("--check checks the recipe (every mistake at once")
+    assert description[1].startswith("--dry-run [--world-size N] prints the rank layout")
+    assert description[2].startswith("Runs under torchrun (single node")
+    assert " ".join(description[4].split()).startswith("Exit codes: 0 done, 1 a failed run")
     assert all(len(line) <= min(columns, 100) - 2 for p in description for line in p.splitlines())
     assert "python -m megatron_grpo.train --config recipes/tiny.yaml" not in out
 

@@ -111,9 +111,10 @@ def test_unknown_keys_and_bad_values_name_the_field(override, message):
             [
                 "model.num_moe_experts=4",
                 "parallel.expert_model_parallel_size=2",
+                "model.moe_token_dispatcher_type=allgather",
                 "training.logprob_max_tokens_per_micro_batch=4096",
             ],
-            "logprob_max_tokens_per_micro_batch needs parallel.expert_model_parallel_size=1",
+            "logprob_max_tokens_per_micro_batch needs model.moe_token_dispatcher_type alltoall",
         ),
     ],
 )
@@ -153,13 +154,26 @@ def test_checkpoint_architecture_check_names_the_field(tmp_path):
         check_checkpoint_architecture(other, str(tmp_path))
 
 
+_EP2 = ["model.num_moe_experts=4", "parallel.expert_model_parallel_size=2"]
+
+
 @pytest.mark.parametrize(
     "overrides, merge",
     [
         ([], 32768),  # "auto" on a dense model
         (["model.num_moe_experts=4"], 32768),  # MoE at EP 1: merged as dense models
-        # MoE at EP 2: every MoE forward is a collective, the update's micro-batches
-        (["model.num_moe_experts=4", "parallel.expert_model_parallel_size=2"], None),
+        # MoE at EP 2 under all-to-all: merged too (the ranks agree on the forward count)
+        (_EP2 + ["model.moe_token_dispatcher_type=alltoall"], 32768),
+        (
+            _EP2
+            + [
+                "model.moe_token_dispatcher_type=alltoall",
+                "training.logprob_max_tokens_per_micro_batch=4096",
+            ],
+            4096,
+        ),  # fmt: skip
+        # ... under allgather every forward needs equal tokens: the update's micro-batches
+        (_EP2 + ["model.moe_token_dispatcher_type=allgather"], None),
         (["training.logprob_max_tokens_per_micro_batch=4096"], 4096),
         (["training.logprob_max_tokens_per_micro_batch=null"], None),
     ],
@@ -181,11 +195,22 @@ rollout:
 @pytest.mark.parametrize(
     ("fix", "overrides", "message"),
     [
-        ("", [], "{path}:3: unknown config key 'rollout.num_prompt'; did you mean 'num_prompts'?"),
+        # every mistake at once, in file order, each with its line
+        (
+            "",
+            [],
+            "2 mistakes in {path}:\n  {path}:3: unknown config key 'rollout.num_prompt'; did you "
+            "mean 'num_prompts'?\n  {path}:5: rollout.sampling.temperature must be > 0, got -1.0",
+        ),
         ("num_prompts", [], "{path}:5: rollout.sampling.temperature must be > 0, got -1.0"),
         # a value from --set: no line of the file is at fault
         ("num_prompts", ["rollout.sampling.temperature=-2"], "rollout.sampling.temperature must"),
-        ("num_prompts", ["training.seeds=1"], "unknown config key 'training.seeds'; did you mean"),
+        (
+            "num_prompts",
+            ["training.seeds=1"],
+            "2 mistakes in {path} (with its --set overrides):\n  unknown config key "
+            "'training.seeds'; did you mean 'seed'?\n  {path}:5: rollout.sampling.temperature",
+        ),
     ],
 )
 def test_errors_in_a_recipe_name_its_file_and_line(tmp_path, fix, overrides, message):

@@ -48,3 +48,19 @@ def test_progress_line_shows_throughput_and_the_stage_split(tmp_path, capsys):
     line = capsys.readouterr().out
     assert "gen tok/s 1234 | train tok/s 5678" in line
     assert "1.52s = rollout 0.90 + logprob 0.20 + update 0.40" in line
+
+
+def test_eval_before_training_is_one_eval_line_and_waits_for_the_first_step(tmp_path, capsys):
+    """The evaluation before training prints its numbers, not a bare `step 0/N` line; nothing
+    is written (nor the callbacks of at_first_step run) until step 1 completes (issue 39)."""
+    cfg = LoggingConfig(dir=str(tmp_path / "run"), progress_bar=True)
+    mon = Monitor(cfg, total_steps=20, enabled=True)
+    started = []
+    mon.at_first_step(lambda: started.append(True))
+    mon.log(0, {"eval/reward_mean": 0.25, "eval/pass_at_1": 0.125})
+    out = capsys.readouterr().out
+    assert "before training: eval reward 0.250, pass@1 0.125" in out and "step 0/" not in out
+    assert not (tmp_path / "run").exists() and not started
+    mon.log(1, {"reward/mean": 0.5})
+    rows = [json.loads(x) for x in cfg.metrics_path.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1] and started == [True]

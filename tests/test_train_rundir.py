@@ -51,7 +51,9 @@ def test_second_concurrent_writer_is_refused_and_a_dead_ones_lock_is_taken_over(
         proc.kill()  # like kill -9: the lock file stays behind
         proc.wait()
     notice = acquire_lock(tmp_path)
-    assert notice is not None and f"pid {proc.pid}" in notice and "no longer running" in notice
+    assert (
+        notice is not None and f"pid {proc.pid}" in notice and "died without cleaning up" in notice
+    )
     owner = json.loads((tmp_path / rundir.LOCK_NAME).read_text())
     assert owner["pid"] != proc.pid
     assert acquire_lock(tmp_path) is None  # re-entrant in one process
@@ -291,3 +293,20 @@ def test_summary_of_a_resumed_finished_run_says_it_is_complete():
     assert _summary(cfg, 20, 3.0).startswith("done: steps 21..60 in 3 s")
     done = _summary(cfg, 60, 1.0)
     assert "already complete at step 60 of training.steps=60" in done and "61" not in done
+
+
+def test_a_failed_run_releases_its_lock_and_leaves_no_empty_folders(tmp_path):
+    """Issue 39: a handled error exit releases the lock (no stale-lock notice next time) and
+    removes what claiming created (lock files, empty directories); a directory that existed
+    keeps everything but the empty record."""
+    existing = tmp_path / "logs"
+    existing.mkdir()
+    (existing / "notes.txt").write_text("mine")
+    new_ckpt = tmp_path / "a" / "b" / "checkpoints"
+    metrics = existing / "metrics.jsonl"
+    claim_run_dirs(metrics, str(existing), str(new_ckpt), None, resume=False, overwrite=False)
+    assert (new_ckpt / rundir.LOCK_NAME).is_file()
+    rundir.release_locks(failed=True)
+    assert not (tmp_path / "a").exists()
+    assert sorted(p.name for p in existing.iterdir()) == ["notes.txt"]
+    assert acquire_lock(existing) is None  # released: no stale-lock notice

@@ -331,3 +331,32 @@ def test_a_blocked_process_group_teardown_does_not_hold_the_exit(mode):
         assert (r.returncode, r.stdout.split()) == (5, ["blocked", "True"]), r.stderr
         assert "teardown did not end within 1 s" in r.stderr
         assert time.monotonic() - t0 < 60
+
+
+def test_a_second_signal_exits_at_once_and_releases_the_lock(tmp_path):
+    """Issue 39: the immediate exit of a second signal is a handled end: the lock's record is
+    emptied, so the next run reports no stale lock."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from megatron_grpo.train import rundir
+
+    code = textwrap.dedent(
+        f"""
+        import os, signal, time
+        from megatron_grpo.train.rundir import acquire_lock
+        from megatron_grpo.train.stop import StopRequest
+        acquire_lock({str(tmp_path)!r})
+        stop = StopRequest(["SIGUSR1", "SIGUSR2"], None)
+        stop.install()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGUSR2)
+        time.sleep(60)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 128 + signal.SIGUSR2, out.stderr[-2000:]
+    assert (tmp_path / rundir.LOCK_NAME).read_text() == ""
+    assert rundir.acquire_lock(tmp_path) is None
+    rundir.release_locks()

@@ -16,6 +16,10 @@ and, for "default" (the spec's call), each way of running the buckets (``--bucke
 packed_attention.BUCKETS; a forced backend runs them "exact").
 
     python tools/bench_packed_attention.py --mixed 20-600 --layouts 24 --methods default,flash
+
+"packed_varlen" and "packed_blocked" are the spec's other packed paths (``attention/choice.py``:
+one varlen_attn call, one masked SDPA over fixed blocks), e.g. ``--mixed 20-1000 --methods
+default,packed_varlen,packed_blocked`` for their cost against the buckets on new layouts.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from pathlib import Path
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from megatron_grpo.megatron.attention.choice import packed_attention
 from megatron_grpo.megatron.attention.packed import document_layout, packed_causal_attention
 from megatron_grpo.megatron.attention.sdpa import sdpa
 
@@ -54,6 +59,16 @@ def _method(name: str, scale: float, buckets: str = "plan_free"):
     """``fn(q, k, v, params)`` of a method: "default" (the spec's call: GQA without copies,
     documents of mixed lengths run as ``buckets`` says) or "<backend>" (K/V expanded to the
     query heads, that SDPA backend forced, buckets "exact")."""
+    if name in ("packed_varlen", "packed_blocked"):
+        impl = name.removeprefix("packed_")
+
+        def masked(q, k, v, mask=None):  # SDPAttention._sdpa's call
+            return sdpa(q, k, v, mask=mask, causal=mask is None, scale=scale)
+
+        def packed(q, k, v, params):
+            return packed_attention(q, k, v, params, impl=impl, sdpa=masked, scale=scale)
+
+        return packed
     if name == "varlen":
         from torch.nn.attention.varlen import varlen_attn
 

@@ -11,6 +11,14 @@ Per document length L (``--doc-lens``) and packed-RoPE implementation (``--rope`
 wheels/ carried. The first command took about 4 minutes on an H100: megatron-core's RoPE loop
 at L=32 alone costs ~18 s per fwd+bwd pass.)
 
+Expert parallelism (``--moe --ep N``, one process per GPU under torchrun; expert-TP 1, every
+rank its own micro-batches as data-parallel ranks have; MFU per GPU from the rank's active
+FLOPs; rank 0 prints and writes)::
+
+    torchrun --nproc-per-node 4 tools/bench_train_passes.py --moe --ep 4 --out $OUT
+    torchrun --nproc-per-node 4 tools/bench_train_passes.py --moe --ep 4 --mixed 100-4000 \
+        --profile --profile-len 8192 --out $OUT        # kernel tables (a trace per rank)
+
 CPU dry run of the same logic (tiny model; run by tests/test_tools.py)::
 
     python tools/bench_train_passes.py --device cpu --tiny --rope megatron,auto
@@ -35,14 +43,17 @@ trainer sets them), reference log-probs = old + noise (``--kl-coef`` uses them).
 micro-batch of every timed pass, as a trainer meets them (each pass brings the attention new
 bucket shapes; FLOPs and MFU are those of the first batches).
 
-``--rope`` (a comma list of ``ROPE[/LAYER[/BUCKETS]]``) is the model's
+``--rope`` (a comma list of ``ROPE[/LAYER[/BUCKETS[/ATTN]]]``) is the model's
 ``ModelConfig.layer_kernels`` (``LayerKernels(rope=ROPE, elementwise=LAYER,
-attention=BUCKETS)``, what a recipe's ``model.layer_kernels`` sets): each variant is a model of
+attention=BUCKETS, packed_attention=ATTN)``, what a recipe's ``model.layer_kernels`` sets): each variant is a model of
 its own, built with it and loaded with the first one's weights (GPU memory: one model per
 variant), the rows of one L back to back: "megatron" is
 megatron-core's per-document loop (the "before"), "auto" / "torch" / "triton" our packed RoPE;
 BUCKETS "exact" runs mixed-length documents on torch's SDPA choice (cuDNN on Hopper, a plan
-per new shape), the default "plan_free" on flash / memory-efficient. The comparison table gives
+per new shape), the default "plan_free" on flash / memory-efficient. ATTN is the packed
+attention path (auto, varlen, blocked, buckets; default auto), e.g.
+``auto/auto/plan_free/buckets,auto/auto/plan_free/varlen`` for the length-bucketed SDPA against
+one varlen_attn call per layer (issue 42). The comparison table gives
 each variant's time over the first one's (after / before; < 1 is faster).
 
 Timing: ``--warmup`` iterations, then the median of ``--iters``, each between
@@ -56,6 +67,15 @@ linear layers on T tokens, the LM head on the loss-mask rows; fwd+bwd: fwd, d in
 d weight), timed on random tensors of the model's dtype right before each row. Peak memory:
 ``torch.cuda.max_memory_allocated`` over the timed iterations of each pass (reset before it;
 includes the weights, fp32 gradient buffers and inputs).
+
+``--dense8b``: Qwen3-8B's layer shape (4 layers of hidden 4096, FFN 12288, heads 32/8 x 128,
+vocab 151936, untied). ``--tp N``: tensor parallelism N (sequence parallel on for N > 1) under
+``torchrun --nproc-per-node N`` (data-parallel size 1); MFU is per GPU (model FLOPs / (time * N
+* peak)). ``--tp 1,2,4`` without torchrun runs each size under its own torchrun in turn and
+prints their MFU side by side (tools/bench_tp.py), e.g. on 4 GPUs::
+
+    python tools/bench_train_passes.py --dense8b --tp 1,2,4 --tokens 32768 --micro-batches 2 \\
+        --doc-lens 8192 --mixed 100-4000 --out $OUT/tp
 
 ``--profile``: at L = ``--profile-len`` (default the smallest of ``--doc-lens``), one log-prob
 pass and one fwd+bwd pass per rope impl under ``torch.profiler``: the top ``--top`` kernels (calls,
@@ -86,6 +106,9 @@ from pathlib import Path
 
 QWEN3_0_6B = dict(layers=28, hidden=1024, ffn=3072, heads=16, kv_heads=8, head_dim=128,
                   vocab=151936, tied=True)  # fmt: skip
+# --dense8b: Qwen3-8B's layer shape (36 layers there)
+QWEN3_8B_LAYERS = dict(layers=4, hidden=4096, ffn=12288, heads=32, kv_heads=8, head_dim=128,
+                       vocab=151936, tied=False)  # fmt: skip
 TINY = dict(layers=2, hidden=64, ffn=128, heads=4, kv_heads=2, head_dim=16, vocab=512, tied=True)
 # --moe: Qwen3-30B-A3B's layer shape (48 layers there), every layer MoE
 QWEN3_30B_A3B = dict(layers=12, hidden=2048, ffn=6144, heads=32, kv_heads=4, head_dim=128,
@@ -100,6 +123,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true",
                     help="2 layers, hidden 64, vocab 512; 2 micro-batches of 256 tokens, "
                     "L = 256,32, 1 iteration (the CPU dry run; implied by --device cpu)")  # fmt: skip
+    ap.add_argument("--dense8b", action="store_true", help="Qwen3-8B's layer shape: 4 layers, "
+                    "hidden 4096, FFN 12288, heads 32/8 x 128, vocab 151936, untied")  # fmt: skip
+    ap.add_argument("--tp", default="1", help="tensor-parallel size N (run under torchrun "
+                    "--nproc-per-node N; SP on for N > 1), or a comma list of sizes run one "
+                    "torchrun each, MFU side by side (tools/bench_tp.py)")  # fmt: skip
     ap.add_argument("--layers", type=int, default=None, help="default 28 (Qwen3-0.6B)")
     ap.add_argument("--hidden", type=int, default=None, help="default 1024")
     ap.add_argument("--ffn", type=int, default=None, help="default 3072")
@@ -120,6 +148,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     f"implementations {EXPERTS}, a model each (same seed), e.g. "
                     "sequential,grouped for before/after")  # fmt: skip
     ap.add_argument("--num-experts", type=int, default=None, help="--moe: default 128")
+    ap.add_argument("--ep", type=int, default=1, help="--moe: expert_model_parallel_size "
+                    "(one process per GPU under torchrun, expert-TP 1; the world size must be "
+                    "a multiple)")  # fmt: skip
     ap.add_argument("--topk", type=int, default=None, help="--moe: default 8")
     ap.add_argument("--moe-ffn", type=int, default=None, help="--moe: default 768")
     ap.add_argument("--micro-batches", type=int, default=None, help="default 4")
@@ -131,10 +162,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "lengths uniform in [LO, HI], new ones in every micro-batch of every pass "
                     "(as a trainer sees them: new attention bucket shapes)")  # fmt: skip
     ap.add_argument("--rope", default="auto", help="comma list of variants "
-                    "ROPE[/LAYER[/BUCKETS]]: the packed RoPE impl (auto, torch, triton, "
+                    "ROPE[/LAYER[/BUCKETS[/ATTN]]]: the packed RoPE impl (auto, torch, triton, "
                     "megatron), optionally the norm + SwiGLU kernels (auto, torch, triton; "
-                    "default auto) and how the attention runs documents of mixed lengths "
-                    "(plan_free, exact; default plan_free), e.g. megatron/torch,auto for "
+                    "default auto), how the bucketed attention runs documents of mixed lengths "
+                    "(plan_free, exact; default plan_free) and the packed attention path (auto, "
+                    "varlen, blocked, buckets; default auto), e.g. megatron/torch,auto for "
                     "before/after")  # fmt: skip
     ap.add_argument("--logprob-path", default="fused", help="GRPOStep.logprob_path (the "
                     "trainer's lm_head.path; default fused)")  # fmt: skip
@@ -159,6 +191,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     a.tiny = a.tiny or a.device == "cpu"  # the CPU run is a dry run: the tiny preset
     shape = (TINY_MOE if a.tiny else QWEN3_30B_A3B) if a.moe else (TINY if a.tiny else QWEN3_0_6B)
+    if a.dense8b and not a.tiny:
+        if a.moe:
+            ap.error("--dense8b and --moe are two shapes: pick one")
+        shape = QWEN3_8B_LAYERS
+    from bench_tp import parse_sizes  # noqa: PLC0415 (tools/ is the script's path)
+
+    a.tp = parse_sizes(a.tp)
+    a.tp_size = a.tp[0] if len(a.tp) == 1 else None
+    if a.moe and a.tp != [1]:
+        ap.error("--tp: the dense models only (MoE layers have their own expert parallelism)")
     for name, value in shape.items():
         if name != "tied" and getattr(a, name) is None:
             setattr(a, name, value)
@@ -177,6 +219,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         from megatron_grpo.train.config import LOGPROB_MERGE_TOKENS
 
         a.logprob_merge = LOGPROB_MERGE_TOKENS
+    if a.ep < 1 or (a.ep > 1 and not a.moe):
+        ap.error(f"--ep {a.ep}: a positive size, > 1 only with --moe")
     if min(a.doc_lens) < 2 or a.tokens < 2:
         ap.error("--doc-lens and --tokens must be >= 2")
     a.doc_lens = [min(L, a.tokens) for L in a.doc_lens]  # a document fills a micro-batch at most
@@ -213,15 +257,19 @@ from megatron_grpo.megatron.attention.rope import PackedRopeSelfAttention  # noq
 from megatron_grpo.ops.kernels import CHOICES, LayerKernels  # noqa: E402
 
 IMPLS, LAYER_IMPLS, BUCKETS = CHOICES["rope"], CHOICES["impl"], CHOICES["attention"]
+PACKED = CHOICES["packed_attention"]
 
 GIB = 2**30
+RANK, WORLD = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+if RANK:  # torchrun: rank 0 prints the tables and writes the results
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115
 
 # ----------------------------------------------------------------------------- model, batches
 
 
 def build(args, dev: torch.device, experts: str, kernels: LayerKernels):
     """(ModelConfig, DDP-wrapped chunks) of the trainer's builder running ``kernels``;
-    TP = PP = EP = 1."""
+    TP = ``--tp`` (SP when > 1), EP ``--ep``, PP = 1."""
     moe = {}
     if args.moe:
         moe = dict(num_moe_experts=args.num_experts, moe_router_topk=args.topk,
@@ -236,7 +284,10 @@ def build(args, dev: torch.device, experts: str, kernels: LayerKernels):
         params_dtype="bfloat16" if dev.type == "cuda" else "float32", layer_kernels=kernels,
         **moe,
     )  # fmt: skip
-    parallel = ParallelConfig()
+    tp = args.tp_size
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
+                              expert_model_parallel_size=args.ep,
+                              expert_tensor_parallel_size=1 if args.ep > 1 else None)  # fmt: skip
     if not model_parallel_is_initialized():
         initialize_parallel(parallel, seed=args.seed)
     return cfg, build_model(cfg, parallel)
@@ -255,7 +306,8 @@ def _doc_lens(L: int | str, tokens: int, g: torch.Generator) -> list[int]:
 
 
 def _seed(L: int | str, args) -> int:
-    return args.seed + (L if isinstance(L, int) else 7919)
+    """The batches' seed; each rank its own (data-parallel ranks hold different data)."""
+    return args.seed + (L if isinstance(L, int) else 7919) + 100003 * RANK
 
 
 def make_batches(L: int | str, args, seed: int) -> list[PackedBatch]:
@@ -271,7 +323,7 @@ def make_batches(L: int | str, args, seed: int) -> list[PackedBatch]:
         ref = [o - 0.05 * torch.rand(n, generator=g) for o, n in zip(old, lens, strict=True)]
         adv = torch.randn(len(lens), generator=g)
         batches.append(pack_sequences(seqs, masks, advantages=adv, old_logprobs=old,
-                                      ref_logprobs=ref))  # fmt: skip
+                                      ref_logprobs=ref, pad_to_multiple_of=args.tp_size))  # fmt: skip
     return batches
 
 
@@ -373,7 +425,8 @@ def gemm_floor(gpt, args, dev, scored_rows: int) -> dict:
         f, di, dw = _mm_ms(m, k, n, dev, dtype, args.floor_reps)
         fwd, bwd = fwd + f * args.layers, bwd + (di + dw) * args.layers
     rows = max(1, round(scored_rows / args.micro_batches))
-    f, di, dw = _mm_ms(rows, args.hidden, args.vocab, dev, dtype, args.floor_reps)
+    vocab = -(-args.vocab // args.tp_size)  # the vocab-parallel head's rows on this rank
+    f, di, dw = _mm_ms(rows, args.hidden, vocab, dev, dtype, args.floor_reps)
     fwd, bwd = (fwd + f) * args.micro_batches, (bwd + di + dw) * args.micro_batches
     return dict(logprob_ms=fwd, train_ms=fwd + bwd)
 
@@ -384,11 +437,12 @@ def gemm_floor(gpt, args, dev, scored_rows: int) -> dict:
 class Passes:
     """The trainer's two passes over a list of micro-batches."""
 
-    def __init__(self, step: GRPOStep, chunks: list[torch.nn.Module], merge: int):
+    def __init__(self, step: GRPOStep, chunks: list[torch.nn.Module], merge: int, count_group=None):
         self.step, self.chunks, self.merge = step, chunks, merge or None
+        self.count_group = count_group  # EP > 1: the ranks agree on the forward count
 
     def logprob(self, batches: list[PackedBatch]) -> list[torch.Tensor]:
-        return self.step.compute_logprobs(self.chunks, batches, self.merge)
+        return self.step.compute_logprobs(self.chunks, batches, self.merge, self.count_group)
 
     def zero_grads(self) -> None:
         for c in self.chunks:
@@ -407,11 +461,12 @@ class Passes:
 
 
 def layer_kernels(variant: str) -> LayerKernels:
-    """A ``ROPE[/LAYER[/BUCKETS]]`` variant as the model's kernels: the packed RoPE impl, the
-    layers' element-wise kernels (default "auto") and how the attention runs documents of mixed
-    lengths (default "plan_free")."""
-    rope, layer, buckets = (variant.split("/") + ["", ""])[:3]
-    return LayerKernels(elementwise=layer or "auto", rope=rope, attention=buckets or "plan_free")
+    """A ``ROPE[/LAYER[/BUCKETS[/ATTN]]]`` variant as the model's kernels: the packed RoPE impl,
+    the layers' element-wise kernels (default "auto"), how the bucketed attention runs documents
+    of mixed lengths (default "plan_free") and the packed attention path (default "auto")."""
+    rope, layer, buckets, attn = (variant.split("/") + ["", "", ""])[:4]
+    return LayerKernels(elementwise=layer or "auto", rope=rope, attention=buckets or "plan_free",
+                        packed_attention=attn or "auto")  # fmt: skip
 
 
 def variant_models(args, dev, experts: str, weights) -> dict:
@@ -463,7 +518,7 @@ def run_row(L: int | str, impl: str, passes: Passes, gpt, args, dev, params: tup
                tokens=flops["tokens"], scored_rows=flops["scored_rows"], flops=flops,
                loss=report.get("loss/loss"), grad_norm=grad_sq**0.5,
                logp_max_abs_vs_first=diff, floor_ms=floor)  # fmt: skip
-    peak = args.peak_tflops * 1e12
+    peak = args.peak_tflops * 1e12 * args.tp_size  # MFU per GPU of the TP group
     for name, times, mem, mult, floor_ms in (
         ("logprob", lp_times, lp_peak, 1, floor["logprob_ms"]),
         ("train", tr_times, tr_peak, 3, floor["train_ms"]),
@@ -511,7 +566,7 @@ def profile_pass(name: str, fn, setup, args, dev, out: Path, tag: str) -> dict:
         fn()
         sync(dev)
         wall_ms = (time.perf_counter() - t0) * 1e3
-    trace = out / f"trace_{tag}_{name}.json.gz"
+    trace = out / f"trace_{tag}_{name}{f'_rank{RANK}' if WORLD > 1 else ''}.json.gz"
     prof.export_chrome_trace(str(trace))
     events = _device_events(prof, dev)
     spans = [(e.time_range.start, e.time_range.end) for e in events]
@@ -650,7 +705,8 @@ def run_info(args, dev) -> dict:
             return None
 
     name = torch.cuda.get_device_name() if dev.type == "cuda" else platform.processor() or "cpu"
-    return dict(device=name, device_type=dev.type, args=vars(args), torch=torch.__version__,
+    return dict(device=name, device_type=dev.type, args=vars(args), tp=args.tp_size,
+                world_size=WORLD, torch=torch.__version__,
                 megatron_core=megatron.core.__version__, triton=triton.__version__,
                 cuda=torch.version.cuda, git_head=git_head(),
                 time=time.strftime("%Y-%m-%d %H:%M:%S"))  # fmt: skip
@@ -676,8 +732,10 @@ def run_model(args, dev, experts: str, out: Path, acc: tuple, info: dict, weight
         weights = {k: v.cpu() if torch.is_tensor(v) else v for k, v in gpt.state_dict().items()}
     step = GRPOStep(GRPOLossConfig(kl_coef=args.kl_coef), vocab_size=cfg.vocab_size,
                     logprob_path=args.logprob_path)  # fmt: skip
-    variants = {r: Passes(step, c, args.logprob_merge) for r, (_, c) in models.items()}
+    group = torch.distributed.group.WORLD if args.ep > 1 else None
+    variants = {r: Passes(step, c, args.logprob_merge, group) for r, (_, c) in models.items()}
     decoder, head = matmul_params(gpt, cfg.vocab_size)
+    decoder *= args.tp_size  # every decoder GEMM weight is split over TP: the model's FLOPs
     info.setdefault("models", {})[experts] = dict(
         config={k: v for k, v in vars(cfg).items() if not k.startswith("yarn")},
         params=sum(p.numel() for p in gpt.parameters()), decoder_matmul_params=decoder,
@@ -689,7 +747,8 @@ def run_model(args, dev, experts: str, out: Path, acc: tuple, info: dict, weight
           f"{moe if args.moe else ''}, {'tied' if args.tied else 'untied'}, "
           f"{info['models'][experts]['dtype']}, {info['models'][experts]['params'] / 1e6:.1f}M "
           f"params ({(decoder + head) / 1e6:.1f}M matmul per token incl. the head); "
-          f"{args.micro_batches} x {args.tokens} tokens; logprob_path {args.logprob_path}; "
+          f"{args.micro_batches} x {args.tokens} tokens; TP {args.tp_size}"
+          f"{' + SP' if args.tp_size > 1 else ''}; logprob_path {args.logprob_path}; "
           f"log-prob pass merged to {args.logprob_merge or 'no'} tokens; fwd+bwd without "
           "optimizer step", flush=True)  # fmt: skip
     for L in args.doc_lens:
@@ -719,20 +778,34 @@ def run_model(args, dev, experts: str, out: Path, acc: tuple, info: dict, weight
 def main() -> int:
     args = ARGS or parse_args()
     dev = torch.device(args.device)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if dev.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: use --device cpu --tiny for a dry run", file=sys.stderr)
         return 2
 
     def known(variant: str) -> bool:
         parts = variant.split("/")
-        choices = (IMPLS, ("", *LAYER_IMPLS), ("", *BUCKETS))
-        return len(parts) <= 3 and all(p in c for p, c in zip(parts, choices, strict=False))
+        choices = (IMPLS, ("", *LAYER_IMPLS), ("", *BUCKETS), ("", *PACKED))
+        return len(parts) <= 4 and all(p in c for p, c in zip(parts, choices, strict=False))
 
     unknown = [r for r in args.rope if not known(r)]
     if unknown or not args.rope:
         raise SystemExit(f"--rope: {unknown or args.rope}: ROPE in {IMPLS}, LAYER in "
-                         f"{LAYER_IMPLS}, BUCKETS in {BUCKETS}")  # fmt: skip
+                         f"{LAYER_IMPLS}, BUCKETS in {BUCKETS}, ATTN in {PACKED}")  # fmt: skip
     out = Path(args.out)
+    if args.tp_size is None:  # a list of sizes: one torchrun each
+        if "RANK" in os.environ:
+            raise SystemExit("--tp: under torchrun give one size (a list runs torchrun itself)")
+        import bench_tp
+
+        return bench_tp.sweep(__file__, sys.argv[1:], args.tp, out)
+    if args.ep == 1 and WORLD != args.tp_size:
+        raise SystemExit(f"--tp {args.tp_size} needs torchrun --nproc-per-node {args.tp_size} "
+                         f"(world size {WORLD}; the timings use data-parallel size 1)")  # fmt: skip
+    if args.ep > 1 and (WORLD % args.tp_size or WORLD % args.ep):
+        raise SystemExit(f"--ep {args.ep} --tp {args.tp_size}: the world size {WORLD} must be a "
+                         "multiple of both (torchrun --nproc-per-node)")  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     info = run_info(args, dev)
     print(
@@ -747,8 +820,9 @@ def main() -> int:
     comp = comparison(rows, labels)
     print_comparison(comp)
     result = dict(info, rows=rows, comparison=comp, profile=prof or None)
-    (out / "results.json").write_text(json.dumps(result, indent=1, default=str))
-    print(f"\nwrote {out / 'results.json'}")
+    if RANK == 0:
+        (out / "results.json").write_text(json.dumps(result, indent=1, default=str))
+        print(f"\nwrote {out / 'results.json'}")
     return 0
 
 

@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done, 2 an error (one ``error:`` line; nothing is written)."""
-    # Our progress lines, bare; the libraries' warnings go to OUT/warnings.log (count printed).
+    # Our progress lines, bare; the libraries' warnings go to OUT.warnings.log beside the output
+    # directory (count printed): an HF folder stays exactly what is uploaded.
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     with WarningLog() as log:
         args = build_parser().parse_args(argv)
@@ -89,10 +90,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         if log.count:
-            log.attach(Path(out) / "warnings.log")
+            log.attach(warnings_path(Path(out)))
             print(log.count_line())
     print(f"wrote {out}")
     return 0
+
+
+def warnings_path(out: Path) -> Path:
+    """``OUT.warnings.log``, beside the output directory ``OUT`` (never inside it)."""
+    return out.parent / f"{out.resolve().name}.warnings.log"
 
 
 def _quiet_progress_bars() -> None:

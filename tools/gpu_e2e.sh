@@ -9,6 +9,9 @@
 #                                   # 512 samples; MOE_EXPERTS "grouped" or "sequential grouped"
 #                                   # for megatron-core's SequentialMLP before it), STEPS each
 #   bash tools/gpu_e2e.sh moe_twin  # the MoE twin (2 GPUs): toy task + 4k synthetic rollouts
+#   bash tools/gpu_e2e.sh moe_ep    # the MoE twin at EP1 (1 GPU), EP2 TP2+SP (2), EP4 TP1 and
+#                                   # TP2+SP (4 GPUs): step split, generation tokens/s, ratios
+#                                   # to EP1 (moe_ep.md; MOE_EP_LAYOUTS "tag:gpus:tp:sp ...")
 #   bash tools/gpu_e2e.sh maxctx    # longest packed micro-batch per log-prob path, one GPU
 #   bash tools/gpu_e2e.sh step      # the dense twin's step on 2 GPUs (TP2+SP), toy task with
 #                                   # 256-digit prompts: on-policy (1 mini-batch, old-log-prob
@@ -197,6 +200,64 @@ moe_split() {
     return $status
 }
 
+# moe_ep: the MoE twin's step split at expert parallelism (128-digit prompts, on-policy, 512
+# samples per step, fused path): EP1 on one GPU, EP2 (TP2+SP, the recipe's layout) on 2 GPUs,
+# EP4 with TP1 and with TP2+SP on 4 GPUs; a layout needing more GPUs than the host has is
+# skipped, a failing one does not stop the others. Decode graphs need the allocator's
+# expandable segments off (rollout/graphs.py), so these runs unset them. Each run's log:
+# $OUT/moe_ep_<tag>.log (its "CUDA graphs" start-up line included); $OUT/moe_ep.md: the step
+# split, tokens/s and the ratios to EP1.
+moe_ep() {
+    local status=0 spec tag nproc tp sp
+    local common=(--set training.steps="$STEPS" --set training.mini_batches_per_step=1
+        --set rollout.reverse_digits.num_digits=128 --set rollout.max_prompt_length=132
+        --set rollout.max_response_length=129)
+    local layouts=${MOE_EP_LAYOUTS:-ep1:1:1:false ep2_tp2sp:2:2:true ep4_tp1:4:1:false ep4_tp2sp:4:2:true}
+    for spec in $layouts; do
+        IFS=: read -r tag nproc tp sp <<<"$spec"
+        if [ "$nproc" -gt "$NGPU" ]; then
+            echo "== moe_ep_$tag: skipped ($nproc GPUs, $NGPU here)" | tee -a "$LOG"
+            continue
+        fi
+        PYTORCH_CUDA_ALLOC_CONF="" LOG="$OUT/moe_ep_$tag.log" NPROC=$nproc \
+            train "moe_ep_${tag}_fused" qwen3_30b_a3b_moe_twin fused "${common[@]}" \
+            --set parallel.tensor_model_parallel_size="$tp" --set parallel.sequence_parallel="$sp" \
+            --set parallel.expert_model_parallel_size="$nproc" \
+            --set parallel.expert_tensor_parallel_size=1 || status=1
+        echo "moe_ep_$tag: $(grep -h -m1 "CUDA graphs" "$OUT/moe_ep_$tag.log")" | tee -a "$LOG"
+    done
+    python3 - "$WORK" "$OUT/moe_ep.md" <<'EOF' | tee -a "$LOG"
+import json, sys
+from pathlib import Path
+work, out = Path(sys.argv[1]), Path(sys.argv[2])
+keys = ("step", "rollout", "logprob", "update")
+rows, base = [], None
+for run in sorted(work.glob("moe_ep_*_fused")):
+    f = run / "metrics.jsonl"
+    steps = [json.loads(l) for l in f.read_text().splitlines()][1:] if f.exists() else []
+    def mean(k):
+        v = [s[k] for s in steps if s.get(k) is not None]
+        return sum(v) / len(v) if v else None
+    r = dict(tag=run.name[len("moe_ep_"):-len("_fused")], steps=len(steps),
+             **{k: mean(f"perf/{k}_seconds") for k in keys},
+             tps=mean("perf/tokens_per_s"), gen=mean("perf/generation_tokens_per_s"))
+    rows.append(r)
+    base = r if r["tag"] == "ep1" else base
+fmt = lambda v, p=2: "n/a" if v is None else f"{v:.{p}f}"
+ratio = lambda r, k: "n/a" if not (base and base[k] and r[k]) else f"{r[k] / base[k]:.2f}x"
+lines = ["| layout | steps (after warm-up) | step s | rollout s | log-prob s | update s | "
+         "step tok/s | vs EP1 | generation tok/s | vs EP1 |", "|---" * 10 + "|"]
+for r in rows:
+    lines.append(f"| {r['tag']} | {r['steps']} | " + " | ".join(fmt(r[k]) for k in keys)
+                 + f" | {fmt(r['tps'], 0)} | {ratio(r, 'tps')} | {fmt(r['gen'], 0)} | "
+                 + f"{ratio(r, 'gen')} |")
+text = "## MoE twin at expert parallelism\n\n" + "\n".join(lines) + "\n"
+out.write_text(text)
+print(text)
+EOF
+    return $status
+}
+
 # maxctx: per path and layer count, the longest packed micro-batch (tokens) whose forward +
 # backward fits one GPU: doubling from 16k, then 3 bisections; plus fwd+bwd tokens/s at 16k.
 maxctx() {
@@ -349,6 +410,7 @@ case "$MODE" in
     dense) { setup && twin dense qwen3_8b_long_sp_twin 8192 4; } || status=1 ;;
     moe) { setup && moe_split; } || status=1 ;;
     moe_twin) { setup && twin moe qwen3_30b_a3b_moe_twin 4096 8; } || status=1 ;;
+    moe_ep) { setup && moe_ep; } || status=1 ;;
     maxctx) { setup && maxctx; } || status=1 ;;
     step) { setup && step_split; } || status=1 ;;
     partial)
@@ -413,7 +475,7 @@ case "$MODE" in
         maxctx || status=1
         ;;
     *)
-        echo "usage: $0 [dense|moe|moe_twin|maxctx|step|partial|memory|async_sync|async|all]"
+        echo "usage: $0 [dense|moe|moe_twin|moe_ep|maxctx|step|partial|memory|async_sync|async|all]"
         exit 2
         ;;
 esac

@@ -12,6 +12,11 @@
 #   bash tools/gpu_suite.sh tp         # the --tp benchmark on every visible GPU (2 or 4)
 #   bash tools/gpu_suite.sh passes     # training passes on packed batches: bench_train_passes
 #                                      # (before / after), profiles at L=8192 and 128, attention
+#   bash tools/gpu_suite.sh mixed      # issue 42: packed-attention GPU tests, then the 0.6B and
+#                                      # 8B-layer mixed-length rows, length buckets vs varlen_attn
+#   bash tools/gpu_suite.sh mixed_moe  # the same row for the Qwen3-30B-A3B layer shape
+#   bash tools/gpu_suite.sh tp8b       # the 8B layer shape at TP 1, 2, 4 (as many as visible
+#                                      # GPUs allow), one torchrun each, MFU per GPU side by side
 # Extra arguments after the mode go to the benchmark (e.g. `bench --T 8192`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -100,6 +105,42 @@ run_passes() {
     return "$s"
 }
 
+# buckets (one SDPA per power-of-two length) against one varlen_attn call per layer
+MIXED_VARIANTS=auto/auto/plan_free/buckets,auto/auto/plan_free/varlen
+
+run_mixed() {
+    python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_packed_varlen.py \
+        tests/test_packed_attention.py 2>&1 | tee "$OUT/pytest_mixed.log"
+    local s=${PIPESTATUS[0]}
+    python3 tools/bench_train_passes.py --tokens 32768 --micro-batches 2 --doc-lens 8192 \
+        --mixed 20-1000 --rope "$MIXED_VARIANTS" --warmup 1 --iters 3 --out "$OUT/mixed_0_6b" \
+        "$@" 2>&1 | tee "$OUT/mixed_0_6b.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || s=1
+    python3 tools/bench_train_passes.py --dense8b --tokens 32768 --micro-batches 2 \
+        --doc-lens 8192 --mixed 100-4000 --rope "$MIXED_VARIANTS" --warmup 1 --iters 3 \
+        --out "$OUT/mixed_8b" "$@" 2>&1 | tee "$OUT/mixed_8b.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || s=1
+    return "$s"
+}
+
+run_mixed_moe() {
+    python3 tools/bench_train_passes.py --moe --doc-lens 8192 --mixed 100-4000 \
+        --rope "$MIXED_VARIANTS" --warmup 1 --iters 3 --out "$OUT/mixed_a3b" "$@" 2>&1 |
+        tee "$OUT/mixed_a3b.log"
+    return "${PIPESTATUS[0]}"
+}
+
+run_tp8b() {
+    local n sizes=1
+    n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+    [ "$n" -ge 2 ] && sizes=1,2
+    [ "$n" -ge 4 ] && sizes=1,2,4
+    python3 tools/bench_train_passes.py --dense8b --tp "$sizes" --tokens 32768 \
+        --micro-batches 2 --doc-lens 8192 --mixed 100-4000 --warmup 1 --iters 3 \
+        --out "$OUT/tp8b" "$@" 2>&1 | tee "$OUT/tp8b.log"
+    return "${PIPESTATUS[0]}"
+}
+
 status=0
 case "$MODE" in
     wheels) download_wheels || status=1 ;;
@@ -107,13 +148,16 @@ case "$MODE" in
     bench) { setup && run_bench "$@"; } || status=1 ;;
     tp) { setup && run_tp "$@"; } || status=1 ;;
     passes) { setup && run_passes "$@"; } || status=1 ;;
+    mixed) { setup && run_mixed "$@"; } || status=1 ;;
+    mixed_moe) { setup && run_mixed_moe "$@"; } || status=1 ;;
+    tp8b) { setup && run_tp8b "$@"; } || status=1 ;;
     all)
         setup || exit 1
         run_tests || status=1
         run_bench "$@" || status=1
         ;;
     *)
-        echo "usage: $0 [all|tests|bench|tp|passes|wheels] [benchmark args]"
+        echo "usage: $0 [all|tests|bench|tp|passes|mixed|mixed_moe|tp8b|wheels] [benchmark args]"
         exit 2
         ;;
 esac

@@ -210,7 +210,7 @@ def main() -> None:
         *args.set,
     ]
     rows: list[dict] = []
-    probe_trainer(load_train_config(recipe, sets)).train()
+    probe_trainer(load_train_config(recipe, sets), rows).train()
     if int(os.environ.get("RANK", "0")) == 0:
         text = table(rows, f"{tag}: {recipe} " + " ".join(sets))
         print(text, flush=True)

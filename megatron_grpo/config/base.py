@@ -19,13 +19,15 @@ with the full dotted path (``rollout.sampling.temperature must be > 0``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import os
 import re
 import types
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -47,6 +49,32 @@ class ConfigError(InputError):
     def __init__(self, message: str, key: str | None = None) -> None:
         super().__init__(message)
         self.key = key
+
+
+# While :func:`collect_errors` is active: the errors found so far (None: raise the first one).
+_COLLECTED: ContextVar[list[ConfigError] | None] = ContextVar("config_errors", default=None)
+
+
+@contextlib.contextmanager
+def collect_errors() -> Iterator[list[ConfigError]]:
+    """Within this context :func:`from_dict` and :func:`apply_overrides` record each bad key or
+    value in the yielded list and go on (a bad value keeps its default; a section whose checks
+    fail is built unchecked), so one pass finds every mistake of a recipe."""
+    errors: list[ConfigError] = []
+    token = _COLLECTED.set(errors)
+    try:
+        yield errors
+    finally:
+        _COLLECTED.reset(token)
+
+
+def report(error: ConfigError, cause: BaseException | None = None) -> None:
+    """Record ``error`` while collecting (once per message), else raise it."""
+    errors = _COLLECTED.get()
+    if errors is None:
+        raise error from cause
+    if all(str(e) != str(error) for e in errors):
+        errors.append(error)
 
 
 def _closest(key: str, valid: Sequence[str]) -> str:
@@ -87,7 +115,10 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         return value
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{path}: expected a mapping for {tp.__name__}, got {value!r}")
+            raise ConfigError(
+                f"{path}: expected a mapping for {tp.__name__}, got {value!r}"
+                + _section_hint(tp, path, value)
+            )
         return from_dict(tp, value, path)
     if origin in (tuple, list):
         return _coerce_sequence(value, tp, path)
@@ -98,6 +129,15 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     return _coerce_scalar(value, tp, path)
 
 
+def _section_hint(cls: type, path: str, value: Any) -> str:
+    """What to write instead of a plain value where a section is expected: its ``enabled``
+    switch for a bool (``--set rollout.partial=true``), else its keys."""
+    names = [f.name for f in recipe_fields(cls)]
+    if isinstance(value, bool) and "enabled" in names:
+        return f"; {path} is a section: did you mean '{path}.enabled={str(value).lower()}'?"
+    return f"; {path} is a section with the keys {', '.join(names)}"
+
+
 def _coerce_union(value: Any, tp: Any, path: str) -> Any:
     """``X | Y | None``: null where allowed, else the first option that accepts the value."""
     options = get_args(tp)
@@ -105,14 +145,19 @@ def _coerce_union(value: Any, tp: Any, path: str) -> Any:
         if type(None) in options:
             return None
         raise ConfigError(f"{path}: must not be null")
+    real = [opt for opt in options if opt is not type(None)]
+    if len(real) == 1:  # `X | None`: X's own errors, collected as usual
+        return _coerce(value, real[0], path)
     errors = []
-    for opt in options:
-        if opt is type(None):
-            continue
-        try:
-            return _coerce(value, opt, path)
-        except ConfigError as e:
-            errors.append(str(e))
+    token = _COLLECTED.set(None)  # each option is a trial: its first error rejects it
+    try:
+        for opt in real:
+            try:
+                return _coerce(value, opt, path)
+            except ConfigError as e:
+                errors.append(str(e))
+    finally:
+        _COLLECTED.reset(token)
     raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} fits none of {tp}")
 
 
@@ -157,7 +202,8 @@ def _float_or_same(text: str) -> float | str:
 
 
 def from_dict(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:
-    """Build dataclass ``cls`` from a mapping; unknown keys and bad values are errors."""
+    """Build dataclass ``cls`` from a mapping; unknown keys and bad values are errors (all of
+    them recorded under :func:`collect_errors`, else the first raised)."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path or cls.__name__}: expected a mapping, got {data!r}")
     hints = get_type_hints(cls)
@@ -167,22 +213,51 @@ def from_dict(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:
         dotted = _join(path, key)
         if key not in fields:
             message = f"unknown config key '{dotted}'{_closest(key, list(fields))}"
-            raise ConfigError(message, key=dotted)
+            report(ConfigError(message, key=dotted))
+            continue
         try:
             kwargs[key] = _coerce(value, hints[key], dotted)
         except ConfigError as e:
             e.key = e.key or dotted  # the innermost field that holds the bad value
-            raise
+            report(e)
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as e:
-        if isinstance(e, ConfigError):
+        error = _check_error(cls, path, e, list(fields))
+        report(error, cause=None if error is e else e)
+        return _unchecked(cls, kwargs)
+    except AttributeError:  # a check reading a stand-in above: a cascade of an error found
+        if not _COLLECTED.get():
             raise
-        if not path:  # the root: its messages name their sections
-            raise ConfigError(f"{cls.__name__}: {e}") from e
-        message = field_message(path, str(e), list(fields))
-        head = message[len(path) + 1 :].split(" ")[0].split(".")[0].split("[")[0]
-        raise ConfigError(message, key=_join(path, head) if head in fields else path) from e
+        return _unchecked(cls, kwargs)
+
+
+def _check_error(cls: type, path: str, e: Exception, fields: list[str]) -> ConfigError:
+    """A section's failed ``__post_init__`` as a ConfigError naming the dotted field."""
+    if isinstance(e, ConfigError):
+        return e
+    if not path:  # the root: its messages name their sections
+        return ConfigError(f"{cls.__name__}: {e}")
+    message = field_message(path, str(e), fields)
+    head = message[len(path) + 1 :].split(" ")[0].split(".")[0].split("[")[0]
+    return ConfigError(message, key=_join(path, head) if head in fields else path)
+
+
+def _unchecked(cls: type[T], kwargs: Mapping[str, Any]) -> T:
+    """``cls`` with ``kwargs`` (defaults elsewhere) without its checks: a stand-in that lets
+    error collection go on past a section that failed them."""
+    obj = cls.__new__(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in kwargs:
+            value = kwargs[f.name]
+        elif f.default is not dataclasses.MISSING:
+            value = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+        else:
+            value = None
+        object.__setattr__(obj, f.name, value)
+    return obj
 
 
 def yaml_key_lines(text: str) -> dict[str, int]:
@@ -220,6 +295,24 @@ def recipe_line(path: str | Path, key: str | None, overrides: Sequence[str]) -> 
     return None
 
 
+def raise_collected(
+    errors: Sequence[ConfigError], path: str | Path | None, overrides: Sequence[str]
+) -> None:
+    """Raise the errors :func:`collect_errors` found as one ConfigError (none: return): each
+    on its own line, led by the recipe's ``FILE:LINE`` of its key (:func:`recipe_line`)."""
+    if not errors:
+        return
+    lines = []
+    for e in errors:
+        line = recipe_line(path, e.key, overrides) if path is not None else None
+        lines.append(f"{path}:{line}: {e}" if line is not None else str(e))
+    if len(lines) == 1:
+        raise ConfigError(lines[0], key=errors[0].key)
+    where = f"{path} (with its --set overrides)" if overrides else f"{path or 'the config'}"
+    head = f"{len(lines)} mistakes in {where}:"
+    raise ConfigError("\n".join([head, *(f"  {text}" for text in lines)]))
+
+
 def check_positive(obj: Any, *names: str) -> None:
     """``__post_init__`` helper: each named field must be > 0 when set (None is allowed)."""
     for name in names:
@@ -247,33 +340,41 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str], root: type |
     """Apply ``a.b.c=value`` overrides (values parsed as YAML) to a nested dict in place.
 
     With ``root`` (the tree's dataclass), an unknown path raises a :class:`ConfigError`
-    that suggests the closest valid key, even when the YAML omitted that section.
+    that suggests the closest valid key, even when the YAML omitted that section (under
+    :func:`collect_errors`: each bad override is recorded and skipped).
     """
     for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override '{item}' must have the form a.b=value")
-        dotted, raw = item.split("=", 1)
-        keys = dotted.strip().split(".")
-        value = yaml.safe_load(raw) if raw.strip() else ""
-        node, cls = data, root
-        for depth, key in enumerate(keys):
-            path = ".".join(keys[: depth + 1])
-            if cls is not None:
-                names = [f.name for f in recipe_fields(cls)]
-                if key not in names:
-                    raise ConfigError(f"unknown config key '{path}'{_closest(key, names)}")
-                tp = get_type_hints(cls)[key]
-                cls = _dataclass_in(tp)
-            if depth == len(keys) - 1:
-                node[key] = value
-            else:
-                child = node.get(key)
-                if child is None:
-                    child = node[key] = {}
-                if not isinstance(child, dict):
-                    raise ConfigError(f"override '{dotted}': '{path}' is not a section")
-                node = child
+        try:
+            _apply_override(data, item, root)
+        except ConfigError as e:
+            report(e)
     return data
+
+
+def _apply_override(data: dict[str, Any], item: str, root: type | None) -> None:
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' must have the form a.b=value")
+    dotted, raw = item.split("=", 1)
+    keys = dotted.strip().split(".")
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    node, cls = data, root
+    for depth, key in enumerate(keys):
+        path = ".".join(keys[: depth + 1])
+        if cls is not None:
+            names = [f.name for f in recipe_fields(cls)]
+            if key not in names:
+                raise ConfigError(f"unknown config key '{path}'{_closest(key, names)}")
+            tp = get_type_hints(cls)[key]
+            cls = _dataclass_in(tp)
+        if depth == len(keys) - 1:
+            node[key] = value
+        else:
+            child = node.get(key)
+            if child is None:
+                child = node[key] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override '{dotted}': '{path}' is not a section")
+            node = child
 
 
 def rename_keys(
@@ -378,6 +479,9 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequenc
 __all__ = [
     "ConfigError",
     "check_positive",
+    "collect_errors",
+    "raise_collected",
+    "report",
     "apply_overrides",
     "from_dict",
     "load_config",

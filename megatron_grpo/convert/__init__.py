@@ -9,12 +9,24 @@ Public API (the CLI is ``tools/convert_checkpoint.py``; layout in ``docs/convers
     verify_conversion(hf_dir, ckpt_dir, tp=1, weight_dtype=None) -> max |logit difference|
 """
 
-from megatron_grpo.convert.errors import ConversionError
-from megatron_grpo.convert.families import FAMILIES
-from megatron_grpo.convert.hf_to_mcore import hf_to_mcore
-from megatron_grpo.convert.layout import HF_ASSETS_DIR, MODEL_CONFIG_NAME, read_model_config
-from megatron_grpo.convert.mcore_to_hf import mcore_to_hf
-from megatron_grpo.convert.verify import verify_conversion
+import importlib
+import sys
+import types
+from typing import Any
+
+# Imported on first use (PEP 562): a recipe reads ``convert.layout`` / ``convert.hf_config``
+# without the converters' megatron-core imports (``python -m megatron_grpo.train --check``).
+_EXPORTS = {
+    "ConversionError": "megatron_grpo.convert.errors",
+    "FAMILIES": "megatron_grpo.convert.families",
+    "hf_to_mcore": "megatron_grpo.convert.hf_to_mcore",
+    "HF_ASSETS_DIR": "megatron_grpo.convert.layout",
+    "MODEL_CONFIG_NAME": "megatron_grpo.convert.layout",
+    "read_model_config": "megatron_grpo.convert.layout",
+    "mcore_to_hf": "megatron_grpo.convert.mcore_to_hf",
+    "verify_conversion": "megatron_grpo.convert.verify",
+}
+
 
 __all__ = [
     "FAMILIES",
@@ -26,3 +38,26 @@ __all__ = [
     "read_model_config",
     "verify_conversion",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+class _Package(types.ModuleType):
+    """The functions ``hf_to_mcore`` / ``mcore_to_hf`` share their modules' names: the import
+    system's binding of such a submodule to this package is skipped, so the name stays the
+    function (as it was when this package imported them eagerly)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and name in _EXPORTS:
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -138,6 +138,19 @@ def _write_config(out: Path, config: dict, dtype: torch.dtype) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
+def _write_tensors(ckpt, tmp, tensors, items, info, max_shard_bytes, load_batch_bytes) -> None:
+    """The planned HF tensors into safetensors shards, ``load_batch_bytes`` of Megatron tensors
+    read at a time."""
+    writer = SafetensorsWriter(tmp, [o for it in items for o in it.outputs], max_shard_bytes)
+    for batch in _batches(items, load_batch_bytes):
+        loaded = load_tensors(ckpt, tensors, [it.name for it in batch])
+        for item in batch:
+            hf = item.rule.transform.to_hf(loaded.pop(item.name), info)
+            for planned, t in zip(item.outputs, hf, strict=True):
+                writer.write(planned.name, t.to(planned.dtype))
+    writer.close()
+
+
 def mcore_to_hf(
     ckpt_dir: str | Path,
     out_dir: str | Path,
@@ -181,14 +194,7 @@ def mcore_to_hf(
     with atomic_output_dir(out_dir) as tmp, single_process_megatron():
         tensors, _ = checkpoint_entries(meta_model(model_cfg))
         items = plan_export(tensors, fam, info, stored, DTYPES.get(dtype or ""))
-        writer = SafetensorsWriter(tmp, [o for it in items for o in it.outputs], max_shard_bytes)
-        for batch in _batches(items, load_batch_bytes):
-            loaded = load_tensors(ckpt, tensors, [it.name for it in batch])
-            for item in batch:
-                hf = item.rule.transform.to_hf(loaded.pop(item.name), info)
-                for planned, t in zip(item.outputs, hf, strict=True):
-                    writer.write(planned.name, t.to(planned.dtype))
-        writer.close()
+        _write_tensors(ckpt, tmp, tensors, items, info, max_shard_bytes, load_batch_bytes)
         if assets.is_dir():
             copy_hf_assets(assets, tmp)
         out_dtype = items[0].outputs[0].dtype

@@ -12,35 +12,37 @@ Your own GPTModel: ``decoder_block_spec(config, use_te=False)`` (or ``portable_l
 layer) is the portable spec, which takes packed batches without Transformer Engine.
 """
 
-from megatron_grpo.megatron.batch.packing import (
-    PackedBatch,
-    pack_sequences,
-    packed_seq_params,
-    split_for_context_parallel,
-    thd_partition_index,
-)
-from megatron_grpo.megatron.config import (
-    ModelConfig,
-    ParallelConfig,
-    check_parallel,
-    to_transformer_config,
-)
-from megatron_grpo.megatron.gpt import (
-    check_training_config,
-    hidden_states_only,
-    output_weight,
-    unwrap,
-)
-from megatron_grpo.megatron.layout import ParallelLayout
-from megatron_grpo.megatron.model.build import build_model, padded_vocab_size
-from megatron_grpo.megatron.model.layer_spec import decoder_block_spec, portable_layer_spec
-from megatron_grpo.megatron.parallel import (
-    cuda_compat,
-    destroy_parallel,
-    initialize_parallel,
-    seed_everything,
-)
-from megatron_grpo.megatron.step.forward import GRPOStep, get_forward_backward_func
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "PackedBatch": "megatron_grpo.megatron.batch.packing",
+    "pack_sequences": "megatron_grpo.megatron.batch.packing",
+    "packed_seq_params": "megatron_grpo.megatron.batch.packing",
+    "split_for_context_parallel": "megatron_grpo.megatron.batch.packing",
+    "thd_partition_index": "megatron_grpo.megatron.batch.packing",
+    "ModelConfig": "megatron_grpo.megatron.config",
+    "ParallelConfig": "megatron_grpo.megatron.config",
+    "check_parallel": "megatron_grpo.megatron.config",
+    "to_transformer_config": "megatron_grpo.megatron.config",
+    "check_training_config": "megatron_grpo.megatron.gpt",
+    "hidden_states_only": "megatron_grpo.megatron.gpt",
+    "output_weight": "megatron_grpo.megatron.gpt",
+    "unwrap": "megatron_grpo.megatron.gpt",
+    "ParallelLayout": "megatron_grpo.megatron.layout",
+    "build_model": "megatron_grpo.megatron.model.build",
+    "padded_vocab_size": "megatron_grpo.megatron.model.build",
+    "decoder_block_spec": "megatron_grpo.megatron.model.layer_spec",
+    "portable_layer_spec": "megatron_grpo.megatron.model.layer_spec",
+    "cuda_compat": "megatron_grpo.megatron.parallel",
+    "destroy_parallel": "megatron_grpo.megatron.parallel",
+    "initialize_parallel": "megatron_grpo.megatron.parallel",
+    "seed_everything": "megatron_grpo.megatron.parallel",
+    "GRPOStep": "megatron_grpo.megatron.step.forward",
+    "get_forward_backward_func": "megatron_grpo.megatron.step.forward",
+}
 
 __all__ = [
     "GRPOStep",
@@ -68,3 +70,18 @@ __all__ = [
     "to_transformer_config",
     "unwrap",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import on first use (PEP 562): importing a submodule (``megatron.config``) must not
+    import megatron-core through this package."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

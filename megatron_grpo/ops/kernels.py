@@ -44,6 +44,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "grouped_gemm": ("auto", "grouped_mm", "padded_bmm"),
     # the SDPA backends of packed documents' length buckets (attention/packed.py)
     "attention": ("plan_free", "exact"),
+    # the path of packed documents (attention/choice.py): "auto" = one SDPA for documents of
+    # one length, else varlen_attn where it runs, else blocked
+    "packed_attention": ("auto", "varlen", "blocked", "buckets"),
     # "auto": follows the decode impl ("triton": exact row lengths; "sdpa": the masked bucket)
     "decode_attention": ("auto", "sdpa", "triton"),
 }
@@ -101,16 +104,19 @@ class LayerKernels:
         elementwise: RMSNorm and SwiGLU (dense MLP and grouped experts): ``impl`` names.
         grouped_gemm: the MoE experts' two grouped GEMMs: ``grouped_gemm`` names.
         rope: packed (THD) RoPE: ``rope`` names ("megatron": megatron-core's loop).
-        attention: how packed documents of mixed lengths run: ``attention`` names.
+        attention: how packed documents' length buckets run: ``attention`` names.
+        packed_attention: which path runs packed documents: ``packed_attention`` names.
     """
 
     elementwise: str = "auto"
     grouped_gemm: str = "auto"
     rope: str = "auto"
     attention: str = "plan_free"
+    packed_attention: str = "auto"
 
     def __post_init__(self) -> None:
         check_choice("impl", self.elementwise, "elementwise")
         check_choice("grouped_gemm", self.grouped_gemm)
         check_choice("rope", self.rope)
         check_choice("attention", self.attention)
+        check_choice("packed_attention", self.packed_attention)

@@ -10,13 +10,30 @@ sections are ``config.py``'s; a component takes its section and a :class:`Rollou
 (``context.py``), never the trainer's root config. Nothing here imports ``megatron_grpo.train``.
 """
 
-from megatron_grpo.rollout.engine import (
-    EngineOptions,
-    Generation,
-    KVCacheEngine,
-    SamplingParams,
-    generate,
-    sample,
-)
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from megatron_grpo.rollout.engine.options import EngineOptions
+from megatron_grpo.rollout.engine.params import SamplingParams
+
+# Imported on first use (PEP 562): the recipe's sections load without the engine's
+# megatron-core imports (``python -m megatron_grpo.train --check``).
+_EXPORTS = {
+    "KVCacheEngine": "megatron_grpo.rollout.engine.kv_engine",
+    "Generation": "megatron_grpo.rollout.engine.run_state",
+    "sample": "megatron_grpo.rollout.engine.sampling",
+    "generate": "megatron_grpo.rollout.engine",
+}
 
 __all__ = ["EngineOptions", "Generation", "KVCacheEngine", "SamplingParams", "generate", "sample"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -93,14 +93,23 @@ class RolloutPlan:
 
     @classmethod
     def open(
-        cls, cfg: RolloutConfig, ctx: RolloutContext, layout: ParallelLayout, need_task: bool
+        cls,
+        cfg: RolloutConfig,
+        ctx: RolloutContext,
+        layout: ParallelLayout,
+        need_task: bool,
+        task: Task | None = None,
     ) -> RolloutPlan:
-        """``need_task``: build the task even for ``source: files`` (evaluation needs it)."""
+        """``need_task``: build the task even for ``source: files`` (evaluation needs it);
+        ``task``: one built and checked already (``train/check.py``), else built here."""
         if cfg.source == "files":
             files = FileRollouts(cfg, ctx, layout.dp_rank, layout.dp_size)
-            task = build_checked_task(cfg, ctx) if need_task else None
+            if task is None and need_task:
+                task = build_checked_task(cfg, ctx)
             return cls(cfg, ctx, files, task, None)
-        return cls(cfg, ctx, None, build_checked_task(cfg, ctx), source_class(cfg.source))
+        if task is None:
+            task = build_checked_task(cfg, ctx)
+        return cls(cfg, ctx, None, task, source_class(cfg.source))
 
     def build(self, model: torch.nn.Module, layout: ParallelLayout, root: object) -> RolloutSource:
         """The run's source over ``model`` (the unwrapped policy, its first chunk), wrapped for

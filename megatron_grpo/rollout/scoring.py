@@ -38,7 +38,12 @@ import torch.distributed as dist
 from megatron_grpo.errors import InputError
 from megatron_grpo.rollout.config import RolloutConfig
 from megatron_grpo.rollout.tasks.base import Prompt, Task
-from megatron_grpo.rollout.tasks.reward import PluginReward, RewardError, reward_value
+from megatron_grpo.rollout.tasks.reward import (
+    PluginReward,
+    RewardError,
+    RewardValueError,
+    reward_value,
+)
 from megatron_grpo.rollout.user_frames import user_frames
 
 if TYPE_CHECKING:  # megatron-core loads only where a layout is looked up (scoring.py stays light)
@@ -325,7 +330,8 @@ class RewardScorer:
             payload = json.dumps({"columns": columns}).encode()
         else:
             columns = []
-            payload = json.dumps({"error": message}).encode()
+            bad_value = isinstance(error, RewardValueError)  # the peers exit with its code
+            payload = json.dumps({"error": message, "bad_value": bad_value}).encode()
         header = torch.tensor(
             [float(scores is None), len(payload), len(columns)], dtype=torch.float64, device=device
         )
@@ -341,7 +347,8 @@ class RewardScorer:
                 _reraise(error, message)
             first, *frames = info["error"].split("\n")
             from_scorer = f"{first} (from this model replica's scoring rank)"
-            raise RewardError("\n".join([from_scorer, *frames]))
+            kind = RewardValueError if info.get("bad_value") else RewardError
+            raise kind("\n".join([from_scorer, *frames]))
         values = torch.zeros(n, ncols, dtype=torch.float64, device=device)
         if scores is not None:
             rows = [scores.rewards, *scores.extras.values()]

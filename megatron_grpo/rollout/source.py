@@ -175,6 +175,7 @@ def engine_metrics(s: dict[str, float]) -> dict[str, float]:
         "rollout/decode_batch_fill": s["decode_live_rows"] / (steps * max(s["slots"], 1)),
         "rollout/engine_tokens": float(s["generated_tokens"]),
         "rollout/partial_kv_recomputed": float(s.get("kv_recomputed", 0)),
+        "rollout/graph_captures": float(s.get("graph_captures", 0)),
         "perf/prefill_seconds": float(s["prefill_seconds"]),
         "perf/decode_seconds": float(s["decode_seconds"]),
     }

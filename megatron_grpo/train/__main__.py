@@ -1,5 +1,9 @@
 """``python -m megatron_grpo.train --config recipes/tiny.yaml [--set a.b=value ...] [--resume]``.
 
+``--check`` checks the recipe (every mistake at once, each with its file and line), its data
+files, tokenizer and reward function in seconds, without torchrun, a GPU or megatron-core, and
+exits (2 on any problem). Every run runs the same checks first.
+
 ``--dry-run [--world-size N]`` prints the rank layout and per-rank memory plan and exits.
 
 Runs under ``torchrun`` (single node or multi-node rendezvous) or as a plain ``python`` process
@@ -9,8 +13,8 @@ A signal (``training.exit_signals``: SIGTERM, SIGINT, SIGUSR1) or ``training.max
 stops the run after the current step: it saves a checkpoint and prints the command that resumes.
 
 Exit codes: 0 done, 1 a failed run (the reward function raised), 2 bad input (config, data
-files, rows, user code named in the recipe, run directory, checkpoint), 3 stopped. An error is
-one line from one rank, without a traceback. Under torchrun these are the ranks' codes: torchrun
+files, rows, user code named in the recipe, a reward value that is not a number, run directory,
+checkpoint), 3 stopped. An error is one line from one rank, without a traceback. Under torchrun these are the ranks' codes: torchrun
 itself exits 1 when any rank exits non-zero, after its own ChildFailedError report.
 """
 
@@ -26,12 +30,16 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch.distributed as dist
-
 from megatron_grpo.config import ConfigError
 from megatron_grpo.errors import InputError
 from megatron_grpo.train.monitor import WarningLog, read_metrics, results_summary
 from megatron_grpo.train.stop import STOP_EXIT_CODE, StopRequest
+
+# After an error of the checks that run before training: how to find them all faster.
+CHECK_HINT = (
+    "  (python -m megatron_grpo.train --config {config} [--set ...] --check finds every such "
+    "problem at once, without torchrun or a GPU)"
+)
 
 
 def help_description(doc: str = __doc__, width: int | None = None) -> str:
@@ -76,6 +84,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "run refuses to start there)",
     )
     parser.add_argument(
+        "--check",
+        action="store_true",
+        help="check the recipe (every mistake at once), its data, tokenizer and reward in "
+        "seconds (no torchrun, no GPU), print a summary and exit: 0 ok, 2 a problem",
+    )
+    parser.add_argument(
         "--dry-run",
         action="store_true",
         help="validate the parallel layout, print the rank groups and the per-rank memory plan "
@@ -96,8 +110,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     # Megatron-core's and torch's warnings (imports, model build, the run) go to
     # logging.dir/warnings.log on the logging rank, with a count on the console.
+    if args.check:  # before torch and megatron-core are imported
+        from megatron_grpo.train.check import run_check
+
+        return run_check(args.config, args.overrides)
     with WarningLog() as log:
         code = _main(args, argv, log)
+    import torch.distributed as dist
+
     if dist.is_initialized():
         from megatron_grpo.megatron.parallel import shutdown_process_groups
 
@@ -109,12 +129,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace, argv: list[str], log: WarningLog) -> int:
-    from megatron_grpo.train.config import load_train_config  # imports megatron-core
+    from megatron_grpo.train.check import check_inputs
+    from megatron_grpo.train.config import load_train_config
 
-    try:
+    try:  # the checks of --check: the config, then its files, user code and data
         cfg = load_train_config(args.config, args.overrides)
-    except (ConfigError, FileNotFoundError) as e:
-        return report_error(e)
+        task = check_inputs(cfg, planning=args.dry_run)
+    except (ConfigError, FileNotFoundError, InputError) as e:
+        code = report_error(e)
+        if int(os.environ.get("RANK", "0")) == 0:  # the next try: seconds, not a launch
+            print(CHECK_HINT.format(config=args.config), file=sys.stderr, flush=True)
+        return code
     if args.dry_run:
         from megatron_grpo.train.dry_run import dry_run
 
@@ -138,7 +163,7 @@ def _main(args: argparse.Namespace, argv: list[str], log: WarningLog) -> int:
     stop = StopRequest.from_config(cfg.training)
     stop.install()
     try:
-        return _train(cfg, args.resume, args.overwrite, stop, argv, log)
+        return _train(cfg, args.resume, args.overwrite, stop, argv, log, task)
     finally:
         stop.uninstall()  # the previous handlers again (after a stop: the signals stay ignored)
 
@@ -170,7 +195,9 @@ def world_size_hint(parallel, world: int) -> str:
     )
 
 
-def _train(cfg, resume: bool, overwrite: bool, stop: StopRequest, argv: list[str], log) -> int:
+def _train(
+    cfg, resume: bool, overwrite: bool, stop: StopRequest, argv: list[str], log, task=None
+) -> int:
     # Imported after the config is valid: Megatron's import is slow and noisy.
     from megatron_grpo.rollout.tasks.reward import RewardError
     from megatron_grpo.train.checkpoint import CheckpointError
@@ -180,13 +207,11 @@ def _train(cfg, resume: bool, overwrite: bool, stop: StopRequest, argv: list[str
 
     t0 = time.perf_counter()
     try:
-        if run_generation_rank(cfg):  # rollout.placement: separate, a generation rank
+        if run_generation_rank(cfg, task):  # rollout.placement: separate, a generation rank
             return 0
-        trainer = Trainer(cfg, resume=resume, overwrite=overwrite, stop=stop)
-        if trainer.monitor.enabled:  # the run directory is claimed: the log may be written
-            log.attach(Path(cfg.logging.dir) / "warnings.log")
-            if (line := log.count_line()) is not None:
-                print(line, flush=True)
+        trainer = Trainer(cfg, resume=resume, overwrite=overwrite, stop=stop, task=task)
+        if trainer.monitor.enabled:  # the log is written once the first step completed
+            trainer.monitor.at_first_step(lambda: _attach_warnings(log, cfg))
         start = trainer.start_step
         trainer.train()
         release_locks()  # a clean end: the next run gets no stale-lock notice
@@ -199,8 +224,15 @@ def _train(cfg, resume: bool, overwrite: bool, stop: StopRequest, argv: list[str
             summary = _summary(cfg, start, time.perf_counter() - t0, rows, log.count_line())
             trainer.monitor.message(summary)
     except (InputError, RunDirError, CheckpointError, RewardError) as e:
+        release_locks(failed=True)  # a handled end: no stale lock, no empty run folders
         return report_error(e)
     return 0
+
+
+def _attach_warnings(log: WarningLog, cfg) -> None:
+    log.attach(Path(cfg.logging.dir) / "warnings.log")
+    if (line := log.count_line()) is not None:
+        print(line, flush=True)
 
 
 def report_error(e: BaseException) -> int:
@@ -211,18 +243,22 @@ def report_error(e: BaseException) -> int:
     checkpoint): rank 0 prints it. A reward function fails on one data-parallel replica's
     samples and reaches that replica's peers from its scoring rank (``rollout/scoring.py``): the
     replica's first rank prints it (rank 0 may not have failed at all)."""
-    from megatron_grpo.rollout.tasks.reward import RewardError
+    import torch.distributed as dist
+
+    from megatron_grpo.rollout.tasks.reward import RewardError, RewardValueError
 
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
     if _replica_leader() if isinstance(e, RewardError) else rank == 0:
         prefix = "config error" if isinstance(e, (ConfigError, FileNotFoundError)) else "error"
         print(f"{prefix}: {e}", file=sys.stderr, flush=True)
-    return 1 if isinstance(e, RewardError) else 2
+    return 1 if isinstance(e, RewardError) and not isinstance(e, RewardValueError) else 2
 
 
 def _replica_leader() -> bool:
     """Whether this rank is the first of its model replica (rank 0 of the model-parallel
     group; every rank when no parallel state exists)."""
+    import torch.distributed as dist
+
     from megatron_grpo.megatron.parallel import current_layout
 
     layout = current_layout()  # None without Megatron's parallel state

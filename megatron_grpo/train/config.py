@@ -27,12 +27,12 @@ from megatron_grpo.config import (
     rename_keys,
     to_dict,
 )
-from megatron_grpo.config.base import recipe_line
+from megatron_grpo.config.base import collect_errors, raise_collected, report
 from megatron_grpo.convert.errors import ConversionError
 from megatron_grpo.convert.hf_config import check_same_architecture
 from megatron_grpo.convert.layout import MODEL_CONFIG_NAME, read_model_config
 from megatron_grpo.loss import GRPOLossConfig
-from megatron_grpo.megatron.config import ModelConfig, ParallelConfig
+from megatron_grpo.megatron.config import ModelConfig, ParallelConfig, dispatcher_type
 from megatron_grpo.ops.lm_head.options import LMHeadOptions
 from megatron_grpo.rollout.config import EvaluationConfig, RolloutConfig
 from megatron_grpo.rollout.context import RolloutContext
@@ -41,6 +41,12 @@ from megatron_grpo.rollout.context import RolloutContext
 # pass of a 0.6B model runs at 0.45-0.50 MFU at 32k tokens against 0.23-0.42 at 8k
 # (tools/bench_train_passes.py); one layer's activations of 32k tokens stay small
 LOGPROB_MERGE_TOKENS = 32768
+_MERGE_NEEDS_ALLTOALL = (
+    "training.logprob_max_tokens_per_micro_batch needs model.moe_token_dispatcher_type "
+    "alltoall (the GPU default) at parallel.expert_model_parallel_size > 1: the allgather "
+    "dispatcher needs the same token count in each forward on every expert-parallel rank, which "
+    "merged micro-batches do not keep; set it to null"
+)
 
 
 @dataclass
@@ -107,11 +113,12 @@ class TrainingConfig:
             consecutive update micro-batches merged into micro-batches of up to this many
             tokens (a no-grad forward keeps one layer's activations at a time, and the host's
             launch cost is per layer and micro-batch, so a larger one keeps the GPU busy); the
-            log-probs are the same. "auto" (default): ``LOGPROB_MERGE_TOKENS`` (32768), except
-            for MoE at ``parallel.expert_model_parallel_size > 1``: there every MoE forward is
-            a collective over the expert-parallel ranks, which must then run the same number
-            of forwards, and a token budget merges each rank's micro-batches differently; such
-            passes run the update's micro-batches (and a number is a config error). null: the
+            log-probs are the same. "auto" (default): ``LOGPROB_MERGE_TOKENS`` (32768). MoE at
+            ``parallel.expert_model_parallel_size > 1`` (every MoE forward a collective over
+            the expert-parallel ranks) merges too: the ranks agree on the number of forwards by
+            one all-reduce, and a rank with fewer runs extra ones; except under the allgather
+            dispatcher (the CPU default), which needs equal token counts per forward: there
+            "auto" runs the update's micro-batches and a number is a config error. null: the
             update's micro-batches.
         exit_signals: signals that stop the run cleanly (``train/stop.py``): every rank
             finishes the current step, saves a checkpoint (with ``checkpoint.dir``) and exits
@@ -258,16 +265,11 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.loss.kl_coef > 0 and not self.training.use_reference_model:
             raise ValueError("loss.kl_coef > 0 needs training.use_reference_model: true")
-        if (
-            self.training.logprob_max_tokens_per_micro_batch not in (None, "auto")
-            and self._moe_forwards_are_collective
-        ):
-            raise ValueError(
-                "training.logprob_max_tokens_per_micro_batch needs "
-                "parallel.expert_model_parallel_size=1 for MoE: at EP > 1 MoE log-prob passes "
-                "are collectives over the expert-parallel ranks that must run the update's "
-                "micro-batches"
-            )
+        if self.training.logprob_max_tokens_per_micro_batch not in (
+            None,
+            "auto",
+        ) and self._moe_forwards_need_equal_tokens(self.model.moe_token_dispatcher_type):
+            raise ValueError(_MERGE_NEEDS_ALLTOALL)
         if self.training.log_mismatch_without_replay and not self.model.moe_enable_routing_replay:
             raise ValueError(
                 "training.log_mismatch_without_replay needs model.moe_enable_routing_replay: true"
@@ -377,15 +379,20 @@ class TrainConfig:
         """What the log-prob passes merge micro-batches up to (None: they don't), with
         ``training.logprob_max_tokens_per_micro_batch`` "auto" resolved for this model."""
         merge = self.training.logprob_max_tokens_per_micro_batch
+        equal_tokens = self._moe_forwards_need_equal_tokens(dispatcher_type(self.model))
         if merge == "auto":
-            return None if self._moe_forwards_are_collective else LOGPROB_MERGE_TOKENS
+            return None if equal_tokens else LOGPROB_MERGE_TOKENS
+        if merge is not None and equal_tokens:  # the CPU default dispatcher (allgather)
+            raise ValueError(_MERGE_NEEDS_ALLTOALL)
         return merge
 
-    @property
-    def _moe_forwards_are_collective(self) -> bool:
-        """Whether every MoE forward is a collective over ranks with different batches (EP)."""
+    def _moe_forwards_need_equal_tokens(self, dispatcher: str | None) -> bool:
+        """Whether every MoE forward is a collective over ranks with different batches (EP)
+        that needs the same token count on each (the allgather dispatcher): merged log-prob
+        micro-batches would differ. Under all-to-all the ranks only agree on the number of
+        forwards (``GRPOStep.compute_logprobs(count_group=...)``)."""
         moe = self.model.num_moe_experts is not None
-        return moe and self.parallel.expert_model_parallel_size > 1
+        return moe and self.parallel.expert_model_parallel_size > 1 and dispatcher == "allgather"
 
 
 # Keys moved into rollout.sampling / rollout.engine (kept for one release, with a warning).
@@ -403,7 +410,9 @@ RENAMED_KEYS = {
 
 
 def load_train_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
-    """``TrainConfig`` from a YAML recipe plus ``a.b=value`` overrides (validated).
+    """``TrainConfig`` from a YAML recipe plus ``a.b=value`` overrides (validated). Every
+    mistake is collected (``config.base.collect_errors``) and raised as one ConfigError, each
+    on its own line led by the recipe's ``FILE:LINE`` (one mistake: that line alone).
 
     A key of :data:`RENAMED_KEYS` (in the YAML or an override) moves to its new path with a
     deprecation warning naming it; the old and the new key both set is a ConfigError.
@@ -415,13 +424,13 @@ def load_train_config(path: str | Path | None, overrides: Sequence[str] = ()) ->
     checkpoint into, e.g., a model with another rotary base without any error.
     """
     data = _load_yaml(path) if path is not None else {}
-    try:
-        return _train_config(data, overrides)
-    except ConfigError as e:
-        line = recipe_line(path, e.key, overrides) if path is not None else None
-        if line is None:
-            raise
-        raise ConfigError(f"{path}:{line}: {e}", key=e.key) from None
+    with collect_errors() as errors:  # every mistake of the recipe, each with its line
+        try:
+            cfg = _train_config(data, overrides)
+        except ConfigError as e:  # one that stops the build (e.g. no model section)
+            report(e)
+    raise_collected(errors, path, overrides)
+    return cfg
 
 
 def _train_config(data: dict, overrides: Sequence[str]) -> TrainConfig:

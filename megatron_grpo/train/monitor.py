@@ -7,6 +7,7 @@ import math
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -243,21 +244,38 @@ class Monitor:
         self.total = total_steps
         self.enabled = enabled
         self.tb = None
-        if enabled:
-            cfg.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-            if cfg.tensorboard_dir:
-                self.tb = _tensorboard_writer(cfg.tensorboard_dir)
+        # Run before the first completed step's row is written (``at_first_step``); rows of
+        # step 0 (the evaluation before training) wait with them: until a step completes, the
+        # run directory is left as it was (``train/run_outputs.py``).
+        self._at_start: list[Callable[[], None]] = []
+        self._held: list[dict[str, Any]] = []
+        if enabled and cfg.tensorboard_dir:
+            self.tb = _tensorboard_writer(cfg.tensorboard_dir)
+
+    def at_first_step(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once the first step has completed, before its metrics are written."""
+        self._at_start.append(fn)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        """``step`` counts completed steps (1-based)."""
+        """``step`` counts completed steps (1-based; 0: the evaluation before training)."""
         if not self.enabled:
             return
         row = {"step": step, **{k: _jsonable(v) for k, v in sorted(metrics.items())}}
-        with open(self.cfg.metrics_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
         if self.tb is not None:
             for key, value in metrics.items():
                 self.tb.add_scalar(key, value, step)
+        if step == 0:
+            self._held.append(row)
+            if line := eval_line(metrics):
+                self.message(f"before training: {line}")
+            return
+        while self._at_start:
+            self._at_start.pop(0)()
+        self.cfg.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.cfg.metrics_path, "a", encoding="utf-8") as f:
+            for held in [*self._held, row]:
+                f.write(json.dumps(held) + "\n")
+        self._held = []
         if self.cfg.progress_bar:
             self._progress(step, metrics)
 
@@ -285,6 +303,16 @@ class Monitor:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def eval_line(metrics: dict[str, float]) -> str | None:
+    """``eval reward 0.123, pass@1 0.100`` from an evaluation's metrics (None: there are none)."""
+    parts = [
+        f"{label} {metrics[key]:.3f}"
+        for label, key in (("eval reward", "eval/reward_mean"), ("pass@1", "eval/pass_at_1"))
+        if key in metrics and math.isfinite(metrics[key])
+    ]
+    return ", ".join(parts) or None
 
 
 def _jsonable(v: float) -> float | None:

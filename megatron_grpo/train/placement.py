@@ -58,11 +58,12 @@ def split_for(cfg) -> SeparateWorld | None:
     return split_world(s.ranks(world), s.tensor_model_parallel_size)
 
 
-def run_generation_rank(cfg) -> bool:
+def run_generation_rank(cfg, task=None) -> bool:
     """On a generation rank of a separate run: generate until the trainer stops; True.
-    False on trainer ranks and in colocated runs."""
+    False on trainer ranks and in colocated runs. ``task``: built and checked already
+    (``train/check.py``), else built here."""
     world = split_for(cfg)
     if world is None or not world.is_generator:
         return False
-    GenerationLoop(cfg.model, cfg.rollout, cfg.rollout_context(), world).run()
+    GenerationLoop(cfg.model, cfg.rollout, cfg.rollout_context(), world, task).run()
     return True

@@ -6,9 +6,11 @@ A run writes into ``logging.dir`` (``config.yaml``, ``metrics.jsonl``), ``checkp
 * ``logging.dir`` and ``checkpoint.dir`` get a lock file, ``.megatron_grpo.lock`` holding the
   writer's pid and host, locked with ``flock`` for the writer's lifetime. The kernel drops the lock when the
   process dies (even under ``kill -9``), so a lock file left behind is stale by construction: it
-  is taken over, and the dead writer's pid is reported. A run that ends cleanly empties its record
-  (:func:`release_locks`), so the next one starts without that notice. A live writer makes a
-  second run refuse.
+  is taken over, and the dead writer's pid is reported. A run that ends cleanly or through a
+  handled error (bad input, a failed reward, a signal) empties its record
+  (:func:`release_locks`), so the next one starts without that notice; an error exit also
+  removes the lock files and empty directories it created. A live writer makes a second run
+  refuse.
 * a fresh run (no ``--resume``) refuses to start over a previous run's outputs (non-empty
   ``metrics.jsonl``, checkpoints, rollout files) unless ``--overwrite`` is given; only then are
   exactly those files deleted (never the directories, never anything we did not write).
@@ -33,6 +35,9 @@ import torch.distributed as dist
 LOCK_NAME = ".megatron_grpo.lock"
 # path -> open file object holding the flock; kept for the process's lifetime.
 _HELD: dict[str, object] = {}
+# What claiming created (lock files, directories, outermost last): removed again when the run
+# ends on an error before writing anything else there (no empty run folders left behind).
+_CREATED: list[Path] = []
 
 
 class RunDirError(RuntimeError):
@@ -45,11 +50,14 @@ def acquire_lock(directory: str | Path) -> str | None:
 
     Re-entrant within one process (a second ``Trainer`` in the same script)."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     path = directory / LOCK_NAME
     key = str(path.resolve())
     if key in _HELD:
         return None
+    _CREATED.extend(new_dirs(directory))
+    directory.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        _CREATED.append(path)
     f = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held open for the process lifetime
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -68,7 +76,20 @@ def acquire_lock(directory: str | Path) -> str | None:
     _HELD[key] = f
     if previous is None:
         return None
-    return f"took over the stale lock {path} of a run that is no longer running ({previous})"
+    return (
+        f"took over the stale lock {path} of a run that died without cleaning up (killed or "
+        f"crashed: {previous})"
+    )
+
+
+def new_dirs(directory: Path) -> list[Path]:
+    """The directories ``mkdir(parents=True)`` of ``directory`` would create, innermost first."""
+    out = []
+    for d in (directory, *directory.parents):
+        if d.exists():
+            break
+        out.append(d)
+    return out
 
 
 def _read_owner(path: Path) -> str:
@@ -79,15 +100,31 @@ def _read_owner(path: Path) -> str:
         return "owner unknown"
 
 
-def release_locks() -> None:
-    """Release every lock this process holds at a clean end of its run: the owner record is
-    emptied first, so the next run starts without a stale-lock notice (a killed or crashed run
-    keeps its record: the kernel drops the flock, and the next run reports whose it was)."""
+def release_locks(failed: bool = False) -> None:
+    """Release every lock this process holds when its run ends, cleanly or through a handled
+    error (bad input, a failed reward, a signal): the owner record is emptied first, so the next
+    run starts without a stale-lock notice (a killed or crashed run keeps its record: the kernel
+    drops the flock, and the next run reports whose it was). ``failed``: also remove the lock
+    files and directories claiming created, where nothing else was written since."""
     for f in _HELD.values():
         f.seek(0)  # type: ignore[attr-defined]
         f.truncate()  # type: ignore[attr-defined]
         f.close()  # type: ignore[attr-defined]
     _HELD.clear()
+    created = list(_CREATED)
+    _CREATED.clear()
+    if not failed:
+        return
+    locks = [p for p in created if p.name == LOCK_NAME]
+    dirs = sorted(set(created) - set(locks), key=lambda p: len(p.absolute().parts), reverse=True)
+    for p in [*locks, *dirs]:  # lock files first, then directories innermost first
+        try:
+            if p.name == LOCK_NAME:
+                p.unlink()
+            else:
+                p.rmdir()  # only when empty
+        except OSError:
+            continue
 
 
 def run_outputs(metrics_path: Path, ckpt_dir: str | None, rollout_dir: str | None) -> list[Path]:

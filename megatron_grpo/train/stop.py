@@ -154,7 +154,7 @@ class StopRequest:
         sig = signal.Signals(signum)
         now = time.monotonic()
         if self._completed:
-            os._exit(STOP_EXIT_CODE)
+            _exit(STOP_EXIT_CODE)
         if self._received is None:
             self._received, self._received_at = sig, now
             if self.announce:
@@ -168,7 +168,7 @@ class StopRequest:
             return  # the same request again: torchrun forwarded the signal it received too
         if self.announce:
             _write(f"{sig.name} received again: exiting at once, without saving")
-        os._exit(128 + signum)
+        _exit(128 + signum)
 
     # ------------------------------------------------------------------ the decision
     def requested(self) -> bool:
@@ -275,3 +275,12 @@ def launch_command(argv: Sequence[str], resume: bool = False) -> str:
     else:
         launcher = ["torchrun", "--nproc-per-node", local]
     return shlex.join([*launcher, "-m", "megatron_grpo.train", *args])
+
+
+def _exit(code: int) -> None:
+    """``os._exit`` from a signal: a handled end, so the run's locks are released first (the
+    next run gets no stale-lock notice)."""
+    from megatron_grpo.train.rundir import release_locks
+
+    release_locks()
+    os._exit(code)

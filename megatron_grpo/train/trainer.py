@@ -40,16 +40,18 @@ from megatron_grpo.rollout.files import write_rollouts
 from megatron_grpo.rollout.partial import offpolicy_metrics, partial_source
 from megatron_grpo.rollout.separate import SeparateRollouts, separate_source
 from megatron_grpo.rollout.source import RolloutSource
+from megatron_grpo.rollout.tasks import Task
 from megatron_grpo.train import checkpoint as ckpt
 from megatron_grpo.train import step_metrics as sm
 from megatron_grpo.train.batching import attach_logprobs, make_mini_batches
 from megatron_grpo.train.config import TrainConfig, check_checkpoint_architecture
-from megatron_grpo.train.monitor import Monitor, truncate_jsonl, write_resolved_config
+from megatron_grpo.train.monitor import Monitor, write_resolved_config
 from megatron_grpo.train.nonfinite import NonFiniteError, NonFiniteGuard
 from megatron_grpo.train.offload import RolloutOffload
 from megatron_grpo.train.offload import decide as offload_decision
 from megatron_grpo.train.optim import build_optimizer, optimizer_step, zero_grads
 from megatron_grpo.train.placement import split_for
+from megatron_grpo.train.run_outputs import start_outputs
 from megatron_grpo.train.rundir import RunDirError, claim_run_dirs
 from megatron_grpo.train.stop import Stopped, StopRequest
 from megatron_grpo.train.writer_queue import install_writer_queue
@@ -64,11 +66,13 @@ class Trainer:
         resume: bool = False,
         overwrite: bool = False,
         stop: StopRequest | None = None,
+        task: Task | None = None,
     ) -> None:
         """``resume``: continue from ``checkpoint.dir`` (an error when it holds none);
         ``overwrite``: a fresh run may delete a previous run's outputs (see ``rundir``);
         ``stop``: the run's :class:`StopRequest` (default: from ``training``; ``train()``
-        installs its signal handlers unless they are installed already)."""
+        installs its signal handlers unless they are installed already); ``task``: the task
+        ``train/check.py`` built and checked already (default: built here)."""
         self.cfg = cfg
         self.stop = stop if stop is not None else StopRequest.from_config(cfg.training)
         self.stopped: Stopped | None = None  # set when the run stopped early (``train/stop.py``)
@@ -78,7 +82,7 @@ class Trainer:
         self._claim_run_dirs(resume, overwrite)
         # Files, the task, the validation prompts and a rollout.source class are opened (and
         # checked) before the slow model build.
-        plan = self._open_rollouts()
+        plan = self._open_rollouts(task)
         self._setup_models()
         policy = unwrap(self.model[0])
         self._setup_offload(policy)
@@ -97,11 +101,16 @@ class Trainer:
         )
         self.stop.announce = self.monitor.enabled
         if self.monitor.enabled:
-            # A resume with no step left (a finished run) keeps the run's config.yaml as it is.
-            finished = resume and self.start_step >= cfg.training.steps
-            write_resolved_config(cfg, to_dict(cfg), self.dp_size, write=not finished)
-            truncate_jsonl(cfg.logging.metrics_path, self.start_step)
+            # config.yaml and the metrics' truncation wait for the first completed step (a
+            # failed start leaves the run directory as it was); a finished run keeps them.
+            write_resolved_config(cfg, to_dict(cfg), self.dp_size, write=False)
+            if not (resume and self.start_step >= cfg.training.steps):
+                self.monitor.at_first_step(self._start_outputs)
         self.evaluator.attach(policy, self.source, self.monitor)
+
+    def _start_outputs(self) -> None:
+        if (line := start_outputs(self.cfg, to_dict(self.cfg), self.start_step)) is not None:
+            self.monitor.message(line)
 
     def _setup_offload(self, policy: torch.nn.Module) -> None:
         """``training.offload_during_rollout``: decided once from the plan, said in one line."""
@@ -110,9 +119,9 @@ class Trainer:
         if line and torch.distributed.get_rank() == 0:
             print(line, flush=True)
 
-    def _open_rollouts(self) -> RolloutPlan:
+    def _open_rollouts(self, task: Task | None) -> RolloutPlan:
         """The rollout source's plan and the evaluator (the ``evaluation:`` section; off: a
-        no-op), both checked before the model is built."""
+        no-op), both checked before the model is built; ``task``: already built, or None."""
         cfg = self.cfg
         if cfg.rollout.num_prompts % self.dp_size:
             raise ConfigError(
@@ -120,7 +129,7 @@ class Trainer:
                 f"data-parallel size {self.dp_size}"
             )
         ctx = cfg.rollout_context()
-        plan = RolloutPlan.open(cfg.rollout, ctx, self.layout, cfg.evaluation.enabled)
+        plan = RolloutPlan.open(cfg.rollout, ctx, self.layout, cfg.evaluation.enabled, task)
         self.evaluator = Evaluator(cfg.evaluation, cfg.rollout, ctx, plan.task, self.layout)
         return plan
 
@@ -151,6 +160,10 @@ class Trainer:
             log_ratio_clamp=cfg.loss.log_ratio_clamp,
             dp_group=self.layout.dp_group,
         )
+
+    def _start_outputs(self) -> None:
+        if (line := start_outputs(self.cfg, to_dict(self.cfg), self.start_step)) is not None:
+            self.monitor.message(line)
 
     def _setup_models(self) -> None:
         cfg = self.cfg
@@ -340,12 +353,14 @@ class Trainer:
         ``old_logprobs`` stay None and the loss uses the update's own log-probs, detached."""
         flat = [mb for mini in mini_batches for mb in mini]
         merge = self.cfg.logprob_merge_tokens
+        # MoE: the ranks agree on the number of (merged) forwards, as on micro-batches
+        count_group = self._moe_groups()[0] if merge is not None else None
         old = ref = None
         if not self.on_policy:
-            old = self.step_fn.compute_logprobs(self.model, flat, merge)
+            old = self.step_fn.compute_logprobs(self.model, flat, merge, count_group)
         self.replay.after_logprob_pass(flat, self.step_fn.compute_logprobs)  # same weights
         if self.ref_model is not None:
-            ref = self.step_fn.compute_logprobs(self.ref_model, flat, merge)
+            ref = self.step_fn.compute_logprobs(self.ref_model, flat, merge, count_group)
         return attach_logprobs(mini_batches, old, ref)
 
     def update(self, mini_batches: list[list[PackedBatch]]) -> dict[str, float]:

@@ -63,9 +63,38 @@ class DocumentLayout:
     equal: tuple[int, int] | None
 
 
+_HOST = "_grpo_host_bounds"
+
+
+def remember_host_bounds(params: PackedSeqParams, host: dict[str, torch.Tensor]) -> None:
+    """Record ``host[name]``, the host tensor ``params.<name>`` was copied from: the layouts then
+    read the bounds there, without a device-to-host sync (while neither copy is modified).
+    ``params`` may be a copy with the same bound tensors (:func:`copy_host_bounds`)."""
+    entries = {}
+    for name, cpu in host.items():
+        dev = getattr(params, name)
+        entries[name] = (dev, dev._version, cpu, cpu._version)
+    params.__dict__[_HOST] = entries
+
+
+def copy_host_bounds(src: PackedSeqParams, dst: PackedSeqParams) -> None:
+    """``dst`` (holding ``src``'s bound tensors) reads the host copies ``src`` recorded."""
+    if _HOST in src.__dict__:
+        dst.__dict__[_HOST] = src.__dict__[_HOST]
+
+
+def _bounds(params: PackedSeqParams, cu: torch.Tensor) -> list[int]:
+    for dev, version, cpu, cpu_version in params.__dict__.get(_HOST, {}).values():
+        if dev is cu and (cu._version, cpu._version) == (version, cpu_version):
+            return cpu.tolist()  # no sync
+    return cu.tolist()  # the one device-to-host sync per micro-batch
+
+
 def cached_layout(params: PackedSeqParams, name: str, device: torch.device, build):
     """``build(bounds)`` for ``params``' document bounds (the padded ones when given), cached on
-    ``params`` under ``name``: every layer and the recompute in backward reuse it.
+    ``params`` under ``name``: every layer and the recompute in backward reuse it. The bounds
+    are read from their host copy when one was recorded (:func:`remember_host_bounds`), else
+    from the device (one sync per micro-batch and name).
 
     Valid while the bounds are the same tensor (held by the cache, so its id cannot be reused),
     not modified in place since (its version counter), and the device is the same."""
@@ -74,7 +103,7 @@ def cached_layout(params: PackedSeqParams, name: str, device: torch.device, buil
     cached = getattr(params, name, None)
     if cached is not None and cached[0] is cu and cached[1:3] == (cu._version, device):
         return cached[3]
-    layout = build(cu.tolist())  # the one device-to-host sync per micro-batch
+    layout = build(_bounds(params, cu))
     setattr(params, name, (cu, cu._version, device, layout))
     return layout
 

@@ -26,7 +26,7 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
-from megatron_grpo.megatron.attention.packed import cached_layout
+from megatron_grpo.megatron.attention.packed import cached_layout, copy_host_bounds
 from megatron_grpo.ops.kernels import check_choice
 from megatron_grpo.ops.layers.rope import apply_rotary
 
@@ -159,6 +159,7 @@ def roped_params(
     roped = RopedPackedSeqParams.__new__(RopedPackedSeqParams)
     roped.__dict__.update({f.name: getattr(params, f.name) for f in dataclasses.fields(params)})
     roped.rope = rope
+    copy_host_bounds(params, roped)
     params.__dict__["_grpo_roped"] = (q_freqs, k_freqs, impl, roped)
     return roped
 

@@ -2,7 +2,8 @@
 
 megatron-core's own "local" ``DotProductAttention`` materializes [b, heads, s, s] scores and
 rejects packed sequences; :class:`SDPAttention` is its drop-in: packed documents attend per
-document (:mod:`.packed`: a few length-bucketed SDPA calls), context parallelism all-gathers K
+document (:mod:`.choice`: one varlen_attn call, one masked SDPA over fixed blocks, or a few
+length-bucketed SDPA calls), context parallelism all-gathers K
 and V (:mod:`.cp`), and :func:`sdpa` is the package's one SDPA call (the decode engine's too).
 """
 
@@ -19,8 +20,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_grpo.megatron.attention.choice import packed_attention
 from megatron_grpo.megatron.attention.cp import cp_causal_attention
-from megatron_grpo.megatron.attention.packed import packed_causal_attention
 from megatron_grpo.megatron.attention.rope import RopedPackedSeqParams
 from megatron_grpo.ops.kernels import check_choice
 
@@ -93,8 +94,8 @@ class SDPAttention(MegatronModule):
     signature). Shapes: unpacked ``q [s, b, n_q, d]``, ``k, v [s, b, n_kv, d]`` -> ``[s, b,
     n_q * d]``; packed (``packed_seq_params.qkv_format == "thd"``) ``q [t, n_q, d]``,
     ``k, v [t, n_kv, d]`` -> ``[t, n_q, d]``. Heads are this TP rank's heads. ``buckets``:
-    ``LayerKernels.attention``; ``cp_group``: the context-parallel group (CP > 1), both given
-    by the layer spec.
+    ``LayerKernels.attention``; ``packed``: ``LayerKernels.packed_attention``; ``cp_group``: the
+    context-parallel group (CP > 1), all given by the layer spec.
     """
 
     def __init__(
@@ -109,6 +110,7 @@ class SDPAttention(MegatronModule):
         pg_collection=None,
         buckets: str = "plan_free",
         cp_group=None,
+        packed: str = "auto",
         **kwargs,
     ) -> None:
         super().__init__(config=config)
@@ -125,6 +127,7 @@ class SDPAttention(MegatronModule):
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
         self.buckets = check_choice("attention", buckets, "SDPAttention buckets")
+        self.packed = check_choice("packed_attention", packed, "SDPAttention packed")
         if config.context_parallel_size > 1 and cp_group is None:
             raise ValueError("SDPAttention under context parallelism needs its cp_group")
         self.cp_group = cp_group
@@ -166,32 +169,35 @@ class SDPAttention(MegatronModule):
                     query, key, value, packed_seq_params, self.cp_group, sdpa=self._sdpa
                 )
             if thd:
-                return packed_causal_attention(
+                p = self.dropout_p if self.training else 0.0
+                return packed_attention(
                     query,
                     key,
                     value,
                     packed_seq_params,
+                    impl=self.packed,
                     sdpa=self._sdpa,
+                    scale=self.softmax_scale,
+                    dropout_p=p,
                     buckets=self.buckets,
                 )
-            # [s, b, n, d] -> [b, n, s, d]
-            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-            mask = dense_mask(
-                q.size(2),
-                k.size(2),
-                attn_mask_type or self.attn_mask_type,
-                attention_mask,
-                q.device,
-            )
-            p = self.dropout_p if self.training else 0.0
-            out = sdpa(
-                q,
-                k,
-                v,
-                mask=None if mask is True else mask,
-                causal=mask is True,
-                scale=self.softmax_scale,
-                dropout_p=p,
-            )
+            return self._dense(query, key, value, attention_mask, attn_mask_type)
+
+    def _dense(self, query, key, value, attention_mask, attn_mask_type) -> torch.Tensor:
+        """``[s, b, n, d]`` sequences under a causal or given mask -> ``[s, b, n * d]``."""
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # -> [b, n, s, d]
+        mask = dense_mask(
+            q.size(2), k.size(2), attn_mask_type or self.attn_mask_type, attention_mask, q.device
+        )
+        p = self.dropout_p if self.training else 0.0
+        out = sdpa(
+            q,
+            k,
+            v,
+            mask=None if mask is True else mask,
+            causal=mask is True,
+            scale=self.softmax_scale,
+            dropout_p=p,
+        )
         s, b = query.size(0), query.size(1)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)

@@ -41,6 +41,19 @@ def merge_groups(batches: Sequence[PackedBatch], max_tokens: int) -> list[list[i
     return groups
 
 
+def match_count(groups: list[list[int]], count: int) -> tuple[list[list[int]], int]:
+    """``groups`` (of batch indices, in order) brought to ``count`` forwards, the largest count
+    of the ranks whose forwards are collectives (MoE expert parallelism): merged groups are
+    halved (the one of most batches first) until there are ``count`` or none holds two, the rest
+    are extra forwards to run and discard. Returns (groups, extra forwards)."""
+    groups = [list(g) for g in groups]
+    while len(groups) < count and any(len(g) > 1 for g in groups):
+        i = max(range(len(groups)), key=lambda j: (len(groups[j]), -j))
+        half = len(groups[i]) // 2
+        groups[i : i + 1] = [groups[i][:half], groups[i][half:]]
+    return groups, max(count - len(groups), 0)
+
+
 def merge_packed(batches: Sequence[PackedBatch]) -> PackedBatch:
     """One micro-batch holding every sequence of ``batches`` in order: per-token fields ``[T]``
     concatenated, ``cu_seqlens`` ``[S+1]`` offset. Each batch's padding (to the TP / CP

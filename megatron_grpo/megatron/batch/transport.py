@@ -12,6 +12,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
 from megatron_grpo.loss.segments import host_to_device
+from megatron_grpo.megatron.attention.packed import remember_host_bounds
 from megatron_grpo.megatron.batch.packing import (
     PackedBatch,
     packed_seq_params,
@@ -69,7 +70,13 @@ def _params_to(params: PackedSeqParams, device: torch.device) -> PackedSeqParams
         k: (host_to_device(v, device) if isinstance(v, Tensor) else v)
         for k, v in vars(params).items()
     }
-    return PackedSeqParams(**moved)
+    out = PackedSeqParams(**moved)
+    # the attention layouts read the bounds from the host copies: no device-to-host sync
+    host = {
+        k: v for k, v in vars(params).items() if isinstance(v, Tensor) and v.device.type == "cpu"
+    }
+    remember_host_bounds(out, host)
+    return out
 
 
 def full_logprobs(local: Tensor | None, batch: PackedBatch, layout: ParallelLayout) -> Tensor:

@@ -100,7 +100,12 @@ def _attention_spec(config: TransformerConfig, kernels: LayerKernels) -> ModuleS
     qk_norm = _norm(kernels) if config.qk_layernorm else IdentityOp
     cp_group, cp_rank = _context_parallel(config)
     core = ModuleSpec(
-        module=SDPAttention, params={"buckets": kernels.attention, "cp_group": cp_group}
+        module=SDPAttention,
+        params={
+            "buckets": kernels.attention,
+            "packed": kernels.packed_attention,
+            "cp_group": cp_group,
+        },
     )
     return ModuleSpec(
         module=PackedRopeSelfAttention,

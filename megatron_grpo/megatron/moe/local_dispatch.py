@@ -13,7 +13,8 @@ host, so a decode step through it can be captured in a CUDA graph.
 
 :class:`GroupedMoELayer` is megatron-core's ``MoELayer`` that uses it where
 :func:`local_dispatch_unsupported` finds nothing (the portable spec builds it with grouped
-experts); elsewhere megatron-core's own dispatcher runs.
+experts); elsewhere megatron-core's own dispatcher runs, or, at EP > 1 where no host sync is
+wanted (decode steps), the gathered dispatch of :mod:`.ep_dispatch`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from torch import Tensor
 
+from megatron_grpo.megatron.moe.ep_dispatch import EPDispatch
 from megatron_grpo.megatron.moe.permute import combine_tokens, permute_tokens, sort_by_expert
 
 
@@ -91,22 +93,33 @@ class LocalTokenDispatcher(MoETokenDispatcher):
 
 class GroupedMoELayer(MoELayer):
     """megatron-core's ``MoELayer`` with :class:`LocalTokenDispatcher` where it applies
-    (``local_dispatch`` says whether it does; the decision is :func:`local_dispatch_unsupported`)."""
+    (``local_dispatch`` says whether it does; the decision is :func:`local_dispatch_unsupported`);
+    elsewhere ``ep_dispatch`` picks megatron-core's dispatcher or the gathered one per forward
+    (``moe.ep_dispatch.choose_dispatch``)."""
 
     def __init__(self, config, *args, **kwargs) -> None:
         super().__init__(config, *args, **kwargs)
         built = self.token_dispatcher  # megatron-core's, for its process groups
         groups = SimpleNamespace(ep=built.ep_group, expt_tp=built.tp_group, tp_ep=built.tp_ep_group)
+        groups.tp = getattr(self, "attn_tp_group", None)
         if local_dispatch_unsupported(config) is None and groups.tp_ep.size() == 1:
             self.token_dispatcher = LocalTokenDispatcher(self.num_local_experts, config, groups)
         self.local_dispatch = isinstance(self.token_dispatcher, LocalTokenDispatcher)
+        # tokens leave the rank: megatron-core's dispatcher or the gathered one, per forward
+        self.ep_dispatch = None if self.local_dispatch else EPDispatch.of(self, built, groups)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if self.ep_dispatch is not None:
+            self.token_dispatcher = self.ep_dispatch.pick()
+        return super().forward(hidden_states, *args, **kwargs)
 
 
 def host_sync_reason(model: torch.nn.Module) -> str | None:
-    """Why a forward of ``model`` syncs with the host in its MoE layers (None: it does not, so a
-    decode step can be captured in a CUDA graph): every MoE layer must be a
-    :class:`GroupedMoELayer` on the local dispatch whose grouped experts run torch's grouped
-    GEMM (the padded fallback sizes its buffer on the host)."""
+    """Why a decode step of ``model`` (a forward under ``ep_dispatch.no_host_sync``) syncs with
+    the host in its MoE layers (None: it does not, so it can be captured in a CUDA graph): every
+    MoE layer must be a :class:`GroupedMoELayer` on the local dispatch (EP = TP = 1) or the
+    gathered one (``ep_dispatch``) whose grouped experts run torch's grouped GEMM (the padded
+    fallback sizes its buffer on the host)."""
     from megatron_grpo.megatron.moe.grouped_experts import GroupedExperts
     from megatron_grpo.ops.layers.grouped_mm import grouped_mm_supports
 
@@ -117,7 +130,11 @@ def host_sync_reason(model: torch.nn.Module) -> str | None:
         experts = mlp.experts
         if not isinstance(experts, GroupedExperts):
             return f"layer {i}: {type(experts).__name__} experts (moe_grouped_gemm=false)"
-        if not getattr(mlp, "local_dispatch", False):
+        ep = getattr(mlp, "ep_dispatch", None)  # decode steps run under ep_dispatch.no_host_sync
+        if ep is not None and ep.resolve(sync_free=True) != "gathered":
+            why = ep.gathered_why or f"set_moe_dispatch(..., {ep.choice!r})"
+            return f"layer {i}: megatron-core's token dispatcher ({why})"
+        if ep is None and not getattr(mlp, "local_dispatch", False):
             why = local_dispatch_unsupported(mlp.config) or "megatron-core's MoELayer"
             return f"layer {i}: megatron-core's token dispatcher ({why})"
         for w in (experts.weight1, experts.weight2):

@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterator
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from megatron.core.models.gpt import GPTModel
 from megatron.core.pipeline_parallel import get_forward_backward_func as _mcore_fb_func
 from torch import Tensor
@@ -55,13 +56,18 @@ from torch import Tensor
 from megatron_grpo.loss import GRPOLossConfig, LossInputs, local_denominator
 from megatron_grpo.loss.metrics import MeanMetric
 from megatron_grpo.loss.segments import host_to_device
-from megatron_grpo.megatron.batch.merge import merge_groups, merge_packed, split_merged
+from megatron_grpo.megatron.batch.merge import (
+    match_count,
+    merge_groups,
+    merge_packed,
+    split_merged,
+)
 from megatron_grpo.megatron.batch.packing import PackedBatch
 from megatron_grpo.megatron.batch.transport import full_logprobs, prepare_batch, run_model
 from megatron_grpo.megatron.gpt import check_training_config, unwrap
 from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.megatron.moe.routing_replay import replay_routes, set_replay_routes
-from megatron_grpo.megatron.parallel import cuda_compat
+from megatron_grpo.megatron.parallel import all_reduce_max, cuda_compat
 from megatron_grpo.megatron.step.logprob_paths import LogprobPath, choose_path
 from megatron_grpo.ops.lm_head.options import LMHeadOptions, LMHeadRequest
 
@@ -240,6 +246,7 @@ class GRPOStep:
         model: list[torch.nn.Module],
         batches: list[PackedBatch],
         max_tokens: int | None = None,
+        count_group: dist.ProcessGroup | None = None,
     ) -> list[Tensor]:
         """Log-probs ``[T]`` (float32, CPU) of each batch's targets under ``model``, no grad.
 
@@ -251,17 +258,29 @@ class GRPOStep:
         ``max_tokens``: run consecutive batches merged into micro-batches of up to this many
         tokens (:mod:`~megatron_grpo.megatron.batch.merge`; the host's cost is per layer and
         micro-batch, not per token). The result is the same per batch. Every rank of a model
-        replica must pass the same batches; ranks whose forwards are collectives with other
-        replicas (MoE expert parallelism over DP) must get the same number of merged groups.
+        replica must pass the same batches.
+
+        ``count_group``: the ranks whose forwards are collectives with each other (MoE expert
+        parallelism over DP: the trainer passes the DP group) agree on the number of forwards
+        by one all-reduce: a rank with fewer splits its merged groups, then runs its smallest
+        batch again and drops the result, so no rank waits in a collective the others never
+        reach. Needs a dispatcher that takes different token counts per rank (all-to-all).
         """
-        groups = None if max_tokens is None else merge_groups(batches, max_tokens)
-        if groups is None or len(groups) == len(batches):
-            return self._logprob_passes(model, batches)
+        singles = [[i] for i in range(len(batches))]
+        groups = singles if max_tokens is None else merge_groups(batches, max_tokens)
+        extra = 0
+        if count_group is not None:  # one small all-reduce: the group's forward count
+            count = all_reduce_max([len(groups)], count_group, torch.int64)[0]
+            groups, extra = match_count(groups, count)
+        if extra and not batches:
+            raise ValueError("compute_logprobs: a rank of count_group has no batch to run")
         merged = [merge_packed([batches[i] for i in g]) for g in groups]
-        out = self._logprob_passes(model, merged)
+        # forwards to match the group's count: the smallest batch again, its output dropped
+        spare = min(batches, key=lambda b: b.num_tokens) if extra else None
+        out = self._logprob_passes(model, merged + [spare] * extra)
         return [
             lp
-            for g, m in zip(groups, out, strict=True)
+            for g, m in zip(groups, out[: len(groups)], strict=True)
             for lp in split_merged(m, [batches[i] for i in g])
         ]
 

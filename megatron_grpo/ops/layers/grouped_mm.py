@@ -1,9 +1,11 @@
 """Grouped GEMM of the MoE experts: consecutive row groups of ``x``, each times its own weight.
 
 ``x [M, K]`` rows sorted by group, ``weight [G, N, K]`` (``nn.Linear`` layout per group) and
-``ends [G]`` int32 cumulative row counts (``ends[-1] == M``; groups may be empty) give
-``y [M, N]`` with ``y[rows of g] = x[rows of g] @ weight[g].T``, in ``x``'s dtype, accumulated in
-fp32 (bf16 / fp16) as one GEMM per expert would.
+``ends [G]`` int32 cumulative row counts (groups may be empty) give ``y [M, N]`` with
+``y[rows of g] = x[rows of g] @ weight[g].T``, in ``x``'s dtype, accumulated in fp32 (bf16 /
+fp16) as one GEMM per expert would. Rows past ``ends[-1]`` (a buffer of fixed size holding
+fewer routed rows) belong to no group: they cost nothing and their output is unspecified
+(torch's grouped GEMM leaves them unwritten; the padded path writes zeros).
 
 Implementations (:data:`GROUPED_MM_IMPLS`; :func:`resolve_grouped_mm` is the one decision):
 
@@ -74,15 +76,18 @@ def grouped_mm_padded(x: Tensor, weight: Tensor, ends: Tensor) -> Tensor:
     group = torch.searchsorted(ends, rows, right=True)  # [M] group of each row
     slot = rows - (ends - counts)[group.clamp(max=g - 1)]  # position within its group
     cap = int(counts.max()) if g else 0  # the one host sync
+    # rows past ends[-1] (a fixed-size buffer, moe.ep_dispatch) compute nothing: zero rows
+    keep = group < g
+    group, slot = group.clamp(max=max(g - 1, 0)), torch.where(keep, slot, 0)
     padded = x.new_zeros(g, max(cap, 1), x.size(1))
-    padded = padded.index_put((group, slot), x)
+    padded = padded.index_put((group, slot), torch.where(keep[:, None], x, 0), accumulate=True)
     out = torch.bmm(padded, weight.transpose(1, 2))  # [G, C, N]
-    return out[group, slot]
+    return torch.where(keep[:, None], out[group, slot], 0)
 
 
 def grouped_mm(x: Tensor, weight: Tensor, ends: Tensor, *, impl: str = "auto") -> Tensor:
     """``x [M, K]`` (rows sorted by group) times ``weight [G, N, K]`` per group, ``ends [G]``
-    the cumulative group sizes (int, on any device; ``ends[-1] == M``) -> ``[M, N]``."""
+    the cumulative group sizes (int, on any device; ``ends[-1] <= M``) -> ``[M, N]``."""
     if x.dim() != 2 or weight.dim() != 3 or x.size(1) != weight.size(2):
         raise ValueError(
             f"grouped_mm: x must be [M, K] and weight [G, N, K], got {list(x.shape)} and "

@@ -11,17 +11,25 @@ tokens, int64 ``[P + R, L, k]`` (``megatron_grpo.rollout.engine.routes``), else 
 
 from __future__ import annotations
 
-import torch
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from megatron_grpo.megatron.layout import ParallelLayout
-from megatron_grpo.rollout.engine import model_io
-from megatron_grpo.rollout.engine.kv_engine import KVCacheEngine
 from megatron_grpo.rollout.engine.options import EngineOptions
 from megatron_grpo.rollout.engine.params import SamplingParams
-from megatron_grpo.rollout.engine.recompute import generate_recompute
-from megatron_grpo.rollout.engine.routes import RouteLog, recording
-from megatron_grpo.rollout.engine.run_state import Generation
-from megatron_grpo.rollout.engine.sampling import sample
+
+if TYPE_CHECKING:
+    import torch
+
+    from megatron_grpo.rollout.engine.kv_engine import KVCacheEngine
+    from megatron_grpo.rollout.engine.run_state import Generation
+
+# Imported on first use (PEP 562): the recipe's sections (EngineOptions, SamplingParams) load
+# without the engine's megatron-core imports (``python -m megatron_grpo.train --check``).
+_EXPORTS = {
+    "KVCacheEngine": "megatron_grpo.rollout.engine.kv_engine",
+    "Generation": "megatron_grpo.rollout.engine.run_state",
+    "sample": "megatron_grpo.rollout.engine.sampling",
+}
 
 __all__ = ["EngineOptions", "Generation", "KVCacheEngine", "SamplingParams", "generate", "sample"]
 
@@ -44,6 +52,15 @@ def generate(
     reuse its CUDA graphs across calls) or ``"recompute"`` (no cache: the test oracle).
     ``record_routes``: also record the routes of each sample (MoE only). ``limits``: per
     sample its own response limit (None: ``params.max_new_tokens``)."""
+    import torch
+
+    from megatron_grpo.megatron.layout import ParallelLayout
+    from megatron_grpo.rollout.engine import model_io
+    from megatron_grpo.rollout.engine.kv_engine import KVCacheEngine
+    from megatron_grpo.rollout.engine.recompute import generate_recompute
+    from megatron_grpo.rollout.engine.routes import RouteLog, recording
+    from megatron_grpo.rollout.engine.run_state import Generation
+
     if isinstance(engine, KVCacheEngine):
         if engine.model is not model:
             raise ValueError("the KVCacheEngine passed as engine was built for another model")
@@ -66,3 +83,12 @@ def generate(
     finally:
         model.train(was_training)
     return Generation.of(responses, logprobs, routes)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

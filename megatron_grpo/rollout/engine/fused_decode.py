@@ -37,7 +37,8 @@ from megatron_grpo.megatron.model.layers import Norm, SwiGLUMLP
 from megatron_grpo.ops.kernels import check_choice, resolve_impl, triton_runs_on
 from megatron_grpo.ops.layers import decode as decode_ops
 from megatron_grpo.ops.layers.decode import DecodeKernels
-from megatron_grpo.rollout.engine.kv_cache import KVCache, decode_attention, softmax_scale
+from megatron_grpo.rollout.engine.cached_attention import decode_attention, softmax_scale
+from megatron_grpo.rollout.engine.kv_cache import KVCache
 
 PATHS = ("auto", "fused", "modules")
 

@@ -65,6 +65,11 @@ def plan_graphs(model: torch.nn.Module, requested: bool | None, cuda: bool) -> t
     return cuda, ""
 
 
+def graph_batch(rows: int, slots: int) -> int:
+    """Decode batch of a CUDA graph: the next power of two, at most ``slots``."""
+    return min(1 << (rows - 1).bit_length(), slots)
+
+
 class DecodeGraphs:
     def __init__(self) -> None:
         self.pool = torch.cuda.graph_pool_handle()

@@ -7,37 +7,21 @@ offset, no left padding): a decode query attends to its own row's keys ``[0, pos
 key-padding mask, so ragged prompts decode exactly as if each ran alone. :class:`CacheSizer`
 decides how many slots a call's cache holds (the budget, the memory it may take, the agreement
 of the TP / expert groups).
-
-:class:`CachedAttention` replaces each layer's core attention (the portable ``SDPAttention`` or
-Transformer Engine's) for the duration of a generation call:
-
-* prefill (the ragged prompts packed into one ``[T, 1, n, d]`` stream): write each token's K/V
-  at its (slot, position), then attend causally within each document (``packed_attention``:
-  a few length-bucketed SDPA calls);
-* decode (``[1, b, n, d]``, one new token per row): write K/V at each row's position, then
-  attend to the row's cached keys. GQA folds the query heads of one KV head into the query
-  length (``[b, n_kv, groups, d]`` against ``[b, n_kv, ctx, d]``), so no backend needs GQA
-  support and K/V are never repeated.
+The attention over it is ``cached_attention.py``'s.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from megatron_grpo.megatron.attention.packed import packed_causal_attention
-from megatron_grpo.megatron.attention.sdpa import sdpa
 from megatron_grpo.megatron.layout import ParallelLayout
+from megatron_grpo.megatron.moe.ep_dispatch import gathered_decode_width
 from megatron_grpo.megatron.parallel import all_reduce_max
-from megatron_grpo.ops.kernels import triton_kernels
 from megatron_grpo.ops.layers.rope import rope_reference
 from megatron_grpo.rollout.engine import memory_release
 from megatron_grpo.rollout.engine.options import EngineOptions
@@ -110,7 +94,8 @@ class Headroom:
         ``prefill_tokens`` (:func:`activation_width` elements a token). ``per_slot`` (a decode
         step over every slot, or the first tokens of as many prefilled prompts): fp32 logits
         (the local ``[V / TP]`` head output, the ``[V]`` gathered over TP and ~5 sampling
-        temporaries of ``[V]``), the step's activations and static buffers; twice with CUDA
+        temporaries of ``[V]``), the step's activations (MoE at EP > 1: the gathered
+        dispatch's, ``ep_dispatch.gathered_decode_width``) and static buffers; twice with CUDA
         graphs (the graphs' memory pool and the eager warm-up before each capture)."""
         cfg = model.config
         itemsize = torch.finfo(shape.dtype).bits // 8
@@ -119,7 +104,9 @@ class Headroom:
         vocab_local = _output_rows(model)
         rope = seq_len * (cfg.kv_channels or 0) * 16  # cos and sin, and their fp32 sources
         fixed = shape.bytes_per_token * seq_len + rope + prefill_tokens * width * itemsize
-        step = 4 * (vocab_local + 6 * vocab_local * tp) + width * itemsize
+        # MoE at EP > 1: a decode row's gathered-dispatch buffers (moe.ep_dispatch)
+        step_width = max(width, gathered_decode_width(cfg))
+        step = 4 * (vocab_local + 6 * vocab_local * tp) + step_width * itemsize
         return cls(int(fixed), int(step * (2 if graphs else 1) + 64))
 
 
@@ -227,6 +214,9 @@ class CacheSizer:
         longest = max(longest, self.max_context or 0)
         bucket = self.options.context_bucket
         seq_len = min(-(-longest // bucket) * bucket, self.model.max_sequence_length)
+        if self.graphs and self.layout.expert_tp_ep_group is not None:
+            # decode graphs hold collectives: the group captures and replays the same keys
+            seq_len = all_reduce_max([seq_len], self.layout.expert_tp_ep_group, torch.int64)[0]
         cache = None
         for cached in (True, False):  # False: again, from the driver's free memory alone
             budget, sizing = self._budget_slots(prompts, shape, seq_len, kept, cached)
@@ -321,9 +311,12 @@ class CacheSizer:
         return None
 
     def _report(self, cache: KVCache, samples: int, budget: int, sizing: str) -> None:
-        """One log line (global rank 0) at the first call, and whenever the cache holds fewer
-        sequences than ever before."""
-        if self._reported_slots is not None and cache.slots >= self._reported_slots:
+        """One log line (global rank 0) at the first call, and whenever memory (not a smaller
+        batch: an evaluation's, a shortfall round's) lets the cache hold fewer sequences than
+        ever before."""
+        bound = cache.slots < samples  # the budget, not the batch, sets the slots
+        seen = self._reported_slots
+        if seen is not None and (cache.slots >= seen or not bound):
             return
         self._reported_slots = cache.slots
         if dist.is_initialized() and dist.get_rank() != 0:
@@ -402,94 +395,3 @@ class KVCache:
         """
         for s, d in zip(src, dst, strict=True):
             self.kv[:, :, d, :, :ctx].copy_(self.kv[:, :, s, :, :ctx])
-
-
-class CachedAttention(torch.nn.Module):
-    """Layer ``index``'s core attention during generation (see the module docstring)."""
-
-    def __init__(self, cache: KVCache, index: int, scale: float) -> None:
-        super().__init__()
-        self.cache, self.index, self.scale = cache, index, scale
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, **kwargs) -> Tensor:
-        kc, vc = self.cache.kv[self.index, 0], self.cache.kv[self.index, 1]
-        if not self.cache.decoding:
-            return self._prefill(query, key, value, kc, vc)
-        return self._decode(query, key, value, kc, vc)
-
-    def _prefill(self, query: Tensor, key: Tensor, value: Tensor, kc: Tensor, vc: Tensor):
-        """``query [T, 1, n_q, d]``, ``key/value [T, 1, n_kv, d]`` -> ``[T, 1, n_q * d]``."""
-        c = self.cache
-        query, key = c.apply_rope(query), c.apply_rope(key)
-        kc[c.write_slot, :, c.write_pos] = key[:, 0]
-        vc[c.write_slot, :, c.write_pos] = value[:, 0]
-        out = packed_causal_attention(
-            query[:, 0], key[:, 0], value[:, 0], c.packed, sdpa=self._sdpa
-        )
-        return out.reshape(out.size(0), 1, -1)
-
-    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
-        return sdpa(q, k, v, mask=mask, causal=mask is None, scale=self.scale)
-
-    def _decode(self, query: Tensor, key: Tensor, value: Tensor, kc: Tensor, vc: Tensor):
-        """``query [1, b, n_q, d]``, ``key/value [1, b, n_kv, d]`` -> ``[1, b, n_q * d]``."""
-        b, n_q, d = query.size(1), query.size(2), query.size(3)
-        c = self.cache
-        n_kv, pos = key.size(2), c.write_pos
-        query, key = c.apply_rope(query), c.apply_rope(key)
-        rows = torch.arange(b, device=query.device)
-        kc[rows, :, pos] = key[0]
-        vc[rows, :, pos] = value[0]
-        q = query[0].reshape(b, n_kv, n_q // n_kv, d)  # query heads grouped by KV head
-        return decode_attention(q, kc, vc, c, self.scale).reshape(1, b, n_q * d)
-
-
-def decode_attention(q: Tensor, kc: Tensor, vc: Tensor, cache: KVCache, scale: float) -> Tensor:
-    """One decode step's attention: ``q [b, n_kv, groups, d]`` (the query heads of each KV head
-    as its query length) against row i's cached keys ``kc/vc[i, :, :pos_i + 1]`` ->
-    ``[b, n_kv * groups * d]``: ``cache.attention`` "triton" reads exactly each row's keys
-    (``kernels.decode_attention``, split-K); "sdpa" reads the ``ctx`` bucket under the step's
-    mask (cuDNN on GPU)."""
-    b, ctx = q.size(0), cache.ctx
-    if cache.attention == "triton":
-        out = triton_kernels.decode_attention(q.contiguous(), kc, vc, cache.write_pos, ctx, scale)
-        return out.reshape(b, -1)
-    with _decode_backends(q.device):
-        out = sdpa(q, kc[:b, :, :ctx], vc[:b, :, :ctx], mask=cache.mask, scale=scale)
-    return out.reshape(b, -1)
-
-
-# Masked decode attention: cuDNN streams the cache near HBM bandwidth on Hopper (research file:
-# 3.9-4.3 TB/s against 2.6 for flash and 0.15 for math); the others stay as fallbacks.
-_DECODE_BACKENDS = [
-    SDPBackend.CUDNN_ATTENTION,
-    SDPBackend.EFFICIENT_ATTENTION,
-    SDPBackend.FLASH_ATTENTION,
-    SDPBackend.MATH,
-]
-
-
-def _decode_backends(device: torch.device):
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    return sdpa_kernel(_DECODE_BACKENDS, set_priority=True)
-
-
-def softmax_scale(model: torch.nn.Module) -> float:
-    cfg = model.config
-    return cfg.softmax_scale or 1.0 / math.sqrt(cfg.kv_channels)
-
-
-@contextlib.contextmanager
-def attached(model: torch.nn.Module, cache: KVCache) -> Iterator[None]:
-    """Every layer's core attention reads and writes ``cache`` inside the block."""
-    layers = [layer.self_attention for layer in model.decoder.layers]
-    saved = [attn.core_attention for attn in layers]
-    scale = softmax_scale(model)
-    try:
-        for i, attn in enumerate(layers):
-            attn.core_attention = CachedAttention(cache, i, scale)
-        yield
-    finally:
-        for attn, core in zip(layers, saved, strict=True):
-            attn.core_attention = core

@@ -38,12 +38,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.megatron.layout import ParallelLayout
+from megatron_grpo.megatron.moe.ep_dispatch import no_host_sync
 from megatron_grpo.megatron.parallel import all_reduce_max
 from megatron_grpo.rollout.engine import fused_decode as fd
 from megatron_grpo.rollout.engine import kv_cache as kvc
 from megatron_grpo.rollout.engine import memory_release
 from megatron_grpo.rollout.engine import model_io as io
-from megatron_grpo.rollout.engine.graphs import DecodeGraphs, plan_graphs
+from megatron_grpo.rollout.engine.cached_attention import attached
+from megatron_grpo.rollout.engine.graphs import DecodeGraphs, graph_batch, plan_graphs
 from megatron_grpo.rollout.engine.options import EngineOptions
 from megatron_grpo.rollout.engine.params import SamplingParams
 from megatron_grpo.rollout.engine.requests import Request, start_run, write_back
@@ -169,8 +171,10 @@ class KVCacheEngine:
             "prefill_seconds",
             "decode_seconds",
             "kv_recomputed",
+            "graph_captures",
         )
         self.stats = dict.fromkeys(names, 0)
+        self._captures_before = 0 if self.graphs is None else self.graphs.captures
 
     def _restore_kv(self, run: Run, requests: list[Request]) -> None:
         """Requests paused with their cached rows (``keep``) go straight into slots. When the
@@ -218,7 +222,7 @@ class KVCacheEngine:
             self.cache.attention = self.decode.attention
             self._prepare_static(run)
             self._rows_moved = True
-            with kvc.attached(model, self.cache):
+            with attached(model, self.cache):
                 yield
         finally:
             if not self.options.keep_cache:  # freed and released before any policy update
@@ -245,7 +249,11 @@ class KVCacheEngine:
         device, cache = io.model_device(self.model), self.cache
         weights = tuple(p.data_ptr() for p in self.model.parameters())
         key = (cache.slots, cache.seq_len, cache.kv.data_ptr(), weights)
-        if key == self._static_key:
+        changed = key != self._static_key
+        group = self.layout.expert_tp_ep_group
+        if self.graphs is not None and group is not None:  # re-captured by all or none
+            changed = bool(all_reduce_max([int(changed)], group, torch.int64)[0])
+        if not changed:
             return
         if self.decode.path == "fused":
             self._fused = fd.FusedDecoder(self.model, self.decode.kernels, self.layout.tp_group)
@@ -293,6 +301,8 @@ class KVCacheEngine:
                 self._decode_stream(run)
             self.stats["prefill_seconds"] += t1 - t0
             self.stats["decode_seconds"] += time.perf_counter() - t1
+            if self.graphs is not None:  # re-captured when the cache or a weight moved
+                self.stats["graph_captures"] = self.graphs.captures - self._captures_before
 
     @staticmethod
     def _stopping(
@@ -390,13 +400,16 @@ class KVCacheEngine:
         """Enqueue one decode step of the active rows (``ahead`` steps of theirs are still in
         flight) and the copy of its tokens to the host."""
         n = len(run.rows)
-        b = _bucket(rows, self.cache.slots) if self.use_graphs else rows
+        b = graph_batch(rows, self.cache.slots) if self.use_graphs else rows
         samples = torch.tensor(run.rows, dtype=torch.long)
         longest = int((run.prompt_lens[samples] + run.lengths[samples]).max()) + ahead if n else 1
         ctx = min(
             -(-longest // self.options.context_bucket) * self.options.context_bucket,
             self.cache.seq_len,
         )
+        group = self.layout.expert_tp_ep_group
+        if self.graphs is not None and group is not None:  # the group's graphs hold collectives:
+            ctx = all_reduce_max([ctx], group, torch.int64)[0]  # all ranks on one key
         if self._rows_moved or b != self._meta_rows:  # the device's row state is rebuilt
             meta = torch.zeros(4, b, dtype=torch.long)
             meta[:, :n] = run.feeds(samples)
@@ -448,8 +461,9 @@ class KVCacheEngine:
         self.cache.plan_decode(pos, ctx)
         if self._fused is not None:
             hidden = self._fused(ids, pos, self.cache, self._rope)
-        else:
-            hidden = self._forward(ids[:, None], pos[:, None])[0]  # [b, H]
+        else:  # MoE at EP > 1: the gathered dispatch (every rank of the group steps together)
+            with no_host_sync(self.model):
+                hidden = self._forward(ids[:, None], pos[:, None])[0]  # [b, H]
         logits = io.head_logits(self.model, hidden, self.layout)
         tokens, logp = sample(logits, self._u[:b], params, self.decode.kernels.sample_rows)
         io.broadcast_from_tp_src(self.layout, tokens, logp)
@@ -476,24 +490,9 @@ class KVCacheEngine:
 
     def _retire(self, run: Run, finished: list[int], ctx: int | None = None) -> None:
         """Drop the ``finished`` rows (ascending), moving the last active rows into their
-        slots."""
+        slots (``Run.retire`` says which cache rows move where)."""
         if not finished:
             return
         self._rows_moved = True
-        # Each destination is copied from its row's origin, so a row moved twice (into a
-        # finished slot that is later the last one and moves on) comes from where its cache is;
-        # origins lie past the new row count, so no copy reads a slot another one wrote.
-        origin: dict[int, int] = {}  # destination slot -> the slot holding its row's cache now
-        for r in reversed(finished):  # highest first: a moved row is never finished
-            last = len(run.rows) - 1
-            if r != last:
-                origin[r] = origin.pop(last, last)
-                run.rows[r] = run.rows[last]
-            run.rows.pop()
-        dst = list(origin)
-        self.cache.move_rows([origin[d] for d in dst], dst, ctx or self.cache.seq_len)
-
-
-def _bucket(rows: int, slots: int) -> int:
-    """Decode batch of a CUDA graph: the next power of two, at most ``slots``."""
-    return min(1 << (rows - 1).bit_length(), slots)
+        src, dst = run.retire(finished)
+        self.cache.move_rows(src, dst, ctx or self.cache.seq_len)

@@ -14,6 +14,7 @@ from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
+from megatron_grpo.megatron.attention.packed import remember_host_bounds
 from megatron_grpo.megatron.gpt import hidden_states_only, output_weight
 from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.megatron.parallel import comm_device
@@ -71,8 +72,11 @@ def packed_inputs(
 
 
 def packed_to(params: PackedSeqParams, device: torch.device) -> PackedSeqParams:
+    host = {}
     for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
-        setattr(params, name, getattr(params, name).to(device))
+        host[name] = getattr(params, name)
+        setattr(params, name, host[name].to(device))
+    remember_host_bounds(params, host)  # the attention layouts read them without a sync
     return params
 
 

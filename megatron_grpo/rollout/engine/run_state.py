@@ -112,6 +112,22 @@ class Run:
             [lp[:k] for lp, k in zip(self.logps.tolist(), lens, strict=True)],
         )
 
+    def retire(self, finished: list[int]) -> tuple[list[int], list[int]]:
+        """Drop the ``finished`` rows (ascending), moving the last active rows into their
+        slots; returns the cache rows to copy (``src`` -> ``dst``). Each destination is copied
+        from its row's origin, so a row moved twice (into a finished slot that is later the
+        last one and moves on) comes from where its cache is; origins lie past the new row
+        count, so no copy reads a slot another one wrote."""
+        origin: dict[int, int] = {}  # destination slot -> the slot holding its row's cache now
+        for r in reversed(finished):  # highest first: a moved row is never finished
+            last = len(self.rows) - 1
+            if r != last:
+                origin[r] = origin.pop(last, last)
+                self.rows[r] = self.rows[last]
+            self.rows.pop()
+        dst = list(origin)
+        return [origin[d] for d in dst], dst
+
 
 @dataclass(frozen=True)
 class Launched:

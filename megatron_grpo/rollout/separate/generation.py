@@ -32,6 +32,7 @@ from megatron_grpo.rollout.separate.channel import (
 from megatron_grpo.rollout.separate.parts import generate_part
 from megatron_grpo.rollout.separate.world import SOURCE, SeparateWorld
 from megatron_grpo.rollout.source import GeneratedRollouts, build_checked_task
+from megatron_grpo.rollout.tasks import Task
 from megatron_grpo.rollout.weight_sync import WeightReceiver
 
 STOP = -1  # the version the trainer sends last: no more weights, no more units
@@ -46,7 +47,9 @@ class GenerationLoop:
         cfg: RolloutConfig,
         ctx: RolloutContext,
         world: SeparateWorld,
+        task: Task | None = None,
     ) -> None:
+        """``task``: built and checked already, else built here."""
         self.cfg, self.ctx, self.world = cfg, ctx, world
         moe_tp = world.tp > 1 and model_cfg.num_moe_experts is not None
         # MoE at TP > 1: the sequence-parallel path megatron-core's MoE layer is built for
@@ -58,7 +61,7 @@ class GenerationLoop:
         # Collective with the trainer's WeightSender, then the trainer's opening message.
         self.receiver = WeightReceiver(self.model, layout, world.sync_group, SOURCE)
         self.start: Start = exchange_start(None, world.data_group)
-        task = build_checked_task(cfg, ctx)
+        task = task if task is not None else build_checked_task(cfg, ctx)
         self.gen = GeneratedRollouts(cfg, ctx, task, self.model, 0, self.start.dp_size)
         self.ranges = self.start.ranges(world.replicas)  # the parts of a unit
         self.version: int | None = None

@@ -24,6 +24,7 @@ ground truth is a number, else the whole response, stripped, as a string.
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 from array import array
@@ -36,6 +37,7 @@ from megatron_grpo.errors import InputError
 from megatron_grpo.rollout.config import DatasetConfig
 from megatron_grpo.rollout.tasks.base import Prompt
 from megatron_grpo.rollout.tasks.math import HFTokenizer, last_number
+from megatron_grpo.rollout.tasks.prompt_checks import check_not_blank, check_unknown_tokens
 
 SECTION = "rollout.dataset"
 # How to get pyarrow when a .parquet dataset is given without it.
@@ -142,6 +144,7 @@ def _check_prompt(value: Any, where: str, key: str) -> str | list[dict]:
     if isinstance(value, str):
         if not value:
             raise InputError(f"{where}: column {key!r} is an empty string")
+        check_not_blank(value, where, key)
         return value
     if not isinstance(value, list):
         raise InputError(
@@ -161,6 +164,7 @@ def _check_prompt(value: Any, where: str, key: str) -> str | list[dict]:
             if not isinstance(message.get(part), str):
                 got = "nothing" if part not in message else _describe(message[part])
                 raise InputError(f"{where}: column '{col}.{part}': expected a string, got {got}")
+    check_not_blank(value, where, key)
     return value
 
 
@@ -294,6 +298,7 @@ class PromptEncoder:
         return out
 
     def encode(self, rows: list[Row]) -> list[tuple[str, list[int]]]:
+        check_unknown_tokens(rows, self.tokenizer, self.cfg.prompt_key)
         texts = self.texts(rows)
         ids: list[list[int]] = []
         for lo in range(0, len(texts), _BATCH):
@@ -301,7 +306,8 @@ class PromptEncoder:
         for row, row_ids in zip(rows, ids, strict=True):
             if not row_ids:
                 raise InputError(
-                    f"{row.source}: column {self.cfg.prompt_key!r}: the prompt encodes to no tokens"
+                    f"{row.source}: column {self.cfg.prompt_key!r}: the prompt encodes to no tokens "
+                    f"(tokenizer {self.cfg.tokenizer_dir!r})"
                 )
         return list(zip(texts, ids, strict=True))
 
@@ -312,7 +318,9 @@ class PromptEncoder:
 def _is_rank0() -> bool:
     import torch.distributed as dist
 
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return os.environ.get("RANK", "0") == "0"  # torchrun's ranks before the process group
 
 
 def overlong_report(

@@ -2,7 +2,8 @@
 
 Prompt ``<bos> d1 d2 .. dk =``, target ``dk .. d1 <eos>``. The reward is the fraction of the
 k + 1 target tokens the response matches position by position, so a random policy over the 13
-real tokens scores about 1/13 while partial progress (one digit right) is rewarded. A transformer
+real tokens scores (1 - (12/13)^(k+1)) / (k + 1) (0.068 for k = 3: a guessed ``<eos>`` ends the
+response) while partial progress (one digit right) is rewarded. A transformer
 solves it by attending back a fixed, position-dependent distance, which a ~1M-parameter model
 learns from rewards alone in a few dozen steps.
 """

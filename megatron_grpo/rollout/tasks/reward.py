@@ -47,6 +47,12 @@ class RewardError(RuntimeError):
     the function and the sample (``path:row`` of its prompt, else the prompt's index)."""
 
 
+class RewardValueError(RewardError):
+    """A reward function returned something that is not a reward (None, a string, NaN, a dict
+    without ``score``): bad user code, exit code 2 like other bad input (a reward that raised
+    is a failed run, exit code 1)."""
+
+
 def _resolve(spec: str) -> Callable[..., Any]:
     if spec in VERIFIERS:
         return VERIFIERS[spec]
@@ -126,7 +132,7 @@ def reward_value(value: Any, name: str, where: str) -> tuple[float, dict[str, fl
     raw = value
     if isinstance(value, Mapping):
         if "score" not in value:
-            raise RewardError(
+            raise RewardValueError(
                 f"{name} returned a dict without 'score' for {where} "
                 f"(keys: {sorted(map(str, value))})"
             )
@@ -134,7 +140,7 @@ def reward_value(value: Any, name: str, where: str) -> tuple[float, dict[str, fl
             if key == "score":
                 continue
             if key in RESERVED_EXTRAS:
-                raise RewardError(
+                raise RewardValueError(
                     f"{name} returned the key {key!r} for {where}: reward/{key} is the "
                     f"trainer's own metric (reserved: {', '.join(RESERVED_EXTRAS)})"
                 )
@@ -145,12 +151,12 @@ def reward_value(value: Any, name: str, where: str) -> tuple[float, dict[str, fl
     score = _as_number(raw)
     if score is None:
         what = "a dict whose 'score' is " if raw is not value else ""
-        raise RewardError(
+        raise RewardValueError(
             f"{name} returned {what}{type(raw).__name__} for {where}; expected a number, "
             "a bool or a dict with a numeric 'score'"
         )
     if not math.isfinite(score):
-        raise RewardError(f"{name} returned the non-finite score {score} for {where}")
+        raise RewardValueError(f"{name} returned the non-finite score {score} for {where}")
     return score, extras
 
 

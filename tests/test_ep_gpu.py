@@ -1,0 +1,114 @@
+"""Expert parallelism on GPUs (2 GPUs each, NCCL; skipped with fewer): the gathered dispatch's
+decode forward never syncs with the host and the engine captures it in CUDA graphs at EP 2;
+megatron-core's all-to-all dispatcher syncs less with the sort-based permutation.
+
+    python -m pytest -q -m gpu tests/test_ep_gpu.py
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from megatron_grpo.megatron import ParallelConfig, unwrap
+from megatron_grpo.megatron.moe.ep_dispatch import no_host_sync, set_moe_dispatch
+from tests.dist_utils import run_distributed
+from tests.megatron_utils import build_layout, tiny_model
+
+needs_2_gpus = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"
+)
+
+
+def _cfg(**kw):
+    return tiny_model(
+        num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=64, moe_grouped_gemm=True,
+        moe_token_dispatcher_type="alltoall", params_dtype="bfloat16", **kw,
+    )  # fmt: skip
+
+
+def _syncs(fn) -> int:
+    """Host syncs ``fn`` makes (torch's sync debug mode, one warning each)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing" in str(w.message) for w in caught)
+
+
+def _sync_body(rank: int, world: int) -> None:
+    from megatron.core.transformer.moe import token_dispatcher
+
+    chunks = build_layout(ParallelConfig(expert_model_parallel_size=2), _cfg(num_layers=1))
+    mlp = unwrap(chunks[0]).decoder.layers[0].mlp
+    x = torch.randn(37, 1, 64, device="cuda", dtype=torch.bfloat16)
+    unwrap(chunks[0]).eval()
+    with torch.no_grad(), no_host_sync(chunks):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            eager, _ = mlp(x)  # warm-up (NCCL communicators, kernels, workspaces)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # a host sync inside a capture is an error
+            captured, _ = mlp(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager), "the captured gathered dispatch differs from eager"
+    unwrap(chunks[0]).train()
+    set_moe_dispatch(chunks, "alltoall")
+    sort_permute = token_dispatcher.permute
+
+    def fwd_bwd():
+        out, _ = mlp(x.clone().requires_grad_())
+        out.float().sum().backward()
+
+    fwd_bwd()
+    ours = _syncs(fwd_bwd)
+    token_dispatcher.permute = sort_permute.megatron_permute
+    theirs = _syncs(fwd_bwd)
+    token_dispatcher.permute = sort_permute
+    assert ours < theirs, (ours, theirs)  # masked_select's syncs are gone
+
+
+@needs_2_gpus
+@pytest.mark.gpu
+def test_gpu_gathered_dispatch_has_no_host_sync():
+    """2 GPUs: EP 2 decode forward without host syncs (it captures in a CUDA graph and
+    replays to the eager result); all-to-all fwd+bwd with fewer syncs."""
+    run_distributed(_sync_body, 2, backend="nccl")
+
+
+def _graphs_body(rank: int, world: int) -> None:
+    from megatron_grpo.rollout import EngineOptions, KVCacheEngine, generate
+    from megatron_grpo.rollout.engine.params import SamplingParams
+
+    chunks = build_layout(ParallelConfig(expert_model_parallel_size=2), _cfg())
+    model = unwrap(chunks[0])
+    g = torch.Generator().manual_seed(4 + rank)
+    prompts = [torch.randint(0, 100, (int(n),), generator=g).tolist() for n in range(3, 20 + rank)]
+    params = SamplingParams(temperature=1.0, top_k=1, max_new_tokens=10, eos_id=3, vocab_size=100)
+    options = EngineOptions(kv_cache_gib=1.0, context_bucket=16)
+    graphed = KVCacheEngine(model, options)
+    assert graphed.use_graphs and not graphed.graphs_off  # "CUDA graphs on" at EP 2
+    got = generate(model, prompts, params, torch.Generator().manual_seed(5), engine=graphed)
+    assert graphed.graphs.captures > 0
+    eager = KVCacheEngine(model, EngineOptions(kv_cache_gib=1.0, context_bucket=16,
+                                               cuda_graphs=False))  # fmt: skip
+    want = generate(model, prompts, params, torch.Generator().manual_seed(5), engine=eager)
+    same = sum(a == b for a, b in zip(got.responses, want.responses, strict=True))
+    assert same >= len(prompts) - 2, f"{same} of {len(prompts)} greedy responses agree"
+
+
+@needs_2_gpus
+@pytest.mark.gpu
+def test_gpu_ep2_decode_runs_in_cuda_graphs():
+    """2 GPUs: the engine captures EP 2 decode steps (the gathered dispatch) in CUDA graphs
+    and samples what eager decode samples."""
+    run_distributed(_graphs_body, 2, backend="nccl")
