@@ -142,8 +142,23 @@ def _stop_at(at: int):
     return StopAt(())
 
 
+def _receive_when_due() -> None:
+    """Generators begin receiving a version only when it is due, as under decode CUDA graphs
+    (``GenerationLoop.eager`` False; CPU engines have no graphs)."""
+    from megatron_grpo.rollout.separate import generation
+
+    init = generation.GenerationLoop.__init__
+
+    def lazy(self, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+        self.eager = False
+
+    generation.GenerationLoop.__init__ = lazy
+
+
 def _lag_resume_body(rank: int, world: int, tmp: Path) -> None:
-    """2 trainer ranks (DP 2) + 2 generation replicas (TP 1), max_staleness 1."""
+    """2 trainer ranks (DP 2) + 2 generation replicas (TP 1), max_staleness 1; the generators
+    receive each version when it is due (the GPU path with decode graphs)."""
     import shutil
 
     import torch.distributed as dist
@@ -154,6 +169,7 @@ def _lag_resume_body(rank: int, world: int, tmp: Path) -> None:
 
     on = (*SEPARATE, "rollout.separate.generation_ranks=2", "rollout.separate.max_staleness=1")
     on = (*on, "training.steps=4")
+    _receive_when_due()
     whole = _run(tmp, "whole", *on)
     cfg = load_train_config(RECIPE, _overrides(tmp, "cut", *on))
     if not run_generation_rank(cfg):  # stopped before step 3: units 3 and 4 in flight

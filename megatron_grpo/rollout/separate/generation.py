@@ -4,10 +4,12 @@ its scheduled policy version, and ship it to its trainer ranks.
 Each rank builds the policy at ``rollout.separate.tensor_model_parallel_size`` (its own
 megatron-core layout over the generation sub-world), a :class:`WeightReceiver`, and the
 :class:`~megatron_grpo.rollout.source.GeneratedRollouts` of a colocated run (same task,
-prompts, sampling generators, engine and scorer). The next version is always being received
-(``begin`` right after each ``swap``), so the transfer overlaps generation; a swap happens only
-between parts of units (``parts``), when the next one is scheduled on a newer version (``channel.unit_version``),
-and stops the generators for the copy alone. A version of ``STOP`` ends the loop.
+prompts, sampling generators, engine and scorer). Without decode CUDA graphs the next version is
+always being received (``begin`` right after each ``swap``), so the transfer overlaps
+generation; with them it starts when the version is due (see ``GenerationLoop.__init__``). A
+swap happens only between parts of units (``parts``), when the next one is scheduled on a newer
+version (``channel.unit_version``), and stops the generators for the copy alone. A version of
+``STOP`` ends the loop.
 """
 
 from __future__ import annotations
@@ -65,6 +67,13 @@ class GenerationLoop:
         self.gen = GeneratedRollouts(cfg, ctx, task, self.model, 0, self.start.dp_size)
         self.ranges = self.start.ranges(world.replicas)  # the parts of a unit
         self.version: int | None = None
+        # Receive the next version while generating, except under decode CUDA graphs: a
+        # capture must not start with NCCL work in flight (torch waits for it or fails), and
+        # the engine may capture in any call. Then the transfer starts when the version is
+        # due (at max_staleness 1 the trainer needs this replica's part next anyway).
+        engine = self.gen.engine
+        self.eager = engine is None or not engine.use_graphs
+        self.receiving = False
         self.sends: list = []
         self.sync_metrics: dict[str, float] = {}
 
@@ -105,13 +114,15 @@ class GenerationLoop:
         return done
 
     def _swap(self) -> None:
-        """Complete the version being received, copy it in, start receiving the next."""
-        if self.version is None:
+        """Complete the version being received (begun now if not yet), copy it in, and (eager)
+        start receiving the next."""
+        if not self.receiving:
             self.receiver.begin()
         metrics = self.receiver.swap()
         self.version = int(metrics.pop("version"))
         self.sync_metrics = metrics
-        if self.version != STOP:
+        self.receiving = self.version != STOP and self.eager
+        if self.receiving:
             self.receiver.begin()
 
     @torch.no_grad()
