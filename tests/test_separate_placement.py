@@ -51,8 +51,8 @@ def _run(tmp: Path, name: str, *extra: str, resume: bool = False) -> list[dict] 
     import torch.distributed as dist
 
     from megatron_grpo.megatron import unwrap
+    from megatron_grpo.rollout.separate.launch import run_generation_rank
     from megatron_grpo.train.config import load_train_config
-    from megatron_grpo.train.placement import run_generation_rank
     from megatron_grpo.train.trainer import Trainer
 
     cfg = load_train_config(RECIPE, _overrides(tmp, name, *extra))
@@ -163,8 +163,8 @@ def _lag_resume_body(rank: int, world: int, tmp: Path) -> None:
 
     import torch.distributed as dist
 
+    from megatron_grpo.rollout.separate.launch import run_generation_rank
     from megatron_grpo.train.config import load_train_config
-    from megatron_grpo.train.placement import run_generation_rank
     from megatron_grpo.train.trainer import Trainer
 
     on = (*SEPARATE, "rollout.separate.generation_ranks=2", "rollout.separate.max_staleness=1")
@@ -211,8 +211,8 @@ def test_staleness_1_lag_and_resume_mid_flight_equals_uninterrupted(tmp_path):
 )
 def test_placement_errors_name_the_field(tmp_path, extra, world, match):
     from megatron_grpo.config import ConfigError
+    from megatron_grpo.rollout.separate.launch import trainer_world_size
     from megatron_grpo.train.config import load_train_config
-    from megatron_grpo.train.placement import trainer_world_size
 
     cfg = load_train_config(RECIPE, _overrides(tmp_path, "x", *SEPARATE, *extra))
     with pytest.raises(ConfigError, match=match):

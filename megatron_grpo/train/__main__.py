@@ -151,7 +151,7 @@ def _main(args: argparse.Namespace, argv: list[str], log: WarningLog) -> int:
         except ValueError as e:
             return report_error(ConfigError(str(e)))
         return 0
-    from megatron_grpo.train.placement import trainer_world_size
+    from megatron_grpo.rollout.separate.launch import trainer_world_size
 
     try:  # rollout.placement: separate trains on the ranks that do not generate
         world = trainer_world_size(cfg, int(os.environ.get("WORLD_SIZE", "1")))
@@ -199,9 +199,9 @@ def _train(
     cfg, resume: bool, overwrite: bool, stop: StopRequest, argv: list[str], log, task=None
 ) -> int:
     # Imported after the config is valid: Megatron's import is slow and noisy.
+    from megatron_grpo.rollout.separate.launch import run_generation_rank
     from megatron_grpo.rollout.tasks.reward import RewardError
     from megatron_grpo.train.checkpoint import CheckpointError
-    from megatron_grpo.train.placement import run_generation_rank
     from megatron_grpo.train.rundir import RunDirError, release_locks
     from megatron_grpo.train.trainer import Trainer
 

@@ -39,6 +39,7 @@ from megatron_grpo.rollout.evaluation import Evaluator
 from megatron_grpo.rollout.files import write_rollouts
 from megatron_grpo.rollout.partial import offpolicy_metrics, partial_source
 from megatron_grpo.rollout.separate import SeparateRollouts, separate_source
+from megatron_grpo.rollout.separate.launch import split_for
 from megatron_grpo.rollout.source import RolloutSource
 from megatron_grpo.rollout.tasks import Task
 from megatron_grpo.train import checkpoint as ckpt
@@ -50,7 +51,6 @@ from megatron_grpo.train.nonfinite import NonFiniteError, NonFiniteGuard
 from megatron_grpo.train.offload import RolloutOffload
 from megatron_grpo.train.offload import decide as offload_decision
 from megatron_grpo.train.optim import build_optimizer, optimizer_step, zero_grads
-from megatron_grpo.train.placement import split_for
 from megatron_grpo.train.run_outputs import start_outputs
 from megatron_grpo.train.rundir import RunDirError, claim_run_dirs
 from megatron_grpo.train.stop import Stopped, StopRequest

@@ -1,6 +1,7 @@
 """Where a rank runs under ``rollout.placement``: ``colocated`` (every rank trains and generates)
-or ``separate`` (``megatron_grpo/rollout/separate/``: the world splits into trainer and
-generation ranks before megatron-core's parallel state is built).
+or ``separate`` (the world splits into trainer and generation ranks before megatron-core's
+parallel state is built). These take the run's root config (``TrainConfig``: its ``rollout``,
+``parallel``, ``model`` and ``training`` sections), as the entry point holds it.
 
 ``python -m megatron_grpo.train`` calls :func:`run_generation_rank` first: on a generation rank
 it runs the generation loop to the end of the run and returns True; on a trainer rank (or
@@ -15,7 +16,8 @@ import torch.distributed as dist
 
 from megatron_grpo.config import ConfigError
 from megatron_grpo.megatron.parallel import _init_process_group
-from megatron_grpo.rollout.separate import GenerationLoop, SeparateWorld, current_world, split_world
+from megatron_grpo.rollout.separate.generation import GenerationLoop
+from megatron_grpo.rollout.separate.world import SeparateWorld, current_world, split_world
 
 
 def trainer_world_size(cfg, world: int) -> int:
