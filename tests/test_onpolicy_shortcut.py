@@ -163,9 +163,9 @@ def _trainer_body(rank: int, world: int, tmp: Path) -> None:
         calls = []
         compute = trainer.step_fn.compute_logprobs
 
-        def counted(model, batches, max_tokens=None):
+        def counted(model, batches, *args, **kwargs):
             calls.append("old" if model is trainer.model else "ref")
-            return compute(model, batches, max_tokens)
+            return compute(model, batches, *args, **kwargs)
 
         trainer.step_fn.compute_logprobs = counted
         start = [p.detach().clone() for p in trainer.model[0].parameters()]
