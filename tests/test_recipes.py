@@ -19,6 +19,7 @@ from megatron_grpo.train.dry_run import dry_run
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 FULL = ("qwen3_8b_long_sp", "qwen3_30b_a3b_moe")
 TWINS = ("qwen3_8b_long_sp_twin", "qwen3_30b_a3b_moe_twin")
+ASYNC = ("qwen3_8b_long_sp_async", "qwen3_30b_a3b_moe_async")  # separate placement, 64 ranks
 H200_BYTES = 141e9
 _QWEN3 = dict(
     vocab_size=151936, num_attention_heads=32, head_dim=128, max_position_embeddings=40960,
@@ -56,7 +57,7 @@ def _load(name: str, *overrides: str) -> TrainConfig:
     return load_train_config(RECIPES / f"{name}.yaml", list(overrides))
 
 
-@pytest.mark.parametrize("name", FULL + TWINS)
+@pytest.mark.parametrize("name", FULL + TWINS + ASYNC)
 def test_recipe_loads_and_comments_every_non_default(name):
     cfg = to_dict(_load(name))
     default = to_dict(TrainConfig())
@@ -111,6 +112,23 @@ def test_moe_recipe_plan_at_64_ranks(capsys):
     # 128 experts / EP 8 = 16 local experts x 48 layers x 3 x 768 x 2048.
     assert stage.expert_params == 16 * 48 * 3 * 768 * 2048
     assert run.plan.peak_bytes < H200_BYTES
+
+
+@pytest.mark.parametrize("name", ASYNC)
+def test_async_recipes_plan_trainer_and_generation_ranks(name, capsys):
+    """32 trainer + 32 generation ranks: the trainer's layout over its 32, both sides fit."""
+    import dataclasses
+
+    full, cfg = _load(name.removesuffix("_async")), _load(name)
+    replay = full.model.moe_enable_routing_replay  # the MoE variant replays generator routes
+    assert dataclasses.replace(cfg.model, moe_enable_routing_replay=replay) == full.model
+    assert cfg.rollout.placement == "separate"
+    run = dry_run(cfg, 64)
+    out = capsys.readouterr().out
+    assert "ranks 32-63 generate" in out and "dry run: world size 32" in out
+    assert run.plan.peak_bytes < H200_BYTES
+    fixed = re.search(r"= ([0-9.]+) before the KV cache", out)
+    assert fixed and 10 < float(fixed.group(1)) < 40  # weights + staging copy + buckets, GiB
 
 
 @pytest.mark.parametrize("name", TWINS)

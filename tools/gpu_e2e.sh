@@ -28,6 +28,13 @@
 #   bash tools/gpu_e2e.sh async_sync # 4 GPUs: weight sync of the Qwen3-0.6B and -8B shapes,
 #                                   # trainer TP2 -> one TP2 replica, then -> two TP1 replicas
 #                                   # (tools/bench_weight_sync.py; SYNC_BUCKET_MIB "256 1024")
+#   bash tools/gpu_e2e.sh async     # 4 GPUs: the dense twin colocated (TP2+SP x DP2) vs separate
+#                                   # (TP2+SP trainer on GPUs 0-1 + 2 TP1 generation replicas on
+#                                   # 2-3, max_staleness ASYNC_STALENESS=1), same samples per step,
+#                                   # ASYNC_TASKS "256 8-512" (256 digits; num_digits [8, 512]),
+#                                   # ASYNC_STEPS (6) each (tools/bench_async.py): tokens/s, step
+#                                   # split, weight-sync s and GiB/s, lag, ratios: bench_async.md;
+#                                   # one task per call if 4 runs exceed a 10-minute limit
 #   bash tools/gpu_e2e.sh all       # dense, moe_twin, maxctx (may exceed a 10-minute limit)
 # Each mode runs every path of PATHS ("fused megatron"); the trainer must expose
 # lm_head.path (GRPOStep.logprob_path). Results under $OUT (at most 4 files):
@@ -452,6 +459,15 @@ case "$MODE" in
         echo "gpu_e2e async_sync: exit $status; results in $OUT"
         exit "$status"
         ;;
+    async)
+        setup || exit 1
+        # shellcheck disable=SC2086
+        python3 tools/bench_async.py --tasks ${ASYNC_TASKS:-256 8-512} \
+            --steps "${ASYNC_STEPS:-6}" --staleness "${ASYNC_STALENESS:-1}" --work "$WORK" \
+            --out "$OUT" 2>&1 | tee -a "$LOG" || status=1
+        echo "gpu_e2e async: exit $status; results in $OUT/bench_async.md"
+        exit "$status"
+        ;;
     all)
         setup || exit 1
         twin dense qwen3_8b_long_sp_twin 8192 4 || status=1
@@ -459,7 +475,7 @@ case "$MODE" in
         maxctx || status=1
         ;;
     *)
-        echo "usage: $0 [dense|moe|moe_twin|moe_ep|maxctx|step|partial|memory|async_sync|all]"
+        echo "usage: $0 [dense|moe|moe_twin|moe_ep|maxctx|step|partial|memory|async_sync|async|all]"
         exit 2
         ;;
 esac

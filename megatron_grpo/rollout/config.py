@@ -197,6 +197,69 @@ class PartialConfig:
             )
 
 
+Placement = Literal["colocated", "separate"]
+
+
+@dataclass
+class SeparateConfig:
+    """``rollout.placement: separate``: generation on ranks of its own (``rollout/separate/``).
+
+    Attributes:
+        generation_ranks: the ranks of the torchrun world that only generate: the last N
+            ranks (an int N, or the list of them); the others train with ``parallel``.
+        tensor_model_parallel_size: TP of each generation replica (replicas =
+            generation ranks / TP).
+        max_staleness: policy versions a trained token may lag the weights it is trained
+            under: step ``s`` trains on rollouts generated with the weights of step
+            ``max(start, s - max_staleness)``; 0 = the trainer waits for rollouts of its latest
+            weights (synchronous). Groups that would lag more are dropped and counted.
+    """
+
+    generation_ranks: int | list[int] = 1
+    tensor_model_parallel_size: int = 1
+    max_staleness: int = 1
+
+    def __post_init__(self) -> None:
+        g = self.generation_ranks
+        if isinstance(g, list):
+            if not g or len(set(g)) != len(g) or min(g) < 0:
+                raise ValueError(
+                    f"generation_ranks must be distinct ranks >= 0 (or a count), got {g}"
+                )
+        elif isinstance(g, bool) or g < 1:
+            raise ValueError(f"generation_ranks must be >= 1 ranks, got {g!r}")
+        check_positive(self, "tensor_model_parallel_size")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.count % self.tensor_model_parallel_size:
+            raise ValueError(
+                f"generation_ranks: {self.count} rank(s) do not divide into replicas of "
+                f"tensor_model_parallel_size={self.tensor_model_parallel_size}"
+            )
+
+    @property
+    def count(self) -> int:
+        g = self.generation_ranks
+        return len(g) if isinstance(g, list) else g
+
+    def ranks(self, world: int) -> list[int]:
+        """The generation ranks of a ``world``-rank run (ValueError naming the field)."""
+        n = self.count
+        if n >= world:
+            raise ValueError(
+                f"rollout.separate.generation_ranks: {n} generation rank(s) leave no trainer rank "
+                f"in a world of {world}"
+            )
+        tail = list(range(world - n, world))
+        g = self.generation_ranks
+        if isinstance(g, list) and sorted(g) != tail:
+            raise ValueError(
+                f"rollout.separate.generation_ranks={g} must be the last {n} ranks of the "
+                f"{world}-rank world ({tail}): trainer ranks come first"
+            )
+        return tail
+
+
 @dataclass
 class RolloutConfig:
     """What each step generates (or reads) and how it is scored.
@@ -244,6 +307,9 @@ class RolloutConfig:
             (one file per step and data-parallel rank; e.g. ``rollouts_step00000001_dp0000.jsonl``).
         filter_groups: dynamic sampling (:class:`FilterGroupsConfig`); needs generation.
         partial: partial rollouts across steps (:class:`PartialConfig`); needs generation.
+        placement: ``colocated`` (default: every rank generates, then every rank trains) or
+            ``separate`` (generation on ranks of its own, ``separate``: :class:`SeparateConfig`;
+            weights streamed after every update, bounded staleness).
     """
 
     num_prompts: int = 16
@@ -266,6 +332,8 @@ class RolloutConfig:
     output_format: Literal["jsonl", "parquet"] = "jsonl"
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     partial: PartialConfig = field(default_factory=PartialConfig)
+    placement: Placement = "colocated"
+    separate: SeparateConfig = field(default_factory=SeparateConfig)
 
     def __post_init__(self) -> None:
         check_positive(self, "num_prompts", "max_prompt_length", "max_response_length")
@@ -322,6 +390,24 @@ class RolloutConfig:
                 "partial.enabled needs engine.kind: kv_cache (the recompute engine cannot pause "
                 "requests)"
             )
+
+        self._check_placement()
+
+    def _check_placement(self) -> None:
+        """What ``placement: separate`` does not combine with yet (each names its field)."""
+        if self.placement != "separate":
+            return
+        if self.source != "generate":
+            raise ValueError(
+                f"placement: separate generates on its own ranks: it needs source: generate, "
+                f"got source: {self.source}"
+            )
+        for name in ("partial", "filter_groups"):
+            if getattr(self, name).enabled:
+                raise ValueError(
+                    f"{name}.enabled is not supported with placement: separate yet (the "
+                    "generation ranks keep their decode batch full by running ahead instead)"
+                )
 
     def _check_source(self) -> None:
         """Resolve ``source: null`` from ``input_path``; a contradiction names both fields."""

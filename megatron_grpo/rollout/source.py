@@ -36,7 +36,7 @@ from megatron_grpo.rollout.dynamic_sampling import extra_round_first_prompt
 from megatron_grpo.rollout.engine import Generation, KVCacheEngine, SamplingParams, generate
 from megatron_grpo.rollout.files import RolloutFileSource
 from megatron_grpo.rollout.scoring import RewardScorer
-from megatron_grpo.rollout.tasks import Task, build_task
+from megatron_grpo.rollout.tasks import Prompt, Task, build_task
 
 
 class RolloutSource(Protocol):
@@ -232,14 +232,7 @@ class GeneratedRollouts:
         sampling, ``rollout.filter_groups``) with its own seed; ``count``: only the first
         ``count`` of them (default: all ``num_prompts / DP``)."""
         r = self.cfg
-        start = self._first_prompt(step, round)
-        prompts = self.task.prompts(start, self.per_rank if count is None else count)
-        too_long = [p for p in prompts if len(p.ids) > r.max_prompt_length]
-        if too_long:
-            raise InputError(
-                f"a prompt has {len(too_long[0].ids)} tokens > rollout.max_prompt_length="
-                f"{r.max_prompt_length}: {too_long[0].text[:80]!r}"
-            )
+        start, prompts = self.step_prompts(step, round, count)
         expanded = [p for p in prompts for _ in range(r.group_size)]
         samples = [list(p.ids) for p in expanded]
         out = self._generate(samples, [p.max_new_tokens for p in expanded], step, round)
@@ -254,6 +247,22 @@ class GeneratedRollouts:
             routed_experts=out.routes,
             reward_extras=scores.extras or None,
         )
+
+    def step_prompts(
+        self, step: int, round: int = 0, count: int | None = None
+    ) -> tuple[int, list[Prompt]]:
+        """The index of this DP rank's first prompt of ``step`` (round ``round``) and its
+        prompts (checked against ``rollout.max_prompt_length``)."""
+        r = self.cfg
+        start = self._first_prompt(step, round)
+        prompts = self.task.prompts(start, self.per_rank if count is None else count)
+        too_long = [p for p in prompts if len(p.ids) > r.max_prompt_length]
+        if too_long:
+            raise InputError(
+                f"a prompt has {len(too_long[0].ids)} tokens > rollout.max_prompt_length="
+                f"{r.max_prompt_length}: {too_long[0].text[:80]!r}"
+            )
+        return start, prompts
 
     def _generate(
         self, samples: list[list[int]], limits: list[int | None], step: int, round: int

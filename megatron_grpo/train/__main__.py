@@ -151,7 +151,12 @@ def _main(args: argparse.Namespace, argv: list[str], log: WarningLog) -> int:
         except ValueError as e:
             return report_error(ConfigError(str(e)))
         return 0
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    from megatron_grpo.rollout.separate.launch import trainer_world_size
+
+    try:  # rollout.placement: separate trains on the ranks that do not generate
+        world = trainer_world_size(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    except ConfigError as e:
+        return report_error(e)
     if world % smallest_world_size(cfg.parallel):
         return report_error(ConfigError(world_size_hint(cfg.parallel, world)))
     # Handlers first: a signal during the (slow) set-up stops the run before its first step.
@@ -194,6 +199,7 @@ def _train(
     cfg, resume: bool, overwrite: bool, stop: StopRequest, argv: list[str], log, task=None
 ) -> int:
     # Imported after the config is valid: Megatron's import is slow and noisy.
+    from megatron_grpo.rollout.separate.launch import run_generation_rank
     from megatron_grpo.rollout.tasks.reward import RewardError
     from megatron_grpo.train.checkpoint import CheckpointError
     from megatron_grpo.train.rundir import RunDirError, release_locks
@@ -201,6 +207,8 @@ def _train(
 
     t0 = time.perf_counter()
     try:
+        if run_generation_rank(cfg, task):  # rollout.placement: separate, a generation rank
+            return 0
         trainer = Trainer(cfg, resume=resume, overwrite=overwrite, stop=stop, task=task)
         if trainer.monitor.enabled:  # the log is written once the first step completed
             trainer.monitor.at_first_step(lambda: _attach_warnings(log, cfg))

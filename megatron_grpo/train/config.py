@@ -292,12 +292,49 @@ class TrainConfig:
                 "training.offload_during_rollout: true needs generated rollouts, but "
                 "rollout.input_path reads them from files (set it to auto or false)"
             )
+        self._check_separate()
         p = self.rollout.partial
         if p.enabled and p.max_staleness > 0 and self.loss.is_correction_level is None:
             raise ValueError(
                 f"rollout.partial.max_staleness={p.max_staleness} trains on tokens of older "
                 "policy versions: set loss.is_correction_level (token, sequence or "
                 "sequence_mean: the decoupled IS correction behaviour -> proximal policy)"
+            )
+
+    def _check_separate(self) -> None:
+        """``rollout.placement: separate``: the layouts a generation replica cannot run."""
+        r = self.rollout
+        if r.placement != "separate":
+            return
+        s, p = r.separate, self.parallel
+        if s.max_staleness > 0 and self.loss.is_correction_level is None:
+            raise ValueError(
+                f"rollout.separate.max_staleness={s.max_staleness} trains on tokens of older "
+                "policy versions: set loss.is_correction_level (token, sequence or "
+                "sequence_mean: the decoupled IS correction behaviour -> proximal policy)"
+            )
+        if p.pipeline_model_parallel_size > 1 or p.context_parallel_size > 1:
+            raise ValueError(
+                "rollout.placement: separate streams the weights from a trainer with "
+                "parallel.pipeline_model_parallel_size = 1 and context_parallel_size = 1"
+            )
+        tp, m = s.tensor_model_parallel_size, self.model
+        groups = m.num_query_groups or m.num_attention_heads
+        if m.num_attention_heads % tp or groups % tp:
+            raise ValueError(
+                f"rollout.separate.tensor_model_parallel_size={tp} must divide "
+                f"model.num_attention_heads={m.num_attention_heads} and the query groups "
+                f"({groups})"
+            )
+        if self.training.offload_during_rollout is True:
+            raise ValueError(
+                "training.offload_during_rollout: true frees memory for generation, but with "
+                "rollout.placement: separate the trainer ranks do not generate (set auto or false)"
+            )
+        if self.evaluation.enabled:
+            raise ValueError(
+                "evaluation with rollout.placement: separate is not supported yet (set "
+                "evaluation.interval: 0)"
             )
 
     def _check_evaluation(self) -> None:

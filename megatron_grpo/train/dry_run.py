@@ -18,7 +18,9 @@ from megatron_grpo.megatron.layout import (  # noqa: F401 (orthogonal_groups: a 
     orthogonal_groups,
     rank_layout,
 )
+from megatron_grpo.megatron.plan.generation import format_generation_plan, generation_plan
 from megatron_grpo.megatron.plan.memory import MemoryPlan, format_plan, memory_plan
+from megatron_grpo.rollout.weight_sync.sender import DEFAULT_BUCKET_BYTES
 
 if TYPE_CHECKING:  # the config module loads the engines; the dry run needs none of them
     from megatron_grpo.train.config import TrainConfig
@@ -69,6 +71,34 @@ def check_layout(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, world_siz
     return parallel_cfg.data_parallel_size(world_size)
 
 
+def _separate(train_cfg: TrainConfig, world_size: int) -> tuple[int, str]:
+    """``rollout.placement: separate``: the trainer ranks' world size and the generation ranks'
+    plan (text); the world and "" otherwise."""
+    r = train_cfg.rollout
+    if r.placement != "separate":
+        return world_size, ""
+    s = r.separate
+    gen = s.ranks(world_size)  # ValueError naming rollout.separate.generation_ranks
+    replicas = len(gen) // s.tensor_model_parallel_size
+    trainers = world_size - len(gen)
+    dp = train_cfg.parallel.data_parallel_size(trainers)
+    groups = r.num_prompts // max(dp, 1)
+    samples = -(-groups // min(groups, replicas)) * r.group_size
+    plan = generation_plan(
+        train_cfg.model,
+        s.tensor_model_parallel_size,
+        replicas,
+        samples,
+        r.max_prompt_length + r.max_response_length,
+        DEFAULT_BUCKET_BYTES,
+    )
+    head = (
+        f"placement separate: ranks 0-{trainers - 1} train (the layout below, world size "
+        f"{{trainer}}), ranks {gen[0]}-{gen[-1]} generate; max_staleness {s.max_staleness}"
+    )
+    return trainers, head + "\n" + format_generation_plan(plan)
+
+
 @dataclass(frozen=True)
 class DryRun:
     layout: RankLayout
@@ -98,6 +128,7 @@ def dry_run(train_cfg: TrainConfig, world_size: int, *, file: TextIO | None = No
     plan.
     """
     model, par = train_cfg.model, train_cfg.parallel
+    world_size, generation = _separate(train_cfg, world_size)
     dp = check_layout(model, par, world_size)
     if train_cfg.rollout.num_prompts % dp:
         raise ValueError(
@@ -118,5 +149,7 @@ def dry_run(train_cfg: TrainConfig, world_size: int, *, file: TextIO | None = No
     )
     layout = rank_layout(par, world_size)
     text = f"dry run: world size {world_size}\n{format_layout(layout)}\n{format_plan(plan)}"
+    if generation:
+        text = generation.replace("{trainer}", str(world_size)) + "\n" + text
     print(text, file=file or sys.stdout, flush=True)
     return DryRun(layout, plan, text)

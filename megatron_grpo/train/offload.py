@@ -190,6 +190,8 @@ def decide(cfg: TrainConfig, policy: torch.nn.Module, layout: ParallelLayout) ->
 def _auto_off(cfg: TrainConfig, policy: torch.nn.Module) -> str:
     """Why ``auto`` is off without looking at memory ("" when memory decides)."""
     r = cfg.rollout
+    if r.placement == "separate":
+        return "rollout.placement: separate generates on other ranks"
     if r.input_path is not None or r.source == "files":
         return "rollouts are read from files"
     if r.source not in (None, "generate"):

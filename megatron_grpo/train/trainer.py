@@ -38,6 +38,8 @@ from megatron_grpo.rollout.build import RolloutPlan
 from megatron_grpo.rollout.evaluation import Evaluator
 from megatron_grpo.rollout.files import write_rollouts
 from megatron_grpo.rollout.partial import offpolicy_metrics, partial_source
+from megatron_grpo.rollout.separate import SeparateRollouts, separate_source
+from megatron_grpo.rollout.separate.launch import split_for
 from megatron_grpo.rollout.source import RolloutSource
 from megatron_grpo.rollout.tasks import Task
 from megatron_grpo.train import checkpoint as ckpt
@@ -74,6 +76,7 @@ class Trainer:
         self.cfg = cfg
         self.stop = stop if stop is not None else StopRequest.from_config(cfg.training)
         self.stopped: Stopped | None = None  # set when the run stopped early (``train/stop.py``)
+        self.world = split_for(cfg)  # rollout.placement: separate: the trainer ranks' world
         self.layout = initialize_parallel(cfg.parallel, cfg.training.seed)
         self.dp_rank, self.dp_size = self.layout.dp_rank, self.layout.dp_size
         self._claim_run_dirs(resume, overwrite)
@@ -83,10 +86,15 @@ class Trainer:
         self._setup_models()
         policy = unwrap(self.model[0])
         self._setup_offload(policy)
-        self.source: RolloutSource = plan.build(policy, self.layout, cfg)
+        self.source: RolloutSource = (
+            plan.build(policy, self.layout, cfg)
+            if self.world is None
+            else SeparateRollouts(cfg.rollout, policy, self.layout, self.world, cfg.training.steps)
+        )
         self._setup_step()
         self.start_step, skipped = self._load(resume)
         self._saved_step = self.start_step  # the newest step with a checkpoint of this run
+        self._open_separate(resume)
         self.monitor = Monitor(cfg.logging, cfg.training.steps, self.layout.is_logging_rank)
         self.guard = NonFiniteGuard(
             cfg.training.max_consecutive_nonfinite_skips, self.monitor.message, skipped
@@ -132,6 +140,7 @@ class Trainer:
         policy of the IS correction."""
         cfg, t, p = self.cfg, self.cfg.training, self.cfg.rollout.partial
         stale = p.enabled and p.max_staleness > 0
+        stale = stale or (self.world is not None and cfg.rollout.separate.max_staleness > 0)
         self.on_policy = t.on_policy_shortcut and t.mini_batches_per_step == 1 and not stale
         self.step_fn = GRPOStep.from_options(
             cfg.loss,
@@ -194,7 +203,19 @@ class Trainer:
         if torch.distributed.get_rank() == 0:
             print(f"resumed from {latest} at step {step}", flush=True)
         self._restore_partial(state)
+        self._rank_state = state.get("rank_state") or {}
         return step, int(state.get("skipped_steps", 0))
+
+    def _open_separate(self, resume: bool) -> None:
+        """Separate placement: the generators start from this run's weights (and, on resume,
+        the checkpoint's rollouts in flight), said in one line."""
+        separate = separate_source(self.source)
+        if separate is None:
+            return
+        saved = self._rank_state.get("separate") if resume else None
+        line = separate.open(self.start_step, saved)
+        if line and torch.distributed.get_rank() == 0:
+            print(line, flush=True)
 
     def _restore_partial(self, state: dict[str, Any]) -> None:
         """The partial rollouts' requests in flight continue, or (a checkpoint without them, or
@@ -259,12 +280,18 @@ class Trainer:
                     mini_batches = self.old_and_ref_logprobs(mini_batches)
                 with sm.timed(stages, "update"):
                     metrics = self.update(mini_batches)
+                if (separate := separate_source(self.source)) is not None:
+                    with sm.timed(stages, "weight_push"):  # the new weights to the generators
+                        metrics.update(separate.push(step))
                 stages["step"] = time.perf_counter() - t0
                 metrics.update(self.rollout_metrics(batch, stages, step))
                 metrics.update(self.evaluator.after_step(step + 1))  # eval/* when due
                 self.monitor.log(step + 1, metrics)
                 history.append(metrics)
                 self.maybe_save(step + 1)
+            if (separate := separate_source(self.source)) is not None:
+                stopped = self.stopped
+                separate.close(self.cfg.training.steps if stopped is None else stopped.after_step)
         self.monitor.close()
         return history
 
@@ -386,8 +413,10 @@ class Trainer:
                 "world_size": torch.distributed.get_world_size(),
                 "config": to_dict(self.cfg),
             }
-            partial = partial_source(self.source)
+            partial, separate = partial_source(self.source), separate_source(self.source)
             rank_state = None if partial is None else {"partial": partial.state_dict()}
+            if separate is not None:
+                rank_state = {"separate": separate.state_dict(step)}
             path = ckpt.save_checkpoint(
                 cfg.dir,
                 step,

@@ -1,0 +1,154 @@
+"""The generation ranks' loop: generate every unit assigned to this replica, with the weights of
+its scheduled policy version, and ship it to its trainer ranks.
+
+Each rank builds the policy at ``rollout.separate.tensor_model_parallel_size`` (its own
+megatron-core layout over the generation sub-world), a :class:`WeightReceiver`, and the
+:class:`~megatron_grpo.rollout.source.GeneratedRollouts` of a colocated run (same task,
+prompts, sampling generators, engine and scorer). Without decode CUDA graphs the next version is
+always being received (``begin`` right after each ``swap``), so the transfer overlaps
+generation; with them it starts when the version is due (see ``GenerationLoop.__init__``). A
+swap happens only between parts of units (``parts``), when the next one is scheduled on a newer
+version (``channel.unit_version``), and stops the generators for the copy alone. A version of
+``STOP`` ends the loop.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from megatron_grpo.megatron.config import ModelConfig, ParallelConfig
+from megatron_grpo.megatron.model.build import build_model, unwrap
+from megatron_grpo.megatron.parallel import initialize_parallel
+from megatron_grpo.rollout.config import RolloutConfig
+from megatron_grpo.rollout.context import RolloutContext
+from megatron_grpo.rollout.separate.channel import (
+    Start,
+    Unit,
+    exchange_start,
+    replica_of,
+    send_unit,
+    unit_version,
+)
+from megatron_grpo.rollout.separate.parts import generate_part
+from megatron_grpo.rollout.separate.world import SOURCE, SeparateWorld
+from megatron_grpo.rollout.source import GeneratedRollouts, build_checked_task
+from megatron_grpo.rollout.tasks import Task
+from megatron_grpo.rollout.weight_sync import WeightReceiver
+
+STOP = -1  # the version the trainer sends last: no more weights, no more units
+
+
+class GenerationLoop:
+    """One generation rank of a separate placement (module docstring); :meth:`run` to the end."""
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        cfg: RolloutConfig,
+        ctx: RolloutContext,
+        world: SeparateWorld,
+        task: Task | None = None,
+    ) -> None:
+        """``task``: built and checked already, else built here."""
+        self.cfg, self.ctx, self.world = cfg, ctx, world
+        moe_tp = world.tp > 1 and model_cfg.num_moe_experts is not None
+        # MoE at TP > 1: the sequence-parallel path megatron-core's MoE layer is built for
+        par = ParallelConfig(tensor_model_parallel_size=world.tp, sequence_parallel=moe_tp)
+        layout = initialize_parallel(par, ctx.seed)
+        [chunk] = build_model(model_cfg, par, wrap_ddp=False)
+        self.model = unwrap(chunk)
+        self.model.eval()
+        # Collective with the trainer's WeightSender, then the trainer's opening message.
+        self.receiver = WeightReceiver(self.model, layout, world.sync_group, SOURCE)
+        self.start: Start = exchange_start(None, world.data_group)
+        task = task if task is not None else build_checked_task(cfg, ctx)
+        self.gen = GeneratedRollouts(cfg, ctx, task, self.model, 0, self.start.dp_size)
+        self.ranges = self.start.ranges(world.replicas)  # the parts of a unit
+        self.version: int | None = None
+        # Receive the next version while generating, except under decode CUDA graphs: a
+        # capture must not start with NCCL work in flight (torch waits for it or fails), and
+        # the engine may capture in any call. Then the transfer starts when the version is
+        # due (at max_staleness 1 the trainer needs this replica's part next anyway).
+        engine = self.gen.engine
+        self.eager = engine is None or not engine.use_graphs
+        self.receiving = False
+        self.sends: list = []
+        self.sync_metrics: dict[str, float] = {}
+
+    def run(self) -> int:
+        """Generate this replica's units; returns how many it generated."""
+        s, done = self.start, 0
+        self._swap()  # the run's first weights: version ``start``
+        k, parts = self.cfg.separate.max_staleness, len(self.ranges)
+        for step in range(s.first_unit_step, s.steps):
+            mine = [
+                (d, j)
+                for d in range(s.dp_size)
+                for j in range(parts)
+                if replica_of(step, d, j, s.dp_size, parts, self.world.replicas)
+                == self.world.replica
+            ]
+            if not mine:
+                continue
+            t0 = time.perf_counter()
+            need = unit_version(step, s.start, k)
+            while self.version != STOP and self.version < need:
+                self._swap()
+            if self.version == STOP:
+                break
+            if self.version != need:
+                raise RuntimeError(
+                    f"separate placement: step {step} is scheduled on policy version {need}, "
+                    f"but the generators hold version {self.version}"
+                )
+            idle = time.perf_counter() - t0
+            for d, j in mine:
+                self._unit(step, d, j, idle)
+                idle, done = 0.0, done + 1
+            self.receiver.poll()  # CPU: moves the next version's buckets on
+        while self.version != STOP:  # the trainer's remaining versions, until it stops
+            self._swap()
+        self._finish_sends()
+        return done
+
+    def _swap(self) -> None:
+        """Complete the version being received (begun now if not yet), copy it in, and (eager)
+        start receiving the next."""
+        if not self.receiving:
+            self.receiver.begin()
+        metrics = self.receiver.swap()
+        self.version = int(metrics.pop("version"))
+        self.sync_metrics = metrics
+        self.receiving = self.version != STOP and self.eager
+        if self.receiving:
+            self.receiver.begin()
+
+    @torch.no_grad()
+    def _unit(self, step: int, dp_rank: int, part: int, idle: float) -> None:
+        """Generate and score part ``part`` of unit ``(step, dp_rank)``; the replica's first
+        rank sends it."""
+        t0 = time.perf_counter()
+        lo, hi = self.ranges[part]
+        batch = generate_part(self.gen, step, dp_rank, lo, hi, self.version)
+        metrics = {
+            **self.gen.metrics(),
+            "perf/generation_seconds": time.perf_counter() - t0,
+            "perf/generator_idle_seconds": idle,
+            "rollout/weight_swap_seconds": self.sync_metrics.get(
+                "rollout/weight_swap_seconds", 0.0
+            ),
+        }
+        if not self.world.is_leader:
+            return
+        unit = Unit(step, dp_rank, part, self.version, batch, metrics)
+        dsts, s = self.start.trainers_of(dp_rank), self.start
+        self.sends.append(send_unit(unit, dsts, s.dp_size, len(self.ranges), self.world.data_group))
+        self.sends = [s for s in self.sends if not all(w.is_completed() for w in s[0])]
+
+    def _finish_sends(self) -> None:
+        for works, *_ in self.sends:
+            for w in works:
+                w.wait()
+        self.sends = []

@@ -1,0 +1,60 @@
+"""A unit split over the generation replicas: each generates some of its prompt groups.
+
+Unit ``(step, d)`` (one trainer DP rank's rollouts of a step) is cut into
+``channel.part_ranges`` of consecutive prompt groups, one per replica (at most one per group), so
+all replicas work on every step even when the trainer has one DP rank. A part is generated
+exactly as the colocated run's engine call would generate those samples: the uniforms of the
+whole unit are drawn from the colocated run's generator and each sample keeps its own row
+(``engine/requests.py``), so which replica makes a sample does not change its tokens (up to the
+engine's batch-size-dependent kernels on GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_grpo.rollout.batch import RolloutBatch
+from megatron_grpo.rollout.engine.requests import Request
+from megatron_grpo.rollout.source import GeneratedRollouts
+
+
+@torch.no_grad()
+def generate_part(
+    gen: GeneratedRollouts, step: int, dp_rank: int, lo: int, hi: int, version: int
+) -> RolloutBatch:
+    """Groups ``[lo, hi)`` of unit ``(step, dp_rank)``, scored, every token tagged
+    ``version``; the whole unit (``lo == 0``, ``hi`` = all) is ``GeneratedRollouts.next``'s
+    own call."""
+    gen.dp_rank = dp_rank  # the colocated run's prompts and sampling generator of rank d
+    if lo == 0 and hi == gen.per_rank:
+        batch = gen.next(step)
+        batch.policy_versions = [[version] * len(r) for r in batch.response_ids]
+        return batch
+    if gen.engine is None:
+        raise ValueError(
+            "rollout.placement: separate with several generation replicas per trainer DP rank "
+            "needs rollout.engine.kind: kv_cache (it generates slices of a step's prompts)"
+        )
+    start, prompts = gen.step_prompts(step)
+    size = gen.cfg.group_size
+    uniforms = torch.rand(
+        len(prompts) * size, gen.params.max_new_tokens, generator=gen.generator(step)
+    )
+    picked = prompts[lo:hi]
+    rows = uniforms[lo * size : hi * size]
+    expanded = [p for p in picked for _ in range(size)]
+    reqs = [Request(list(p.ids), u, p.max_new_tokens) for p, u in zip(expanded, rows, strict=True)]
+    gen.engine.run_requests(reqs, gen.params, version, record_routes=gen.record_routes)
+    group_ids = [start + lo + i for i in range(len(picked)) for _ in range(size)]
+    responses = [r.tokens for r in reqs]
+    scores = gen.scorer.score(expanded, responses, group_ids)
+    return RolloutBatch(
+        [list(p.ids) for p in expanded],
+        responses,
+        group_ids,
+        [r.logprobs for r in reqs],
+        scores.rewards,
+        routed_experts=[r.routes for r in reqs] if gen.record_routes else None,
+        reward_extras=scores.extras or None,
+        policy_versions=[r.versions for r in reqs],
+    )

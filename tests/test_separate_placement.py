@@ -1,0 +1,257 @@
+"""``rollout.placement: separate`` on CPU (gloo): trainer and generation processes of one world.
+
+``max_staleness: 0`` trains on exactly the colocated run's rollouts, losses and weights (the
+generator replica has the trainer's TP, so its forward is the trainer's bit for bit); with
+``max_staleness: 1`` every trained token lags exactly min(step, 1) versions; a resume in the
+middle of in-flight rollouts equals the uninterrupted run; a resume under a smaller
+``max_staleness`` drops (and counts) the saved groups that lag more; config errors name the
+field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "tiny.yaml"
+LOSS_KEYS = (
+    "loss/loss",
+    "loss/ratio_mean",
+    "reward/mean",
+    "response/length_mean",
+    "optim/grad_norm",
+)
+
+
+def _overrides(tmp: Path, name: str, *extra: str) -> list[str]:
+    return [
+        "parallel.tensor_model_parallel_size=1",
+        "rollout.num_prompts=4",
+        "rollout.group_size=4",
+        "training.micro_batch_size=8",
+        "training.use_reference_model=false",
+        "loss.is_correction_level=token",
+        "logging.progress_bar=false",
+        f"logging.dir={tmp / name}",
+        f"rollout.output_dir={tmp / name / 'rollouts'}",
+        f"checkpoint.dir={tmp / name / 'ckpt'}",
+        "checkpoint.save_interval=0",
+        *extra,
+    ]
+
+
+def _run(tmp: Path, name: str, *extra: str, resume: bool = False) -> list[dict] | None:
+    """One run on this rank: None on a generation rank; the trainer's metrics otherwise (and
+    its final weights in ``tmp/name/weights.pt`` from rank 0)."""
+    import torch.distributed as dist
+
+    from megatron_grpo.megatron import unwrap
+    from megatron_grpo.rollout.separate.launch import run_generation_rank
+    from megatron_grpo.train.config import load_train_config
+    from megatron_grpo.train.trainer import Trainer
+
+    cfg = load_train_config(RECIPE, _overrides(tmp, name, *extra))
+    if run_generation_rank(cfg):
+        return None
+    trainer = Trainer(cfg, resume=resume, overwrite=not resume)
+    history = trainer.train()
+    if dist.get_rank() == 0:
+        weights = {k: p.detach().clone() for k, p in unwrap(trainer.model[0]).named_parameters()}
+        torch.save(weights, tmp / name / "weights.pt")
+    return history
+
+
+SEPARATE = ("rollout.placement=separate", "rollout.separate.generation_ranks=1")
+
+
+def _colocated(rank: int, world: int, tmp: Path, steps: int, *extra: str) -> None:
+    _run(tmp, "colocated", f"training.steps={steps}", *extra)
+
+
+def _separate(rank: int, world: int, tmp: Path, name: str, steps: int, *extra: str) -> None:
+    _run(tmp, name, f"training.steps={steps}", *SEPARATE[:1], *extra)
+
+
+def _rollouts(tmp: Path, name: str) -> dict[str, str]:
+    return {p.name: p.read_text() for p in sorted((tmp / name / "rollouts").iterdir())}
+
+
+def _metrics(tmp: Path, name: str) -> list[dict]:
+    lines = (tmp / name / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def _weights_equal(tmp: Path, a: str, b: str) -> None:
+    wa, wb = (torch.load(tmp / n / "weights.pt") for n in (a, b))
+    assert wa.keys() == wb.keys()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_staleness_0_separate_is_the_colocated_run(tmp_path, replicas):
+    """One replica generates each step's rollouts in the colocated run's engine call; two
+    generate half of its prompt groups each (``separate/parts.py``) from the same uniforms."""
+    run_distributed(_colocated, 1, tmp_path, 3)
+    gen = (f"rollout.separate.generation_ranks={replicas}", "rollout.separate.max_staleness=0")
+    run_distributed(_separate, 1 + replicas, tmp_path, "sep0", 3, *gen)
+    assert _rollouts(tmp_path, "colocated") == _rollouts(tmp_path, "sep0")
+    for a, b in zip(_metrics(tmp_path, "colocated"), _metrics(tmp_path, "sep0"), strict=True):
+        for key in LOSS_KEYS:
+            assert a[key] == b[key], key
+        assert b["rollout/policy_lag_max"] == 0.0 and b["rollout/stale_dropped_groups"] == 0.0
+        assert b["rollout/weight_sync_gib"] > 0
+    _weights_equal(tmp_path, "colocated", "sep0")
+
+
+MOE = (
+    "model.num_moe_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32",
+    "model.moe_token_dispatcher_type=allgather", "model.moe_enable_routing_replay=true",
+)  # fmt: skip
+
+
+def test_moe_routes_recorded_by_the_generator_are_replayed(tmp_path):
+    """MoE with routing replay, max_staleness 0: the generator records each token's routes, they
+    travel with the samples, and the trainer replays them: the colocated run exactly."""
+    run_distributed(_colocated, 1, tmp_path, 2, *MOE)
+    run_distributed(_separate, 2, tmp_path, "moe", 2, "rollout.separate.max_staleness=0", *MOE)
+    assert _rollouts(tmp_path, "colocated") == _rollouts(tmp_path, "moe")
+    for a, b in zip(_metrics(tmp_path, "colocated"), _metrics(tmp_path, "moe"), strict=True):
+        for key in (*LOSS_KEYS, "moe/replay_mismatch_frac"):
+            if key in a:
+                assert a[key] == b[key], key
+        assert any(k.startswith("moe/") for k in b), sorted(b)
+    _weights_equal(tmp_path, "colocated", "moe")
+
+
+def _stop_at(at: int):
+    """A StopRequest that stops the run before step ``at`` (as a signal would)."""
+    from megatron_grpo.train.stop import StopRequest
+
+    class StopAt(StopRequest):
+        calls = 0
+
+        def agree(self) -> str | None:
+            self.calls += 1
+            return "a test stop" if self.calls > at else None
+
+    return StopAt(())
+
+
+def _receive_when_due() -> None:
+    """Generators begin receiving a version only when it is due, as under decode CUDA graphs
+    (``GenerationLoop.eager`` False; CPU engines have no graphs)."""
+    from megatron_grpo.rollout.separate import generation
+
+    init = generation.GenerationLoop.__init__
+
+    def lazy(self, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+        self.eager = False
+
+    generation.GenerationLoop.__init__ = lazy
+
+
+def _lag_resume_body(rank: int, world: int, tmp: Path) -> None:
+    """2 trainer ranks (DP 2) + 2 generation replicas (TP 1), max_staleness 1; the generators
+    receive each version when it is due (the GPU path with decode graphs)."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from megatron_grpo.rollout.separate.launch import run_generation_rank
+    from megatron_grpo.train.config import load_train_config
+    from megatron_grpo.train.trainer import Trainer
+
+    on = (*SEPARATE, "rollout.separate.generation_ranks=2", "rollout.separate.max_staleness=1")
+    on = (*on, "training.steps=4")
+    _receive_when_due()
+    whole = _run(tmp, "whole", *on)
+    cfg = load_train_config(RECIPE, _overrides(tmp, "cut", *on))
+    if not run_generation_rank(cfg):  # stopped before step 3: units 3 and 4 in flight
+        trainer = Trainer(cfg, overwrite=True, stop=_stop_at(2))
+        trainer.train()
+        assert trainer.stopped is not None and trainer.stopped.after_step == 2
+        if rank == 0:
+            shutil.copytree(tmp / "cut", tmp / "cut_k0")
+        dist.barrier()  # the trainer ranks' world
+    rest = _run(tmp, "cut", *on, resume=True)
+    k0 = (*on[:-2], "rollout.separate.max_staleness=0", "training.steps=4")
+    dropped = _run(tmp, "cut_k0", *k0, resume=True)
+    if whole is None:  # a generation rank
+        return
+    for s, m in enumerate(whole):  # every trained token lags min(step, 1) versions
+        assert m["rollout/policy_lag_max"] == m["rollout/policy_lag_mean"] == min(s, 1)
+        assert m["rollout/stale_dropped_groups"] == 0.0
+    for a, b in zip(whole[2:], rest, strict=True):
+        for key in (*LOSS_KEYS, "rollout/policy_lag_max"):
+            assert a[key] == b[key], key
+    assert dropped[0]["rollout/stale_dropped_groups"] > 0  # saved under max_staleness 1
+    assert dropped[0]["rollout/policy_lag_max"] == 0.0  # made again from the step-2 weights
+
+
+def test_staleness_1_lag_and_resume_mid_flight_equals_uninterrupted(tmp_path):
+    run_distributed(_lag_resume_body, 4, tmp_path)
+    assert _rollouts(tmp_path, "whole") == _rollouts(tmp_path, "cut")
+    _weights_equal(tmp_path, "whole", "cut")
+
+
+@pytest.mark.parametrize(
+    "extra, world, match",
+    [
+        (("rollout.separate.generation_ranks=4",), 4, "leave no trainer rank"),
+        (("rollout.separate.generation_ranks=[0]",), 4, r"must be the last 1 ranks"),
+        (("parallel.tensor_model_parallel_size=2",), 4, "not a multiple of the 2 ranks"),
+        (("rollout.num_prompts=5",), 4, "divisible by the trainer's data-parallel size 3"),
+    ],
+)
+def test_placement_errors_name_the_field(tmp_path, extra, world, match):
+    from megatron_grpo.config import ConfigError
+    from megatron_grpo.rollout.separate.launch import trainer_world_size
+    from megatron_grpo.train.config import load_train_config
+
+    cfg = load_train_config(RECIPE, _overrides(tmp_path, "x", *SEPARATE, *extra))
+    with pytest.raises(ConfigError, match=match):
+        trainer_world_size(cfg, world)
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (("loss.is_correction_level=null",), "max_staleness=1 trains on tokens of older"),
+        (("rollout.separate.tensor_model_parallel_size=3", "rollout.separate.generation_ranks=3"),
+         "must divide model.num_attention"),
+        (("rollout.partial.enabled=true",), "partial.enabled is not supported with placement"),
+        (("rollout.separate.generation_ranks=3", "rollout.separate.tensor_model_parallel_size=2"),
+         "do not divide into replicas"),
+    ],
+)  # fmt: skip
+def test_separate_config_errors(tmp_path, extra, match):
+    from megatron_grpo.config import ConfigError
+    from megatron_grpo.train.config import load_train_config
+
+    with pytest.raises((ConfigError, ValueError), match=match):
+        load_train_config(RECIPE, _overrides(tmp_path, "x", *SEPARATE, *extra))
+
+
+def _nccl_body(rank: int, world: int, tmp: Path) -> None:
+    history = _run(tmp, "nccl", *SEPARATE, "rollout.separate.max_staleness=1", "training.steps=4")
+    if history is not None:
+        assert [m["rollout/policy_lag_max"] for m in history] == [0.0, 1.0, 1.0, 1.0]
+        assert all(m["rollout/weight_sync_gib"] > 0 for m in history)
+
+
+@pytest.mark.gpu
+def test_separate_over_nccl():
+    """2 GPUs: a trainer and a generation rank over NCCL (weights) and gloo (rollouts),
+    max_staleness 1: every step after the first trains on tokens one version old."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run_distributed(_nccl_body, 2, Path(tmp), backend="nccl")

@@ -1,0 +1,157 @@
+"""Colocated vs separate placement (``rollout.placement``): the dense twin on 4 GPUs.
+
+For each task of ``--tasks`` (``256``: the fixed 256-digit toy task; ``8-512``: ``num_digits:
+[8, 512]``, the long-tailed one, ``ignore_eos`` so each response is its prompt's k + 1 tokens)
+it runs ``recipes/qwen3_8b_long_sp_twin.yaml`` twice with the same samples per step
+(``rollout.num_prompts`` x ``group_size``):
+
+* ``colocated``: TP2 + SP x DP2 on all 4 ranks (every rank generates, then trains);
+* ``separate``: a TP2 + SP trainer on ranks 0-1, two TP1 generation replicas on ranks 2-3
+  (``rollout.separate``: ``generation_ranks: 2``, ``max_staleness`` ``--staleness``, 1).
+
+A failing run is logged and the others still run. Prints (and writes ``bench_async.md`` and
+``bench_async.json`` under ``--out``) one row per run, the means over the steps after the first
+(warm-up): step tokens/s, the step split (step / rollout = the trainer's wait / log-prob /
+update / weight push seconds), weight-sync seconds and GiB/s, the policy lag, generator idle
+seconds, final reward; then separate / colocated ratios of step tokens/s per task.
+
+GPU: ``bash tools/gpu_e2e.sh async`` (installs the carried wheels, then runs this). CPU smoke
+run of the same code: ``python tools/bench_async.py --cpu --out /tmp/async`` (the tiny recipe
+on gloo, 4 processes: 2 trainer ranks at TP2 vs 2 generation ranks, a few seconds a run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+RECIPE = "recipes/qwen3_8b_long_sp_twin.yaml"
+TASKS = {
+    "256": [
+        "rollout.reverse_digits.num_digits=256",
+        "rollout.max_prompt_length=260",
+        "rollout.max_response_length=257",
+    ],
+    "8-512": [
+        "rollout.reverse_digits.num_digits=[8,512]",
+        "rollout.max_prompt_length=516",
+        "rollout.max_response_length=513",
+        "rollout.sampling.ignore_eos=true",  # response = k + 1 tokens: the long tail
+    ],
+    "3": [],  # the recipe's own task (the CPU smoke run)
+}
+PLACEMENTS = {
+    "colocated": ["parallel.tensor_model_parallel_size=2"],
+    "separate": [
+        "parallel.tensor_model_parallel_size=2",
+        "rollout.placement=separate",
+        "rollout.separate.generation_ranks=2",
+        "rollout.separate.tensor_model_parallel_size=1",
+    ],
+}
+COLUMNS = [  # (header, metric, format)
+    ("tokens/s", "perf/tokens_per_s", "{:.0f}"),
+    ("step s", "perf/step_seconds", "{:.2f}"),
+    ("rollout (wait) s", "perf/rollout_seconds", "{:.2f}"),
+    ("logprob s", "perf/logprob_seconds", "{:.2f}"),
+    ("update s", "perf/update_seconds", "{:.2f}"),
+    ("push s", "perf/weight_push_seconds", "{:.3f}"),
+    ("sync s", "rollout/weight_sync_seconds", "{:.3f}"),
+    ("sync GiB", "rollout/weight_sync_gib", "{:.2f}"),
+    ("sync GiB/s", None, "{:.1f}"),
+    ("lag mean", "rollout/policy_lag_mean", "{:.2f}"),
+    ("gen s", "perf/generation_seconds", "{:.2f}"),
+    ("gen idle s", "perf/generator_idle_seconds", "{:.2f}"),
+    ("reward", "reward/mean", "{:.3f}"),
+]
+
+
+def run(task: str, placement: str, args: argparse.Namespace) -> list[dict] | None:
+    """One torchrun of 4 ranks; its metrics (one dict per step), None when it failed."""
+    name = f"async_{task}_{placement}"
+    logdir = Path(args.work) / name
+    sets = [*TASKS[task], *PLACEMENTS[placement], f"training.steps={args.steps}"]
+    if placement == "separate":
+        sets.append(f"rollout.separate.max_staleness={args.staleness}")
+    if args.cpu:  # the tiny recipe: TP2 without SP, a small batch
+        sets += ["rollout.num_prompts=8", "rollout.group_size=4", "training.micro_batch_size=16"]
+        sets += ["loss.is_correction_level=token"]  # the twin has sequence_mean
+    sets += [f"logging.dir={logdir}", "logging.progress_bar=false", "checkpoint.dir=null"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+    cmd += ["-m", "megatron_grpo.train", "--config", args.recipe, "--overwrite"]
+    for s in [*sets, *args.set]:
+        cmd += ["--set", s]
+    print(f"== {name}: {' '.join(cmd)}", flush=True)
+    with open(Path(args.out) / f"{name}.log", "w") as log:
+        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ).returncode
+    metrics = logdir / "metrics.jsonl"
+    if code != 0 or not metrics.exists():
+        print(f"== {name}: failed (exit {code}); see {name}.log", flush=True)
+        return None
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def mean(history: list[dict], key: str) -> float | None:
+    values = [h[key] for h in history[1:] or history if h.get(key) is not None]
+    return sum(values) / len(values) if values else None
+
+
+def row(history: list[dict]) -> dict[str, float | None]:
+    out = {header: mean(history, key) for header, key, _ in COLUMNS if key is not None}
+    gib, sec = out["sync GiB"], out["sync s"]
+    out["sync GiB/s"] = gib / sec if gib and sec else None
+    out["reward"] = history[-1].get("reward/mean")
+    return out
+
+
+def table(rows: dict[str, dict]) -> str:
+    heads = ["task", "placement", *(h for h, _, _ in COLUMNS)]
+    lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    for name, r in rows.items():
+        task, placement = name.split("/")
+        if r is None:
+            lines.append(f"| {task} | {placement} | failed |" + " |" * (len(COLUMNS) - 1))
+            continue
+        cells = [fmt.format(r[h]) if r.get(h) is not None else "-" for h, _, fmt in COLUMNS]
+        lines.append(f"| {task} | {placement} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for task in dict.fromkeys(n.split("/")[0] for n in rows):
+        c, s = rows.get(f"{task}/colocated"), rows.get(f"{task}/separate")
+        if c and s and c.get("tokens/s") and s.get("tokens/s"):
+            ratio = s["tokens/s"] / c["tokens/s"]
+            lines.append(f"- {task}: separate / colocated step tokens/s = {ratio:.2f}x")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tasks", nargs="+", default=None, choices=list(TASKS))
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--staleness", type=int, default=1)
+    p.add_argument("--recipe", default=None)
+    p.add_argument("--work", default="/tmp/bench_async")
+    p.add_argument("--out", default="gpu_out")
+    p.add_argument("--cpu", action="store_true", help="the tiny recipe on gloo (a smoke run)")
+    p.add_argument("--set", action="append", default=[], help="more overrides, every run")
+    args = p.parse_args()
+    args.recipe = args.recipe or ("recipes/tiny.yaml" if args.cpu else RECIPE)
+    tasks = args.tasks or (["3"] if args.cpu else ["256", "8-512"])
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    rows: dict[str, dict | None] = {}
+    for task in tasks:
+        for placement in PLACEMENTS:
+            history = run(task, placement, args)
+            rows[f"{task}/{placement}"] = None if history is None else row(history)
+    text = f"## Colocated vs separate placement ({args.recipe}, 4 ranks)\n\n" + table(rows)
+    (Path(args.out) / "bench_async.md").write_text(text)
+    (Path(args.out) / "bench_async.json").write_text(json.dumps(rows, indent=1))
+    print(text, flush=True)
+    return 0 if all(r is not None for r in rows.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
