@@ -461,6 +461,9 @@ case "$MODE" in
         ;;
     async)
         setup || exit 1
+        # Decode graphs do not capture under expandable segments (rollout/engine/graphs.py):
+        # both placements run with the default allocator, graphs on.
+        unset PYTORCH_CUDA_ALLOC_CONF
         # shellcheck disable=SC2086
         python3 tools/bench_async.py --tasks ${ASYNC_TASKS:-256 8-512} \
             --steps "${ASYNC_STEPS:-6}" --staleness "${ASYNC_STALENESS:-1}" --work "$WORK" \
