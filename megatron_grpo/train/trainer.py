@@ -95,6 +95,12 @@ class Trainer:
         self.start_step, skipped = self._load(resume)
         self._saved_step = self.start_step  # the newest step with a checkpoint of this run
         self._open_separate(resume)
+        self._setup_monitor(resume, skipped)
+        self.evaluator.attach(policy, self.source, self.monitor)
+
+    def _setup_monitor(self, resume: bool, skipped: int) -> None:
+        """The console and metrics, and the non-finite guard that reports through them."""
+        cfg = self.cfg
         self.monitor = Monitor(cfg.logging, cfg.training.steps, self.layout.is_logging_rank)
         self.guard = NonFiniteGuard(
             cfg.training.max_consecutive_nonfinite_skips, self.monitor.message, skipped
@@ -106,7 +112,6 @@ class Trainer:
             write_resolved_config(cfg, to_dict(cfg), self.dp_size, write=False)
             if not (resume and self.start_step >= cfg.training.steps):
                 self.monitor.at_first_step(self._start_outputs)
-        self.evaluator.attach(policy, self.source, self.monitor)
 
     def _start_outputs(self) -> None:
         if (line := start_outputs(self.cfg, to_dict(self.cfg), self.start_step)) is not None:
