@@ -25,3 +25,21 @@ def cpu_alltoall() -> None:
         return tokens_per_expert
 
     A2A._maybe_dtoh_and_synchronize = to_host
+
+
+def switch_dispatch(chunks, choice: str) -> int:
+    """Tests only: switch every expert-parallel MoE layer of ``chunks`` to ``choice`` (what
+    ``LayerKernels.moe_dispatch`` sets when a model is built), to compare the dispatches on
+    the same weights; returns how many layers were switched."""
+    from megatron_grpo.megatron.moe.ep_dispatch import EPDispatch, choose_dispatch
+
+    layers = [
+        m
+        for c in chunks
+        for m in c.modules()
+        if isinstance(getattr(m, "ep_dispatch", None), EPDispatch)
+    ]
+    for layer in layers:
+        choose_dispatch(choice, True, layer.ep_dispatch.gathered_why)
+        layer.ep_dispatch.choice = choice
+    return len(layers)

@@ -15,10 +15,9 @@ from megatron_grpo.megatron.moe.ep_dispatch import (
     GatheredTokenDispatcher,
     choose_dispatch,
     no_host_sync,
-    set_moe_dispatch,
 )
 from tests.dist_utils import run_distributed
-from tests.ep_utils import cpu_alltoall
+from tests.ep_utils import cpu_alltoall, switch_dispatch
 from tests.megatron_utils import build_layout, full_params, load_full, tiny_model
 
 H, E = 64, 8
@@ -101,7 +100,7 @@ def _check_case(rank, chunks, ep, topk, mode, replicated):
         token_dispatcher.permute = (
             sort_permute.megatron_permute if choice == "megatron" else (sort_permute)
         )
-        assert set_moe_dispatch(chunks, "alltoall" if choice == "megatron" else choice) == 1
+        assert switch_dispatch(chunks, "alltoall" if choice == "megatron" else choice) == 1
         want = "gathered" if choice == "gathered" else "megatron"
         assert mlp.ep_dispatch.resolve() == want
         got[choice] = _run(mlp, x, gy, params)
@@ -207,7 +206,7 @@ def _generation_body(rank, world):
     from tests.test_ep_logprobs import check_merged_logprobs
 
     check_merged_logprobs(rank, ref, chunks, cfg)
-    set_moe_dispatch(chunks, "alltoall")
+    switch_dispatch(chunks, "alltoall")
     assert "alltoall" in host_sync_reason(model)
     with no_host_sync(model):
         assert model.decoder.layers[0].mlp.ep_dispatch.resolve() == "megatron"
@@ -290,3 +289,29 @@ def test_sort_permute_keeps_the_five_value_contract_of_megatron_core_0_19():
     assert out[0].shape == (t * k, 3)
     sort_permute(x, routing_map, num_out_tokens=t * k, tokens_per_expert=counts, align_size=16)
     assert calls == [16]
+
+
+def _built_choice_body(rank: int, world: int) -> None:
+    from megatron_grpo.ops.kernels import LayerKernels
+
+    cpu_alltoall()
+    kernels = LayerKernels(moe_dispatch="alltoall")
+    chunks = build_layout(EP2, _cfg(2, layer_kernels=kernels))
+    mlp = unwrap(chunks[0]).decoder.layers[0].mlp
+    assert mlp.ep_dispatch.choice == "alltoall"  # given when the model is built
+    with no_host_sync(chunks):
+        assert mlp.ep_dispatch.resolve() == "megatron"  # not even for decode steps
+
+
+def test_moe_dispatch_is_chosen_when_the_model_is_built():
+    """``model.layer_kernels.moe_dispatch`` reaches every expert-parallel layer through the
+    spec; without grouped experts an explicit choice is an error, not a no-op."""
+    from types import SimpleNamespace
+
+    from megatron_grpo.megatron.model.layer_spec import portable_layer_spec
+    from megatron_grpo.ops.kernels import LayerKernels
+
+    run_distributed(_built_choice_body, 2)
+    config = SimpleNamespace(num_moe_experts=8, moe_grouped_gemm=False)
+    with pytest.raises(ValueError, match="moe_dispatch='gathered' needs grouped experts"):
+        portable_layer_spec(config, True, LayerKernels(moe_dispatch="gathered"))

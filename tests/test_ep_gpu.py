@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from megatron_grpo.megatron import ParallelConfig, unwrap
-from megatron_grpo.megatron.moe.ep_dispatch import set_moe_dispatch
 from tests.dist_utils import run_distributed
+from tests.ep_utils import switch_dispatch
 from tests.megatron_utils import build_layout, tiny_model
 
 needs_2_gpus = pytest.mark.skipif(
@@ -48,7 +48,7 @@ def _sync_body(rank: int, world: int) -> None:
     chunks = build_layout(ParallelConfig(expert_model_parallel_size=2), _cfg(num_layers=1))
     mlp = unwrap(chunks[0]).decoder.layers[0].mlp
     x = torch.randn(37, 1, 64, device="cuda", dtype=torch.bfloat16)
-    set_moe_dispatch(chunks, "alltoall")
+    switch_dispatch(chunks, "alltoall")
     sort_permute = token_dispatcher.permute
 
     def fwd_bwd():

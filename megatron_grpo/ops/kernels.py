@@ -49,6 +49,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "packed_attention": ("auto", "varlen", "blocked", "buckets"),
     # "auto": follows the decode impl ("triton": exact row lengths; "sdpa": the masked bucket)
     "decode_attention": ("auto", "sdpa", "triton"),
+    # MoE token dispatch at EP > 1 (megatron/moe/ep_dispatch.py): "auto" = the gathered one
+    # where no host sync is wanted (decode steps), megatron-core's all-to-all elsewhere
+    "moe_dispatch": ("auto", "alltoall", "gathered"),
 }
 IMPLS = CHOICES["impl"]
 
@@ -106,6 +109,8 @@ class LayerKernels:
         rope: packed (THD) RoPE: ``rope`` names ("megatron": megatron-core's loop).
         attention: how packed documents' length buckets run: ``attention`` names.
         packed_attention: which path runs packed documents: ``packed_attention`` names.
+        moe_dispatch: the MoE token dispatch at EP > 1: ``moe_dispatch`` names ("gathered"
+            needs every rank of the expert group to bring the same token count: the engine's).
     """
 
     elementwise: str = "auto"
@@ -113,6 +118,7 @@ class LayerKernels:
     rope: str = "auto"
     attention: str = "plan_free"
     packed_attention: str = "auto"
+    moe_dispatch: str = "auto"
 
     def __post_init__(self) -> None:
         check_choice("impl", self.elementwise, "elementwise")
@@ -120,3 +126,4 @@ class LayerKernels:
         check_choice("rope", self.rope)
         check_choice("attention", self.attention)
         check_choice("packed_attention", self.packed_attention)
+        check_choice("moe_dispatch", self.moe_dispatch)

@@ -136,6 +136,11 @@ def portable_layer_spec(
         )
         if config.moe_grouped_gemm:  # SequentialMLP's drop-in: all local experts in 2 GEMMs
             mlp = _with_grouped_experts(mlp, kernels)
+        elif kernels.moe_dispatch != "auto":  # only GroupedMoELayer has the choice
+            raise ValueError(
+                f"model.layer_kernels.moe_dispatch={kernels.moe_dispatch!r} needs grouped "
+                "experts (model.moe_grouped_gemm: true)"
+            )
         # Same keys as the TE spec: only the attention norm is fused there for MoE layers.
         keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
     else:
@@ -169,13 +174,15 @@ def _with_grouped_experts(mlp, kernels: LayerKernels):
     params = {"gemm_impl": kernels.grouped_gemm, "impl": kernels.elementwise}
     params["expert_groups"] = _expert_groups()
     experts = ModuleSpec(module=GroupedExperts, params=params)
+    dispatch = {"moe_dispatch": kernels.moe_dispatch}
     if isinstance(mlp, ModuleSpec):
         mlp.module = GroupedMoELayer
         mlp.submodules.experts = experts
+        mlp.params = {**(mlp.params or {}), **dispatch}
         return mlp
     submodules = dataclasses.replace(mlp.keywords["submodules"], experts=experts)
     return functools.partial(
-        GroupedMoELayer, *mlp.args, **{**mlp.keywords, "submodules": submodules}
+        GroupedMoELayer, *mlp.args, **{**mlp.keywords, "submodules": submodules, **dispatch}
     )
 
 

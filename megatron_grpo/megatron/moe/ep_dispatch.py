@@ -26,7 +26,7 @@ engine's forwards do: the group pads to its largest batch).
 
 The choice between this dispatch and megatron-core's is :func:`choose_dispatch`, made per
 forward from data on each layer (:class:`EPDispatch`): ``dispatch`` ("auto", "alltoall",
-"gathered"; :func:`set_moe_dispatch`) and ``sync_free`` (:func:`no_host_sync`, around the
+"gathered"; ``LayerKernels.moe_dispatch``, given when the model is built) and ``sync_free`` (:func:`no_host_sync`, around the
 engine's decode steps). "auto" takes the gathered dispatch where no host sync is wanted and
 megatron-core's elsewhere (prefill and training batches are large, and their token counts
 differ between ranks).
@@ -50,8 +50,9 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from torch import Tensor
 
 from megatron_grpo.megatron.moe.alltoall_permute import use_sort_permute
+from megatron_grpo.ops.kernels import CHOICES
 
-EP_DISPATCHES = ("auto", "alltoall", "gathered")
+EP_DISPATCHES = CHOICES["moe_dispatch"]
 
 
 def gathered_dispatch_unsupported(config, groups) -> str | None:
@@ -107,13 +108,14 @@ class EPDispatch:
     megatron: MoETokenDispatcher
     gathered: GatheredTokenDispatcher | None
     gathered_why: str | None
-    choice: str = "auto"  # EP_DISPATCHES; set_moe_dispatch
+    choice: str = "auto"  # EP_DISPATCHES: LayerKernels.moe_dispatch
     sync_free: bool = False  # no_host_sync: the engine's decode steps
 
     @classmethod
-    def of(cls, layer, built: MoETokenDispatcher, groups) -> EPDispatch:
+    def of(cls, layer, built: MoETokenDispatcher, groups, choice: str = "auto") -> EPDispatch:
         """``built``: megatron-core's dispatcher of ``layer``; ``groups``: its ``ep``,
-        ``expt_tp``, ``tp_ep`` and the attention ``tp`` group."""
+        ``expt_tp``, ``tp_ep`` and the attention ``tp`` group; ``choice``: the model's
+        ``LayerKernels.moe_dispatch`` ("gathered" where it cannot run is an error here)."""
         use_sort_permute()  # megatron-core's dispatcher: one host sync a layer (split sizes)
         why = gathered_dispatch_unsupported(layer.config, groups)
         gathered = None
@@ -122,7 +124,8 @@ class EPDispatch:
             gathered = GatheredTokenDispatcher(
                 layer.num_local_experts, offset, layer.config, groups
             )
-        return cls(built, gathered, why)
+        choose_dispatch(choice, True, why)  # refuse an impossible choice at build time
+        return cls(built, gathered, why, choice)
 
     def resolve(self, sync_free: bool | None = None) -> str:
         return choose_dispatch(
@@ -137,18 +140,6 @@ def _ep_layers(model) -> list:
     chunks = model if isinstance(model, list) else [model]
     modules = [m for c in chunks for m in c.modules()]
     return [m for m in modules if isinstance(getattr(m, "ep_dispatch", None), EPDispatch)]
-
-
-def set_moe_dispatch(model, choice: str) -> int:
-    """The token dispatch of every expert-parallel MoE layer of ``model`` (a module or the list
-    of chunks): :data:`EP_DISPATCHES`; returns how many were set. "gathered" needs every rank
-    of the expert group to bring the same number of tokens to each forward."""
-    layers = _ep_layers(model)
-    for layer in layers:
-        choose_dispatch(choice, True, layer.ep_dispatch.gathered_why)  # refuse before setting
-    for layer in layers:
-        layer.ep_dispatch.choice = choice
-    return len(layers)
 
 
 @contextlib.contextmanager

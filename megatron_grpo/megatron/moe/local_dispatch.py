@@ -97,7 +97,8 @@ class GroupedMoELayer(MoELayer):
     elsewhere ``ep_dispatch`` picks megatron-core's dispatcher or the gathered one per forward
     (``moe.ep_dispatch.choose_dispatch``)."""
 
-    def __init__(self, config, *args, **kwargs) -> None:
+    def __init__(self, config, *args, moe_dispatch: str = "auto", **kwargs) -> None:
+        """``moe_dispatch``: ``LayerKernels.moe_dispatch`` (applies at EP > 1)."""
         super().__init__(config, *args, **kwargs)
         built = self.token_dispatcher  # megatron-core's, for its process groups
         groups = SimpleNamespace(ep=built.ep_group, expt_tp=built.tp_group, tp_ep=built.tp_ep_group)
@@ -106,7 +107,9 @@ class GroupedMoELayer(MoELayer):
             self.token_dispatcher = LocalTokenDispatcher(self.num_local_experts, config, groups)
         self.local_dispatch = isinstance(self.token_dispatcher, LocalTokenDispatcher)
         # tokens leave the rank: megatron-core's dispatcher or the gathered one, per forward
-        self.ep_dispatch = None if self.local_dispatch else EPDispatch.of(self, built, groups)
+        self.ep_dispatch = (
+            None if self.local_dispatch else EPDispatch.of(self, built, groups, moe_dispatch)
+        )
 
     def forward(self, hidden_states, *args, **kwargs):
         if self.ep_dispatch is not None:
@@ -132,7 +135,7 @@ def host_sync_reason(model: torch.nn.Module) -> str | None:
             return f"layer {i}: {type(experts).__name__} experts (moe_grouped_gemm=false)"
         ep = getattr(mlp, "ep_dispatch", None)  # decode steps run under ep_dispatch.no_host_sync
         if ep is not None and ep.resolve(sync_free=True) != "gathered":
-            why = ep.gathered_why or f"set_moe_dispatch(..., {ep.choice!r})"
+            why = ep.gathered_why or f"model.layer_kernels.moe_dispatch={ep.choice!r}"
             return f"layer {i}: megatron-core's token dispatcher ({why})"
         if ep is None and not getattr(mlp, "local_dispatch", False):
             why = local_dispatch_unsupported(mlp.config) or "megatron-core's MoELayer"
