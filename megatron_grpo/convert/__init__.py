@@ -9,10 +9,11 @@ Public API (the CLI is ``tools/convert_checkpoint.py``; layout in ``docs/convers
     verify_conversion(hf_dir, ckpt_dir, tp=1, weight_dtype=None) -> max |logit difference|
 """
 
-import importlib
 import sys
 import types
 from typing import Any
+
+from megatron_grpo.config.lazy import lazy_getattr
 
 # Imported on first use (PEP 562): a recipe reads ``convert.layout`` / ``convert.hf_config``
 # without the converters' megatron-core imports (``python -m megatron_grpo.train --check``).
@@ -40,13 +41,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())  # imports on first use (PEP 562)
 
 
 class _Package(types.ModuleType):

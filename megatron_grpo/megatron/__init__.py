@@ -14,8 +14,7 @@ layer) is the portable spec, which takes packed batches without Transformer Engi
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from megatron_grpo.config.lazy import lazy_getattr
 
 _EXPORTS = {
     "PackedBatch": "megatron_grpo.megatron.batch.packing",
@@ -72,15 +71,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """Import on first use (PEP 562): importing a submodule (``megatron.config``) must not
-    import megatron-core through this package."""
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())  # imports on first use (PEP 562)
 
 
 def __dir__() -> list[str]:

@@ -12,9 +12,7 @@ sections are ``config.py``'s; a component takes its section and a :class:`Rollou
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from megatron_grpo.config.lazy import lazy_getattr
 from megatron_grpo.rollout.engine.options import EngineOptions
 from megatron_grpo.rollout.engine.params import SamplingParams
 
@@ -30,10 +28,4 @@ _EXPORTS = {
 __all__ = ["EngineOptions", "Generation", "KVCacheEngine", "SamplingParams", "generate", "sample"]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())  # imports on first use (PEP 562)

@@ -11,9 +11,9 @@ tokens, int64 ``[P + R, L, k]`` (``megatron_grpo.rollout.engine.routes``), else 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from megatron_grpo.config.lazy import lazy_getattr
 from megatron_grpo.rollout.engine.options import EngineOptions
 from megatron_grpo.rollout.engine.params import SamplingParams
 
@@ -85,10 +85,4 @@ def generate(
     return Generation.of(responses, logprobs, routes)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())  # imports on first use (PEP 562)
