@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from megatron.core import parallel_state
 
 from megatron_grpo.megatron import ParallelConfig, unwrap
 from megatron_grpo.megatron.moe.ep_dispatch import (
@@ -76,21 +77,24 @@ def _run(mlp, x, gy, params):
     return [out.detach(), *grads]
 
 
-def _check_case(rank, chunks, ep, topk, mode, replicated):
+def _check_case(rank, chunks, ep, topk, mode, replicated, tokens=5):
     mlp = unwrap(chunks[0]).decoder.layers[0].mlp
     assert isinstance(mlp.ep_dispatch, EPDispatch)
     assert isinstance(mlp.ep_dispatch.gathered, GatheredTokenDispatcher)
     mlp.router.topk = topk
     mlp.ep_dispatch.gathered.topk = mlp.ep_dispatch.megatron.config.moe_router_topk = topk
     mlp.router.forward = _forced_router(mlp.router, _routes(mode, topk, rank, ep))
-    seed = 0 if replicated else rank  # generation under TP without SP: the same tokens
-    g = torch.Generator().manual_seed(seed + 100 * topk)
-    x = torch.randn(5, 1, H, generator=g)
-    gy = torch.randn(5, 1, H, generator=g)
+    gathered = mlp.ep_dispatch.gathered
+    same = gathered.replicated() or gathered.tp_sliced()
+    assert same == replicated
+    # generation under TP without SP: the same tokens on the ranks of a TP group
+    seed = (parallel_state.get_data_parallel_rank() if replicated else rank) + 100 * topk
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, 1, H, generator=g)
+    gy = torch.randn(tokens, 1, H, generator=g)
     params = [mlp.router.weight, mlp.experts.weight1, mlp.experts.weight2]
-    if replicated:
-        assert mlp.ep_dispatch.gathered.replicated()
-        params = []  # expert grads: megatron's dispatcher counts each copy (training refuses it)
+    if replicated:  # expert grads: megatron's dispatcher counts each copy (training refuses it)
+        params = [mlp.router.weight]
     from megatron.core.transformer.moe import token_dispatcher
 
     sort_permute = token_dispatcher.permute  # installed by the layer (alltoall_permute)
@@ -128,13 +132,20 @@ def _layer_body(rank, world, parallel, cases):
 
         set_model_to_sequence_parallel(unwrap(chunks[0]), False)
         unwrap(chunks[0]).eval()
+        gathered = unwrap(chunks[0]).decoder.layers[0].mlp.ep_dispatch.gathered
         _check_case(rank, chunks, ep, 2, "live", replicated=True)
+        if gathered.tp_sliced():  # 7 tokens: TP padding rows, routed to no expert
+            _check_case(rank, chunks, ep, 8, "live", replicated=True, tokens=7)
 
 
 EP2 = ParallelConfig(expert_model_parallel_size=2)
 EP4 = ParallelConfig(expert_model_parallel_size=4)
 TP2_SP_EP2 = ParallelConfig(
     tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
+    expert_tensor_parallel_size=1,
+)  # fmt: skip
+TP2_EP4 = ParallelConfig(
+    tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=4,
     expert_tensor_parallel_size=1,
 )  # fmt: skip
 ALL_MODES = [(1, "live"), (2, "live"), (8, "live"), (1, "zero"), (2, "zero"), (2, "one_rank")]
@@ -146,6 +157,7 @@ ALL_MODES = [(1, "live"), (2, "live"), (8, "live"), (1, "zero"), (2, "zero"), (2
         pytest.param(EP2, 2, ALL_MODES, id="ep2"),
         pytest.param(EP4, 4, [(2, "zero"), (2, "one_rank"), (8, "live")], id="ep4"),
         pytest.param(TP2_SP_EP2, 2, [(2, "live"), (1, "zero")], id="tp2_sp_ep2"),
+        pytest.param(TP2_EP4, 4, [(2, "one_rank")], id="tp2_sp_ep4"),
     ],
 )
 def test_gathered_dispatch_equals_alltoall(parallel, world, cases):
@@ -259,6 +271,9 @@ def test_gathered_decode_width_counts_fixed_buffers():
     assert gathered_decode_width(cfg) == 3 * 8 * 2048 + 64 * (2 * 2048 + 3 * 768 + 2)
     cfg.num_moe_experts = 16  # two local experts: at most 2 rows of a token per rank
     assert gathered_decode_width(cfg) == 3 * 8 * 2048 + 16 * (2 * 2048 + 3 * 768 + 2)
+    cfg.tensor_model_parallel_size = 2  # TP 2 inside EP 8: each TP rank brings half the rows
+    full = 3 * 8 * 2048 + 16 * (2 * 2048 + 3 * 768 + 2)
+    assert gathered_decode_width(cfg) == full // 2 + 2 * 2048
     cfg.expert_model_parallel_size = 1
     assert gathered_decode_width(cfg) == 0
 

@@ -15,8 +15,12 @@ expert-parallel group to every rank of it instead, with fixed shapes:
 ``ends`` (the cumulative per-expert counts) stay on the device; the grouped GEMM computes the
 rows of the local experts only (rows past ``ends[-1]`` are left alone and never read). With
 tokens that are the same on every rank of the group (tensor parallelism without sequence
-parallelism, the expert group being the TP group: generation of the recipe's layout) nothing
-is gathered: each rank runs its experts on its tokens and the partial sums are all-reduced.
+parallelism, the expert group inside the TP group: generation of the recipe's EP 2 layout)
+nothing is gathered: each rank runs its experts on its tokens and the partial sums are
+all-reduced. Where the TP group lies inside a larger expert group (EP 4 or 8 with TP 2, no SP:
+the 30B-A3B recipe's generation), each TP rank brings only its 1/TP slice of the (same) tokens,
+so every token reaches the experts once, not TP times; the combined slices are all-gathered
+over TP (a token count not divisible by TP is padded with rows routed to no expert).
 
 Gradients: the all-gather's backward is a reduce-scatter (and the all-reduce's an identity over
 replicated inputs, the input's an all-reduce), the row gathers are inverted by gathers on the
@@ -45,6 +49,7 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
 )
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from torch import Tensor
@@ -74,16 +79,21 @@ def gathered_dispatch_unsupported(config, groups) -> str | None:
 
 def gathered_decode_width(config) -> int:
     """Elements one token of a decode step keeps live in one MoE layer under the gathered
-    dispatch (0 where it does not run: no MoE, EP 1): its P gathered copies, their P *
-    min(k, E_local) permuted rows through the experts (input and output ``H``, fc1 ``2F`` and
-    SwiGLU ``F``; fixed sizes whatever the routing) and the fp32 sum (2 ``H`` of 16 bits)."""
+    dispatch (0 where it does not run: no MoE, EP 1): its C gathered copies (C = P, or P / TP
+    where each TP rank brings a 1/TP slice), their C * min(k, E_local) permuted rows through the
+    experts (input and output ``H``, fc1 ``2F`` and SwiGLU ``F``; fixed sizes whatever the
+    routing) and the fp32 sum (2 ``H`` of 16 bits); sliced, the TP all-gather's fp32 ``[T, H]``
+    besides."""
     p = getattr(config, "expert_model_parallel_size", 1) or 1
     if not config.num_moe_experts or p == 1:
         return 0
+    tp = getattr(config, "tensor_model_parallel_size", 1) or 1
+    sliced = 1 < tp < p and p % tp == 0  # megatron-core's expert groups hold whole TP groups
     rows = p * min(config.moe_router_topk, config.num_moe_experts // p)
     ffn = config.moe_ffn_hidden_size or config.ffn_hidden_size
     hidden = config.hidden_size
-    return 3 * p * hidden + rows * (2 * hidden + 3 * ffn + 2)
+    width = 3 * p * hidden + rows * (2 * hidden + 3 * ffn + 2)
+    return -(-width // tp) + 2 * hidden if sliced else width
 
 
 def choose_dispatch(choice: str, sync_free: bool, gathered_why: str | None) -> str:
@@ -220,16 +230,25 @@ class GatheredTokenDispatcher(MoETokenDispatcher):
         self.num_local_experts = num_local_experts
         self.local_offset = local_offset
         self.topk = config.moe_router_topk
-        tp_ranks = _ranks(getattr(groups, "tp", None))
-        # tokens are the same on every rank of the group when it is the TP group without SP
-        self.ep_is_tp = tp_ranks is not None and tp_ranks == _ranks(self.ep_group)
+        tp_ranks, ep_ranks = _ranks(getattr(groups, "tp", None)), _ranks(self.ep_group)
+        known = tp_ranks is not None and ep_ranks is not None
+        # without SP, tokens are the same on every rank of a TP group: over the whole expert
+        # group when it lies inside the TP group, else on each TP group inside it
+        self.ep_in_tp = known and set(ep_ranks) <= set(tp_ranks)
+        self.tp_in_ep = known and len(tp_ranks) > 1 and set(tp_ranks) < set(ep_ranks)
+        self.tp_group = groups.tp if self.tp_in_ep else None
         self._shape: torch.Size | None = None
         self._dtypes: tuple[torch.dtype, torch.dtype] | None = None
         self._routing: _Routing | None = None
 
     def replicated(self) -> bool:
         """Whether this forward's tokens are the same on every rank of the expert group."""
-        return self.ep_is_tp and not self.config.sequence_parallel
+        return self.ep_in_tp and not self.config.sequence_parallel
+
+    def tp_sliced(self) -> bool:
+        """Whether this forward's tokens are the same on each TP group inside the expert group
+        (each TP rank then dispatches only its slice of them)."""
+        return self.tp_in_ep and not self.config.sequence_parallel
 
     def dispatch_preprocess(self, hidden_states: Tensor, routing_map: Tensor, probs: Tensor):
         """``hidden_states [..., H]``, ``routing_map [T, E]`` (k per row), ``probs [T, E]`` ->
@@ -240,7 +259,21 @@ class GatheredTokenDispatcher(MoETokenDispatcher):
         tokens = hidden_states.reshape(-1, self._shape[-1])
         ids = torch.topk(routing_map.to(torch.uint8), self.topk, dim=1, sorted=False).indices
         meta = torch.cat([probs.gather(1, ids).float(), ids.float()], dim=1)
+        if self.tp_sliced():
+            return self._tp_slice(tokens, meta)
         return tokens, meta
+
+    def _tp_slice(self, tokens: Tensor, meta: Tensor) -> tuple[Tensor, Tensor]:
+        """This TP rank's slice ``[ceil(T / TP), ...]`` of the TP group's same tokens and meta
+        (backward: the slices' gradients all-gathered); padding rows go to no expert."""
+        pad = -tokens.size(0) % self.tp_group.size()
+        if pad:
+            tokens = torch.cat([tokens, tokens.new_zeros(pad, tokens.size(1))])
+            fill = meta.new_zeros(pad, meta.size(1))
+            fill[:, self.topk :] = self.config.num_moe_experts  # no rank's local expert
+            meta = torch.cat([meta, fill])
+        scatter = scatter_to_sequence_parallel_region
+        return scatter(tokens, group=self.tp_group), scatter(meta, group=self.tp_group)
 
     def token_dispatch(self, hidden_states: Tensor, probs: Tensor):
         """The group's tokens ``[P*T, H]`` and their meta ``[P*T, 2k]`` (no copy when
@@ -291,8 +324,15 @@ class GatheredTokenDispatcher(MoETokenDispatcher):
         """Sum the group's partial outputs (fp32): this rank's tokens ``[T, H]``."""
         if self.replicated():
             return reduce_from_tensor_model_parallel_region(hidden_states, group=self.ep_group)
-        return reduce_scatter_to_sequence_parallel_region(hidden_states, group=self.ep_group)
+        out = reduce_scatter_to_sequence_parallel_region(hidden_states, group=self.ep_group)
+        if self.tp_sliced():  # the TP group's slices back together (backward: this slice)
+            return gather_from_sequence_parallel_region(
+                out, tensor_parallel_output_grad=False, group=self.tp_group
+            )
+        return out
 
     def combine_postprocess(self, hidden_states: Tensor) -> Tensor:
+        """``[T (+ TP padding), H]`` fp32 -> the input's shape and dtype."""
         shape, self._shape = self._shape, None
-        return hidden_states.to(self._dtypes[0]).view(shape)
+        rows = shape.numel() // shape[-1]
+        return hidden_states[:rows].to(self._dtypes[0]).view(shape)
