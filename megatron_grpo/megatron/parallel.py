@@ -178,6 +178,7 @@ def _init_process_group(timeout_minutes: int) -> None:
 
 def _destroy_process_group_at_exit() -> None:
     if dist.is_initialized():
+        parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
 
 
@@ -203,6 +204,9 @@ def shutdown_process_groups(timeout_s: float = TEARDOWN_TIMEOUT_S) -> bool:
             if dist.get_backend() == "nccl":
                 torch.cuda.synchronize()
                 dist.barrier(device_ids=[torch.cuda.current_device()])
+            # Megatron's cached groups first: a group object alive at interpreter exit is torn
+            # down with its threads there, which can abort a finished run (exit code -6)
+            parallel_state.destroy_model_parallel()
             dist.destroy_process_group()
         except BaseException as e:  # reported below; the caller exits either way
             failed.append(e)
