@@ -52,6 +52,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     # MoE token dispatch at EP > 1 (megatron/moe/ep_dispatch.py): "auto" = the gathered one
     # where no host sync is wanted (decode steps), megatron-core's all-to-all elsewhere
     "moe_dispatch": ("auto", "alltoall", "gathered"),
+    # the next token at TP > 1 (rollout/engine/tp_sampling.py): "auto" = from the vocabulary
+    # shards where the sampling allows (untruncated, greedy), else the gathered logits
+    "tp_sampling": ("auto", "gathered", "vocab_parallel"),
 }
 IMPLS = CHOICES["impl"]
 

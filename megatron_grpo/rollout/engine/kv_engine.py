@@ -51,7 +51,7 @@ from megatron_grpo.rollout.engine.params import SamplingParams
 from megatron_grpo.rollout.engine.requests import Request, start_run, write_back
 from megatron_grpo.rollout.engine.routes import RouteLog, recording
 from megatron_grpo.rollout.engine.run_state import Generation, Launched, Run
-from megatron_grpo.rollout.engine.sampling import sample
+from megatron_grpo.rollout.engine.tp_sampling import next_tokens
 
 
 class KVCacheEngine:
@@ -367,11 +367,7 @@ class KVCacheEngine:
         if len(fresh) < len(new):
             hidden = hidden[fresh]
         sampled = [new[j] for j in fresh]
-        logits = io.head_logits(self.model, hidden, self.layout)
-        tokens, logp = sample(
-            logits, run.uniforms[sampled, 0], run.params, self.decode.kernels.sample_rows
-        )
-        io.broadcast_from_tp_src(self.layout, tokens, logp)
+        tokens, logp = self._next_tokens(hidden, run.uniforms[sampled, 0], run.params)
         done = run.record(torch.tensor(sampled), tokens.cpu(), logp.cpu())
         self.stats["generated_tokens"] += len(sampled)
         self._retire(run, [first + fresh[j] for j in done.nonzero()[:, 0].tolist()])
@@ -450,6 +446,20 @@ class KVCacheEngine:
         self.stats["generated_tokens"] += int(keep.sum())
         return keep.nonzero()[:, 0][done].tolist()
 
+    def _next_tokens(
+        self, hidden: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and log-probs ``[b]`` of ``hidden [b, H]``, the same on every TP rank."""
+        return next_tokens(
+            self.model,
+            hidden,
+            uniforms,
+            params,
+            self.layout,
+            self.options.tp_sampling,
+            self.decode.kernels.sample_rows,
+        )
+
     def _meta_checkpoint(self, b: int):
         """Saves rows ``0 .. b-1``'s device state; returns what restores it."""
         saved = self._meta[:, :b].clone()
@@ -464,9 +474,7 @@ class KVCacheEngine:
         else:  # MoE at EP > 1: the gathered dispatch (every rank of the group steps together)
             with no_host_sync(self.model):
                 hidden = self._forward(ids[:, None], pos[:, None])[0]  # [b, H]
-        logits = io.head_logits(self.model, hidden, self.layout)
-        tokens, logp = sample(logits, self._u[:b], params, self.decode.kernels.sample_rows)
-        io.broadcast_from_tp_src(self.layout, tokens, logp)
+        tokens, logp = self._next_tokens(hidden, self._u[:b], params)
         self._out[0, :b].copy_(tokens)
         self._out[1, :b].copy_(logp)
         # The next step's inputs, without a round trip through the host.

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from megatron_grpo.ops.kernels import check_choice
+
 
 @dataclass(frozen=True)
 class EngineOptions:
@@ -40,6 +42,10 @@ class EngineOptions:
             (Triton on GPU).
         decode_attention: "triton" (``kernels.decode_attention``: split-K over exactly each
             row's keys), "sdpa" (masked SDPA over the context bucket) or "auto" (as the impl).
+        tp_sampling: how a TP > 1 engine draws the next token (``engine.tp_sampling``):
+            "vocab_parallel" (each rank samples from its vocabulary shard, two small
+            collectives; untruncated or greedy sampling only), "gathered" (all-gather the fp32
+            logits, sample, broadcast) or "auto" (vocab-parallel where the sampling allows).
     """
 
     kind: Literal["kv_cache", "recompute"] = "kv_cache"
@@ -52,6 +58,7 @@ class EngineOptions:
     decode_path: Literal["auto", "fused", "modules"] = "auto"
     decode_impl: Literal["auto", "triton", "torch"] = "auto"
     decode_attention: Literal["auto", "triton", "sdpa"] = "auto"
+    tp_sampling: Literal["auto", "gathered", "vocab_parallel"] = "auto"
 
     def __post_init__(self) -> None:
         if self.kind not in ("kv_cache", "recompute"):
@@ -60,6 +67,7 @@ class EngineOptions:
             raise ValueError(f"kv_cache_gib must be > 0 (or null: auto), got {self.kv_cache_gib}")
         if not 0.0 < self.kv_cache_fraction <= 1.0:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+        check_choice("tp_sampling", self.tp_sampling, "rollout.engine.tp_sampling")
         for name in ("max_prefill_tokens", "context_bucket"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

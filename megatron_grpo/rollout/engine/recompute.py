@@ -2,8 +2,10 @@
 
 Each step packs the unfinished sequences into one THD stream and runs the model over all of
 them; only the last positions go through the LM head. Slow (quadratic), simple, and the test
-oracle of the KV-cached engine: both sample through :func:`sampling.sample` with the same uniform
-number per (sample, response position), so they emit the same tokens up to float rounding.
+oracle of the KV-cached engine: both draw by inverse CDF with the same uniform number per
+(sample, response position), so they emit the same tokens up to float rounding (the oracle
+always from the gathered logits, :func:`sampling.sample`; the engine at TP > 1 by default from
+the vocabulary shards, ``tp_sampling``).
 
 MoE with expert parallelism: every forward is a collective over the expert group, so each step
 starts with one all-reduce MAX of (any sequence unfinished, packed length); ranks that are done
@@ -20,7 +22,7 @@ from megatron_grpo.megatron.parallel import all_reduce_max
 from megatron_grpo.rollout.engine import model_io as io
 from megatron_grpo.rollout.engine.params import SamplingParams
 from megatron_grpo.rollout.engine.routes import RouteLog
-from megatron_grpo.rollout.engine.sampling import sample
+from megatron_grpo.rollout.engine.tp_sampling import next_tokens
 
 
 @torch.no_grad()
@@ -64,10 +66,9 @@ def generate_recompute(
             routes.packed(active, inputs[2].cu_seqlens_q, new)
         if not active:
             continue
-        logits = io.head_logits(model, hidden, layout)
         u = uniforms[active, step].to(device)
-        tokens, logp = sample(logits, u, params)
-        io.broadcast_from_tp_src(layout, tokens, logp)
+        # the oracle gathers the logits: the plainest path, which the engine is tested against
+        tokens, logp = next_tokens(model, hidden, u, params, layout, "gathered")
         for i, tok, lp in zip(active, tokens.tolist(), logp.tolist(), strict=True):
             responses[i].append(tok)
             logprobs[i].append(lp)
