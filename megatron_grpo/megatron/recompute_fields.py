@@ -9,6 +9,7 @@ before the model is built. ``recompute_modules`` are megatron-core's module name
 from __future__ import annotations
 
 import difflib
+import importlib.util
 from typing import Any
 
 # megatron-core's recompute_modules choices ("shared_experts": megatron-core >= 0.15).
@@ -22,6 +23,9 @@ RECOMPUTE_MODULES = (
     "mla_up_proj",
 )
 MEGATRON_DEFAULT_MODULES = ("core_attn",)  # TransformerConfig's default for "selective"
+# Run through megatron-core's CheckpointWithoutOutput, whose fp8 default (``fp8 is not None``)
+# takes a Transformer Engine-only branch: a NameError without TE (0.14-0.19).
+NEED_TE = ("layernorm", "moe_act")
 
 
 def check_recompute(cfg: Any) -> None:
@@ -62,6 +66,15 @@ def check_resolved(cfg: Any) -> None:
         raise ValueError(
             "model.recompute_granularity='auto' is resolved by the memory plan before the model "
             "is built (megatron_grpo.megatron.plan.recompute.choose_recompute)"
+        )
+    if cfg.recompute_granularity != "selective" or importlib.util.find_spec("transformer_engine"):
+        return
+    need = [m for m in selective_modules(cfg) if m in NEED_TE]
+    if need:
+        raise ValueError(
+            f"model.recompute_modules {need}: megatron-core recomputes these with "
+            "CheckpointWithoutOutput, which needs Transformer Engine (not importable here); "
+            "use mlp / core_attn, or full recompute"
         )
 
 

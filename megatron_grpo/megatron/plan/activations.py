@@ -10,7 +10,8 @@ Per layer and token (:class:`LayerActivations`), bf16 unless said, with flash/SD
 * ``layernorm``: the two norm outputs (= QKV and MLP / router inputs). "layernorm" runs the norms
   under megatron-core's ``CheckpointWithoutOutput``: the outputs are dropped after their GEMMs
   and recomputed in backward (the portable spec's separate ``Norm`` modules; Transformer
-  Engine's spec fuses the norm into the GEMM, so there is nothing to drop there);
+  Engine's spec fuses the norm into the GEMM, so there is nothing to drop there; and
+  ``CheckpointWithoutOutput`` needs TE: without it the model build refuses "layernorm");
 * ``core_attn``: what core attention saves beyond its inputs and output: the fp32 logsumexp
   (flash / cuDNN / memory-efficient kernels). Checkpointing core attention keeps its q/k/v
   inputs, and the output stays saved as the projection's input, so "core_attn" frees only this

@@ -2,9 +2,10 @@
 chosen, from the memory plan.
 
 The candidates (:data:`LADDER`), from the least recompute to the most: none; selective
-``layernorm`` (re-runs the two norms: almost free); selective ``layernorm, mlp`` (re-runs the
-dense MLP: ~1/3 of a layer's forward GEMMs); selective ``layernorm, mlp, core_attn`` (re-runs
-attention too); full (uniform, 1 layer: re-runs every layer's forward). The choice is the first
+``mlp`` (re-runs the dense MLP: ~2/3 of a layer's forward GEMMs); selective ``mlp, core_attn``
+(re-runs attention too); full (uniform, 1 layer: re-runs every layer's forward). "layernorm"
+is not a candidate: megatron-core runs it through ``CheckpointWithoutOutput``, which needs
+Transformer Engine (recompute_fields.py), and TE's spec fuses the norms (nothing to drop). The choice is the first
 whose per-rank peak (:func:`~megatron_grpo.megatron.plan.memory.memory_plan`, every stage)
 fits the budget: ``1 - HEADROOM`` of the device's memory (the plan leaves out the CUDA context,
 NCCL buffers and allocator fragmentation). A selective candidate that saves nothing over the
@@ -24,9 +25,8 @@ HEADROOM = 0.15  # of the device's memory, outside the plan (docs/scale.md: keep
 # (recompute_granularity, recompute_modules, recompute_method, recompute_num_layers)
 LADDER: tuple[tuple[str | None, tuple[str, ...] | None, str | None, int | None], ...] = (
     (None, None, None, None),
-    ("selective", ("layernorm",), None, None),
-    ("selective", ("layernorm", "mlp"), None, None),
-    ("selective", ("layernorm", "mlp", "core_attn"), None, None),
+    ("selective", ("mlp",), None, None),
+    ("selective", ("mlp", "core_attn"), None, None),
     ("full", None, "uniform", 1),
 )
 
