@@ -35,6 +35,8 @@
 #                                   # ASYNC_STEPS (6) each (tools/bench_async.py): tokens/s, step
 #                                   # split, weight-sync s and GiB/s, lag, ratios: bench_async.md;
 #                                   # one task per call if 4 runs exceed a 10-minute limit
+#   bash tools/gpu_e2e.sh scale8b   # 4 GPUs: issue 42's Qwen3-8B rows (TP4+SP, random weights,
+#                                   # recompute auto): tools/gpu_scale8b.sh, $OUT/scale8b.md
 #   bash tools/gpu_e2e.sh all       # dense, moe_twin, maxctx (may exceed a 10-minute limit)
 # Each mode runs every path of PATHS ("fused megatron"); the trainer must expose
 # lm_head.path (GRPOStep.logprob_path). Results under $OUT (at most 4 files):
@@ -51,6 +53,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=tools/gpu_env.sh
 . tools/gpu_env.sh
+# shellcheck source=tools/gpu_scale8b.sh
+. tools/gpu_scale8b.sh
 
 MODE=${1:-all}
 WHEELS=${WHEELS:-.whl}
@@ -413,6 +417,7 @@ case "$MODE" in
     moe_ep) { setup && moe_ep; } || status=1 ;;
     maxctx) { setup && maxctx; } || status=1 ;;
     step) { setup && step_split; } || status=1 ;;
+    scale8b) { setup && scale8b; } || status=1 ;;
     partial)
         { setup && python3 tools/bench_partial.py --steps "${STEPS_PARTIAL:-6}" \
             --modes "${PARTIAL_MODES:-off recompute}" --work "$WORK" --out "$OUT" 2>&1 |
@@ -478,7 +483,7 @@ case "$MODE" in
         maxctx || status=1
         ;;
     *)
-        echo "usage: $0 [dense|moe|moe_twin|moe_ep|maxctx|step|partial|memory|async_sync|async|all]"
+        echo "usage: $0 [dense|moe|moe_twin|moe_ep|maxctx|step|scale8b|partial|memory|async_sync|async|all]"
         exit 2
         ;;
 esac

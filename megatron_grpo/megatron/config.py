@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_grpo.config import check_positive
+from megatron_grpo.megatron.recompute_fields import check_recompute, check_resolved
 from megatron_grpo.ops.kernels import LayerKernels
 
 ParamsDtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -124,10 +125,11 @@ class ModelConfig:
     # Rollout Routing Replay (R3): replay the generator's top-k expert ids in the log-prob and
     # training forwards (megatron_grpo.megatron.moe.routing_replay; needs megatron-core >= 0.16).
     moe_enable_routing_replay: bool = False
-    # Activation recomputation (TransformerConfig names).
-    recompute_granularity: Literal["full", "selective"] | None = None
+    # Activation recomputation (TransformerConfig names; "auto": see recompute_fields.py).
+    recompute_granularity: Literal["full", "selective", "auto"] | None = None
     recompute_method: Literal["uniform", "block"] | None = None
     recompute_num_layers: int | None = None
+    recompute_modules: list[str] | None = None  # "selective" only; None = ["core_attn"]
     # The portable spec's layer kernels (element-wise, grouped GEMM, RoPE, attention buckets),
     # given to its modules when the model is built (not Megatron fields: TE's spec ignores them).
     layer_kernels: LayerKernels = field(default_factory=LayerKernels)
@@ -153,10 +155,7 @@ class ModelConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         self._check_moe()
-        if (self.recompute_method is None) != (self.recompute_num_layers is None):
-            raise ValueError("recompute_method and recompute_num_layers must be set together")
-        if self.recompute_method is not None and self.recompute_granularity != "full":
-            raise ValueError("recompute_method needs recompute_granularity='full'")
+        check_recompute(self)
 
     def _check_rope(self) -> None:
         check_positive(self, "rotary_base", "rope_scaling_factor")
@@ -394,6 +393,7 @@ def to_transformer_config(
     """
     from megatron.core.transformer import TransformerConfig
 
+    check_resolved(model)
     dtype = params_dtype or model.torch_dtype()
     moe = model.num_moe_experts is not None
     kwargs: dict[str, Any] = dict(
@@ -448,6 +448,9 @@ def _model_kwargs(model: ModelConfig) -> dict[str, Any]:
         recompute_granularity=model.recompute_granularity,
         recompute_method=model.recompute_method,
         recompute_num_layers=model.recompute_num_layers,
+        recompute_modules=None
+        if model.recompute_modules is None
+        else list(model.recompute_modules),
     )
 
 

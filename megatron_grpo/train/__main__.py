@@ -102,6 +102,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="ranks assumed by --dry-run (default: $WORLD_SIZE, else the smallest world the "
         "recipe's layout fits)",
     )
+    parser.add_argument(
+        "--device-memory-gib",
+        type=float,
+        default=None,
+        help="GPU memory per rank assumed by --dry-run for model.recompute_granularity=auto "
+        "(e.g. 79.1 for an H100 80GB; training reads the GPU's own)",
+    )
     return parser.parse_args(argv)
 
 
@@ -147,7 +154,7 @@ def _main(args: argparse.Namespace, argv: list[str], log: WarningLog) -> int:
         if world is None:
             world = int(os.environ.get("WORLD_SIZE", smallest_world_size(cfg.parallel)))
         try:
-            dry_run(cfg, world)
+            dry_run(cfg, world, device_memory_gib=args.device_memory_gib)
         except ValueError as e:
             return report_error(ConfigError(str(e)))
         return 0

@@ -19,7 +19,8 @@ from megatron_grpo.megatron.layout import (  # noqa: F401 (orthogonal_groups: a 
     rank_layout,
 )
 from megatron_grpo.megatron.plan.generation import format_generation_plan, generation_plan
-from megatron_grpo.megatron.plan.memory import MemoryPlan, format_plan, memory_plan
+from megatron_grpo.megatron.plan.memory import GIB, MemoryPlan, format_plan, memory_plan
+from megatron_grpo.megatron.plan.recompute import RecomputeChoice, choose_recompute
 from megatron_grpo.rollout.weight_sync.sender import DEFAULT_BUCKET_BYTES
 
 if TYPE_CHECKING:  # the config module loads the engines; the dry run needs none of them
@@ -116,7 +117,38 @@ def micro_batch_tokens(train_cfg: TrainConfig) -> int:
     return t.micro_batch_size * longest
 
 
-def dry_run(train_cfg: TrainConfig, world_size: int, *, file: TextIO | None = None) -> DryRun:
+def plan_args(train_cfg: TrainConfig, dp_size: int) -> dict:
+    """:func:`memory_plan`'s arguments besides the model and layout for a trainer config: what
+    the dry run, ``recompute_granularity: auto`` and the offload decision plan with."""
+    training, opt = train_cfg.training, train_cfg.optimizer
+    return dict(
+        micro_batch_tokens=micro_batch_tokens(train_cfg),
+        dp_size=dp_size,
+        use_distributed_optimizer=opt.use_distributed_optimizer,
+        optimizer=opt.optimizer,
+        lm_head=train_cfg.lm_head,
+        loss_cfg=train_cfg.loss,
+        reference_model=training.use_reference_model,
+    )
+
+
+def resolve_recompute(
+    train_cfg: TrainConfig, dp_size: int, device_bytes: float | None
+) -> RecomputeChoice:
+    """``model.recompute_granularity`` made concrete for this run (``auto``: the memory plan's
+    choice for ``device_bytes`` of GPU memory per rank, ``plan/recompute.py``): the model
+    config to build, and why."""
+    args = plan_args(train_cfg, dp_size)
+    return choose_recompute(train_cfg.model, train_cfg.parallel, device_bytes=device_bytes, **args)
+
+
+def dry_run(
+    train_cfg: TrainConfig,
+    world_size: int,
+    *,
+    file: TextIO | None = None,
+    device_memory_gib: float | None = None,
+) -> DryRun:
     """Validate ``train_cfg`` (the trainer's ``TrainConfig``) for ``world_size`` ranks, print the
     rank layout and the per-rank memory plan; no GPU, no torch.distributed, no model.
 
@@ -125,7 +157,8 @@ def dry_run(train_cfg: TrainConfig, world_size: int, *, file: TextIO | None = No
     LMHeadOptions: path, memory budget, chunk size, ...) and
     ``optimizer`` (``optimizer``, ``use_distributed_optimizer``). The LM-head plan (which path
     the last stage runs, e.g. "fused_tiled" for GSPO under "fused", and why) is printed with the
-    plan.
+    plan. ``device_memory_gib``: GPU memory per rank for ``recompute_granularity: auto``
+    (needed then); the plan is that of the chosen setting, and the choice is printed with it.
     """
     model, par = train_cfg.model, train_cfg.parallel
     world_size, generation = _separate(train_cfg, world_size)
@@ -135,20 +168,12 @@ def dry_run(train_cfg: TrainConfig, world_size: int, *, file: TextIO | None = No
             f"rollout.num_prompts={train_cfg.rollout.num_prompts} must be divisible "
             f"by the data-parallel size {dp}"
         )
-    training, opt = train_cfg.training, train_cfg.optimizer
-    plan = memory_plan(
-        model,
-        par,
-        micro_batch_tokens=micro_batch_tokens(train_cfg),
-        dp_size=dp,
-        use_distributed_optimizer=opt.use_distributed_optimizer,
-        optimizer=opt.optimizer,
-        lm_head=train_cfg.lm_head,
-        loss_cfg=train_cfg.loss,
-        reference_model=training.use_reference_model,
-    )
+    device = None if device_memory_gib is None else device_memory_gib * GIB
+    choice = resolve_recompute(train_cfg, dp, device)
+    plan = memory_plan(choice.model, par, **plan_args(train_cfg, dp))
     layout = rank_layout(par, world_size)
     text = f"dry run: world size {world_size}\n{format_layout(layout)}\n{format_plan(plan)}"
+    text += f"\nactivation recompute: {choice.reason or choice.label + ' (model config)'}"
     if generation:
         text = generation.replace("{trainer}", str(world_size)) + "\n" + text
     print(text, file=file or sys.stdout, flush=True)

@@ -211,20 +211,10 @@ def _cache_room(
     """(bytes the KV cache of a step needs with its headroom, bytes the engine's sizing rule
     would leave it with the plan's optimizer state and gradients on the GPU, those bytes)."""
     from megatron_grpo.megatron.plan.memory import memory_plan
-    from megatron_grpo.train.dry_run import micro_batch_tokens
+    from megatron_grpo.train.dry_run import plan_args
 
     r, o = cfg.rollout, cfg.rollout.engine
-    plan = memory_plan(
-        cfg.model,
-        cfg.parallel,
-        micro_batch_tokens=micro_batch_tokens(cfg),
-        dp_size=layout.dp_size,
-        use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
-        optimizer=cfg.optimizer.optimizer,
-        lm_head=cfg.lm_head,
-        loss_cfg=cfg.loss,
-        reference_model=cfg.training.use_reference_model,
-    )
+    plan = memory_plan(cfg.model, cfg.parallel, **plan_args(cfg, layout.dp_size))
     parts = plan.stages[layout.pp_rank].bytes
     movable = parts["grads"] + parts["optimizer"]
     groups = r.num_prompts // layout.dp_size

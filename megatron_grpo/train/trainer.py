@@ -45,7 +45,9 @@ from megatron_grpo.rollout.tasks import Task
 from megatron_grpo.train import checkpoint as ckpt
 from megatron_grpo.train import step_metrics as sm
 from megatron_grpo.train.batching import attach_logprobs, make_mini_batches
+from megatron_grpo.train.comm import all_reduce_max
 from megatron_grpo.train.config import TrainConfig, check_checkpoint_architecture
+from megatron_grpo.train.dry_run import resolve_recompute
 from megatron_grpo.train.monitor import Monitor, write_resolved_config
 from megatron_grpo.train.nonfinite import NonFiniteError, NonFiniteGuard
 from megatron_grpo.train.offload import RolloutOffload
@@ -84,6 +86,7 @@ class Trainer:
         # checked) before the slow model build.
         plan = self._open_rollouts(task)
         self._setup_models()
+        cfg = self.cfg  # the model's recompute setting resolved ("auto")
         policy = unwrap(self.model[0])
         self._setup_offload(policy)
         self.source: RolloutSource = (
@@ -171,6 +174,7 @@ class Trainer:
             self.monitor.message(line)
 
     def _setup_models(self) -> None:
+        self._resolve_recompute()
         cfg = self.cfg
         use_dist_opt = cfg.optimizer.use_distributed_optimizer
         self.model = build_model(cfg.model, cfg.parallel, use_distributed_optimizer=use_dist_opt)
@@ -186,6 +190,21 @@ class Trainer:
         self.optimizer, self.scheduler = build_optimizer(
             cfg.optimizer, self.model, cfg.optimizer_steps
         )
+
+    def _resolve_recompute(self) -> None:
+        """``model.recompute_granularity: auto`` -> the plan's setting for the smallest GPU of
+        the job (every rank builds the same model); ``self.cfg.model`` gets it, and the
+        start-up log says which and why."""
+        if self.cfg.model.recompute_granularity != "auto":
+            return
+        device = None
+        if torch.cuda.is_available():
+            [device] = all_reduce_max([-float(torch.cuda.mem_get_info()[1])])
+            device = -device
+        choice = resolve_recompute(self.cfg, self.dp_size, device)
+        self.cfg = dataclasses.replace(self.cfg, model=choice.model)
+        if torch.distributed.get_rank() == 0:
+            print(choice.reason, flush=True)
 
     def _load(self, resume: bool) -> tuple[int, int]:
         """Loads ``checkpoint.load`` and, on resume, the latest checkpoint: returns its step and

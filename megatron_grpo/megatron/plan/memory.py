@@ -19,8 +19,18 @@ import torch
 
 from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.megatron.config import ModelConfig, ParallelConfig
-from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.megatron.model.build import padded_vocab_size
+from megatron_grpo.megatron.plan.activations import (  # noqa: F401 (public names, re-exported)
+    in_flight_micro_batches,
+    layer_activation_bytes,
+    stage_activation_bytes,
+)
+from megatron_grpo.megatron.plan.params import (  # noqa: F401 (public names, re-exported)
+    is_moe_layer,
+    layer_params,
+    stage_layers,
+    stage_params,
+)
 from megatron_grpo.ops.lm_head.options import LMHeadOptions
 from megatron_grpo.ops.lm_head.plan import REQUESTS, HeadShape, LMHeadPlan, plan_lm_head
 from megatron_grpo.ops.lm_head.reference import STATS_BLOCK
@@ -33,7 +43,11 @@ ASSUMPTIONS = (
     "pipeline 1F1B with >= PP micro-batches: stage p holds PP - p micro-batches (interleaved: "
     "Megatron's warm-up count of model chunks)",
     "full recompute keeps each layer (uniform: each group of N layers) input plus one unit "
-    "recomputed at a time; selective recompute (core attention) saves nothing extra here",
+    "recomputed at a time; selective recompute (plan/activations.py): layernorm drops the norm "
+    "outputs (portable spec; nothing with TE's fused norms), mlp the dense MLP's fc1 and "
+    "activation outputs, core_attn flash attention's fp32 logsumexp only (q/k/v and the output "
+    "stay saved), moe/moe_act/shared_experts counted as saving nothing; one layer's recomputed "
+    "modules counted on top",
     "log-prob working set: every micro-batch token scored, d_weight into Megatron DDP's "
     "main_grad (fp32 with grad_reduce_in_fp32); fused/op: the returned d_hidden is not counted",
     "excluded: CUDA context, NCCL buffers, allocator fragmentation, rollout generation",
@@ -89,145 +103,6 @@ class MemoryPlan:
     @property
     def peak_bytes(self) -> float:
         return max(s.total_bytes for s in self.stages)
-
-
-# ----------------------------------------------------------------------------- parameters
-def _norm(cfg: ModelConfig, size: int) -> int:
-    return size * (2 if cfg.normalization == "LayerNorm" else 1)
-
-
-def _ffn(cfg: ModelConfig) -> int:
-    return cfg.ffn_hidden_size or 4 * cfg.hidden_size  # TransformerConfig's default
-
-
-def _mlp_params(cfg: ModelConfig, ffn: int, shard: int) -> int:
-    """fc1 ([2F or F] x H, column-parallel) + fc2 (H x F, row-parallel; bias not sharded)."""
-    h, fc1 = cfg.hidden_size, ffn * (2 if cfg.gated_linear_unit else 1)
-    n = fc1 // shard * h + h * (ffn // shard)
-    return n + (fc1 // shard + h if cfg.add_bias_linear else 0)
-
-
-def _attention_params(cfg: ModelConfig, tp: int) -> int:
-    """input norm + QKV (column-parallel) + q/k norms + output projection (row-parallel)."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    nq, nkv = cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads
-    qkv = (nq + 2 * nkv) * d // tp
-    n = _norm(cfg, h) + qkv * h + h * (nq * d // tp)
-    n += qkv if (cfg.add_qkv_bias or cfg.add_bias_linear) else 0
-    n += h if cfg.add_bias_linear else 0
-    return n + (2 * _norm(cfg, d) if cfg.qk_layernorm else 0)
-
-
-def layer_params(cfg: ModelConfig, par: ParallelConfig, moe: bool) -> tuple[int, int]:
-    """(non-expert, expert) parameters of one decoder layer on one rank."""
-    tp = par.tensor_model_parallel_size
-    dense = _attention_params(cfg, tp) + _norm(cfg, cfg.hidden_size)
-    if not moe:
-        return dense + _mlp_params(cfg, _ffn(cfg), tp), 0
-    experts = cfg.num_moe_experts or 0
-    dense += experts * cfg.hidden_size + (experts if cfg.add_bias_linear else 0)  # router
-    if cfg.moe_shared_expert_intermediate_size:
-        dense += _mlp_params(cfg, cfg.moe_shared_expert_intermediate_size, tp)
-        dense += cfg.hidden_size if cfg.moe_shared_expert_gate else 0  # [1, H], replicated
-    etp = par.expert_tensor_size
-    local = experts // par.expert_model_parallel_size
-    return dense, local * _mlp_params(cfg, cfg.moe_ffn_hidden_size or _ffn(cfg), etp)
-
-
-def stage_layers(cfg: ModelConfig, par: ParallelConfig, stage: int) -> list[int]:
-    """Global indices of the decoder layers held by pipeline rank ``stage`` (all its chunks)."""
-    pp, vpp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
-    per_chunk = cfg.num_layers // (pp * vpp)
-    out = []
-    for chunk in range(vpp):
-        start = (chunk * pp + stage) * per_chunk
-        out += range(start, start + per_chunk)
-    return out
-
-
-def is_moe_layer(cfg: ModelConfig, index: int) -> bool:
-    return cfg.num_moe_experts is not None and index % cfg.moe_layer_freq == 0
-
-
-def stage_params(cfg: ModelConfig, par: ParallelConfig, stage: int) -> tuple[int, int]:
-    """(non-expert, expert) parameters of one rank of pipeline stage ``stage`` (exact)."""
-    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
-    dense = expert = 0
-    for i in stage_layers(cfg, par, stage):
-        d, e = layer_params(cfg, par, is_moe_layer(cfg, i))
-        dense, expert = dense + d, expert + e
-    vocab_rows = padded_vocab_size(cfg, tp) // tp * cfg.hidden_size
-    if stage == 0:
-        dense += vocab_rows
-        if cfg.position_embedding_type == "learned_absolute":
-            dense += cfg.max_sequence_length * cfg.hidden_size
-    if stage == pp - 1:
-        dense += _norm(cfg, cfg.hidden_size)  # final norm
-        # Tied weights: one copy when first == last stage, else the last stage keeps its own.
-        if not (cfg.share_embeddings_and_output_weights and pp == 1):
-            dense += vocab_rows
-    return dense, expert
-
-
-# ----------------------------------------------------------------------------- activations
-def layer_activation_bytes(
-    cfg: ModelConfig, par: ParallelConfig, moe: bool, tokens: float, act_bytes: int
-) -> float:
-    """Saved-for-backward bytes of one layer for ``tokens`` tokens on this CP rank."""
-    tp = par.tensor_model_parallel_size
-    sp = ParallelLayout.of_config(par).token_multiple  # SP splits these activations over TP
-    h, d = cfg.hidden_size, cfg.head_dim
-    nq, nkv = cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads
-    # Attention: norm input, QKV input | q, k, v, attention output (= projection input).
-    sp_terms, tp_terms = 2 * h, (nq + 2 * nkv) * d + nq * d
-    tp_terms += (nq + nkv) * d if cfg.qk_layernorm else 0  # q/k before their norms
-    sp_terms += 2 * h  # pre-MLP norm input, MLP / router input
-    glu = 2 if cfg.gated_linear_unit else 1
-    extra = 0.0
-    if not moe:
-        tp_terms += (glu + 1) * _ffn(cfg)  # fc1 output, activation output (= fc2 input)
-    else:
-        experts = cfg.num_moe_experts or 0
-        sp_terms += 4 * experts / act_bytes  # fp32 router logits
-        shared = cfg.moe_shared_expert_intermediate_size or 0
-        tp_terms += (glu + 1) * shared
-        etp = par.expert_tensor_size
-        copies = tokens / tp * cfg.moe_router_topk * etp  # tokens enter MoE SP-split (TP>1: SP)
-        f_moe = cfg.moe_ffn_hidden_size or _ffn(cfg)
-        extra = copies * (2 * h + (glu + 1) * f_moe / etp) * act_bytes  # permuted in/out
-    return tokens * (sp_terms / sp + tp_terms / tp) * act_bytes + extra
-
-
-def in_flight_micro_batches(par: ParallelConfig, stage: int) -> float:
-    """Micro-batches whose activations a stage holds at once (in units of its full layers)."""
-    pp, vpp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
-    if not vpp or vpp == 1:
-        return float(pp - stage)
-    chunks = (pp - stage - 1) * 2 + (vpp - 1) * pp + 1  # Megatron's interleaved warm-up + 1
-    return chunks / vpp
-
-
-def stage_activation_bytes(
-    cfg: ModelConfig, par: ParallelConfig, stage: int, tokens: float, act_bytes: int
-) -> tuple[float, float]:
-    """(activation bytes of the in-flight micro-batches, in-flight count) of one stage."""
-    layers = stage_layers(cfg, par, stage)
-    full = [
-        layer_activation_bytes(cfg, par, is_moe_layer(cfg, i), tokens, act_bytes) for i in layers
-    ]
-    sp = ParallelLayout.of_config(par).token_multiple
-    layer_input = tokens / sp * cfg.hidden_size * act_bytes
-    flight = in_flight_micro_batches(par, stage)
-    if cfg.recompute_granularity != "full" or not full:
-        return flight * sum(full), flight
-    n = cfg.recompute_num_layers or 1
-    if cfg.recompute_method == "block":
-        n = min(n, len(full))
-        stored = n * layer_input + sum(full[n:])
-        return flight * stored + max(full[:n], default=0.0), flight
-    groups = math.ceil(len(full) / n)
-    working = max(sum(full[i : i + n]) for i in range(0, len(full), n))
-    return flight * groups * layer_input + working, flight
 
 
 # [T]-sized vectors of the ops per scored token (upper bound): int64 local targets, the fp32

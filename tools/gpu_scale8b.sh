@@ -1,0 +1,54 @@
+# shellcheck shell=bash
+# `bash tools/gpu_e2e.sh scale8b`: issue 42's Qwen3-8B table on 4 GPUs (sourced by gpu_e2e.sh,
+# which defines setup, train, synthetic, $WORK, $OUT, $LOG). The real 36-layer shape with random
+# weights: recipes/qwen3_8b_long_sp.yaml with checkpoint.load=null, TP4 + SP, DP 1, fused path,
+# model.recompute_granularity=$SCALE8B_RECOMPUTE (auto: the memory plan's choice, logged at
+# start-up). Rows (SCALE8B_ROWS, default "a b"; "c" takes most of a 10-minute call alone):
+#   a  on-policy, built-in engine: 512 x (264 prompt + 1024 response, ignore_eos), 16k
+#      micro-batches, one mini-batch
+#   b  rollouts from files: SCALE8B_FILE_PROMPTS (4) x 8 samples of 2048 + 30720 tokens, 32k
+#      micro-batches, 4 mini-batches
+#   c  on-policy, built-in engine: 256 x (256 + 3840) (NeMo-RL's 4k setting), 16k micro-batches
+# SCALE8B_STEPS (3) steps each; step 1 is warm-up. $OUT/scale8b.md: the step split, tokens/s
+# per GPU (step and update) and the update's MFU per GPU (model FLOPs: 6 x matmul weights per
+# token + causal attention, over SCALE8B_PEAK_TFLOPS (989, H100/H200 bf16 dense)).
+
+SCALE8B_BASE=(--set checkpoint.load=null --set training.steps="${SCALE8B_STEPS:-3}"
+    --set model.recompute_granularity="${SCALE8B_RECOMPUTE:-auto}")
+SCALE8B_ENGINE=(--set rollout.input_path=null --set rollout.task=reverse_digits
+    --set rollout.sampling.ignore_eos=true --set training.mini_batches_per_step=1
+    --set training.max_tokens_per_micro_batch=16384)
+
+scale8b_row() {
+    local row=$1
+    local LOG="$OUT/scale8b_$row.log"  # this row's output (train appends to $LOG)
+    case "$row" in
+        a) NPROC=4 train scale8b_a_fused qwen3_8b_long_sp fused "${SCALE8B_BASE[@]}" \
+            "${SCALE8B_ENGINE[@]}" --set rollout.reverse_digits.num_digits=262 \
+            --set rollout.max_prompt_length=264 --set rollout.max_response_length=1024 \
+            --set rollout.num_prompts=64 ;;
+        b)
+            local data="$WORK/scale8b_rollouts" prompts=${SCALE8B_FILE_PROMPTS:-4}
+            synthetic "$data" $((prompts * ${SCALE8B_STEPS:-3})) 8 2048 30720 || return 1
+            NPROC=4 train scale8b_b_fused qwen3_8b_long_sp fused "${SCALE8B_BASE[@]}" \
+                --set rollout.input_path="$data" --set rollout.num_prompts="$prompts" \
+                --set training.mini_batches_per_step=4 ;;
+        c) NPROC=4 train scale8b_c_fused qwen3_8b_long_sp fused "${SCALE8B_BASE[@]}" \
+            "${SCALE8B_ENGINE[@]}" --set rollout.reverse_digits.num_digits=254 \
+            --set rollout.max_prompt_length=256 --set rollout.max_response_length=3840 \
+            --set rollout.num_prompts=32 ;;
+        *) echo "unknown SCALE8B_ROWS entry $row"; return 1 ;;
+    esac
+    echo "scale8b_$row: $(grep -h -m1 "recompute_granularity=auto" "$LOG")"
+}
+
+scale8b() {
+    local status=0 row
+    [ "$NGPU" -ge 4 ] || { echo "scale8b needs 4 GPUs ($NGPU here)"; return 1; }
+    for row in ${SCALE8B_ROWS:-a b}; do
+        scale8b_row "$row" || status=1
+    done
+    python3 tools/scale8b_table.py "$WORK" "$OUT/scale8b.md" --gpus 4 \
+        --peak-tflops "${SCALE8B_PEAK_TFLOPS:-989}" 2>&1 | tee -a "$LOG" || status=1
+    return $status
+}
