@@ -56,7 +56,8 @@ def _run(tmp: Path, name: str, *extra: str, resume: bool = False) -> list[dict] 
     from megatron_grpo.train.trainer import Trainer
 
     cfg = load_train_config(RECIPE, _overrides(tmp, name, *extra))
-    if run_generation_rank(cfg):
+    if (end := run_generation_rank(cfg)) is not None:
+        assert end == "finished", end
         return None
     trainer = Trainer(cfg, resume=resume, overwrite=not resume)
     history = trainer.train()
@@ -172,13 +173,16 @@ def _lag_resume_body(rank: int, world: int, tmp: Path) -> None:
     _receive_when_due()
     whole = _run(tmp, "whole", *on)
     cfg = load_train_config(RECIPE, _overrides(tmp, "cut", *on))
-    if not run_generation_rank(cfg):  # stopped before step 3: units 3 and 4 in flight
+    end = run_generation_rank(cfg)
+    if end is None:  # stopped before step 3: units 3 and 4 in flight
         trainer = Trainer(cfg, overwrite=True, stop=_stop_at(2))
         trainer.train()
         assert trainer.stopped is not None and trainer.stopped.after_step == 2
         if rank == 0:
             shutil.copytree(tmp / "cut", tmp / "cut_k0")
         dist.barrier()  # the trainer ranks' world
+    else:  # the generation ranks exit as the stopped trainer does (STOP_EXIT_CODE)
+        assert end == "stopped", end
     rest = _run(tmp, "cut", *on, resume=True)
     k0 = (*on[:-2], "rollout.separate.max_staleness=0", "training.steps=4")
     dropped = _run(tmp, "cut_k0", *k0, resume=True)

@@ -214,8 +214,9 @@ def _train(
 
     t0 = time.perf_counter()
     try:
-        if run_generation_rank(cfg, task):  # rollout.placement: separate, a generation rank
-            return 0
+        # rollout.placement: separate, a generation rank: it exits as the trainer ranks do
+        if (end := run_generation_rank(cfg, task)) is not None:
+            return STOP_EXIT_CODE if end == "stopped" else 0
         trainer = Trainer(cfg, resume=resume, overwrite=overwrite, stop=stop, task=task)
         if trainer.monitor.enabled:  # the log is written once the first step completed
             trainer.monitor.at_first_step(lambda: _attach_warnings(log, cfg))

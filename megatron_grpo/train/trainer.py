@@ -315,7 +315,8 @@ class Trainer:
                 self.maybe_save(step + 1)
             if (separate := separate_source(self.source)) is not None:
                 stopped = self.stopped
-                separate.close(self.cfg.training.steps if stopped is None else stopped.after_step)
+                end = self.cfg.training.steps if stopped is None else stopped.after_step
+                separate.close(end, stopped=stopped is not None)
         self.monitor.close()
         return history
 

@@ -9,7 +9,8 @@ always being received (``begin`` right after each ``swap``), so the transfer ove
 generation; with them it starts when the version is due (see ``GenerationLoop.__init__``). A
 swap happens only between parts of units (``parts``), when the next one is scheduled on a newer
 version (``channel.unit_version``), and stops the generators for the copy alone. A version of
-``STOP`` ends the loop.
+``STOP`` (the run's end) or ``STOPPED`` (the trainer stopped early on a stop request: a signal,
+the time limit) ends the loop; :meth:`GenerationLoop.run` says which.
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ from megatron_grpo.rollout.tasks import Task
 from megatron_grpo.rollout.weight_sync import WeightReceiver
 
 STOP = -1  # the version the trainer sends last: no more weights, no more units
+STOPPED = -2  # the same, sent when the trainer stopped early on a stop request
+
+
+def ended(version: int | None) -> bool:
+    """Whether ``version`` is one of the ends (``STOP``, ``STOPPED``)."""
+    return version is not None and version < 0
 
 
 class GenerationLoop:
@@ -78,7 +85,8 @@ class GenerationLoop:
         self.sync_metrics: dict[str, float] = {}
 
     def run(self) -> int:
-        """Generate this replica's units; returns how many it generated."""
+        """Generate this replica's units; returns how many it generated (``self.version``:
+        the end the trainer sent, ``STOP`` or ``STOPPED``)."""
         s, done = self.start, 0
         self._swap()  # the run's first weights: version ``start``
         k, parts = self.cfg.separate.max_staleness, len(self.ranges)
@@ -94,9 +102,9 @@ class GenerationLoop:
                 continue
             t0 = time.perf_counter()
             need = unit_version(step, s.start, k)
-            while self.version != STOP and self.version < need:
+            while not ended(self.version) and self.version < need:
                 self._swap()
-            if self.version == STOP:
+            if ended(self.version):
                 break
             if self.version != need:
                 raise RuntimeError(
@@ -108,7 +116,7 @@ class GenerationLoop:
                 self._unit(step, d, j, idle)
                 idle, done = 0.0, done + 1
             self.receiver.poll()  # CPU: moves the next version's buckets on
-        while self.version != STOP:  # the trainer's remaining versions, until it stops
+        while not ended(self.version):  # the trainer's remaining versions, until it stops
             self._swap()
         self._finish_sends()
         return done
@@ -121,7 +129,7 @@ class GenerationLoop:
         metrics = self.receiver.swap()
         self.version = int(metrics.pop("version"))
         self.sync_metrics = metrics
-        self.receiving = self.version != STOP and self.eager
+        self.receiving = not ended(self.version) and self.eager
         if self.receiving:
             self.receiver.begin()
 

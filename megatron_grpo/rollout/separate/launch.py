@@ -4,8 +4,10 @@ parallel state is built). These take the run's root config (``TrainConfig``: its
 ``parallel``, ``model`` and ``training`` sections), as the entry point holds it.
 
 ``python -m megatron_grpo.train`` calls :func:`run_generation_rank` first: on a generation rank
-it runs the generation loop to the end of the run and returns True; on a trainer rank (or
-colocated) it returns False and the :class:`~megatron_grpo.train.trainer.Trainer` runs.
+it runs the generation loop to the end of the run and returns how the run ended ("finished",
+or "stopped": the trainer stopped early on a stop request, and the rank exits with the stop's
+exit code as the trainer ranks do); on a trainer rank (or colocated) it returns None and the
+:class:`~megatron_grpo.train.trainer.Trainer` runs.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch.distributed as dist
 
 from megatron_grpo.config import ConfigError
 from megatron_grpo.megatron.parallel import _init_process_group
-from megatron_grpo.rollout.separate.generation import GenerationLoop
+from megatron_grpo.rollout.separate.generation import STOPPED, GenerationLoop
 from megatron_grpo.rollout.separate.world import SeparateWorld, current_world, split_world
 
 
@@ -60,12 +62,14 @@ def split_for(cfg) -> SeparateWorld | None:
     return split_world(s.ranks(world), s.tensor_model_parallel_size)
 
 
-def run_generation_rank(cfg, task=None) -> bool:
-    """On a generation rank of a separate run: generate until the trainer stops; True.
-    False on trainer ranks and in colocated runs. ``task``: built and checked already
-    (``train/check.py``), else built here."""
+def run_generation_rank(cfg, task=None) -> str | None:
+    """On a generation rank of a separate run: generate until the trainer stops; "finished"
+    (the run's end) or "stopped" (the trainer stopped early on a stop request). None on trainer
+    ranks and in colocated runs. ``task``: built and checked already (``train/check.py``), else
+    built here."""
     world = split_for(cfg)
     if world is None or not world.is_generator:
-        return False
-    GenerationLoop(cfg.model, cfg.rollout, cfg.rollout_context(), world, task).run()
-    return True
+        return None
+    loop = GenerationLoop(cfg.model, cfg.rollout, cfg.rollout_context(), world, task)
+    loop.run()
+    return "stopped" if loop.version == STOPPED else "finished"

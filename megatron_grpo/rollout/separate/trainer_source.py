@@ -30,7 +30,7 @@ from megatron_grpo.rollout.separate.channel import (
     replica_of,
     unit_version,
 )
-from megatron_grpo.rollout.separate.generation import STOP
+from megatron_grpo.rollout.separate.generation import STOP, STOPPED, ended
 from megatron_grpo.rollout.separate.world import SOURCE, SeparateWorld
 from megatron_grpo.rollout.weight_sync import WeightSender
 
@@ -159,7 +159,7 @@ class SeparateRollouts:
         return self._push(step + 1 if step + 1 < self.steps else STOP)
 
     def _push(self, version: int) -> dict[str, float]:
-        if self.sent == STOP:
+        if ended(self.sent):
             return {}
         self._sync = self.sender.send(version)
         self.sent = version
@@ -169,7 +169,7 @@ class SeparateRollouts:
         """Steps >= ``next_step`` the generators make (or made) from the weights sent so far
         and the trainer has not received yet."""
         s = self.start
-        if s is None or self.sent is None or self.sent == STOP:
+        if s is None or self.sent is None or ended(self.sent):
             return []
         return [
             step
@@ -188,12 +188,13 @@ class SeparateRollouts:
         self.receive_in_flight(next_step)
         return {"units": [u for s, u in sorted(self.held.items()) if s >= next_step]}
 
-    def close(self, next_step: int) -> None:
+    def close(self, next_step: int, stopped: bool = False) -> None:
         """End of the run (or a stop before ``next_step``): take what the generators still make,
-        then ``STOP``."""
-        if self.sent != STOP:
+        then ``STOP`` (``stopped``: ``STOPPED``, so the generation ranks exit as the trainer
+        does on a stop request)."""
+        if not ended(self.sent):
             self.receive_in_flight(next_step)
-            self._push(STOP)
+            self._push(STOPPED if stopped else STOP)
 
 
 def separate_source(source: object) -> SeparateRollouts | None:
