@@ -87,6 +87,9 @@ the ``--top`` Python functions by own time, where a host-bound pass spends it.
 
 ``--out DIR``: ``results.json`` (args, device, versions, model, FLOPs, rows, comparison,
 profile).
+
+The code: ``tools/bench_passes/`` (its ``__init__`` says which module holds what); this
+script only reads the flags and sets the environment before anything imports torch.
 """
 
 from __future__ import annotations
