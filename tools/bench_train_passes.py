@@ -89,7 +89,7 @@ the ``--top`` Python functions by own time, where a host-bound pass spends it.
 profile).
 
 The code: ``tools/bench_passes/`` (its ``__init__`` says which module holds what); this
-script only reads the flags and sets the environment before anything imports torch.
+script only reads the flags and sets the environment before it imports them.
 """
 
 from __future__ import annotations
@@ -97,7 +97,8 @@ from __future__ import annotations
 import os
 import sys
 
-# Torch-free (tools/bench_passes/cli.py): the flags are read before anything imports torch.
+# tools/bench_passes/cli.py imports no torch itself (--logprob-merge's default reads the
+# trainer's config, which does, as it always did).
 from bench_passes.cli import parse_args
 
 ARGS = parse_args(description=__doc__.split("\n")[0]) if __name__ == "__main__" else None
