@@ -278,9 +278,12 @@ class KVCacheEngine:
                 return
             new = self._admit(run)
             tokens = sum(run.prefix_len(i) for i in new)
-            if group is not None:
+            if group is not None:  # EP: one agreement an iteration (one host sync a step)
                 work = int(bool(new or run.rows or run.waiting))
-                work, tokens = all_reduce_max([work, tokens], group, torch.int64)
+                # the decode step's rows and longest context, bounded before the prefill
+                # (exact but for rows that finish at their first token: padding then)
+                bounds = [work, tokens, len(run.rows) + len(new), self._longest(run, new)]
+                work, tokens, rows, longest = all_reduce_max(bounds, group, torch.int64)
                 if not work:
                     return
             elif not (new or run.rows or run.waiting):
@@ -290,9 +293,8 @@ class KVCacheEngine:
                 self._prefill(run, new, tokens if group is not None else None)
             t1 = time.perf_counter()
             if group is not None:  # EP: the group agrees on every step, one at a time
-                rows = all_reduce_max([len(run.rows)], group, torch.int64)[0]
                 if rows:
-                    self._decode(run, rows)
+                    self._decode(run, rows, longest)
             elif run.rows and (self._admissible(run) or run.routes is not None):
                 # One step, then admit the waiting; routes are recorded step by step, as the
                 # rows are fed (a step ahead would route rows that already finished).
@@ -372,10 +374,20 @@ class KVCacheEngine:
         self.stats["generated_tokens"] += len(sampled)
         self._retire(run, [first + fresh[j] for j in done.nonzero()[:, 0].tolist()])
 
-    def _decode(self, run: Run, rows: int) -> None:
-        """One token for every active row (``rows`` >= them: the group's padded batch)."""
-        step = self._launch(run, rows)
+    def _decode(self, run: Run, rows: int, longest: int | None = None) -> None:
+        """One token for every active row (``rows`` >= them: the group's padded batch;
+        ``longest``: the group's longest sequence after this step, else this rank's)."""
+        step = self._launch(run, rows, longest=longest)
         self._retire(run, self._collect(run, step), step.ctx)
+
+    @staticmethod
+    def _longest(run: Run, new: list[int]) -> int:
+        """The longest sequence (prompt + response) of the next decode step's rows: the active
+        ones and ``new`` once prefilled (their first token sampled, or resumed ones' last
+        fed)."""
+        rows = torch.tensor(run.rows, dtype=torch.long)
+        active = int((run.prompt_lens[rows] + run.lengths[rows]).max()) if run.rows else 1
+        return max([active, *(run.prefix_len(i) + 1 for i in new)])
 
     def _decode_stream(self, run: Run) -> None:
         """Decode steps with one in flight until a row finishes: step t + 1 is launched before
@@ -392,20 +404,20 @@ class KVCacheEngine:
                 return
             prev = nxt
 
-    def _launch(self, run: Run, rows: int, ahead: int = 0) -> Launched:
+    def _launch(self, run: Run, rows: int, ahead: int = 0, longest: int | None = None) -> Launched:
         """Enqueue one decode step of the active rows (``ahead`` steps of theirs are still in
-        flight) and the copy of its tokens to the host."""
+        flight) and the copy of its tokens to the host. ``longest``: the group's (EP: its graphs
+        hold collectives, so every rank replays the same context's graph)."""
         n = len(run.rows)
         b = graph_batch(rows, self.cache.slots) if self.use_graphs else rows
         samples = torch.tensor(run.rows, dtype=torch.long)
-        longest = int((run.prompt_lens[samples] + run.lengths[samples]).max()) + ahead if n else 1
+        if longest is None:
+            longest = int((run.prompt_lens[samples] + run.lengths[samples]).max()) if n else 1
+            longest += ahead
         ctx = min(
             -(-longest // self.options.context_bucket) * self.options.context_bucket,
             self.cache.seq_len,
         )
-        group = self.layout.expert_tp_ep_group
-        if self.graphs is not None and group is not None:  # the group's graphs hold collectives:
-            ctx = all_reduce_max([ctx], group, torch.int64)[0]  # all ranks on one key
         if self._rows_moved or b != self._meta_rows:  # the device's row state is rebuilt
             meta = torch.zeros(4, b, dtype=torch.long)
             meta[:, :n] = run.feeds(samples)
