@@ -37,6 +37,8 @@
 #                                   # one task per call if 4 runs exceed a 10-minute limit
 #   bash tools/gpu_e2e.sh scale8b   # 4 GPUs: issue 42's Qwen3-8B rows (TP4+SP, random weights,
 #                                   # recompute auto): tools/gpu_scale8b.sh, $OUT/scale8b.md
+#   bash tools/gpu_e2e.sh full8     # 8 GPUs (FULL8_GPUS=4: the stand-ins): issue 40's 30B-A3B
+#                                   # and 8B rows: tools/gpu_full8.sh, $OUT/full8.md
 #   bash tools/gpu_e2e.sh all       # dense, moe_twin, maxctx (may exceed a 10-minute limit)
 # Each mode runs every path of PATHS ("fused megatron"); the trainer must expose
 # lm_head.path (GRPOStep.logprob_path). Results under $OUT (at most 4 files):
@@ -55,6 +57,8 @@ cd "$(dirname "$0")/.."
 . tools/gpu_env.sh
 # shellcheck source=tools/gpu_scale8b.sh
 . tools/gpu_scale8b.sh
+# shellcheck source=tools/gpu_full8.sh
+. tools/gpu_full8.sh
 
 MODE=${1:-all}
 WHEELS=${WHEELS:-.whl}
@@ -418,6 +422,7 @@ case "$MODE" in
     maxctx) { setup && maxctx; } || status=1 ;;
     step) { setup && step_split; } || status=1 ;;
     scale8b) { setup && scale8b; } || status=1 ;;
+    full8) { setup && full8; } || status=1 ;;
     partial)
         { setup && python3 tools/bench_partial.py --steps "${STEPS_PARTIAL:-6}" \
             --modes "${PARTIAL_MODES:-off recompute}" --work "$WORK" --out "$OUT" 2>&1 |
@@ -483,7 +488,7 @@ case "$MODE" in
         maxctx || status=1
         ;;
     *)
-        echo "usage: $0 [dense|moe|moe_twin|moe_ep|maxctx|step|scale8b|partial|memory|async_sync|async|all]"
+        echo "usage: $0 [dense|moe|moe_twin|moe_ep|maxctx|step|scale8b|full8|partial|memory|async_sync|async|all]"
         exit 2
         ;;
 esac

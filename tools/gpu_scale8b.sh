@@ -19,27 +19,33 @@ SCALE8B_ENGINE=(--set rollout.input_path=null --set rollout.task=reverse_digits
     --set rollout.sampling.ignore_eos=true --set training.mini_batches_per_step=1
     --set training.max_tokens_per_micro_batch=16384)
 
-scale8b_row() {
-    local row=$1
-    local LOG="$OUT/scale8b_$row.log"  # this row's output (train appends to $LOG)
-    case "$row" in
-        a) NPROC=4 train scale8b_a_fused qwen3_8b_long_sp fused "${SCALE8B_BASE[@]}" \
-            "${SCALE8B_ENGINE[@]}" --set rollout.reverse_digits.num_digits=262 \
-            --set rollout.max_prompt_length=264 --set rollout.max_response_length=1024 \
-            --set rollout.num_prompts=64 ;;
+# scale8b_args ROW: the row's trainer arguments into SCALE8B_ARGS (row b writes its synthetic
+# rollouts first); tools/gpu_full8.sh runs the same rows at other layouts.
+scale8b_args() {
+    case "$1" in
+        a) SCALE8B_ARGS=("${SCALE8B_BASE[@]}" "${SCALE8B_ENGINE[@]}"
+            --set rollout.reverse_digits.num_digits=262 --set rollout.max_prompt_length=264
+            --set rollout.max_response_length=1024 --set rollout.num_prompts=64) ;;
         b)
             local data="$WORK/scale8b_rollouts" prompts=${SCALE8B_FILE_PROMPTS:-4}
             synthetic "$data" $((prompts * ${SCALE8B_STEPS:-3})) 8 2048 30720 || return 1
-            NPROC=4 train scale8b_b_fused qwen3_8b_long_sp fused "${SCALE8B_BASE[@]}" \
-                --set rollout.input_path="$data" --set rollout.num_prompts="$prompts" \
-                --set training.mini_batches_per_step=4 ;;
-        c) NPROC=4 train scale8b_c_fused qwen3_8b_long_sp fused "${SCALE8B_BASE[@]}" \
-            "${SCALE8B_ENGINE[@]}" --set rollout.reverse_digits.num_digits=254 \
-            --set rollout.max_prompt_length=256 --set rollout.max_response_length=3840 \
-            --set rollout.num_prompts=32 ;;
-        *) echo "unknown SCALE8B_ROWS entry $row"; return 1 ;;
+            SCALE8B_ARGS=("${SCALE8B_BASE[@]}" --set rollout.input_path="$data"
+                --set rollout.num_prompts="$prompts" --set training.mini_batches_per_step=4) ;;
+        c) SCALE8B_ARGS=("${SCALE8B_BASE[@]}" "${SCALE8B_ENGINE[@]}"
+            --set rollout.reverse_digits.num_digits=254 --set rollout.max_prompt_length=256
+            --set rollout.max_response_length=3840 --set rollout.num_prompts=32) ;;
+        *) echo "unknown SCALE8B_ROWS entry $1"; return 1 ;;
     esac
+}
+
+scale8b_row() {
+    local row=$1
+    local LOG="$OUT/scale8b_$row.log"  # this row's output (train appends to $LOG)
+    scale8b_args "$row" || return 1
+    NPROC=4 train "scale8b_${row}_fused" qwen3_8b_long_sp fused "${SCALE8B_ARGS[@]}"
+    local rc=$?
     echo "scale8b_$row: $(grep -h -m1 "recompute_granularity=auto" "$LOG")"
+    return $rc
 }
 
 scale8b() {

@@ -3,9 +3,9 @@
 GPU (whole step and update) and the update's MFU per GPU.
 
 MFU = model FLOPs of the update / (update seconds x GPUs x peak): per token 3 x forward, forward
-= 2 x the matmul weights (decoder layers + LM head, every token) + causal attention 2 x 2 x
-heads x head_dim x (L + 1) / 2 per layer for documents of L tokens (recompute not counted, as
-MFU conventions go). Usage::
+= 2 x the matmul weights (decoder layers + LM head, every token; MoE: the active ones, router
+and top-k experts) + causal attention 2 x 2 x heads x head_dim x (L + 1) / 2 per layer for
+documents of L tokens (recompute not counted, as MFU conventions go). Usage::
 
     python tools/scale8b_table.py WORK OUT.md --gpus 4 [--peak-tflops 989]
 """
@@ -19,16 +19,25 @@ from pathlib import Path
 # Qwen3-8B (recipes/qwen3_8b_long_sp.yaml)
 QWEN3_8B = dict(layers=36, hidden=4096, ffn=12288, heads=32, kv_heads=8, head_dim=128,
                 vocab=151936)  # fmt: skip
+# Qwen3-30B-A3B (recipes/qwen3_30b_a3b_moe.yaml): 128 experts, top-8, MoE in every layer
+QWEN3_30B_A3B = dict(layers=48, hidden=2048, ffn=6144, heads=32, kv_heads=4, head_dim=128,
+                     vocab=151936, experts=128, topk=8, moe_ffn=768)  # fmt: skip
 # Document length (prompt + response) of each row of tools/gpu_scale8b.sh.
 ROW_DOC_TOKENS = {"a": 264 + 1024, "b": 2048 + 30720, "c": 256 + 3840}
 STAGES = ("step", "rollout", "logprob", "update")
 
 
 def matmul_params(m: dict) -> int:
-    """Matmul weights of the model: per layer QKV, output projection, SwiGLU MLP; the LM head."""
+    """Matmul weights a token meets: per layer QKV, output projection and the SwiGLU MLP, or
+    with ``experts`` (MoE in every layer) the router and ``topk`` experts' SwiGLU of width
+    ``moe_ffn`` (the active weights); the LM head."""
     h, d = m["hidden"], m["head_dim"]
     attn = h * (m["heads"] + 2 * m["kv_heads"]) * d + m["heads"] * d * h
-    return m["layers"] * (attn + 3 * h * m["ffn"]) + m["vocab"] * h
+    if m.get("experts"):
+        mlp = h * m["experts"] + m["topk"] * 3 * h * m["moe_ffn"]
+    else:
+        mlp = 3 * h * m["ffn"]
+    return m["layers"] * (attn + mlp) + m["vocab"] * h
 
 
 def train_flops_per_token(m: dict, doc_tokens: int) -> float:
