@@ -55,6 +55,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     # the next token at TP > 1 (rollout/engine/tp_sampling.py): "auto" = from the vocabulary
     # shards where the sampling allows (untruncated, greedy), else the gathered logits
     "tp_sampling": ("auto", "gathered", "vocab_parallel"),
+    # the sequence-parallel linear layers' collectives (megatron/model/tp_overlap.py): "ring" =
+    # chunked collective-matmul, "off" = megatron-core's layers; "auto" = ring with SP on CUDA
+    "tp_overlap": ("auto", "off", "ring"),
 }
 IMPLS = CHOICES["impl"]
 
@@ -114,6 +117,10 @@ class LayerKernels:
         packed_attention: which path runs packed documents: ``packed_attention`` names.
         moe_dispatch: the MoE token dispatch at EP > 1: ``moe_dispatch`` names ("gathered"
             needs every rank of the expert group to bring the same token count: the engine's).
+        tp_overlap: the TP linear layers' sequence-parallel all-gather / reduce-scatter:
+            ``tp_overlap`` names ("ring": overlapped with the GEMMs chunk by chunk, applies where
+            SP is on; without SP the layers are megatron-core's; "auto": ring with SP at TP > 1
+            on CUDA). The portable spec's; Transformer Engine's spec takes only "auto".
     """
 
     elementwise: str = "auto"
@@ -122,6 +129,7 @@ class LayerKernels:
     attention: str = "plan_free"
     packed_attention: str = "auto"
     moe_dispatch: str = "auto"
+    tp_overlap: str = "auto"
 
     def __post_init__(self) -> None:
         check_choice("impl", self.elementwise, "elementwise")
@@ -130,3 +138,4 @@ class LayerKernels:
         check_choice("attention", self.attention)
         check_choice("packed_attention", self.packed_attention)
         check_choice("moe_dispatch", self.moe_dispatch)
+        check_choice("tp_overlap", self.tp_overlap)

@@ -18,7 +18,9 @@ its torch norms (``WrappedTorchNorm``) refuse sequence parallelism. The portable
   (q/k norms are summed across TP by name, as Megatron does).
 
 Linear layers, MLP and MoE (router, aux loss, token dispatcher, ``SequentialMLP`` experts) are
-megatron-core's own modules; the dense MLP's SwiGLU (:class:`~.layers.SwiGLUMLP`) and RMSNorm run as one
+megatron-core's own modules (the attention and dense MLP linears as
+:mod:`~megatron_grpo.megatron.model.tp_overlap`'s subclasses where ``tp_overlap`` is ring: their
+sequence-parallel collectives overlapped with the GEMMs); the dense MLP's SwiGLU (:class:`~.layers.SwiGLUMLP`) and RMSNorm run as one
 kernel each way on GPU. Checkpoint keys match the TE spec (``sharded_state_dict_keys_map``),
 so a torch_dist checkpoint moves between the two specs.
 
@@ -35,7 +37,6 @@ from megatron.core import parallel_state
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -56,6 +57,7 @@ from megatron_grpo.megatron.attention.rope import PackedRopeSelfAttention
 from megatron_grpo.megatron.attention.sdpa import SDPAttention
 from megatron_grpo.megatron.compat import define_te_general_gemm
 from megatron_grpo.megatron.model.layers import Norm, SwiGLUMLP
+from megatron_grpo.megatron.model.tp_overlap import tp_linear_classes
 from megatron_grpo.megatron.moe.grouped_experts import GroupedExperts
 from megatron_grpo.megatron.moe.layers import moe_layer_pattern
 from megatron_grpo.megatron.moe.local_dispatch import GroupedMoELayer
@@ -97,6 +99,7 @@ def _expert_groups() -> tuple | None:
 
 
 def _attention_spec(config: TransformerConfig, kernels: LayerKernels) -> ModuleSpec:
+    column, row = tp_linear_classes(kernels.tp_overlap, config)
     qk_norm = _norm(kernels) if config.qk_layernorm else IdentityOp
     cp_group, cp_rank = _context_parallel(config)
     core = ModuleSpec(
@@ -115,9 +118,9 @@ def _attention_spec(config: TransformerConfig, kernels: LayerKernels) -> ModuleS
             "cp_rank": cp_rank,
         },
         submodules=SelfAttentionSubmodules(
-            linear_qkv=ColumnParallelLinear,
+            linear_qkv=column,
             core_attention=core,
-            linear_proj=RowParallelLinear,
+            linear_proj=row,
             q_layernorm=qk_norm,
             k_layernorm=qk_norm,
         ),
@@ -144,10 +147,11 @@ def portable_layer_spec(
         # Same keys as the TE spec: only the attention norm is fused there for MoE layers.
         keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
     else:
+        column, row = tp_linear_classes(kernels.tp_overlap, config)
         mlp = ModuleSpec(
             module=SwiGLUMLP,
             params={"impl": kernels.elementwise},
-            submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+            submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row),
         )
         keys_map = {
             "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
@@ -202,6 +206,7 @@ def decoder_block_spec(
     if use_te:
         if not HAVE_TE:
             raise ValueError("transformer_impl 'transformer_engine' but it does not import")
+        tp_linear_classes(kernels.tp_overlap, config, use_te=True)  # only "auto" there
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
         return get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
