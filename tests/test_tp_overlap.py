@@ -235,3 +235,16 @@ def test_ring_refuses_gradient_accumulation_fusion():
     cfg.gradient_accumulation_fusion = True
     with pytest.raises(ValueError, match="config.gradient_accumulation_fusion=True"):
         RingColumnParallelLinear(4, 4, config=cfg, init_method=lambda w: None)
+
+
+def test_bench_tp_overlap_dry_run(tmp_path):
+    """tools/bench_tp_overlap.py at TP 2 over gloo: both choices timed, the ring equal to off."""
+    import json
+
+    from tests.test_tools import run_tool
+
+    args = ["--tokens", "6", "--hidden", "9", "--ffn", "6", "--qkv", "10", "--proj", "6"]
+    run_tool("bench_tp_overlap.py", *args, "--iters", "1", "--warmup", "0", out=tmp_path, nproc=2)
+    (row,) = json.loads((tmp_path / "bench_tp_overlap_tp2.json").read_text())["rows"]
+    assert row["tokens"] == 6 and row["off"]["train_ms"] > 0 and row["ring"]["logprob_ms"] > 0
+    assert row["ring_vs_off"] < 2**-7, row  # bf16: two summands in another order at most
