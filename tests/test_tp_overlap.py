@@ -33,6 +33,7 @@ from tests.megatron_utils import (
     train_grads,
 )
 
+DEVICE = ["cpu"]  # "cuda" in the NCCL run
 LAYERS = {"column": (ColumnParallelLinear, RingColumnParallelLinear),
           "row": (RowParallelLinear, RingRowParallelLinear)}  # fmt: skip
 
@@ -64,7 +65,7 @@ def _build(cls, kind: str, tp: int, sp: bool, dtype, opts: dict, full: dict):
         if layer.bias is not None:
             layer.bias.copy_(b)
     layer.weight.requires_grad_(not opts.get("frozen", False))
-    return layer
+    return layer.to(DEVICE[0])
 
 
 def _run(layer, x: torch.Tensor, seed: int, no_grad: bool) -> dict[str, torch.Tensor]:
@@ -79,7 +80,8 @@ def _run(layer, x: torch.Tensor, seed: int, no_grad: bool) -> dict[str, torch.Te
         return res
     g = torch.Generator().manual_seed(seed)
     outs = [t for t in (out, out_bias) if t is not None]  # a returned bias is the caller's too
-    torch.autograd.backward(outs, [torch.randn(t.shape, generator=g).to(t.dtype) for t in outs])
+    grads = [torch.randn(t.shape, generator=g).to(t.device, t.dtype) for t in outs]
+    torch.autograd.backward(outs, grads)
     res["d_x"] = x.grad
     for name, p in (("d_weight", layer.weight), ("d_bias", layer.bias)):
         if p is not None and p.grad is not None:
@@ -115,7 +117,9 @@ def _case(kind: str, tp: int, sp: bool, dtype, opts: dict, seed: int) -> None:
     for name, cls, dt in (("truth", base, torch.float64), ("megatron", base, dtype),
                           ("ring", ring, dtype)):  # fmt: skip
         layer = _build(cls, kind, tp, sp, dt, opts, full)
-        runs[name] = _run(layer, x.to(dt), seed + 1 + torch.distributed.get_rank(), no_grad)
+        runs[name] = _run(
+            layer, x.to(DEVICE[0], dt), seed + 1 + torch.distributed.get_rank(), no_grad
+        )
     want_keys = {"out"} | ({"out_bias"} if opts["skip"] and opts["bias"] else set())
     if not no_grad:
         want_keys |= {"d_x"} | (set() if opts.get("frozen") else {"d_weight"})
@@ -136,12 +140,12 @@ def _case(kind: str, tp: int, sp: bool, dtype, opts: dict, seed: int) -> None:
 
 
 CASES = [  # (kind, options): odd per-rank token counts and odd feature sizes
-    ("column", dict(s_per_rank=3, b=2, h=7, o=5, bias=True, skip=False)),
+    ("column", dict(s_per_rank=3, b=2, h=7, o=5, bias=True, skip=False, bf16=True)),
     ("column", dict(s_per_rank=5, b=1, h=9, o=3, bias=True, skip=True)),
     ("column", dict(s_per_rank=3, b=1, h=5, o=3, bias=False, skip=False, gather=True)),
     ("column", dict(s_per_rank=3, b=2, h=7, o=5, bias=True, skip=False, frozen=True)),
     ("column", dict(s_per_rank=1, b=3, h=5, o=3, bias=True, skip=False, no_grad=True)),
-    ("row", dict(s_per_rank=3, b=2, h=3, o=7, bias=True, skip=False)),
+    ("row", dict(s_per_rank=3, b=2, h=3, o=7, bias=True, skip=False, bf16=True)),
     ("row", dict(s_per_rank=5, b=1, h=5, o=9, bias=True, skip=True)),
     ("row", dict(s_per_rank=3, b=1, h=3, o=5, bias=False, skip=False)),
     ("row", dict(s_per_rank=3, b=2, h=3, o=7, bias=True, skip=False, frozen=True)),
@@ -149,20 +153,31 @@ CASES = [  # (kind, options): odd per-rank token counts and odd feature sizes
 ]
 
 
-def _layers_body(rank: int, world: int) -> None:
+def _layers_body(rank: int, world: int, device: str = "cpu") -> None:
+    DEVICE[0] = device
     initialize_parallel(ParallelConfig(tensor_model_parallel_size=world), seed=1)
     for i, (kind, opts) in enumerate(CASES):
         opts = {**opts, "h": opts["h"] * (world if kind == "row" else 1)}
         opts["o"] *= world if kind == "column" else 1
         for sp in (True, False):
             _case(kind, world, sp, torch.float32, opts, seed=10 * i)
-        if not opts.get("no_grad") and not opts.get("frozen"):
+        if opts.get("bf16"):
             _case(kind, world, True, torch.bfloat16, opts, seed=10 * i + 5)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_ring_layers_equal_megatron(tp):
     run_distributed(_layers_body, tp)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_ring_layers_equal_megatron_nccl():
+    """2 GPUs, NCCL (the P2P ring on device): the same cases as over gloo.
+
+    python -m pytest -q -m gpu tests/test_tp_overlap.py
+    """
+    run_distributed(_layers_body, 2, "cuda", backend="nccl")
 
 
 def _model_run(choice: str, params: dict | None):
