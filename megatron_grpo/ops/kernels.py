@@ -6,7 +6,8 @@
 * :data:`CHOICES`: the names each kernel choice takes, one table for training and decode
   (``impl``: the element-wise ops, the LM-head seam and the decode step; ``rope``: packed RoPE;
   ``grouped_gemm``: the MoE experts; ``attention``: how packed documents run through SDPA;
-  ``decode_attention``: the decode step's attention).
+  ``decode_attention``: the decode step's attention; ``tp_overlap``: the sequence-parallel
+  collectives of the TP linear layers).
 * :func:`resolve_impl`: THE decision of what ``impl`` "auto" means on a device.
 * :class:`LayerKernels`: the model's layer kernel choices as one frozen value, given to the
   layer spec when the model is built (a recipe's ``model.layer_kernels`` section).

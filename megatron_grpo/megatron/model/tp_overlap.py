@@ -20,7 +20,9 @@ adds steps). The GPU speed-up is not measured yet (``tools/bench_tp_overlap.py``
 Not supported with ``ring`` (an error when the layer is built, naming the field):
 ``gradient_accumulation_fusion`` (megatron-core's APEX kernel accumulating into
 ``weight.main_grad``; the ring returns ``weight.grad`` like megatron-core without the fusion)
-and ``defer_embedding_wgrad_compute``. Transformer Engine's spec has its own overlap
+and, for the column layer, ``defer_embedding_wgrad_compute`` (the output layer's deferral).
+Like megatron-core's frozen-weight path, a column layer whose weight does not require grad gives
+its bias no gradient either. Transformer Engine's spec has its own overlap
 (``tp_comm_overlap``, userbuffers); an explicit ``ring`` there is an error.
 """
 
@@ -73,8 +75,9 @@ def tp_linear_classes(choice: str, config, use_te: bool = False) -> tuple[type, 
     return RingColumnParallelLinear, RingRowParallelLinear
 
 
-def _refuse_unsupported(config, layer: str) -> None:
-    for name in ("gradient_accumulation_fusion", "defer_embedding_wgrad_compute"):
+def _refuse_unsupported(config, layer: str, names: tuple[str, ...]) -> None:
+    """A clear error where ``config`` enables one of ``names`` the ring does not run with."""
+    for name in names:
         if getattr(config, name, False):
             raise ValueError(
                 f"{FIELD}='ring' ({layer}) does not run with config.{name}=True: "
@@ -113,7 +116,8 @@ class RingColumnParallelLinear(_RingMixin, ColumnParallelLinear):
     input gradient's reduce-scatter with the ``d_x`` GEMMs."""
 
     def __init__(self, *args, config, **kwargs) -> None:
-        _refuse_unsupported(config, type(self).__name__)  # before megatron-core's own checks
+        names = ("gradient_accumulation_fusion", "defer_embedding_wgrad_compute")
+        _refuse_unsupported(config, type(self).__name__, names)  # before megatron-core's checks
         super().__init__(*args, config=config, **kwargs)
         self._init_ring()
 
@@ -153,7 +157,8 @@ class RingRowParallelLinear(_RingMixin, RowParallelLinear):
     megatron-core does (or returned with ``skip_bias_add``)."""
 
     def __init__(self, *args, config, **kwargs) -> None:
-        _refuse_unsupported(config, type(self).__name__)  # before megatron-core's own checks
+        names = ("gradient_accumulation_fusion",)
+        _refuse_unsupported(config, type(self).__name__, names)  # before megatron-core's checks
         super().__init__(*args, config=config, **kwargs)
         self._init_ring()
 
