@@ -29,7 +29,6 @@ its bias no gradient either. Transformer Engine's spec has its own overlap
 from __future__ import annotations
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
@@ -86,12 +85,8 @@ def _refuse_unsupported(config, layer: str, names: tuple[str, ...]) -> None:
 
 
 class _RingMixin:
-    """What the two ring layers share: whether the ring applies now, and the ring itself."""
-
-    def _init_ring(self) -> None:
-        group = getattr(self, "tp_group", None)  # megatron-core < 0.14 keeps no group
-        self._tp_group = group or parallel_state.get_tensor_model_parallel_group()
-        self._ring: Ring | None = None
+    """What the two ring layers share: whether the ring applies now (building the ring over the
+    layer's ``tp_group`` the first time) and megatron-core's offloading mark."""
 
     def _ring_applies(self) -> bool:
         """SP on (now: generation switches it off) at TP > 1, and not an expert layer that
@@ -99,7 +94,7 @@ class _RingMixin:
         if not self.sequence_parallel or self.explicit_expert_comm:
             return False
         if self._ring is None:
-            self._ring = Ring(self._tp_group)
+            self._ring = Ring(self.tp_group)
         return self._ring.size > 1
 
     def _mark_offloading(self, x: torch.Tensor) -> None:
@@ -119,7 +114,7 @@ class RingColumnParallelLinear(_RingMixin, ColumnParallelLinear):
         names = ("gradient_accumulation_fusion", "defer_embedding_wgrad_compute")
         _refuse_unsupported(config, type(self).__name__, names)  # before megatron-core's checks
         super().__init__(*args, config=config, **kwargs)
-        self._init_ring()
+        self._ring: Ring | None = None  # built at the first ring forward (megatron's tp_group)
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
         if not self._ring_applies():
@@ -132,7 +127,7 @@ class RingColumnParallelLinear(_RingMixin, ColumnParallelLinear):
         output = allgather_linear(input_, weight, bias, self._ring)
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:
-            output = gather_from_tensor_model_parallel_region(output, group=self._tp_group)
+            output = gather_from_tensor_model_parallel_region(output, group=self.tp_group)
         return output, (self.bias if self.skip_bias_add else None)
 
     def _checked_weight(self, weight):
@@ -160,7 +155,7 @@ class RingRowParallelLinear(_RingMixin, RowParallelLinear):
         names = ("gradient_accumulation_fusion",)
         _refuse_unsupported(config, type(self).__name__, names)  # before megatron-core's checks
         super().__init__(*args, config=config, **kwargs)
-        self._init_ring()
+        self._ring: Ring | None = None  # built at the first ring forward (megatron's tp_group)
 
     def forward(self, input_):
         if not self._ring_applies():
