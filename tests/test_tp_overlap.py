@@ -22,6 +22,7 @@ from megatron_grpo.megatron.model.tp_overlap import (
     tp_linear_classes,
 )
 from megatron_grpo.ops.kernels import LayerKernels
+from megatron_grpo.rollout.engine.fused_decode import unsupported
 from tests.dist_utils import run_distributed
 from tests.megatron_utils import (
     VOCAB,
@@ -211,6 +212,7 @@ def _model_body(rank: int, world: int) -> None:
     assert [type(m) for m in linears] == [RingColumnParallelLinear, RingRowParallelLinear] * 2
     assert all(m._ring is not None for m in linears), "the ring never ran"
     assert type(gpt.decoder.layers[0].mlp.linear_fc1) is ColumnParallelLinear
+    assert unsupported(ring_gpt, tp_size=2) == "", "the fused decode step refuses ring layers"
     for got, want in zip(ring_logp, logp, strict=True):
         assert_close("logprobs", got, want)
     assert_close("loss", torch.tensor(ring_loss), torch.tensor(loss))

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from megatron_grpo.megatron.attention.rope import PackedRopeSelfAttention
 from megatron_grpo.megatron.model.layers import Norm, SwiGLUMLP
+from megatron_grpo.megatron.model.tp_overlap import RingColumnParallelLinear, RingRowParallelLinear
 from megatron_grpo.ops.kernels import check_choice, resolve_impl, triton_runs_on
 from megatron_grpo.ops.layers import decode as decode_ops
 from megatron_grpo.ops.layers.decode import DecodeKernels
@@ -125,6 +126,11 @@ def unsupported(model: torch.nn.Module, tp_size: int) -> str:
     return ""
 
 
+# megatron-core's local TP linears; the ring ones are those layers (SP is off in generation)
+_COLUMN = (ColumnParallelLinear, RingColumnParallelLinear)
+_ROW = (RowParallelLinear, RingRowParallelLinear)
+
+
 def _is_rms(norm: torch.nn.Module) -> bool:
     return type(norm) is Norm and norm.normalization == "RMSNorm"
 
@@ -138,16 +144,14 @@ def _layer_unsupported(layer: torch.nn.Module) -> str:
         return f"{type(layer).__name__} / {type(attn).__name__} is not the portable GPT layer"
     if not (_is_rms(layer.input_layernorm) and _is_rms(layer.pre_mlp_layernorm)):
         return "its norms are not the portable RMSNorm (Transformer Engine fuses them)"
-    if type(attn.linear_qkv) is not ColumnParallelLinear or type(attn.linear_proj) is not (
-        RowParallelLinear
-    ):
+    if type(attn.linear_qkv) not in _COLUMN or type(attn.linear_proj) not in _ROW:
         return "its attention linears are not megatron-core's local ones"
     for qk in (attn.q_layernorm, attn.k_layernorm):
         if not (_is_rms(qk) or type(qk) is IdentityOp):
             return "its q/k norm is not the portable RMSNorm"
     if type(attn.q_layernorm) is not type(attn.k_layernorm):
         return "only one of q/k is normed"
-    if type(mlp) not in (MLP, SwiGLUMLP) or type(mlp.linear_fc1) is not ColumnParallelLinear:
+    if type(mlp) not in (MLP, SwiGLUMLP) or type(mlp.linear_fc1) not in _COLUMN:
         return "its MLP is not megatron-core's local MLP"
     if type(getattr(layer, "cross_attention", IdentityOp)) is not IdentityOp:
         return "cross attention"
