@@ -57,7 +57,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     # shards where the sampling allows (untruncated, greedy), else the gathered logits
     "tp_sampling": ("auto", "gathered", "vocab_parallel"),
     # the sequence-parallel linear layers' collectives (megatron/model/tp_overlap.py): "ring" =
-    # chunked collective-matmul, "off" = megatron-core's layers; "auto" = ring with SP on CUDA
+    # chunked collective-matmul, "off" = megatron-core's layers; "auto": resolve_tp_overlap
     "tp_overlap": ("auto", "off", "ring"),
 }
 IMPLS = CHOICES["impl"]
@@ -120,8 +120,9 @@ class LayerKernels:
             needs every rank of the expert group to bring the same token count: the engine's).
         tp_overlap: the TP linear layers' sequence-parallel all-gather / reduce-scatter:
             ``tp_overlap`` names ("ring": overlapped with the GEMMs chunk by chunk, applies where
-            SP is on; without SP the layers are megatron-core's; "auto": ring with SP at TP > 1
-            on CUDA). The portable spec's; Transformer Engine's spec takes only "auto".
+            SP is on; without SP the layers are megatron-core's; "auto": megatron-core's until
+            the ring is measured ahead on GPU, ``tp_overlap.resolve_tp_overlap``). The portable
+            spec's; Transformer Engine's spec takes only "auto".
     """
 
     elementwise: str = "auto"

@@ -45,15 +45,23 @@ __all__ = [
 FIELD = "model.layer_kernels.tp_overlap"
 
 
+# "auto" takes the ring only once a GPU run of tools/bench_tp_overlap.py shows it ahead of
+# megatron-core's collectives (NCCL's P2P kernels and the GEMMs share the SMs); until then it is
+# opt-in, as TP overlap is in Megatron-LM (--tp-comm-overlap) and torchtitan (async TP).
+RING_MEASURED_AHEAD = False
+
+
 def resolve_tp_overlap(choice: str, sequence_parallel: bool, tp_size: int, device_type: str) -> str:
     """ "ring" or "off": what ``choice`` (``CHOICES["tp_overlap"]``) means for a model with
-    ``sequence_parallel`` at ``tp_size`` on ``device_type``. ``auto``: ring with SP at TP > 1
-    on CUDA, else off. An explicit ``ring`` stays ring (the layers run megatron-core's forward
-    wherever SP is off)."""
+    ``sequence_parallel`` at ``tp_size`` on ``device_type``. ``auto``: off (the ring is opt-in
+    until measured ahead on GPU: ``RING_MEASURED_AHEAD``; then ring with SP at TP > 1 on CUDA).
+    An explicit ``ring`` stays ring (the layers run megatron-core's forward wherever SP is
+    off)."""
     check_choice("tp_overlap", choice, FIELD)
     if choice != "auto":
         return choice
-    return "ring" if sequence_parallel and tp_size > 1 and device_type == "cuda" else "off"
+    could = sequence_parallel and tp_size > 1 and device_type == "cuda"
+    return "ring" if could and RING_MEASURED_AHEAD else "off"
 
 
 def tp_linear_classes(choice: str, config, use_te: bool = False) -> tuple[type, type]:

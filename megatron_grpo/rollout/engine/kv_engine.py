@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 import warnings
 import weakref
@@ -82,6 +83,9 @@ class KVCacheEngine:
         use, off = plan_graphs(model, o.cuda_graphs, cuda)
         self.decode = dataclasses.replace(plan, graphs=use, graphs_off=off)
         self.graphs = DecodeGraphs() if use else None
+        # (hidden [b, H], uniforms [b], params) -> tokens, log-probs [b], the same on TP ranks
+        kw = dict(layout=self.layout, choice=o.tp_sampling, rows_kernel=plan.kernels.sample_rows)
+        self._next_tokens = functools.partial(next_tokens, model, **kw)
         self.sizer = kvc.CacheSizer(model, o, self.layout, max_context, use)
         self._fused: fd.FusedDecoder | None = None
         self.cache: kvc.KVCache | None = None
@@ -280,9 +284,8 @@ class KVCacheEngine:
             tokens = sum(run.prefix_len(i) for i in new)
             if group is not None:  # EP: one agreement an iteration (one host sync a step)
                 work = int(bool(new or run.rows or run.waiting))
-                # the decode step's rows and longest context, bounded before the prefill
-                # (exact but for rows that finish at their first token: padding then)
-                bounds = [work, tokens, len(run.rows) + len(new), self._longest(run, new)]
+                # + the decode step's rows and longest context (rows finishing at prefill: pad)
+                bounds = [work, tokens, len(run.rows) + len(new), run.longest(new)]
                 work, tokens, rows, longest = all_reduce_max(bounds, group, torch.int64)
                 if not work:
                     return
@@ -380,15 +383,6 @@ class KVCacheEngine:
         step = self._launch(run, rows, longest=longest)
         self._retire(run, self._collect(run, step), step.ctx)
 
-    @staticmethod
-    def _longest(run: Run, new: list[int]) -> int:
-        """The longest sequence (prompt + response) of the next decode step's rows: the active
-        ones and ``new`` once prefilled (their first token sampled, or resumed ones' last
-        fed)."""
-        rows = torch.tensor(run.rows, dtype=torch.long)
-        active = int((run.prompt_lens[rows] + run.lengths[rows]).max()) if run.rows else 1
-        return max([active, *(run.prefix_len(i) + 1 for i in new)])
-
     def _decode_stream(self, run: Run) -> None:
         """Decode steps with one in flight until a row finishes: step t + 1 is launched before
         step t's tokens reach the host (the device advances the rows' state), so the host's
@@ -457,20 +451,6 @@ class KVCacheEngine:
         done = run.record(step.samples[keep], out[0].long(), out[1])
         self.stats["generated_tokens"] += int(keep.sum())
         return keep.nonzero()[:, 0][done].tolist()
-
-    def _next_tokens(
-        self, hidden: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens and log-probs ``[b]`` of ``hidden [b, H]``, the same on every TP rank."""
-        return next_tokens(
-            self.model,
-            hidden,
-            uniforms,
-            params,
-            self.layout,
-            self.options.tp_sampling,
-            self.decode.kernels.sample_rows,
-        )
 
     def _meta_checkpoint(self, b: int):
         """Saves rows ``0 .. b-1``'s device state; returns what restores it."""

@@ -99,6 +99,14 @@ class Run:
     def prefix_len(self, i: int) -> int:
         return int(self.prompt_lens[i]) + max(int(self.lengths[i]) - 1, 0)
 
+    def longest(self, new: list[int]) -> int:
+        """The longest sequence (prompt + response) of the next decode step's rows: the active
+        ones and ``new`` once prefilled (their first token sampled, or a resumed one's last
+        fed)."""
+        rows = torch.tensor(self.rows, dtype=torch.long)
+        active = int((self.prompt_lens[rows] + self.lengths[rows]).max()) if self.rows else 1
+        return max([active, *(self.prefix_len(i) + 1 for i in new)])
+
     def feeds(self, samples: torch.Tensor) -> torch.Tensor:
         """``[4, k]``: token, position, sample and response length each row feeds next."""
         lens = self.lengths[samples]
