@@ -40,6 +40,8 @@ CHECK_HINT = (
     "  (python -m megatron_grpo.train --config {config} [--set ...] --check finds every such "
     "problem at once, without torchrun or a GPU)"
 )
+# A rank that does not print a handled error waits this long before exiting (report_error).
+ERROR_EXIT_GRACE_S = 5.0
 
 
 def help_description(doc: str = __doc__, width: int | None = None) -> str:
@@ -259,6 +261,10 @@ def report_error(e: BaseException) -> int:
     if _replica_leader() if isinstance(e, RewardError) else rank == 0:
         prefix = "config error" if isinstance(e, (ConfigError, FileNotFoundError)) else "error"
         print(f"{prefix}: {e}", file=sys.stderr, flush=True)
+    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # torchrun stops every rank at the first failed exit: a silent rank that exits first
+        # would stop the printing one before its line is out
+        time.sleep(ERROR_EXIT_GRACE_S)
     return 1 if isinstance(e, RewardError) and not isinstance(e, RewardValueError) else 2
 
 
