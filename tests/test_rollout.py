@@ -319,7 +319,7 @@ def test_expandable_segments_turn_decode_graphs_off(monkeypatch, env, found):
     assert plan_graphs(model, False, cuda=True) == (False, "")
     # the engine carries the decision in its decode plan
     monkeypatch.setattr(engine_mod.io, "model_device", lambda m: torch.device("cuda"))
-    plan = DecodePlan("modules", "torch", None, "chosen")
+    plan = DecodePlan("modules", "torch", SimpleNamespace(sample_rows=None), "chosen")
     monkeypatch.setattr(engine_mod.fd, "plan_decode", lambda *a, **k: plan)
     engine = KVCacheEngine(model, EngineOptions(), layout=ParallelLayout())
     assert not engine.use_graphs and engine.graphs is None and not engine.decode.graphs
