@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -87,12 +88,32 @@ def run(task: str, placement: str, args: argparse.Namespace) -> list[dict] | Non
         cmd += ["--set", s]
     print(f"== {name}: {' '.join(cmd)}", flush=True)
     with open(Path(args.out) / f"{name}.log", "w") as log:
-        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ).returncode
+        code = launch(cmd, log, args.run_timeout)
     metrics = logdir / "metrics.jsonl"
     if code != 0 or not metrics.exists():
         print(f"== {name}: failed (exit {code}); see {name}.log", flush=True)
         return None
     return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def launch(cmd: list[str], log, timeout: float | None) -> int:
+    """Run ``cmd`` (torchrun) in a session of its own; past ``timeout`` seconds every process
+    of it gets SIGABRT, which Python's faulthandler (PYTHONFAULTHANDLER) turns into each
+    rank's stacks in the log: a hang leaves the place it hangs, not just a timeout."""
+    env = dict(os.environ, PYTHONFAULTHANDLER="1")
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"== timed out after {timeout:.0f} s: stacks of every rank in the log", flush=True)
+        os.killpg(proc.pid, signal.SIGABRT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait()
 
 
 def mean(history: list[dict], key: str) -> float | None:
@@ -137,6 +158,12 @@ def main() -> int:
     p.add_argument("--out", default="gpu_out")
     p.add_argument("--cpu", action="store_true", help="the tiny recipe on gloo (a smoke run)")
     p.add_argument("--set", action="append", default=[], help="more overrides, every run")
+    p.add_argument(
+        "--run-timeout",
+        type=float,
+        default=None,
+        help="seconds per run; past it every rank's Python stacks are dumped (SIGABRT)",
+    )
     args = p.parse_args()
     args.recipe = args.recipe or ("recipes/tiny.yaml" if args.cpu else RECIPE)
     tasks = args.tasks or (["3"] if args.cpu else ["256", "8-512"])

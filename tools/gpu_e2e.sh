@@ -475,9 +475,10 @@ case "$MODE" in
         # both placements run with the default allocator, graphs on.
         unset PYTORCH_CUDA_ALLOC_CONF
         # shellcheck disable=SC2086
+        # a run past ASYNC_RUN_TIMEOUT seconds leaves every rank's Python stacks in its log
         python3 tools/bench_async.py --tasks ${ASYNC_TASKS:-256 8-512} \
             --steps "${ASYNC_STEPS:-6}" --staleness "${ASYNC_STALENESS:-1}" --work "$WORK" \
-            --out "$OUT" 2>&1 | tee -a "$LOG" || status=1
+            --run-timeout "${ASYNC_RUN_TIMEOUT:-150}" --out "$OUT" 2>&1 | tee -a "$LOG" || status=1
         echo "gpu_e2e async: exit $status; results in $OUT/bench_async.md"
         exit "$status"
         ;;
