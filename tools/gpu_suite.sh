@@ -66,7 +66,10 @@ EOF
 }
 
 run_tests() {
-    python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest_gpu.log"
+    # a test past GPU_TEST_STACKS_S seconds prints every thread's stack (pytest's faulthandler):
+    # a hang in a collective names its place; -rA lists each test's outcome
+    python3 -m pytest -m gpu -q -rA -p no:cacheprovider \
+        -o faulthandler_timeout="${GPU_TEST_STACKS_S:-180}" tests 2>&1 | tee "$OUT/pytest_gpu.log"
     return "${PIPESTATUS[0]}"
 }
 
