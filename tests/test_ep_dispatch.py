@@ -330,3 +330,30 @@ def test_moe_dispatch_is_chosen_when_the_model_is_built():
     config = SimpleNamespace(num_moe_experts=8, moe_grouped_gemm=False)
     with pytest.raises(ValueError, match="moe_dispatch='gathered' needs grouped experts"):
         portable_layer_spec(config, True, LayerKernels(moe_dispatch="gathered"))
+
+
+def _sync_free_body(rank, world):
+    from tests.ep_utils import HostSyncProbe
+
+    cpu_alltoall()
+    chunks = build_layout(ParallelConfig(expert_model_parallel_size=world), _cfg(2))
+    model = unwrap(chunks[0]).eval()
+    mlp = model.decoder.layers[0].mlp
+    x = torch.randn(6, 1, H, generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad(), no_host_sync(model):
+        assert mlp.ep_dispatch.resolve() == "gathered"
+        probe = HostSyncProbe()
+        with probe:
+            mlp(x)
+    assert not probe.calls, probe.calls
+    switch_dispatch(chunks, "alltoall")  # the probe sees megatron-core's split-size sync
+    with torch.no_grad(), HostSyncProbe() as probe:
+        mlp(x)
+    assert any("tolist" in c for c in probe.calls), probe.calls
+
+
+def test_gathered_dispatch_decode_forward_makes_no_host_sync():
+    """The MoE layer's decode forward through the gathered dispatch calls nothing that waits
+    for the device (item, tolist, bool, nonzero, ...: what fails a CUDA graph capture); the
+    all-to-all dispatcher, which copies its split sizes to the host, is seen doing it."""
+    run_distributed(_sync_free_body, 2)
