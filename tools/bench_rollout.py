@@ -6,6 +6,8 @@ each, eos disabled::
 
     python tools/bench_rollout.py --out $OUT
     torchrun --nproc-per-node 2 tools/bench_rollout.py --preset 8b --no-hf --out $OUT  # TP=2
+    torchrun --nproc-per-node 4 tools/bench_rollout.py --preset 8b --no-hf \
+        --modes graphs@gathered,graphs@vocab_parallel --out $OUT  # TP=4: how the next token is drawn
 
 Roofline: every decode step reads the weights of this rank once plus every row's cached K/V;
 the sum over steps at the GPU's HBM bandwidth bounds the new tokens per second. Prefill and the
@@ -43,7 +45,8 @@ def parse() -> argparse.Namespace:
     p.add_argument(
         "--modes", default="graphs,graphs-modules,eager",
         help="comma list of graphs | eager, each optionally -fused | -modules (the decode path) "
-        "and then -sdpa | -triton (the decode attention); default: the engine's auto choice",
+        "and then -sdpa | -triton (the decode attention), and @gathered | @vocab_parallel (how "
+        "TP > 1 draws the next token, rollout.engine.tp_sampling); default: the engine's auto",
     )  # fmt: skip
     p.add_argument("--eager-new-tokens", type=int, default=None, help="shorter eager run")
     p.add_argument("--no-hf", action="store_true", help="skip HF transformers generate")
@@ -82,9 +85,11 @@ def roofline(model, cfg, args, tbps: float) -> float:
 
 
 def engine_options(args, mode: str):
-    """``graphs`` / ``eager`` with an optional ``-fused`` / ``-modules`` decode path."""
+    """``graphs`` / ``eager`` with an optional ``-fused`` / ``-modules`` decode path, ``-sdpa`` /
+    ``-triton`` attention and ``@gathered`` / ``@vocab_parallel`` sampling at TP > 1."""
     from megatron_grpo.rollout import EngineOptions
 
+    mode, _, sampling = mode.partition("@")
     graphs, _, rest = mode.partition("-")
     path, _, attention = rest.partition("-")
     if graphs not in ("graphs", "eager"):
@@ -94,6 +99,7 @@ def engine_options(args, mode: str):
         kv_cache_gib=args.kv_cache_gib, kv_cache_fraction=args.kv_cache_fraction,
         cuda_graphs=graphs == "graphs",
         decode_path=path or "auto", decode_attention=attention or "auto",
+        tp_sampling=sampling or "auto",
     )  # fmt: skip
 
 
