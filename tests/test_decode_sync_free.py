@@ -1,6 +1,6 @@
 """The engine's decode step calls nothing that waits for the device, so it can be captured in
 a CUDA graph: at EP 2 (MoE, the gathered dispatch) and at TP 2 (dense, vocab-parallel
-sampling). A CPU probe of Python-level syncs (``tests/ep_utils.HostSyncProbe``); the GPU tests
+sampling). A CPU probe of Python-level syncs (``tests/host_syncs.HostSyncProbe``); the GPU tests
 capture the real graphs."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ def _body(rank: int, world: int, layout: str) -> None:
     from megatron_grpo.rollout import EngineOptions, KVCacheEngine, generate
     from megatron_grpo.rollout.engine import kv_engine
     from megatron_grpo.rollout.engine.params import SamplingParams
-    from tests.ep_utils import HostSyncProbe, cpu_alltoall
+    from tests.ep_utils import cpu_alltoall
+    from tests.host_syncs import HostSyncProbe
     from tests.megatron_utils import VOCAB, build_layout, tiny_model
     from tests.test_ep_dispatch import _cfg
 

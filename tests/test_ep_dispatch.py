@@ -333,7 +333,7 @@ def test_moe_dispatch_is_chosen_when_the_model_is_built():
 
 
 def _sync_free_body(rank, world):
-    from tests.ep_utils import HostSyncProbe
+    from tests.host_syncs import HostSyncProbe
 
     cpu_alltoall()
     chunks = build_layout(ParallelConfig(expert_model_parallel_size=world), _cfg(2))

@@ -7,14 +7,13 @@ megatron-core's all-to-all dispatcher syncs less with the sort-based permutation
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
 from megatron_grpo.megatron import ParallelConfig, unwrap
 from tests.dist_utils import run_distributed
-from tests.ep_utils import switch_dispatch
+from tests.ep_utils import check_graphs_match_eager, switch_dispatch
+from tests.host_syncs import cuda_host_syncs
 from tests.megatron_utils import build_layout, tiny_model
 
 needs_2_gpus = pytest.mark.skipif(
@@ -27,19 +26,6 @@ def _cfg(**kw):
         num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=64, moe_grouped_gemm=True,
         moe_token_dispatcher_type="alltoall", params_dtype="bfloat16", **kw,
     )  # fmt: skip
-
-
-def _syncs(fn) -> int:
-    """Host syncs ``fn`` makes (torch's sync debug mode, one warning each)."""
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchronizing" in str(w.message) for w in caught)
 
 
 def _sync_body(rank: int, world: int) -> None:
@@ -56,9 +42,9 @@ def _sync_body(rank: int, world: int) -> None:
         out.float().sum().backward()
 
     fwd_bwd()
-    ours = _syncs(fwd_bwd)
+    ours = len(cuda_host_syncs(fwd_bwd))
     token_dispatcher.permute = sort_permute.megatron_permute
-    theirs = _syncs(fwd_bwd)
+    theirs = len(cuda_host_syncs(fwd_bwd))
     token_dispatcher.permute = sort_permute
     assert ours < theirs, (ours, theirs)  # masked_select's syncs are gone
 
@@ -73,24 +59,11 @@ def test_gpu_sort_permute_syncs_less_than_megatron_cores():
 
 
 def _graphs_body(rank: int, world: int) -> None:
-    from megatron_grpo.rollout import EngineOptions, KVCacheEngine, generate
-    from megatron_grpo.rollout.engine.params import SamplingParams
-
     chunks = build_layout(ParallelConfig(expert_model_parallel_size=2), _cfg())
     model = unwrap(chunks[0])
     g = torch.Generator().manual_seed(4 + rank)
     prompts = [torch.randint(0, 100, (int(n),), generator=g).tolist() for n in range(3, 20 + rank)]
-    params = SamplingParams(temperature=1.0, top_k=1, max_new_tokens=10, eos_id=3, vocab_size=100)
-    options = EngineOptions(kv_cache_gib=1.0, context_bucket=16)
-    graphed = KVCacheEngine(model, options)
-    assert graphed.use_graphs and not graphed.graphs_off  # "CUDA graphs on" at EP 2
-    got = generate(model, prompts, params, torch.Generator().manual_seed(5), engine=graphed)
-    assert graphed.graphs.captures > 0
-    eager = KVCacheEngine(model, EngineOptions(kv_cache_gib=1.0, context_bucket=16,
-                                               cuda_graphs=False))  # fmt: skip
-    want = generate(model, prompts, params, torch.Generator().manual_seed(5), engine=eager)
-    same = sum(a == b for a, b in zip(got.responses, want.responses, strict=True))
-    assert same >= len(prompts) - 2, f"{same} of {len(prompts)} greedy responses agree"
+    check_graphs_match_eager(model, prompts)  # "CUDA graphs on"
 
 
 @needs_2_gpus

@@ -6,7 +6,6 @@ with and without sequence parallelism (spawned); the plan's rule that picks the 
 from __future__ import annotations
 
 import math
-import warnings
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from megatron_grpo.ops.lm_head.plan import (
     weight_grad_mode,
 )
 from tests.dist_utils import run_distributed
+from tests.host_syncs import cuda_host_syncs
 from tests.test_logprobs import close, make_inputs
 
 T, H, V, VOCAB = 30, 16, 40, 37  # V = padded rows of the full weight
@@ -413,29 +413,15 @@ def fp64_grads(cfg, hidden, weight, targets, batch) -> tuple[torch.Tensor, torch
     return z.grad @ weight.double(), z.grad.t() @ hidden.double()
 
 
-def _host_syncs(fn) -> list[str]:
-    """The synchronizing CUDA calls ``fn()`` makes (torch's sync debug mode warns once per
-    call), as the ``file:line`` that made each."""
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return [f"{w.filename}:{w.lineno}" for w in seen if "synchroniz" in str(w.message)]
-
-
 @pytest.mark.gpu
 def test_gpu_single_pass_host_syncs_do_not_grow_with_chunks():
     """The single pass queues every chunk without waiting for the GPU: its host syncs (input
     checks, the one deferred finiteness check) are the same for 7 chunks as for 2."""
     x = torch.ones(4, device="cuda")
     # calibration: each sync counts once (the first switch into debug mode reports one more)
-    _host_syncs(lambda: None)
-    base = len(_host_syncs(lambda: None))
-    assert len(_host_syncs(lambda: [x.tolist() for _ in range(3)])) == base + 3
+    cuda_host_syncs(lambda: None)
+    base = len(cuda_host_syncs(lambda: None))
+    assert len(cuda_host_syncs(lambda: [x.tolist() for _ in range(3)])) == base + 3
     hidden, weight, targets, batch = _gpu_problem(1024, 256, 4096, 128, 16)
 
     def run(chunk: int) -> None:
@@ -447,7 +433,7 @@ def test_gpu_single_pass_host_syncs_do_not_grow_with_chunks():
 
     for chunk in (512, 128):  # compile and allocate first
         run(chunk)
-    few, many = _host_syncs(lambda: run(512)), _host_syncs(lambda: run(128))
+    few, many = cuda_host_syncs(lambda: run(512)), cuda_host_syncs(lambda: run(128))
     assert sorted(few) == sorted(many), f"2 chunks: {few}\n7 chunks: {many}"
 
 

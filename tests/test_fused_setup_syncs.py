@@ -15,6 +15,7 @@ from megatron_grpo.loss.math import true_positions
 from megatron_grpo.loss.segments import check_cu_seqlens, cu_seqlens_violations
 from megatron_grpo.ops import fused_grpo_loss
 from megatron_grpo.ops.lm_head import fused_grpo as fg
+from tests.host_syncs import cuda_host_syncs
 from tests.test_fused_grpo import (
     CONFIGS,
     VOCAB,
@@ -22,7 +23,6 @@ from tests.test_fused_grpo import (
     T,
     V,
     _gpu_problem,
-    _host_syncs,
     loss_batch,
 )
 from tests.test_logprobs import make_inputs
@@ -182,9 +182,9 @@ def test_gpu_fused_setup_one_host_sync(cu_device, denominator, nonfinite):
     cu_seqlens is on the GPU or the host and the denominator a number or a GPU tensor."""
     x = torch.ones(4, device="cuda")
     # calibration: each sync counts once (the first switch into debug mode reports one more)
-    _host_syncs(lambda: None)
-    base = len(_host_syncs(lambda: None))
-    assert len(_host_syncs(lambda: [x.tolist() for _ in range(3)])) == base + 3
+    cuda_host_syncs(lambda: None)
+    base = len(cuda_host_syncs(lambda: None))
+    assert len(cuda_host_syncs(lambda: [x.tolist() for _ in range(3)])) == base + 3
     hidden, weight, targets, batch = _gpu_problem(1024, 256, 4096, 128, 16)
     batch["cu_seqlens"] = batch["cu_seqlens"].to(cu_device)
     if denominator is not None:
@@ -199,7 +199,7 @@ def test_gpu_fused_setup_one_host_sync(cu_device, denominator, nonfinite):
     lctx = setup()[1]  # compile and allocate first
     torch.cuda.synchronize()
     assert torch.equal(lctx.index, batch["loss_mask"].nonzero().squeeze(1))
-    syncs = _host_syncs(setup)
+    syncs = cuda_host_syncs(setup)
     assert len(syncs) <= base + 1, syncs
 
 
@@ -259,8 +259,8 @@ def test_gpu_denominator_and_host_copies_do_not_sync():
     cu = torch.tensor([0, 3, 7, 12])
     mask = host_to_device(torch.arange(12) % 3 > 0, dev)
     cfg = GRPOLossConfig(loss_agg="seq_mean_token_mean")
-    _host_syncs(lambda: None)  # the first switch into debug mode reports one more
-    found = _host_syncs(lambda: (host_to_device(torch.arange(12), dev),
+    cuda_host_syncs(lambda: None)  # the first switch into debug mode reports one more
+    found = cuda_host_syncs(lambda: (host_to_device(torch.arange(12), dev),
                                  local_denominator(cfg, mask, cu)))  # fmt: skip
     assert found == [], found
     assert local_denominator(cfg, mask, cu).item() == 3

@@ -393,24 +393,13 @@ def test_sort_routing_matches_megatron_permute_and_unpermute():
 def _gpu_graphs_body(rank: int, world: int) -> None:
     """The engine captures the MoE model's decode steps in CUDA graphs (local dispatch, grouped
     GEMMs: no host sync) and samples what eager decode samples."""
-    from megatron_grpo.rollout import EngineOptions, KVCacheEngine, generate
-    from megatron_grpo.rollout.engine.params import SamplingParams
+    from tests.ep_utils import check_graphs_match_eager
 
     chunks = build_layout(ParallelConfig(), _moe_cfg(2, params_dtype="bfloat16"))
     model = unwrap(chunks[0])
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 100, (int(n),), generator=g).tolist() for n in range(3, 23)]
-    params = SamplingParams(temperature=1.0, top_k=1, max_new_tokens=10, eos_id=3, vocab_size=100)
-    options = EngineOptions(kv_cache_gib=1.0, context_bucket=16)
-    graphed = KVCacheEngine(model, options)
-    assert graphed.use_graphs, graphed.graphs_off
-    got = generate(model, prompts, params, torch.Generator().manual_seed(5), engine=graphed)
-    assert graphed.graphs.captures > 0
-    eager = KVCacheEngine(model, EngineOptions(kv_cache_gib=1.0, context_bucket=16,
-                                               cuda_graphs=False))  # fmt: skip
-    want = generate(model, prompts, params, torch.Generator().manual_seed(5), engine=eager)
-    same = sum(a == b for a, b in zip(got.responses, want.responses, strict=True))
-    assert same >= len(prompts) - 2, f"{same} of {len(prompts)} greedy responses agree"
+    check_graphs_match_eager(model, prompts)  # "CUDA graphs on"
 
 
 @pytest.mark.gpu

@@ -448,9 +448,7 @@ def _model_kwargs(model: ModelConfig) -> dict[str, Any]:
         recompute_granularity=model.recompute_granularity,
         recompute_method=model.recompute_method,
         recompute_num_layers=model.recompute_num_layers,
-        recompute_modules=None
-        if model.recompute_modules is None
-        else list(model.recompute_modules),
+        recompute_modules=model.recompute_modules and list(model.recompute_modules),  # a copy
     )
 
 

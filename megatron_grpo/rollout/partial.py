@@ -169,19 +169,14 @@ class PartialRollouts:
         size = self.cfg.group_size
         expanded = [g.prompt for g in groups for _ in range(size)]
         reqs = [r for g in groups for r in g.requests]
-        responses = [r.tokens for r in reqs]
         group_ids = [g.index for g in groups for _ in range(size)]
-        scores = self.inner.scorer.score(expanded, responses, group_ids)
-        routes = self.record_routes
-        return RolloutBatch(
-            [list(p.ids) for p in expanded],
-            responses,
+        return self.inner.scored_batch(
+            expanded,
+            [r.tokens for r in reqs],
             group_ids,
             [r.logprobs for r in reqs],
-            scores.rewards,
-            routed_experts=[r.routes for r in reqs] if routes else None,
-            reward_extras=scores.extras or None,
-            policy_versions=[r.versions for r in reqs],
+            [r.routes for r in reqs] if self.record_routes else None,
+            [r.versions for r in reqs],
         )
 
     def _carry(self, step: int) -> tuple[int, int]:

@@ -237,15 +237,29 @@ class GeneratedRollouts:
         samples = [list(p.ids) for p in expanded]
         out = self._generate(samples, [p.max_new_tokens for p in expanded], step, round)
         group_ids = [start + i for i in range(len(prompts)) for _ in range(r.group_size)]
-        scores = self.scorer.score(expanded, out.responses, group_ids)
+        return self.scored_batch(expanded, out.responses, group_ids, out.logprobs, out.routes)
+
+    def scored_batch(
+        self,
+        expanded: list[Prompt],
+        responses: list[list[int]],
+        group_ids: list[int],
+        logprobs: list[list[float]],
+        routes: list | None = None,
+        versions: list[list[int]] | None = None,
+    ) -> RolloutBatch:
+        """The batch of generated samples (one prompt per sample, ``expanded``), scored here:
+        every source of generated rollouts (colocated, partial, separate) builds it so."""
+        scores = self.scorer.score(expanded, responses, group_ids)
         return RolloutBatch(
-            samples,
-            out.responses,
+            [list(p.ids) for p in expanded],
+            responses,
             group_ids,
-            out.logprobs,
+            logprobs,
             scores.rewards,
-            routed_experts=out.routes,
+            routed_experts=routes,
             reward_extras=scores.extras or None,
+            policy_versions=versions,
         )
 
     def step_prompts(

@@ -46,15 +46,11 @@ def generate_part(
     reqs = [Request(list(p.ids), u, p.max_new_tokens) for p, u in zip(expanded, rows, strict=True)]
     gen.engine.run_requests(reqs, gen.params, version, record_routes=gen.record_routes)
     group_ids = [start + lo + i for i in range(len(picked)) for _ in range(size)]
-    responses = [r.tokens for r in reqs]
-    scores = gen.scorer.score(expanded, responses, group_ids)
-    return RolloutBatch(
-        [list(p.ids) for p in expanded],
-        responses,
+    return gen.scored_batch(
+        expanded,
+        [r.tokens for r in reqs],
         group_ids,
         [r.logprobs for r in reqs],
-        scores.rewards,
-        routed_experts=[r.routes for r in reqs] if gen.record_routes else None,
-        reward_extras=scores.extras or None,
-        policy_versions=[r.versions for r in reqs],
+        [r.routes for r in reqs] if gen.record_routes else None,
+        [r.versions for r in reqs],
     )
