@@ -28,6 +28,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 RECIPE = "recipes/qwen3_8b_long_sp_twin.yaml"
@@ -97,9 +98,12 @@ def run(task: str, placement: str, args: argparse.Namespace) -> list[dict] | Non
 
 
 def launch(cmd: list[str], log, timeout: float | None) -> int:
-    """Run ``cmd`` (torchrun) in a session of its own; past ``timeout`` seconds every process
-    of it gets SIGABRT, which Python's faulthandler (PYTHONFAULTHANDLER) turns into each
-    rank's stacks in the log: a hang leaves the place it hangs, not just a timeout."""
+    """Run ``cmd`` (torchrun) in a session of its own; past ``timeout`` seconds every rank gets
+    SIGABRT, which Python's faulthandler (PYTHONFAULTHANDLER) turns into its stacks in the log
+    (a hang leaves the place it hangs, not just a timeout), then the whole tree is killed.
+    torchrun starts its ranks in sessions of their own, so the ranks are found as descendants:
+    signalling the launcher's session alone would abort torchrun and orphan ranks that keep
+    the GPUs busy (they did, for the rest of a call). Returns the exit code, or TIMED_OUT."""
     env = dict(os.environ, PYTHONFAULTHANDLER="1")
     proc = subprocess.Popen(
         cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -108,12 +112,41 @@ def launch(cmd: list[str], log, timeout: float | None) -> int:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         print(f"== timed out after {timeout:.0f} s: stacks of every rank in the log", flush=True)
-        os.killpg(proc.pid, signal.SIGABRT)
+    tree = descendants(proc.pid)
+    signal_all(tree or [proc.pid], signal.SIGABRT)  # the ranks first: torchrun still waits
+    time.sleep(ABORT_GRACE_S)
+    signal_all([proc.pid, *tree, *descendants(proc.pid)], signal.SIGKILL)
+    proc.wait()
+    return TIMED_OUT
+
+
+TIMED_OUT = 124  # the exit code of a run stopped at its timeout, as timeout(1)'s
+ABORT_GRACE_S = 10  # for the ranks' faulthandler to write every thread's stack
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (Linux /proc), in any session, deepest last."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        return proc.wait()
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # exited meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(0), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def mean(history: list[dict], key: str) -> float | None:

@@ -76,11 +76,22 @@ def make_sort_permute(megatron_permute: Callable) -> Callable:
 def use_sort_permute() -> bool:
     """Install :func:`make_sort_permute` as the all-to-all dispatcher's ``permute`` (the name
     ``token_dispatcher`` imports from ``moe_utils``; 0.16.1 and 0.19.2); False when already
-    installed. Installed by the first expert-parallel ``GroupedMoELayer``."""
+    installed or where megatron-core's own permute does not sync (:func:`masks_on_the_host`).
+    Installed by the first expert-parallel ``GroupedMoELayer``."""
     from megatron.core.transformer.moe import token_dispatcher
 
     current = token_dispatcher.permute
-    if hasattr(current, "megatron_permute"):
+    if hasattr(current, "megatron_permute") or not masks_on_the_host(current):
         return False
     token_dispatcher.permute = make_sort_permute(current)
     return True
+
+
+def masks_on_the_host(megatron_permute: Callable) -> bool:
+    """Whether megatron-core's ``permute`` selects rows by boolean mask (``masked_select``: a
+    host sync per call, 0.16). 0.19's sorts on the device itself and is kept: on 4 H100s
+    its fwd+bwd synced 4 times against the sort permute's 5."""
+    try:
+        return ".masked_select(" in inspect.getsource(megatron_permute)  # a call, not a comment
+    except (OSError, TypeError):  # no source (a compiled build): assume the masked permute
+        return True

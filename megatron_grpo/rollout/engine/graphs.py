@@ -14,11 +14,13 @@ All graphs share one memory pool: only one runs at a time.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 
 import torch
+import torch.distributed as dist
 
 from megatron_grpo.megatron.moe.local_dispatch import host_sync_reason
+from megatron_grpo.megatron.parallel import all_reduce_max
 
 # The allocator settings' environment variables (the second is torch >= 2.9's name).
 ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
@@ -37,6 +39,19 @@ def expandable_segments() -> str | None:
             if key.strip() == "expandable_segments" and setting.strip().lower() == "true":
                 return f"{name}={value}"
     return None
+
+
+def agree_recapture(changed: bool, groups: Iterable[dist.ProcessGroup | None]) -> bool:
+    """Whether the decode graphs are captured again, agreed over ``groups``: every group whose
+    collectives the graphs hold (TP, the expert group). Capture runs the step eagerly first, so
+    a rank re-capturing alone issues collectives its peers replay from a graph: they pair up
+    wrongly and hang (a TP2 x DP2 run hung in its third rollout when one rank's cache moved and
+    its TP peer's did not). Reduced group by group, which agrees across megatron-core's
+    orthogonal layouts (each rank's expert group meets the same TP groups as its TP peers')."""
+    for group in groups:
+        if group is not None:
+            changed = bool(all_reduce_max([int(changed)], group, torch.int64)[0])
+    return changed
 
 
 def plan_graphs(model: torch.nn.Module, requested: bool | None, cuda: bool) -> tuple[bool, str]:
