@@ -106,6 +106,10 @@ def test_staleness_0_separate_is_the_colocated_run(tmp_path, replicas):
             assert a[key] == b[key], key
         assert b["rollout/policy_lag_max"] == 0.0 and b["rollout/stale_dropped_groups"] == 0.0
         assert b["rollout/weight_sync_gib"] > 0
+        # the generators' rate over their own time (the trainer's rollout stage is its wait)
+        made = a["perf/generation_tokens_per_s"] * a["perf/rollout_seconds"]
+        rate = b["perf/generation_tokens_per_s"]
+        assert rate * b["perf/generation_seconds"] == pytest.approx(made, rel=1e-6)
     _weights_equal(tmp_path, "colocated", "sep0")
 
 

@@ -128,5 +128,7 @@ def perf_metrics(
     out["perf/train_tokens_per_s"] = tokens / out["perf/update_seconds"]
     if source.generated:  # file rollouts were generated elsewhere: no rate to report
         generated = out.get("rollout/generated_tokens", new_tokens)  # filter_groups: all rounds
-        out["perf/generation_tokens_per_s"] = generated / out["perf/rollout_seconds"]
+        # separate placement: the generators' own time (the rollout stage is the trainer's wait)
+        seconds = out.get("perf/generation_seconds") or out["perf/rollout_seconds"]
+        out["perf/generation_tokens_per_s"] = generated / seconds
     return out
