@@ -7,7 +7,8 @@ it runs ``recipes/qwen3_8b_long_sp_twin.yaml`` twice with the same samples per s
 
 * ``colocated``: TP2 + SP x DP2 on all 4 ranks (every rank generates, then trains);
 * ``separate``: a TP2 + SP trainer on ranks 0-1, two TP1 generation replicas on ranks 2-3
-  (``rollout.separate``: ``generation_ranks: 2``, ``max_staleness`` ``--staleness``, 1).
+  (``rollout.separate``: ``generation_ranks: 2``, ``max_staleness`` ``--staleness``, 1);
+* ``separate_dp2`` (``--placements``): the same split with a TP1 x DP2 trainer.
 
 A failing run is logged and the others still run. Prints (and writes ``bench_async.md`` and
 ``bench_async.json`` under ``--out``) one row per run, the means over the steps after the first
@@ -54,6 +55,14 @@ PLACEMENTS = {
         "rollout.separate.generation_ranks=2",
         "rollout.separate.tensor_model_parallel_size=1",
     ],
+    # the same split with a data-parallel trainer: a 0.6B-shaped model needs no TP on 80 GB
+    "separate_dp2": [
+        "parallel.tensor_model_parallel_size=1",
+        "parallel.sequence_parallel=false",
+        "rollout.placement=separate",
+        "rollout.separate.generation_ranks=2",
+        "rollout.separate.tensor_model_parallel_size=1",
+    ],
 }
 COLUMNS = [  # (header, metric, format)
     ("tokens/s", "perf/tokens_per_s", "{:.0f}"),
@@ -77,7 +86,7 @@ def run(task: str, placement: str, args: argparse.Namespace) -> list[dict] | Non
     name = f"async_{task}_{placement}"
     logdir = Path(args.work) / name
     sets = [*TASKS[task], *PLACEMENTS[placement], f"training.steps={args.steps}"]
-    if placement == "separate":
+    if placement.startswith("separate"):
         sets.append(f"rollout.separate.max_staleness={args.staleness}")
     if args.cpu:  # the tiny recipe: TP2 without SP, a small batch
         sets += ["rollout.num_prompts=8", "rollout.group_size=4", "training.micro_batch_size=16"]
@@ -173,11 +182,12 @@ def table(rows: dict[str, dict]) -> str:
         cells = [fmt.format(r[h]) if r.get(h) is not None else "-" for h, _, fmt in COLUMNS]
         lines.append(f"| {task} | {placement} | " + " | ".join(cells) + " |")
     lines.append("")
-    for task in dict.fromkeys(n.split("/")[0] for n in rows):
-        c, s = rows.get(f"{task}/colocated"), rows.get(f"{task}/separate")
-        if c and s and c.get("tokens/s") and s.get("tokens/s"):
+    for name, s in rows.items():
+        task, placement = name.split("/")
+        c = rows.get(f"{task}/colocated")
+        if placement != "colocated" and c and s and c.get("tokens/s") and s.get("tokens/s"):
             ratio = s["tokens/s"] / c["tokens/s"]
-            lines.append(f"- {task}: separate / colocated step tokens/s = {ratio:.2f}x")
+            lines.append(f"- {task}: {placement} / colocated step tokens/s = {ratio:.2f}x")
     return "\n".join(lines) + "\n"
 
 
@@ -186,6 +196,9 @@ def main() -> int:
     p.add_argument("--tasks", nargs="+", default=None, choices=list(TASKS))
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--staleness", type=int, default=1)
+    p.add_argument(
+        "--placements", nargs="+", default=["colocated", "separate"], choices=list(PLACEMENTS)
+    )
     p.add_argument("--recipe", default=None)
     p.add_argument("--work", default="/tmp/bench_async")
     p.add_argument("--out", default="gpu_out")
@@ -203,7 +216,7 @@ def main() -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     rows: dict[str, dict | None] = {}
     for task in tasks:
-        for placement in PLACEMENTS:
+        for placement in args.placements:
             history = run(task, placement, args)
             rows[f"{task}/{placement}"] = None if history is None else row(history)
     text = f"## Colocated vs separate placement ({args.recipe}, 4 ranks)\n\n" + table(rows)

@@ -32,7 +32,8 @@
 #                                   # (TP2+SP trainer on GPUs 0-1 + 2 TP1 generation replicas on
 #                                   # 2-3, max_staleness ASYNC_STALENESS=1), same samples per step,
 #                                   # ASYNC_TASKS "256 8-512" (256 digits; num_digits [8, 512]),
-#                                   # ASYNC_STEPS (6) each (tools/bench_async.py): tokens/s, step
+#                                   # ASYNC_STEPS (6) each, ASYNC_PLACEMENTS (+ separate_dp2: a
+#                                   # TP1 x DP2 trainer) (tools/bench_async.py): tokens/s, step
 #                                   # split, weight-sync s and GiB/s, lag, ratios: bench_async.md;
 #                                   # one task per call if 4 runs exceed a 10-minute limit
 #   bash tools/gpu_e2e.sh scale8b   # 4 GPUs: issue 42's Qwen3-8B rows (TP4+SP, random weights,
@@ -478,6 +479,7 @@ case "$MODE" in
         # a run past ASYNC_RUN_TIMEOUT seconds leaves every rank's Python stacks in its log
         python3 tools/bench_async.py --tasks ${ASYNC_TASKS:-256 8-512} \
             --steps "${ASYNC_STEPS:-6}" --staleness "${ASYNC_STALENESS:-1}" --work "$WORK" \
+            --placements ${ASYNC_PLACEMENTS:-colocated separate} \
             --run-timeout "${ASYNC_RUN_TIMEOUT:-150}" --out "$OUT" 2>&1 | tee -a "$LOG" || status=1
         echo "gpu_e2e async: exit $status; results in $OUT/bench_async.md"
         exit "$status"
