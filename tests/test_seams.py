@@ -241,11 +241,12 @@ def test_only_the_layout_and_model_builders_read_parallel_state():
 # The rooms and what each may import (train -> rollout -> megatron -> ops -> kernels; loss/
 # imports no Megatron and no ops; rollout/ never imports train/). "<megatron-core>": the third-party megatron package.
 # Leaf modules every room may import (they import nothing of the package): the user-input
-# error type and the third-party warnings log.
-LEAVES = {"errors", "warning_log"}
+# error type, the third-party warnings log and the step profiler.
+LEAVES = {"errors", "warning_log", "profiling"}
 ALLOWED = {
     "errors": set(),
     "warning_log": set(),
+    "profiling": set(),
     "config": LEAVES,
     "kernels": set(),
     "loss": set(),

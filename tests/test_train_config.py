@@ -140,9 +140,8 @@ def test_cli_reports_config_errors_without_starting(capsys):
 def test_checkpoint_architecture_check_names_the_field(tmp_path):
     """--resume (and checkpoint.load) refuse a checkpoint of another architecture."""
     from megatron_grpo.config import ConfigError
-    from megatron_grpo.convert.layout import write_model_config
+    from megatron_grpo.convert.layout import check_checkpoint_architecture, write_model_config
     from megatron_grpo.megatron.config import ModelConfig
-    from megatron_grpo.train.config import check_checkpoint_architecture
 
     stored = ModelConfig(vocab_size=13, num_layers=2, hidden_size=64, num_attention_heads=4)
     write_model_config(tmp_path, stored)

@@ -17,6 +17,7 @@ import yaml
 
 from megatron_grpo.config import ConfigError, from_dict, load_yaml, to_dict
 from megatron_grpo.convert.errors import ConversionError
+from megatron_grpo.convert.hf_config import check_same_architecture
 from megatron_grpo.megatron.config import ModelConfig
 
 MODEL_CONFIG_NAME = "model_config.yaml"
@@ -51,3 +52,28 @@ def copy_hf_assets(src: Path, dst: Path) -> None:
     for f in sorted(src.iterdir()):
         if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name not in _NOT_ASSETS:
             shutil.copy2(f, dst / f.name)
+
+
+def check_checkpoint_architecture(
+    model: ModelConfig, ckpt_dir: str, stored: ModelConfig | None = None
+) -> None:
+    """Raise a ConfigError naming the field when ``ckpt_dir``'s ``model_config.yaml`` (if any)
+    describes another architecture than ``model``."""
+    stored = stored if stored is not None else stored_model_config(ckpt_dir)
+    if stored is None:
+        return
+    try:
+        check_same_architecture(stored, model, "model")
+    except ConversionError as e:
+        raise ConfigError(f"{e} (in {Path(ckpt_dir) / MODEL_CONFIG_NAME})") from e
+
+
+def stored_model_config(load: str) -> ModelConfig | None:
+    """The ModelConfig saved next to a converted checkpoint, or None when there is none."""
+    path = Path(load) / MODEL_CONFIG_NAME
+    if not path.is_file():
+        return None
+    try:
+        return read_model_config(path)
+    except ConversionError as e:
+        raise ConfigError(f"checkpoint.load: {e}") from e

@@ -28,9 +28,11 @@ from megatron_grpo.config import (
     to_dict,
 )
 from megatron_grpo.config.base import collect_errors, raise_collected, report
-from megatron_grpo.convert.errors import ConversionError
-from megatron_grpo.convert.hf_config import check_same_architecture
-from megatron_grpo.convert.layout import MODEL_CONFIG_NAME, read_model_config
+from megatron_grpo.convert.layout import (
+    MODEL_CONFIG_NAME,
+    check_checkpoint_architecture,
+    stored_model_config,
+)
 from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.megatron.config import ModelConfig, ParallelConfig, dispatcher_type
 from megatron_grpo.ops.lm_head.options import LMHeadOptions
@@ -205,6 +207,10 @@ class LoggingConfig:
     to the terminal's width. ``print_interval``: when stdout is not a terminal (a log file, a
     pipe), the status is one plain line every ``print_interval`` steps (and the first and last).
     Megatron-core's and torch's warnings go to ``dir/warnings.log`` (a count on the console).
+    ``profile_step_start`` .. ``profile_step_end`` (1-based steps, inclusive; end default: the
+    start; Megatron-LM's names): those steps run under torch.profiler on the global ranks
+    ``profile_ranks``, each writing a trace and a device-time table to ``dir/profile/``
+    (``megatron_grpo/profiling.py``).
     """
 
     dir: str = "runs/default"
@@ -212,13 +218,31 @@ class LoggingConfig:
     tensorboard_dir: str | None = None
     progress_bar: bool = True
     print_interval: int = 10
+    profile_step_start: int | None = None
+    profile_step_end: int | None = None
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
 
     def __post_init__(self) -> None:
         if self.print_interval < 1:
             raise ValueError(f"print_interval must be >= 1, got {self.print_interval}")
+        self._check_profile()
         check_not_empty(self, "dir", "e.g. runs/my_run")
         check_not_empty(self, "jsonl_path", "null writes dir/metrics.jsonl")
         check_not_empty(self, "tensorboard_dir", "null disables TensorBoard")
+
+    def _check_profile(self) -> None:
+        start, end = self.profile_step_start, self.profile_step_end
+        if start is None:
+            if end is not None:
+                raise ValueError("profile_step_end needs profile_step_start")
+            return
+        if start < 1 or (end is not None and end < start):
+            raise ValueError(
+                f"profile_step_start must be >= 1 and profile_step_end >= it (steps are "
+                f"1-based), got {start} and {end}"
+            )
+        if not self.profile_ranks or min(self.profile_ranks) < 0:
+            raise ValueError(f"profile_ranks must list global ranks >= 0, got {self.profile_ranks}")
 
     @property
     def metrics_path(self) -> Path:
@@ -438,7 +462,7 @@ def _train_config(data: dict, overrides: Sequence[str]) -> TrainConfig:
     overrides = rename_keys(data, overrides, RENAMED_KEYS)
     apply_overrides(data, overrides, root=TrainConfig)
     load = (data.get("checkpoint") or {}).get("load")
-    stored = _stored_model(str(load)) if isinstance(load, str) else None
+    stored = stored_model_config(str(load)) if isinstance(load, str) else None
     if model_from_checkpoint and isinstance(load, str):
         if stored is None:
             raise ConfigError(
@@ -462,28 +486,3 @@ def _load_yaml(path: str | Path) -> dict:
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
         problem = getattr(e, "problem", None) or str(e)
         raise ConfigError(f"{where}: YAML syntax error: {problem}") from None
-
-
-def check_checkpoint_architecture(
-    model: ModelConfig, ckpt_dir: str, stored: ModelConfig | None = None
-) -> None:
-    """Raise a ConfigError naming the field when ``ckpt_dir``'s ``model_config.yaml`` (if any)
-    describes another architecture than ``model``."""
-    stored = stored if stored is not None else _stored_model(ckpt_dir)
-    if stored is None:
-        return
-    try:
-        check_same_architecture(stored, model, "model")
-    except ConversionError as e:
-        raise ConfigError(f"{e} (in {Path(ckpt_dir) / MODEL_CONFIG_NAME})") from e
-
-
-def _stored_model(load: str) -> ModelConfig | None:
-    """The ModelConfig saved next to a converted checkpoint, or None when there is none."""
-    path = Path(load) / MODEL_CONFIG_NAME
-    if not path.is_file():
-        return None
-    try:
-        return read_model_config(path)
-    except ConversionError as e:
-        raise ConfigError(f"checkpoint.load: {e}") from e

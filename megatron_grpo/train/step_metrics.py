@@ -23,9 +23,11 @@ from megatron_grpo.train import comm
 
 @contextlib.contextmanager
 def timed(stages: dict[str, float], name: str) -> Iterator[None]:
-    """Wall seconds of a stage into ``stages[name]`` (GPU work included: synchronized)."""
+    """Wall seconds of a stage into ``stages[name]`` (GPU work included: synchronized); a
+    ``stage/<name>`` range in a profiler's trace (``logging.profile_step_start``)."""
     start = time.perf_counter()
-    yield
+    with torch.profiler.record_function(f"stage/{name}"):
+        yield
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     stages[name] = time.perf_counter() - start

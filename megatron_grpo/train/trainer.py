@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from megatron_grpo.config import ConfigError, to_dict
+from megatron_grpo.convert.layout import check_checkpoint_architecture
 from megatron_grpo.errors import InputError
 from megatron_grpo.loss import compute_advantages
 from megatron_grpo.megatron.batch.packing import PackedBatch
@@ -33,6 +34,7 @@ from megatron_grpo.megatron.moe.metrics import moe_loss_metrics
 from megatron_grpo.megatron.moe.routing_replay import RoutingReplay
 from megatron_grpo.megatron.parallel import initialize_parallel, seed_everything
 from megatron_grpo.megatron.step.forward import GRPOStep, get_forward_backward_func
+from megatron_grpo.profiling import StepProfiler
 from megatron_grpo.rollout.batch import RolloutBatch
 from megatron_grpo.rollout.build import RolloutPlan
 from megatron_grpo.rollout.evaluation import Evaluator
@@ -46,7 +48,7 @@ from megatron_grpo.train import checkpoint as ckpt
 from megatron_grpo.train import step_metrics as sm
 from megatron_grpo.train.batching import attach_logprobs, make_mini_batches
 from megatron_grpo.train.comm import all_reduce_max
-from megatron_grpo.train.config import TrainConfig, check_checkpoint_architecture
+from megatron_grpo.train.config import TrainConfig
 from megatron_grpo.train.dry_run import resolve_recompute
 from megatron_grpo.train.monitor import Monitor, write_resolved_config
 from megatron_grpo.train.nonfinite import NonFiniteError, NonFiniteGuard
@@ -105,6 +107,10 @@ class Trainer:
         """The console and metrics, and the non-finite guard that reports through them."""
         cfg = self.cfg
         self.monitor = Monitor(cfg.logging, cfg.training.steps, self.layout.is_logging_rank)
+        log = cfg.logging  # profile_step_start .. end: torch.profiler on profile_ranks
+        self.profiler = StepProfiler(
+            log.profile_step_start, log.profile_step_end, log.profile_ranks, log.dir
+        )
         self.guard = NonFiniteGuard(
             cfg.training.max_consecutive_nonfinite_skips, self.monitor.message, skipped
         )
@@ -290,27 +296,28 @@ class Trainer:
                 if (reason := self.stop.agree()) is not None:  # all ranks, between steps
                     self.maybe_save(step, stop=reason)
                     break
-                stages: dict[str, float] = {}
-                t0 = time.perf_counter()
-                with self.offload.during_rollout():  # optimizer state + grads on the host
-                    with sm.timed(stages, "rollout"):  # generation (or file read) + scoring
-                        batch = self.source.next(step)
-                if self.offload.enabled:
-                    stages["offload"] = self.offload.seconds  # perf/offload_seconds
-                self.save_rollouts(step, batch)
-                advantages = self.advantages(batch)
-                mini_batches = self.pack(batch, advantages)
-                with sm.timed(stages, "logprob"):
-                    mini_batches = self.old_and_ref_logprobs(mini_batches)
-                with sm.timed(stages, "update"):
-                    metrics = self.update(mini_batches)
-                if (separate := separate_source(self.source)) is not None:
-                    with sm.timed(stages, "weight_push"):  # the new weights to the generators
-                        metrics.update(separate.push(step))
-                stages["step"] = time.perf_counter() - t0
-                metrics.update(self.rollout_metrics(batch, stages, step))
-                metrics.update(self.evaluator.after_step(step + 1))  # eval/* when due
-                self.monitor.log(step + 1, metrics)
+                with self.profiler.step(step + 1):  # logging.profile_step_start .. end
+                    stages: dict[str, float] = {}
+                    t0 = time.perf_counter()
+                    with self.offload.during_rollout():  # optimizer state + grads on the host
+                        with sm.timed(stages, "rollout"):  # generation (or file read) + scoring
+                            batch = self.source.next(step)
+                    if self.offload.enabled:
+                        stages["offload"] = self.offload.seconds  # perf/offload_seconds
+                    self.save_rollouts(step, batch)
+                    advantages = self.advantages(batch)
+                    mini_batches = self.pack(batch, advantages)
+                    with sm.timed(stages, "logprob"):
+                        mini_batches = self.old_and_ref_logprobs(mini_batches)
+                    with sm.timed(stages, "update"):
+                        metrics = self.update(mini_batches)
+                    if (separate := separate_source(self.source)) is not None:
+                        with sm.timed(stages, "weight_push"):  # the new weights to the generators
+                            metrics.update(separate.push(step))
+                    stages["step"] = time.perf_counter() - t0
+                    metrics.update(self.rollout_metrics(batch, stages, step))
+                    metrics.update(self.evaluator.after_step(step + 1))  # eval/* when due
+                    self.monitor.log(step + 1, metrics)
                 history.append(metrics)
                 self.maybe_save(step + 1)
             if (separate := separate_source(self.source)) is not None:

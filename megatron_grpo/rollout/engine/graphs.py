@@ -86,6 +86,8 @@ def graph_batch(rows: int, slots: int) -> int:
 
 
 class DecodeGraphs:
+    agree_recapture = staticmethod(agree_recapture)  # what the engine asks before capturing
+
     def __init__(self) -> None:
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}

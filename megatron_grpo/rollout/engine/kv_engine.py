@@ -47,7 +47,6 @@ from megatron_grpo.rollout.engine import memory_release
 from megatron_grpo.rollout.engine import model_io as io
 from megatron_grpo.rollout.engine.cached_attention import attached
 from megatron_grpo.rollout.engine.graphs import DecodeGraphs, graph_batch, plan_graphs
-from megatron_grpo.rollout.engine.graphs import agree_recapture
 from megatron_grpo.rollout.engine.options import EngineOptions
 from megatron_grpo.rollout.engine.params import SamplingParams
 from megatron_grpo.rollout.engine.requests import Request, start_run, write_back
@@ -257,7 +256,7 @@ class KVCacheEngine:
         changed = key != self._static_key
         if self.graphs is not None:  # re-captured by every rank of the graphs' collectives
             groups = (self.layout.tp_group, self.layout.expert_tp_ep_group)
-            changed = agree_recapture(changed, groups)
+            changed = self.graphs.agree_recapture(changed, groups)
         if not changed:
             return
         if self.decode.path == "fused":

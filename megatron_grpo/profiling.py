@@ -1,0 +1,147 @@
+"""Trainer steps under ``torch.profiler`` (``logging.profile_step_start`` .. ``_end``).
+
+Each rank of ``logging.profile_ranks`` writes, under ``<logging.dir>/profile/``:
+
+* ``rank<R>_steps<a>-<b>.json.gz``: the Chrome / Perfetto trace, the stages (rollout, logprob,
+  update, ...) marked as ranges;
+* ``rank<R>_steps<a>-<b>.md``: where the device time went. Wall seconds of the profiled steps,
+  device-busy seconds (the union of kernel intervals) and idle (the rest: host-bound gaps,
+  syncs), kernel time by kind (collectives, GEMMs, attention, copies, other) and the top kernels.
+  On a CPU-only run the leaf CPU ops stand in for kernels.
+
+Steps are 1-based, as the console prints them. Profiling costs host time: the profiled steps'
+own metrics are slower than the others'.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# Kernel kinds by name fragment (lower case), first match wins; "other" for the rest.
+_COLLECTIVE = "nccl gloo: c10d:: all_reduce allreduce all_gather allgather reduce_scatter"
+_COLLECTIVE += " reducescatter all_to_all alltoall broadcast sendrecv"
+KINDS = (
+    ("collective", tuple(_COLLECTIVE.split())),
+    ("gemm", tuple("gemm nvjet xmma cutlass cublas matmul aten::mm aten::addmm aten::bmm".split())),
+    ("attention", ("attn", "attention", "flash", "fmha", "sdpa")),
+    ("copy", ("memcpy", "memset", "copy_")),
+)
+TOP = 25  # kernels listed in the table
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, parts in KINDS if any(p in low for p in parts)), "other")
+
+
+class StepProfiler:
+    """Profiles steps ``start .. end`` (1-based, inclusive) on the global ranks in ``ranks``
+    into ``log_dir/profile``; a no-op elsewhere or with ``start`` None (the trainer's ranks:
+    separate placement's generation ranks run no trainer steps)."""
+
+    def __init__(self, start: int | None, end: int | None, ranks: list[int], log_dir: str) -> None:
+        self.start, self.end = start, (start if end is None else end)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.on = start is not None and self.rank in ranks
+        self.out = Path(log_dir) / "profile"
+        self._prof = None
+        self._t0 = 0.0
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """Wraps trainer step ``step`` (1-based)."""
+        if self.on and step == self.start:
+            self._begin()
+        try:
+            yield
+        finally:
+            if self._prof is not None and step == self.end:
+                self._finish()
+
+    def _begin(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            acts.append(ProfilerActivity.CUDA)
+            torch.cuda.synchronize()
+        self._prof = profile(activities=acts)
+        self._prof.__enter__()
+        self._t0 = time.perf_counter()
+
+    def _finish(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - self._t0
+        prof, self._prof = self._prof, None
+        prof.__exit__(None, None, None)
+        self.out.mkdir(parents=True, exist_ok=True)
+        stem = self.out / f"rank{self.rank}_steps{self.start}-{self.end}"
+        prof.export_chrome_trace(f"{stem}.json.gz")
+        Path(f"{stem}.md").write_text(report(prof.events(), wall, self.rank, self.start, self.end))
+        print(f"profile: {stem}.md (+ .json.gz trace)", flush=True)
+
+
+def report(events, wall: float, rank: int, start: int, end: int) -> str:
+    """The markdown summary of one profile (module docstring)."""
+    kernels = device_events(events)
+    busy = union_seconds([(e.time_range.start, e.time_range.end) for e in kernels])
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.time_range.elapsed_us() / 1e6)
+    total = sum(sum(t) for t in by_name.values()) or 1e-30
+    kinds: dict[str, float] = {}
+    for name, times in by_name.items():
+        kinds[kind_of(name)] = kinds.get(kind_of(name), 0.0) + sum(times)
+    ranked = sorted(kinds.items(), key=lambda kv: -kv[1])
+    lines = [
+        f"# Profile: rank {rank}, steps {start}-{end}",
+        "",
+        f"wall {wall:.3f} s; device busy {busy:.3f} s ({100 * busy / wall:.0f}%), "
+        f"idle {max(wall - busy, 0.0):.3f} s; kernel time {total:.3f} s in {len(kernels)} "
+        "launches",
+        "",
+        "| kind | s | % of kernel time |",
+        "|---|---|---|",
+        *(f"| {k} | {s:.3f} | {100 * s / total:.1f} |" for k, s in ranked),
+        "",
+        "| kernel | kind | calls | s | % |",
+        "|---|---|---|---|---|",
+    ]
+    for name, times in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:TOP]:
+        short = name if len(name) <= 90 else name[:87] + "..."
+        short = short.replace("|", "/")
+        pct = 100 * sum(times) / total
+        lines.append(
+            f"| `{short}` | {kind_of(name)} | {len(times)} | {sum(times):.4f} | {pct:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def device_events(events) -> list:
+    """The GPU's kernels, copies and sets; without any (a CPU run) the leaf CPU ops."""
+    from torch.autograd import DeviceType
+
+    gpu = [e for e in events if e.device_type == DeviceType.CUDA]
+    if gpu:
+        return gpu
+    return [e for e in events if e.device_type == DeviceType.CPU and not e.cpu_children]
+
+
+def union_seconds(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of ``[start, end)`` intervals in microseconds, in seconds."""
+    total, end = 0.0, None
+    for s, e in sorted(spans):
+        if end is None or s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total / 1e6

@@ -1,0 +1,68 @@
+"""``logging.profile_step_start`` .. ``_end``: those trainer steps under torch.profiler on the
+ranks of ``logging.profile_ranks``, a trace and a device-time table each."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.dist_utils import run_distributed
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny.yaml"
+
+
+def _body(rank: int, world: int, tmp: Path) -> None:
+    from megatron_grpo.train.config import load_train_config
+    from megatron_grpo.train.trainer import Trainer
+
+    cfg = load_train_config(RECIPE, [
+        "parallel.tensor_model_parallel_size=1", "training.steps=3",
+        "training.mini_batches_per_step=1", "rollout.num_prompts=4", f"logging.dir={tmp}",
+        "checkpoint.dir=null", "logging.profile_step_start=2", "logging.profile_ranks=[1]",
+    ])  # fmt: skip
+    Trainer(cfg).train()
+
+
+def test_profiled_steps_leave_a_trace_and_a_table_on_the_chosen_rank(tmp_path):
+    run_distributed(_body, 2, tmp_path)
+    files = sorted(p.name for p in (tmp_path / "profile").iterdir())
+    assert files == ["rank1_steps2-2.json.gz", "rank1_steps2-2.md"]  # rank 1, step 2 only
+    table = (tmp_path / "profile" / "rank1_steps2-2.md").read_text()
+    assert table.startswith("# Profile: rank 1, steps 2-2")
+    assert "| collective |" in table and "aten::" in table  # CPU: leaf ops stand in for kernels
+    trace = (tmp_path / "profile" / "rank1_steps2-2.json.gz").read_bytes()
+    import gzip
+
+    text = gzip.decompress(trace).decode()
+    assert all(f"stage/{s}" in text for s in ("rollout", "logprob", "update"))
+
+
+def test_kernel_kinds_and_busy_time():
+    from megatron_grpo.profiling import kind_of, union_seconds
+
+    assert kind_of("ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == "collective"
+    assert kind_of("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
+    assert kind_of("nvjet_tst_128x256_64x4_2x1_v_bz_coopB_NNT") == "gemm"  # cuBLASLt, CUDA 13
+    assert kind_of("gloo:all_reduce") == "collective"
+    assert kind_of("flash_fwd_kernel") == "attention"
+    assert kind_of("Memcpy DtoH (Device -> Pinned)") == "copy"
+    assert kind_of("triton_per_fused_rms_norm") == "other"
+    assert union_seconds([(0, 2e6), (1e6, 3e6), (5e6, 6e6)]) == pytest.approx(4.0)
+    assert union_seconds([(0, 4e6), (1e6, 2e6)]) == pytest.approx(4.0)  # nested
+
+
+@pytest.mark.parametrize(
+    "sets, match",
+    [
+        (["logging.profile_step_start=0"], "profile_step_start must be >= 1"),
+        (["logging.profile_step_start=3", "logging.profile_step_end=2"], "profile_step_end"),
+        (["logging.profile_step_end=2"], "profile_step_end needs profile_step_start"),
+        (["logging.profile_step_start=1", "logging.profile_ranks=[]"], "profile_ranks"),
+    ],
+)
+def test_profile_settings_errors_name_the_field(sets, match):
+    from megatron_grpo.train.config import load_train_config
+
+    with pytest.raises(Exception, match=match):
+        load_train_config(RECIPE, sets)
