@@ -52,6 +52,8 @@ class StepProfiler:
         self.out = Path(log_dir) / "profile"
         self._prof = None
         self._t0 = 0.0
+        if self.on and torch.cuda.is_available():
+            init_for_cuda_graphs()
 
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:
@@ -86,6 +88,22 @@ class StepProfiler:
         prof.export_chrome_trace(f"{stem}.json.gz")
         Path(f"{stem}.md").write_text(report(prof.events(), wall, self.rank, self.start, self.end))
         print(f"profile: {stem}.md (+ .json.gz trace)", flush=True)
+
+
+def init_for_cuda_graphs() -> None:
+    """Start the profiler's CUDA side once before any CUDA graph is captured: profiling replays
+    of graphs captured before the profiler's first use can hang in its stop or fault (torch
+    issues 75504, 135003; torch's own workaround, ``_init_for_cuda_graphs``). The engine
+    captures its decode graphs in the first rollout, so this runs when the trainer is built."""
+    from torch.profiler import _utils
+
+    if hasattr(_utils, "_init_for_cuda_graphs"):
+        _utils._init_for_cuda_graphs()
+    else:  # the same: an empty profile
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+            pass
 
 
 def report(events, wall: float, rank: int, start: int, end: int) -> str:
