@@ -113,6 +113,42 @@ def test_staleness_0_separate_is_the_colocated_run(tmp_path, replicas):
     _weights_equal(tmp_path, "colocated", "sep0")
 
 
+FILTER = ("rollout.filter_groups.enabled=true", "rollout.filter_groups.max_extra_rounds=2")
+FILTER_KEYS = (
+    "rollout/filter_rounds", "rollout/groups_generated", "rollout/groups_kept",
+    "rollout/groups_filled", "rollout/generated_tokens", "rollout/reward_mean_generated",
+)  # fmt: skip
+
+
+def test_dynamic_sampling_on_the_generators_is_the_colocated_filter(tmp_path):
+    """``rollout.filter_groups`` with separate placement: the generation replica filters its
+    units (extra rounds of fresh prompts) exactly as the colocated run filters its batch; the
+    trainer reports the same counts."""
+    mixed = (*FILTER, "rollout.filter_groups.reward_tolerance=0.5")
+    run_distributed(_colocated, 1, tmp_path, 3, *mixed)
+    gen = ("rollout.separate.generation_ranks=1", "rollout.separate.max_staleness=0")
+    run_distributed(_separate, 2, tmp_path, "sepf", 3, *gen, *mixed)
+    assert _rollouts(tmp_path, "colocated") == _rollouts(tmp_path, "sepf")
+    colocated, separate = _metrics(tmp_path, "colocated"), _metrics(tmp_path, "sepf")
+    assert max(m["rollout/filter_rounds"] for m in colocated) > 1  # the filter did filter
+    for a, b in zip(colocated, separate, strict=True):
+        for key in (*LOSS_KEYS, *FILTER_KEYS):
+            assert a[key] == b[key], key
+
+
+def test_dynamic_sampling_counts_add_up_over_replicas(tmp_path):
+    """Two replicas filter one half of a unit each; the trainer's counts are their sums: with
+    every group zero-variance (tolerance 1), each part runs 1 + max_extra_rounds rounds and
+    zero-variance groups fill the whole batch."""
+    gen = ("rollout.separate.generation_ranks=2", "rollout.separate.max_staleness=1")
+    every = (*FILTER, "rollout.filter_groups.reward_tolerance=1.0")
+    run_distributed(_separate, 3, tmp_path, "sepf2", 2, *gen, *every)
+    for m in _metrics(tmp_path, "sepf2"):
+        assert m["rollout/filter_rounds"] == 3.0
+        assert m["rollout/groups_generated"] == 3 * 4  # 3 rounds of the step's 4 prompts
+        assert m["rollout/groups_kept"] == 0.0 and m["rollout/groups_filled"] == 4.0
+
+
 MOE = (
     "model.num_moe_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32",
     "model.moe_token_dispatcher_type=allgather", "model.moe_enable_routing_replay=true",

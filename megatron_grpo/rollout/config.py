@@ -402,12 +402,11 @@ class RolloutConfig:
                 f"placement: separate generates on its own ranks: it needs source: generate, "
                 f"got source: {self.source}"
             )
-        for name in ("partial", "filter_groups"):
-            if getattr(self, name).enabled:
-                raise ValueError(
-                    f"{name}.enabled is not supported with placement: separate yet (the "
-                    "generation ranks keep their decode batch full by running ahead instead)"
-                )
+        if self.partial.enabled:
+            raise ValueError(
+                "partial.enabled is not supported with placement: separate yet (the "
+                "generation ranks keep their decode batch full by running ahead instead)"
+            )
 
     def _check_source(self) -> None:
         """Resolve ``source: null`` from ``input_path``; a contradiction names both fields."""

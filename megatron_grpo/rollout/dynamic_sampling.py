@@ -149,10 +149,16 @@ class FilteredRollouts:
         cfg: FilterGroupsConfig,
         per_rank: int,
         dp_group: dist.ProcessGroup | None = None,
+        local: bool = False,
     ) -> None:
+        """``local``: decide and count for this rank's groups alone, no collective (a separate
+        placement's generation replica filtering its part of a unit; its trainer sums the
+        :attr:`counts` of every part and DP rank)."""
         self.inner, self.cfg, self.per_rank, self.dp_group = inner, cfg, per_rank, dp_group
+        self.local = local
         self.generated = inner.generated
         self._metrics: dict[str, float] = {}
+        self.counts: list[float] = []  # the last step's COUNTS (summed over DP unless local)
 
     def metrics(self) -> dict[str, float]:
         return dict(self._metrics)
@@ -175,7 +181,10 @@ class FilteredRollouts:
             [i for g in chosen if g.round == r for i in g.indices] for r in range(len(batches))
         ]
         out = RolloutBatch.concat([b.select(idx) for b, idx in zip(batches, picks, strict=True)])
-        self._metrics = {**merge_round_metrics(inner_metrics), **self._count(batches, groups, kept)}
+        local = self._local_counts(batches, groups, kept)
+        self.counts = local if self.local else all_reduce_sum(local, self.dp_group)
+        filtered = filter_metrics(self.counts, len(batches))
+        self._metrics = {**merge_round_metrics(inner_metrics), **filtered}
         return out
 
     def _groups(self, batch: RolloutBatch, round: int) -> list[Group]:
@@ -204,11 +213,14 @@ class FilteredRollouts:
             want = self.per_rank
         else:  # the prompts that yield ``short`` informative groups at this step's rate so far
             want = min(self.per_rank, math.ceil(short * len(groups) / informative))
+        if self.local:
+            return want
         return int(all_reduce_max([float(want)], self.dp_group)[0])
 
-    def _count(
+    def _local_counts(
         self, batches: list[RolloutBatch], groups: list[Group], kept: int
-    ) -> dict[str, float]:
+    ) -> list[float]:
+        """This rank's :data:`COUNTS` of the step."""
         kinds = [g.kind for g in groups]
         local = [
             len(groups),
@@ -221,21 +233,32 @@ class FilteredRollouts:
             sum(sum(b.rewards or []) for b in batches),
             sum(len(b) for b in batches),
         ]
-        gen, correct, wrong, partial, kept_all, filled, tokens, reward, samples = all_reduce_sum(
-            [float(x) for x in local], self.dp_group
-        )
-        return {
-            "rollout/filter_rounds": float(len(batches)),
-            "rollout/groups_generated": gen,
-            "rollout/groups_all_correct": correct,
-            "rollout/groups_all_wrong": wrong,
-            "rollout/groups_all_partial": partial,
-            "rollout/groups_zero_variance_frac": (correct + wrong + partial) / max(gen, 1.0),
-            "rollout/groups_kept": kept_all,
-            "rollout/groups_filled": filled,
-            "rollout/generated_tokens": tokens,
-            "rollout/reward_mean_generated": reward / max(samples, 1.0),
-        }
+        return [float(x) for x in local]
+
+
+# What a step of dynamic sampling counts, summed over ranks (and a unit's parts) before
+# :func:`filter_metrics` turns the sums into metrics.
+COUNTS = tuple(
+    "groups_generated groups_all_correct groups_all_wrong groups_all_partial groups_kept "
+    "groups_filled generated_tokens reward_sum samples".split()
+)
+
+
+def filter_metrics(counts: Sequence[float], rounds: int | float) -> dict[str, float]:
+    """The ``rollout/`` metrics of :class:`FilteredRollouts` from summed :data:`COUNTS`."""
+    gen, correct, wrong, partial, kept, filled, tokens, reward, samples = counts
+    return {
+        "rollout/filter_rounds": float(rounds),
+        "rollout/groups_generated": gen,
+        "rollout/groups_all_correct": correct,
+        "rollout/groups_all_wrong": wrong,
+        "rollout/groups_all_partial": partial,
+        "rollout/groups_zero_variance_frac": (correct + wrong + partial) / max(gen, 1.0),
+        "rollout/groups_kept": kept,
+        "rollout/groups_filled": filled,
+        "rollout/generated_tokens": tokens,
+        "rollout/reward_mean_generated": reward / max(samples, 1.0),
+    }
 
 
 def maybe_filter(

@@ -49,6 +49,8 @@ class Unit:
         batch: the scored rollouts.
         metrics: the generator's numbers for it (engine counters, ``perf/generation_seconds``,
             ``perf/generator_idle_seconds``: waiting for weights before it).
+        counts: dynamic sampling's ``COUNTS`` of the unit (``rollout.filter_groups``), summed
+            over its parts and the trainer's DP ranks into the step's metrics; None without it.
     """
 
     step: int
@@ -57,6 +59,7 @@ class Unit:
     version: int
     batch: RolloutBatch
     metrics: dict[str, float] = field(default_factory=dict)
+    counts: list[float] | None = None
 
 
 def _tags(step: int, dp_rank: int, part: int, dp_size: int, parts: int) -> tuple[int, int]:

@@ -24,6 +24,7 @@ from megatron_grpo.megatron.model.build import build_model, unwrap
 from megatron_grpo.megatron.parallel import initialize_parallel
 from megatron_grpo.rollout.config import RolloutConfig
 from megatron_grpo.rollout.context import RolloutContext
+from megatron_grpo.rollout.dynamic_sampling import FilteredRollouts
 from megatron_grpo.rollout.separate.channel import (
     Start,
     Unit,
@@ -32,7 +33,7 @@ from megatron_grpo.rollout.separate.channel import (
     send_unit,
     unit_version,
 )
-from megatron_grpo.rollout.separate.parts import generate_part
+from megatron_grpo.rollout.separate.parts import PartRounds
 from megatron_grpo.rollout.separate.world import SOURCE, SeparateWorld
 from megatron_grpo.rollout.source import GeneratedRollouts, build_checked_task
 from megatron_grpo.rollout.tasks import Task
@@ -139,9 +140,14 @@ class GenerationLoop:
         rank sends it."""
         t0 = time.perf_counter()
         lo, hi = self.ranges[part]
-        batch = generate_part(self.gen, step, dp_rank, lo, hi, self.version)
+        source, counts = PartRounds(self.gen, dp_rank, lo, hi, self.version), None
+        if self.cfg.filter_groups.enabled:  # this part's groups, filtered here alone
+            source = FilteredRollouts(source, self.cfg.filter_groups, hi - lo, local=True)
+        batch = source.next(step)
+        if isinstance(source, FilteredRollouts):
+            counts = source.counts
         metrics = {
-            **self.gen.metrics(),
+            **source.metrics(),
             "perf/generation_seconds": time.perf_counter() - t0,
             "perf/generator_idle_seconds": idle,
             "rollout/weight_swap_seconds": self.sync_metrics.get(
@@ -150,7 +156,7 @@ class GenerationLoop:
         }
         if not self.world.is_leader:
             return
-        unit = Unit(step, dp_rank, part, self.version, batch, metrics)
+        unit = Unit(step, dp_rank, part, self.version, batch, metrics, counts)
         dsts, s = self.start.trainers_of(dp_rank), self.start
         self.sends.append(send_unit(unit, dsts, s.dp_size, len(self.ranges), self.world.data_group))
         self.sends = [s for s in self.sends if not all(w.is_completed() for w in s[0])]

@@ -20,14 +20,14 @@ from megatron_grpo.rollout.source import GeneratedRollouts
 
 @torch.no_grad()
 def generate_part(
-    gen: GeneratedRollouts, step: int, dp_rank: int, lo: int, hi: int, version: int
+    gen: GeneratedRollouts, step: int, dp_rank: int, lo: int, hi: int, version: int, round: int = 0
 ) -> RolloutBatch:
-    """Groups ``[lo, hi)`` of unit ``(step, dp_rank)``, scored, every token tagged
-    ``version``; the whole unit (``lo == 0``, ``hi`` = all) is ``GeneratedRollouts.next``'s
-    own call."""
+    """Groups ``[lo, hi)`` of unit ``(step, dp_rank)`` (``round`` >= 1: of that extra round's
+    fresh prompts, dynamic sampling), scored, every token tagged ``version``; the whole unit
+    (``lo == 0``, ``hi`` = all) is ``GeneratedRollouts.next``'s own call."""
     gen.dp_rank = dp_rank  # the colocated run's prompts and sampling generator of rank d
     if lo == 0 and hi == gen.per_rank:
-        batch = gen.next(step)
+        batch = gen.next(step, round)
         batch.policy_versions = [[version] * len(r) for r in batch.response_ids]
         return batch
     if gen.engine is None:
@@ -35,10 +35,10 @@ def generate_part(
             "rollout.placement: separate with several generation replicas per trainer DP rank "
             "needs rollout.engine.kind: kv_cache (it generates slices of a step's prompts)"
         )
-    start, prompts = gen.step_prompts(step)
+    start, prompts = gen.step_prompts(step, round)
     size = gen.cfg.group_size
     uniforms = torch.rand(
-        len(prompts) * size, gen.params.max_new_tokens, generator=gen.generator(step)
+        len(prompts) * size, gen.params.max_new_tokens, generator=gen.generator(step, round)
     )
     picked = prompts[lo:hi]
     rows = uniforms[lo * size : hi * size]
@@ -54,3 +54,22 @@ def generate_part(
         [r.routes for r in reqs] if gen.record_routes else None,
         [r.versions for r in reqs],
     )
+
+
+class PartRounds:
+    """Part ``[lo, hi)`` of unit ``(step, dp_rank)`` as dynamic sampling's ``RoundSource``:
+    round 0 is the part itself; extra round ``r`` takes ``count`` of that round's fresh prompts
+    from position ``lo`` on, so replicas never draw one another's (a replica filters its part
+    alone: ``FilteredRollouts(..., local=True)``)."""
+
+    generated = True
+
+    def __init__(self, gen: GeneratedRollouts, dp_rank: int, lo: int, hi: int, version: int):
+        self.gen, self.dp_rank, self.lo, self.hi, self.version = gen, dp_rank, lo, hi, version
+
+    def next(self, step: int, round: int = 0, count: int | None = None) -> RolloutBatch:
+        hi = self.hi if count is None else self.lo + count
+        return generate_part(self.gen, step, self.dp_rank, self.lo, hi, self.version, round)
+
+    def metrics(self) -> dict[str, float]:
+        return self.gen.metrics()

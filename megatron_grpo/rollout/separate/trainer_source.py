@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.megatron.layout import ParallelLayout
-from megatron_grpo.megatron.parallel import all_reduce_max
+from megatron_grpo.megatron.parallel import all_reduce_max, all_reduce_sum
 from megatron_grpo.rollout.batch import RolloutBatch
 from megatron_grpo.rollout.config import RolloutConfig
+from megatron_grpo.rollout.dynamic_sampling import filter_metrics
 from megatron_grpo.rollout.separate.channel import (
     Start,
     Unit,
@@ -128,8 +129,13 @@ class SeparateRollouts:
                 f"rollout.separate.max_staleness={self.k} versions"
             )
         lags = [step - v for vs in batch.policy_versions or [] for v in vs] or [0]
+        filtered = {}
+        if unit.counts is not None:  # rollout.filter_groups: every part and DP rank's counts
+            counts = all_reduce_sum(unit.counts, self.layout.dp_group)
+            filtered = filter_metrics(counts, unit.metrics.get("rollout/filter_rounds", 1.0))
         self._metrics = {
             **unit.metrics,
+            **filtered,
             **self._sync,
             "perf/trainer_wait_seconds": wait,
             "rollout/policy_lag_mean": sum(lags) / len(lags),
@@ -150,7 +156,9 @@ class SeparateRollouts:
             got.append(recv_unit((step, d, j), s.dp_size, n, leader, w.data_group))
         metrics = {k: max(u.metrics[k] for u in got) for k in got[0].metrics}
         batch = RolloutBatch.concat([u.batch for u in got])
-        return Unit(step, d, 0, min(u.version for u in got), batch, metrics)
+        parts = [u.counts for u in got]
+        counts = None if parts[0] is None else [sum(c) for c in zip(*parts, strict=True)]
+        return Unit(step, d, 0, min(u.version for u in got), batch, metrics, counts)
 
     # ------------------------------------------------------------------ weights
     def push(self, step: int) -> dict[str, float]:
