@@ -149,6 +149,41 @@ def test_dynamic_sampling_counts_add_up_over_replicas(tmp_path):
         assert m["rollout/groups_kept"] == 0.0 and m["rollout/groups_filled"] == 4.0
 
 
+def _dataset(tmp: Path) -> tuple[str, ...]:
+    """A plain prompt/answer dataset with validation prompts and a word-level tokenizer."""
+    pytest.importorskip("transformers")
+    from tests.test_task_dataset import _save_tokenizer
+
+    tok = _save_tokenizer(tmp / "tok")
+    rows = [{"prompt": f"what is {i} plus {i} ?", "answer": str(2 * i)} for i in range(10)]
+    for name, part in (("train", rows[:6]), ("val", rows[6:])):
+        (tmp / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    return (
+        "rollout.task=dataset", f"rollout.dataset.train_files=[{tmp / 'train.jsonl'}]",
+        f"rollout.dataset.val_files=[{tmp / 'val.jsonl'}]", f"rollout.dataset.tokenizer_dir={tok}",
+        "model.vocab_size=32", "rollout.max_prompt_length=12", "rollout.max_response_length=4",
+        "evaluation.interval=2", "evaluation.n_samples=2", "evaluation.temperature=1.0",
+    )  # fmt: skip
+
+
+def test_evaluation_runs_on_the_generators_with_the_newest_weights(tmp_path):
+    """``evaluation`` with separate placement: the replica evaluates each due version right
+    after swapping it in (the last with the final weights); at max_staleness 0, one replica of
+    the trainer's TP, the eval metrics are the colocated run's, at the same steps."""
+    data = _dataset(tmp_path)
+    run_distributed(_colocated, 1, tmp_path, 3, *data)
+    gen = ("rollout.separate.generation_ranks=1", "rollout.separate.max_staleness=0")
+    run_distributed(_separate, 2, tmp_path, "sepe", 3, *gen, *data)
+    colocated, separate = _metrics(tmp_path, "colocated"), _metrics(tmp_path, "sepe")
+    assert [m["step"] for m in separate] == [0, 1, 2, 3]  # step 0: the evaluation alone
+    for a, b in zip(colocated, separate, strict=True):
+        evals = sorted(k for k in a if k.startswith("eval/"))
+        assert evals == sorted(k for k in b if k.startswith("eval/")), a["step"]
+        assert bool(evals) == (a["step"] in (0, 2, 3))
+        for key in evals:
+            assert a[key] == b[key], (a["step"], key)
+
+
 MOE = (
     "model.num_moe_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32",
     "model.moe_token_dispatcher_type=allgather", "model.moe_enable_routing_replay=true",

@@ -212,10 +212,11 @@ class Evaluator:
         metrics = eval_metrics(totals, n, self.sources)
         metrics["perf/eval_seconds"] = all_reduce_max([time.perf_counter() - t0])[0]
         if self.monitor is not None:
-            self.monitor.message(self._summary(step, metrics))
+            self.monitor.message(self.summary(step, metrics))
         return metrics
 
-    def _summary(self, step: int, m: dict[str, float]) -> str:
+    def summary(self, step: int, m: dict[str, float]) -> str:
+        """The evaluation's one console line."""
         n = self.cfg.n_samples
         passes = f", pass@{n} {m[f'eval/pass_at_{n}']:.3f}" if n > 1 else ""
         return (

@@ -355,11 +355,6 @@ class TrainConfig:
                 "training.offload_during_rollout: true frees memory for generation, but with "
                 "rollout.placement: separate the trainer ranks do not generate (set auto or false)"
             )
-        if self.evaluation.enabled:
-            raise ValueError(
-                "evaluation with rollout.placement: separate is not supported yet (set "
-                "evaluation.interval: 0)"
-            )
 
     def _check_evaluation(self) -> None:
         """Evaluation generates with the policy from the dataset task's validation prompts."""

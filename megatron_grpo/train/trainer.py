@@ -41,6 +41,7 @@ from megatron_grpo.rollout.evaluation import Evaluator
 from megatron_grpo.rollout.files import write_rollouts
 from megatron_grpo.rollout.partial import offpolicy_metrics, partial_source
 from megatron_grpo.rollout.separate import SeparateRollouts, separate_source
+from megatron_grpo.rollout.separate.evaluation import GeneratorEvaluation
 from megatron_grpo.rollout.separate.launch import split_for
 from megatron_grpo.rollout.source import RolloutSource
 from megatron_grpo.rollout.tasks import Task
@@ -145,6 +146,8 @@ class Trainer:
         ctx = cfg.rollout_context()
         plan = RolloutPlan.open(cfg.rollout, ctx, self.layout, cfg.evaluation.enabled, task)
         self.evaluator = Evaluator(cfg.evaluation, cfg.rollout, ctx, plan.task, self.layout)
+        if self.world is not None:  # separate placement: the generators evaluate
+            self.evaluator = GeneratorEvaluation(cfg.evaluation, cfg.training.steps, self.world)
         return plan
 
     def _setup_step(self) -> None:

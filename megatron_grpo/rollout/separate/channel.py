@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -72,32 +73,56 @@ def send_unit(
 ) -> list:
     """Post the unit to the global ranks ``dsts`` (non-blocking); returns the works and the
     buffers they read (keep them until the works completed)."""
-    payload = torch.frombuffer(bytearray(pickle.dumps(unit)), dtype=torch.uint8)
-    size = torch.tensor([payload.numel()], dtype=torch.int64)
-    t_size, t_data = _tags(unit.step, unit.dp_rank, unit.part, dp_size, parts)
-    works: list = []
-    for dst in dsts:
-        works.append(dist.isend(size, dst, group=group, tag=t_size))
-        works.append(dist.isend(payload, dst, group=group, tag=t_data))
-    return [works, size, payload]
+    return _send(unit, dsts, _tags(unit.step, unit.dp_rank, unit.part, dp_size, parts), group)
 
 
 def recv_unit(
     key: tuple[int, int, int], dp_size: int, parts: int, src: int, group: dist.ProcessGroup
 ) -> Unit:
     """Receive part ``key = (step, dp_rank, part)`` from global rank ``src`` (blocking)."""
-    t_size, t_data = _tags(*key, dp_size, parts)
-    size = torch.zeros(1, dtype=torch.int64)
-    dist.recv(size, src, group=group, tag=t_size)
-    payload = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.recv(payload, src, group=group, tag=t_data)
-    unit = pickle.loads(payload.numpy().tobytes())
+    unit = _recv(src, _tags(*key, dp_size, parts), group)
     if (unit.step, unit.dp_rank, unit.part) != key:
         raise RuntimeError(
             f"separate placement: expected the rollouts (step, DP rank, part) {key}, got "
             f"{(unit.step, unit.dp_rank, unit.part)}"
         )
     return unit
+
+
+EVAL_TAGS = 1 << 30  # the evaluations' tags start past every unit's
+
+
+def send_eval(version: int, result: tuple, dsts: list[int], group: dist.ProcessGroup) -> list:
+    """Post the evaluation of policy version ``version`` (``(metrics, summary line)``) to the
+    global ranks ``dsts`` (non-blocking; keep what it returns until the works completed)."""
+    tags = (EVAL_TAGS + 2 * version, EVAL_TAGS + 2 * version + 1)
+    return _send((version, *result), dsts, tags, group)
+
+
+def recv_eval(version: int, src: int, group: dist.ProcessGroup) -> tuple[dict[str, float], str]:
+    """The evaluation of policy version ``version`` from global rank ``src`` (blocking)."""
+    got, metrics, line = _recv(src, (EVAL_TAGS + 2 * version, EVAL_TAGS + 2 * version + 1), group)
+    if got != version:
+        raise RuntimeError(f"separate placement: expected the evaluation {version}, got {got}")
+    return metrics, line
+
+
+def _send(obj: object, dsts: list[int], tags: tuple[int, int], group: dist.ProcessGroup) -> list:
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    size = torch.tensor([payload.numel()], dtype=torch.int64)
+    works: list = []
+    for dst in dsts:
+        works.append(dist.isend(size, dst, group=group, tag=tags[0]))
+        works.append(dist.isend(payload, dst, group=group, tag=tags[1]))
+    return [works, size, payload]
+
+
+def _recv(src: int, tags: tuple[int, int], group: dist.ProcessGroup) -> Any:
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, src, group=group, tag=tags[0])
+    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(payload, src, group=group, tag=tags[1])
+    return pickle.loads(payload.numpy().tobytes())
 
 
 @dataclass

@@ -22,17 +22,20 @@ import torch
 from megatron_grpo.megatron.config import ModelConfig, ParallelConfig
 from megatron_grpo.megatron.model.build import build_model, unwrap
 from megatron_grpo.megatron.parallel import initialize_parallel
-from megatron_grpo.rollout.config import RolloutConfig
+from megatron_grpo.rollout.config import EvaluationConfig, RolloutConfig
 from megatron_grpo.rollout.context import RolloutContext
 from megatron_grpo.rollout.dynamic_sampling import FilteredRollouts
+from megatron_grpo.rollout.evaluation import Evaluator
 from megatron_grpo.rollout.separate.channel import (
     Start,
     Unit,
     exchange_start,
     replica_of,
+    send_eval,
     send_unit,
     unit_version,
 )
+from megatron_grpo.rollout.separate.evaluation import eval_due
 from megatron_grpo.rollout.separate.parts import PartRounds
 from megatron_grpo.rollout.separate.world import SOURCE, SeparateWorld
 from megatron_grpo.rollout.source import GeneratedRollouts, build_checked_task
@@ -58,8 +61,10 @@ class GenerationLoop:
         ctx: RolloutContext,
         world: SeparateWorld,
         task: Task | None = None,
+        evaluation: EvaluationConfig | None = None,
     ) -> None:
-        """``task``: built and checked already, else built here."""
+        """``task``: built and checked already, else built here. ``evaluation``: the run's
+        ``evaluation:`` section (the replicas evaluate: ``separate/evaluation.py``)."""
         self.cfg, self.ctx, self.world = cfg, ctx, world
         moe_tp = world.tp > 1 and model_cfg.num_moe_experts is not None
         # MoE at TP > 1: the sequence-parallel path megatron-core's MoE layer is built for
@@ -74,6 +79,10 @@ class GenerationLoop:
         task = task if task is not None else build_checked_task(cfg, ctx)
         self.gen = GeneratedRollouts(cfg, ctx, task, self.model, 0, self.start.dp_size)
         self.ranges = self.start.ranges(world.replicas)  # the parts of a unit
+        self.evaluator = None
+        if evaluation is not None and evaluation.enabled:  # the replicas as its DP ranks
+            self.evaluator = Evaluator(evaluation, cfg, ctx, task, layout)
+            self.evaluator.attach(self.model, self.gen)
         self.version: int | None = None
         # Receive the next version while generating, except under decode CUDA graphs: a
         # capture must not start with NCCL work in flight (torch waits for it or fails), and
@@ -130,9 +139,28 @@ class GenerationLoop:
         metrics = self.receiver.swap()
         self.version = int(metrics.pop("version"))
         self.sync_metrics = metrics
+        self._evaluate()
         self.receiving = not ended(self.version) and self.eager
         if self.receiving:
             self.receiver.begin()
+
+    @torch.no_grad()
+    def _evaluate(self) -> None:
+        """Evaluate the weights just swapped in when due (the final ones come with ``STOP``);
+        replica 0's first rank sends the result to every trainer rank."""
+        v = self.start.steps if self.version == STOP else self.version
+        s, e = self.start, self.evaluator
+        if (
+            e is None
+            or self.version == STOPPED
+            or not eval_due(v, s.start, s.steps, e.cfg.interval)
+        ):
+            return
+        metrics = e.evaluate(v)
+        if self.world.rank == self.world.replica_leaders()[0]:
+            trainers = list(self.world.trainer_ranks)
+            result = (metrics, e.summary(v, metrics))
+            self.sends.append(send_eval(v, result, trainers, self.world.data_group))
 
     @torch.no_grad()
     def _unit(self, step: int, dp_rank: int, part: int, idle: float) -> None:

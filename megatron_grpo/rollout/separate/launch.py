@@ -70,6 +70,7 @@ def run_generation_rank(cfg, task=None) -> str | None:
     world = split_for(cfg)
     if world is None or not world.is_generator:
         return None
-    loop = GenerationLoop(cfg.model, cfg.rollout, cfg.rollout_context(), world, task)
+    ctx = cfg.rollout_context()
+    loop = GenerationLoop(cfg.model, cfg.rollout, ctx, world, task, cfg.evaluation)
     loop.run()
     return "stopped" if loop.version == STOPPED else "finished"
