@@ -11,7 +11,9 @@
 #   bash tools/gpu_e2e.sh moe_twin  # the MoE twin (2 GPUs): toy task + 4k synthetic rollouts
 #   bash tools/gpu_e2e.sh moe_ep    # the MoE twin at EP1 (1 GPU), EP2 TP2+SP (2), EP4 TP1 and
 #                                   # TP2+SP (4 GPUs): step split, generation tokens/s, ratios
-#                                   # to EP1 (moe_ep.md; MOE_EP_LAYOUTS "tag:gpus:tp:sp ...")
+#                                   # to EP1 (moe_ep.md; MOE_EP_LAYOUTS "tag:gpus:tp:sp ...";
+#                                   # MOE_EP_PROFILE_STEP=3: that step profiled on every rank,
+#                                   # profile_<tag>_rank<R>_steps3-3.md device-time tables)
 #   bash tools/gpu_e2e.sh maxctx    # longest packed micro-batch per log-prob path, one GPU
 #   bash tools/gpu_e2e.sh step      # the dense twin's step on 2 GPUs (TP2+SP), toy task with
 #                                   # 256-digit prompts: on-policy (1 mini-batch, old-log-prob
@@ -228,11 +230,19 @@ moe_ep() {
             echo "== moe_ep_$tag: skipped ($nproc GPUs, $NGPU here)" | tee -a "$LOG"
             continue
         fi
+        local profile=()  # MOE_EP_PROFILE_STEP: that step under torch.profiler on every rank
+        if [ -n "${MOE_EP_PROFILE_STEP:-}" ]; then
+            profile=(--set logging.profile_step_start="$MOE_EP_PROFILE_STEP"
+                --set "logging.profile_ranks=[$(seq -s, 0 $((nproc - 1)))]")
+        fi
         PYTORCH_CUDA_ALLOC_CONF="" LOG="$OUT/moe_ep_$tag.log" NPROC=$nproc \
             train "moe_ep_${tag}_fused" qwen3_30b_a3b_moe_twin fused "${common[@]}" \
             --set parallel.tensor_model_parallel_size="$tp" --set parallel.sequence_parallel="$sp" \
             --set parallel.expert_model_parallel_size="$nproc" \
-            --set parallel.expert_tensor_parallel_size=1 || status=1
+            --set parallel.expert_tensor_parallel_size=1 "${profile[@]}" || status=1
+        for table in "$WORK/moe_ep_${tag}_fused"/profile/*.md; do  # the tables, not the traces
+            [ -f "$table" ] && cp "$table" "$OUT/profile_${tag}_$(basename "$table")"
+        done
         echo "moe_ep_$tag: $(grep -h -m1 "CUDA graphs" "$OUT/moe_ep_$tag.log")" | tee -a "$LOG"
     done
     python3 - "$WORK" "$OUT/moe_ep.md" <<'EOF' | tee -a "$LOG"
