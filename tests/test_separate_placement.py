@@ -334,3 +334,15 @@ def test_separate_over_nccl():
 
     with tempfile.TemporaryDirectory() as tmp:
         run_distributed(_nccl_body, 2, Path(tmp), backend="nccl")
+
+
+@pytest.mark.parametrize(
+    "version, start, due",
+    [(0, 0, True), (0, 2, False), (1, 0, False), (2, 0, True), (2, 2, False), (4, 2, True),
+     (5, 0, True), (6, 0, False)],
+)  # fmt: skip
+def test_eval_due_matches_the_colocated_schedule(version, start, due):
+    """Version 0 only in a fresh run, every interval after the start, and the last (5)."""
+    from megatron_grpo.rollout.separate.evaluation import eval_due
+
+    assert eval_due(version, start, steps=5, interval=2) is due
