@@ -11,7 +11,7 @@
 #   bash tools/gpu_e2e.sh moe_twin  # the MoE twin (2 GPUs): toy task + 4k synthetic rollouts
 #   bash tools/gpu_e2e.sh moe_ep    # the MoE twin at EP1 (1 GPU), EP2 TP2+SP (2), EP4 TP1 and
 #                                   # TP2+SP (4 GPUs): step split, generation tokens/s, ratios
-#                                   # to EP1 (moe_ep.md; MOE_EP_LAYOUTS "tag:gpus:tp:sp ...";
+#                                   # to EP1 (moe_ep.md; MOE_EP_LAYOUTS "tag:gpus:tp:sp[:dispatch] ...";
 #                                   # MOE_EP_PROFILE_STEP=3: that step profiled on every rank,
 #                                   # profile_<tag>_rank<R>_steps3-3.md device-time tables)
 #   bash tools/gpu_e2e.sh maxctx    # longest packed micro-batch per log-prob path, one GPU
@@ -225,7 +225,9 @@ moe_ep() {
         --set rollout.max_response_length=129)
     local layouts=${MOE_EP_LAYOUTS:-ep1:1:1:false ep2_tp2sp:2:2:true ep4_tp1:4:1:false ep4_tp2sp:4:2:true}
     for spec in $layouts; do
-        IFS=: read -r tag nproc tp sp <<<"$spec"
+        # tag:gpus:tp:sp[:dispatch]: dispatch = model.layer_kernels.moe_dispatch (auto: the
+        # gathered dispatch in decode, megatron-core's all-to-all in training; gathered: both)
+        IFS=: read -r tag nproc tp sp dispatch <<<"$spec"
         if [ "$nproc" -gt "$NGPU" ]; then
             echo "== moe_ep_$tag: skipped ($nproc GPUs, $NGPU here)" | tee -a "$LOG"
             continue
@@ -239,7 +241,8 @@ moe_ep() {
             train "moe_ep_${tag}_fused" qwen3_30b_a3b_moe_twin fused "${common[@]}" \
             --set parallel.tensor_model_parallel_size="$tp" --set parallel.sequence_parallel="$sp" \
             --set parallel.expert_model_parallel_size="$nproc" \
-            --set parallel.expert_tensor_parallel_size=1 "${profile[@]}" || status=1
+            --set parallel.expert_tensor_parallel_size=1 "${profile[@]}" \
+            --set model.layer_kernels.moe_dispatch="${dispatch:-auto}" || status=1
         for table in "$WORK/moe_ep_${tag}_fused"/profile/*.md; do  # the tables, not the traces
             [ -f "$table" ] && cp "$table" "$OUT/profile_${tag}_$(basename "$table")"
         done
