@@ -381,3 +381,29 @@ def test_gathered_dispatch_decode_forward_makes_no_host_sync():
     for the device (item, tolist, bool, nonzero, ...: what fails a CUDA graph capture); the
     all-to-all dispatcher, which copies its split sizes to the host, is seen doing it."""
     run_distributed(_sync_free_body, 2)
+
+
+def _training_sync_body(rank, world):
+    from tests.host_syncs import HostSyncProbe
+
+    cpu_alltoall()
+    chunks = build_layout(ParallelConfig(expert_model_parallel_size=world), _cfg(2))
+    mlp = unwrap(chunks[0]).train().decoder.layers[0].mlp
+    x = torch.randn(6, 1, H, generator=torch.Generator().manual_seed(rank))
+
+    def fwd_bwd(choice: str) -> list[str]:
+        switch_dispatch(chunks, choice)
+        with HostSyncProbe() as probe:
+            out, _ = mlp(x.clone().requires_grad_())
+            out.sum().backward()
+        return probe.calls
+
+    assert not fwd_bwd("gathered")  # training passes too: nothing the host waits for
+    assert any("tolist" in c for c in fwd_bwd("alltoall"))  # megatron-core's split sizes
+
+
+def test_gathered_dispatch_trains_without_host_sync():
+    """``model.layer_kernels.moe_dispatch: gathered`` takes the sync-free dispatch into the
+    training passes (forward and backward), where megatron-core's all-to-all reads its split
+    sizes on the host in every layer."""
+    run_distributed(_training_sync_body, 2)
