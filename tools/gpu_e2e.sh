@@ -53,7 +53,7 @@
 # Qwen3-8B-shaped model; the embedding and LM head are full size), MAXCTX_DOC (8192 tokens per
 # packed document; 0 = one sequence), MAXCTX_RECOMPUTE ("full": full activation recompute, as
 # long-context recipes use; the 36-layer Qwen3-8B then fits one H200 without optimizer state),
-# WHEELS (.whl).
+# RUN_TIMEOUT (seconds per trainer run; unset: none), WHEELS (.whl).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=tools/gpu_env.sh
@@ -123,7 +123,11 @@ train() {
     fi
     rm -rf "${WORK:?}/$tag"
     echo "== $tag: $recipe, logprob_path=$path, $nproc GPU(s)" | tee -a "$LOG"
-    with_memory_sampling "$tag" python3 -m torch.distributed.run --standalone \
+    # RUN_TIMEOUT (seconds): a run past it gets SIGTERM (torchrun stops its ranks), then the
+    # mode's next run starts; a hung run no longer takes the rest of the call
+    local limit=()
+    [ -n "${RUN_TIMEOUT:-}" ] && limit=(timeout -k 30 "$RUN_TIMEOUT")
+    with_memory_sampling "$tag" "${limit[@]}" python3 -m torch.distributed.run --standalone \
         --nproc-per-node "$nproc" -m megatron_grpo.train --config "recipes/$recipe.yaml" \
         --set lm_head.path="$path" --set logging.dir="$WORK/$tag" \
         --set logging.progress_bar=false --set checkpoint.dir=null "${layout[@]}" "$@"
