@@ -97,13 +97,7 @@ def init_for_cuda_graphs() -> None:
     captures its decode graphs in the first rollout, so this runs when the trainer is built."""
     from torch.profiler import _utils
 
-    if hasattr(_utils, "_init_for_cuda_graphs"):
-        _utils._init_for_cuda_graphs()
-    else:  # the same: an empty profile
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
-            pass
+    _utils._init_for_cuda_graphs()
 
 
 def report(events, wall: float, rank: int, start: int, end: int) -> str:

@@ -15,7 +15,9 @@ from tests.dist_utils import run_distributed
 
 
 def _agree_body(rank: int, world: int) -> None:
-    from megatron_grpo.rollout.engine.graphs import agree_recapture
+    from megatron_grpo.rollout.engine.graphs import DecodeGraphs
+
+    agree_recapture = DecodeGraphs.agree_recapture
 
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # "TP" groups
     across = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # "expert" groups

@@ -343,6 +343,6 @@ def test_separate_over_nccl():
 )  # fmt: skip
 def test_eval_due_matches_the_colocated_schedule(version, start, due):
     """Version 0 only in a fresh run, every interval after the start, and the last (5)."""
-    from megatron_grpo.rollout.separate.evaluation import eval_due
+    from megatron_grpo.rollout.evaluation import eval_due
 
-    assert eval_due(version, start, steps=5, interval=2) is due
+    assert eval_due(version, steps=5, interval=2, start=start) is due

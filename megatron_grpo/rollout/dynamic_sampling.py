@@ -246,19 +246,13 @@ COUNTS = tuple(
 
 def filter_metrics(counts: Sequence[float], rounds: int | float) -> dict[str, float]:
     """The ``rollout/`` metrics of :class:`FilteredRollouts` from summed :data:`COUNTS`."""
-    gen, correct, wrong, partial, kept, filled, tokens, reward, samples = counts
-    return {
-        "rollout/filter_rounds": float(rounds),
-        "rollout/groups_generated": gen,
-        "rollout/groups_all_correct": correct,
-        "rollout/groups_all_wrong": wrong,
-        "rollout/groups_all_partial": partial,
-        "rollout/groups_zero_variance_frac": (correct + wrong + partial) / max(gen, 1.0),
-        "rollout/groups_kept": kept,
-        "rollout/groups_filled": filled,
-        "rollout/generated_tokens": tokens,
-        "rollout/reward_mean_generated": reward / max(samples, 1.0),
-    }
+    c = dict(zip(COUNTS, counts, strict=True))
+    zero = c["groups_all_correct"] + c["groups_all_wrong"] + c["groups_all_partial"]
+    out = {f"rollout/{k}": v for k, v in c.items() if k not in ("reward_sum", "samples")}
+    out["rollout/filter_rounds"] = float(rounds)
+    out["rollout/groups_zero_variance_frac"] = zero / max(c["groups_generated"], 1.0)
+    out["rollout/reward_mean_generated"] = c["reward_sum"] / max(c["samples"], 1.0)
+    return out
 
 
 def maybe_filter(

@@ -110,6 +110,15 @@ def eval_metrics(totals: Sequence[float], n: int, sources: Sequence[str]) -> dic
     return out
 
 
+def eval_due(step: int, steps: int, interval: int, start: int = 0) -> bool:
+    """Whether the weights after ``step`` steps are evaluated in a run that trains steps
+    ``start .. steps``: step 0 in a fresh run (``start`` 0; never a resumed run's first),
+    every ``interval`` steps after the start, and the last."""
+    if step <= start:
+        return step == start == 0
+    return step <= steps and (step == steps or step % interval == 0)
+
+
 class Evaluator:
     """Built once, before the model (the validation prompts are checked then); :meth:`attach`
     gives it the policy and the rollout source once they exist. Off (every call a no-op) with
@@ -179,10 +188,7 @@ class Evaluator:
     def after_step(self, step: int) -> dict[str, float]:
         """The evaluation's metrics after ``step`` (1-based) steps when one is due (every
         ``interval`` steps and after the last step), else ``{}``."""
-        if not self.enabled:
-            return {}
-        last = step == self.ctx.steps
-        if not last and step % self.cfg.interval:
+        if not self.enabled or not eval_due(step, self.ctx.steps, self.cfg.interval):
             return {}
         return self.evaluate(step)
 
@@ -233,6 +239,7 @@ class Evaluator:
 __all__ = [
     "PASS_REWARD",
     "Evaluator",
+    "eval_due",
     "eval_metrics",
     "eval_sampling_params",
     "group_sums",

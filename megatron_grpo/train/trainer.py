@@ -145,9 +145,12 @@ class Trainer:
             )
         ctx = cfg.rollout_context()
         plan = RolloutPlan.open(cfg.rollout, ctx, self.layout, cfg.evaluation.enabled, task)
-        self.evaluator = Evaluator(cfg.evaluation, cfg.rollout, ctx, plan.task, self.layout)
-        if self.world is not None:  # separate placement: the generators evaluate
-            self.evaluator = GeneratorEvaluation(cfg.evaluation, cfg.training.steps, self.world)
+        # built everywhere: it checks the validation prompts before the model is built; under
+        # separate placement the generators evaluate and the trainer receives
+        evaluator = Evaluator(cfg.evaluation, cfg.rollout, ctx, plan.task, self.layout)
+        if self.world is not None:
+            evaluator = GeneratorEvaluation(cfg.evaluation, cfg.training.steps, self.world)
+        self.evaluator = evaluator
         return plan
 
     def _setup_step(self) -> None:

@@ -41,19 +41,6 @@ def expandable_segments() -> str | None:
     return None
 
 
-def agree_recapture(changed: bool, groups: Iterable[dist.ProcessGroup | None]) -> bool:
-    """Whether the decode graphs are captured again, agreed over ``groups``: every group whose
-    collectives the graphs hold (TP, the expert group). Capture runs the step eagerly first, so
-    a rank re-capturing alone issues collectives its peers replay from a graph: they pair up
-    wrongly and hang (a TP2 x DP2 run hung in its third rollout when one rank's cache moved and
-    its TP peer's did not). Reduced group by group, which agrees across megatron-core's
-    orthogonal layouts (each rank's expert group meets the same TP groups as its TP peers')."""
-    for group in groups:
-        if group is not None:
-            changed = bool(all_reduce_max([int(changed)], group, torch.int64)[0])
-    return changed
-
-
 def plan_graphs(model: torch.nn.Module, requested: bool | None, cuda: bool) -> tuple[bool, str]:
     """Whether decode steps replay CUDA graphs (``rollout.engine.cuda_graphs``: None = auto), and
     why they are off where auto would have them on ("" otherwise; the start-up line says it).
@@ -86,8 +73,6 @@ def graph_batch(rows: int, slots: int) -> int:
 
 
 class DecodeGraphs:
-    agree_recapture = staticmethod(agree_recapture)  # what the engine asks before capturing
-
     def __init__(self) -> None:
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
@@ -95,6 +80,19 @@ class DecodeGraphs:
         # One warm-up stream for every capture: cuBLAS keeps a workspace per stream it ran on
         # (tens of MiB each, never freed), so a new stream per capture would leave one each.
         self.side: torch.cuda.Stream | None = None
+
+    @staticmethod
+    def agree_recapture(changed: bool, groups: Iterable[dist.ProcessGroup | None]) -> bool:
+        """Whether the decode graphs are captured again, agreed over ``groups``: every group whose
+        collectives the graphs hold (TP, the expert group). Capture runs the step eagerly first, so
+        a rank re-capturing alone issues collectives its peers replay from a graph: they pair up
+        wrongly and hang (a TP2 x DP2 run hung in its third rollout when one rank's cache moved and
+        its TP peer's did not). Reduced group by group, which agrees across megatron-core's
+        orthogonal layouts (each rank's expert group meets the same TP groups as its TP peers')."""
+        for group in groups:
+            if group is not None:
+                changed = bool(all_reduce_max([int(changed)], group, torch.int64)[0])
+        return changed
 
     def run(
         self, key: Hashable, step: Callable[[], None], checkpoint: Callable[[], Callable[[], None]]

@@ -3,7 +3,7 @@
 The generation replicas run the colocated :class:`~megatron_grpo.rollout.evaluation.Evaluator`
 as the data-parallel ranks of their own layout (the validation prompts spread over the
 replicas, sums all-reduced among them) with the newest weights: right after a swap brings in
-a policy version that is due (:func:`eval_due`; the final weights arrive with the trainer's
+a policy version that is due (``evaluation.eval_due``, the colocated run's rule; the final weights arrive with the trainer's
 ``STOP``). The first rank of replica 0 sends the metrics and the summary line to every trainer
 rank; :class:`GeneratorEvaluation` is the trainer's evaluator: it receives them for the step
 whose metrics line they join, exactly where the colocated run evaluates (step 0 before the first
@@ -16,17 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_grpo.rollout.config import EvaluationConfig
+from megatron_grpo.rollout.evaluation import eval_due
 from megatron_grpo.rollout.separate.channel import recv_eval
 from megatron_grpo.rollout.separate.world import SeparateWorld
-
-
-def eval_due(version: int, start: int, steps: int, interval: int) -> bool:
-    """Whether policy version ``version`` (the weights after that many steps) is evaluated in a
-    run that trains steps ``start .. steps``: 0 in a fresh run, every ``interval`` after the
-    start, and the last."""
-    if version == 0:
-        return start == 0
-    return start < version <= steps and (version == steps or version % interval == 0)
 
 
 class GeneratorEvaluation:
@@ -46,7 +38,7 @@ class GeneratorEvaluation:
             monitor.log(0, self._receive(0))
 
     def after_step(self, step: int) -> dict[str, float]:
-        if not self.enabled or not eval_due(step, step - 1, self.steps, self.cfg.interval):
+        if not self.enabled or not eval_due(step, self.steps, self.cfg.interval):
             return {}
         return self._receive(step)
 

@@ -25,7 +25,7 @@ from megatron_grpo.megatron.parallel import initialize_parallel
 from megatron_grpo.rollout.config import EvaluationConfig, RolloutConfig
 from megatron_grpo.rollout.context import RolloutContext
 from megatron_grpo.rollout.dynamic_sampling import FilteredRollouts
-from megatron_grpo.rollout.evaluation import Evaluator
+from megatron_grpo.rollout.evaluation import Evaluator, eval_due
 from megatron_grpo.rollout.separate.channel import (
     Start,
     Unit,
@@ -35,7 +35,6 @@ from megatron_grpo.rollout.separate.channel import (
     send_unit,
     unit_version,
 )
-from megatron_grpo.rollout.separate.evaluation import eval_due
 from megatron_grpo.rollout.separate.parts import PartRounds
 from megatron_grpo.rollout.separate.world import SOURCE, SeparateWorld
 from megatron_grpo.rollout.source import GeneratedRollouts, build_checked_task
@@ -153,7 +152,7 @@ class GenerationLoop:
         if (
             e is None
             or self.version == STOPPED
-            or not eval_due(v, s.start, s.steps, e.cfg.interval)
+            or not eval_due(v, s.steps, e.cfg.interval, s.start)
         ):
             return
         metrics = e.evaluate(v)
@@ -168,12 +167,11 @@ class GenerationLoop:
         rank sends it."""
         t0 = time.perf_counter()
         lo, hi = self.ranges[part]
-        source, counts = PartRounds(self.gen, dp_rank, lo, hi, self.version), None
+        source = PartRounds(self.gen, dp_rank, lo, hi, self.version)
         if self.cfg.filter_groups.enabled:  # this part's groups, filtered here alone
             source = FilteredRollouts(source, self.cfg.filter_groups, hi - lo, local=True)
         batch = source.next(step)
-        if isinstance(source, FilteredRollouts):
-            counts = source.counts
+        counts = getattr(source, "counts", None)  # the filter's, summed by the trainer
         metrics = {
             **source.metrics(),
             "perf/generation_seconds": time.perf_counter() - t0,
