@@ -13,6 +13,7 @@ Exceptions raised in any rank fail the test with that rank's traceback.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import sys
@@ -33,7 +34,14 @@ def free_port() -> int:
 
 
 def _worker(
-    rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple, errq
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    fn: Callable,
+    args: tuple,
+    errq,
+    timeout: float,
 ) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -43,6 +51,9 @@ def _worker(
         LOCAL_RANK=str(rank),
     )
     torch.set_num_threads(1)
+    # A rank still running shortly before the parent's deadline prints where it waits (stderr:
+    # the failing test's report) before it is terminated.
+    faulthandler.dump_traceback_later(max(timeout - 10.0, 1.0), exit=False)
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     try:
@@ -83,7 +94,7 @@ def run_distributed(
     errq = ctx.SimpleQueue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, errq))
+        ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, errq, timeout))
         for r in range(world_size)
     ]
     for p in procs:

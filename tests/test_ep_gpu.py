@@ -46,15 +46,17 @@ def _sync_body(rank: int, world: int) -> None:
             out.float().sum().backward()
 
         token_dispatcher.permute = permute
-        fwd_bwd()
-        return len(cuda_host_syncs(fwd_bwd))
+        fwd_bwd()  # warm-up: lazy initialization syncs once
+        return min(len(cuda_host_syncs(fwd_bwd)) for _ in range(2))
 
-    got = syncs(installed)
-    theirs = syncs(megatron_permute)
-    sort = syncs(make_sort_permute(megatron_permute))
+    counts = {
+        "installed": syncs(installed),
+        "megatron": syncs(megatron_permute),
+        "sort": syncs(make_sort_permute(megatron_permute)),
+    }
     token_dispatcher.permute = installed
-    assert got == min(theirs, sort), (got, theirs, sort)  # the fewer syncs is installed
-    assert got <= theirs
+    # the permute installed is the one that syncs less (ours at 0.16, megatron-core's at 0.19)
+    assert counts["installed"] <= min(counts["megatron"], counts["sort"]), counts
 
 
 @needs_2_gpus

@@ -333,6 +333,28 @@ def test_a_blocked_process_group_teardown_does_not_hold_the_exit(mode):
         assert time.monotonic() - t0 < 60
 
 
+def _nccl_teardown_body(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    from megatron_grpo.megatron import parallel
+
+    assert parallel.shutdown_process_groups(timeout_s=60.0)  # False: it failed or blocked
+    assert not dist.is_initialized()
+
+
+@pytest.mark.gpu
+def test_gpu_nccl_teardown_runs_on_each_ranks_own_gpu():
+    """2 GPUs: the teardown thread's barrier runs on the rank's GPU (a new thread starts on
+    GPU 0: every rank's barrier named it, "Duplicate GPU detected" on 4 H100s)."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    from tests.dist_utils import run_distributed
+
+    run_distributed(_nccl_teardown_body, 2, backend="nccl", timeout=120)
+
+
 def test_a_second_signal_exits_at_once_and_releases_the_lock(tmp_path):
     """Issue 39: the immediate exit of a second signal is a handled end: the lock's record is
     emptied, so the next run reports no stale lock."""

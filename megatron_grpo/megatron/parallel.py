@@ -198,12 +198,16 @@ def shutdown_process_groups(timeout_s: float = TEARDOWN_TIMEOUT_S) -> bool:
     if not dist.is_initialized():
         return True
     failed: list[BaseException] = []
+    # The CUDA device is per thread and a new thread starts on device 0: without this every
+    # rank's barrier named GPU 0 ("Duplicate GPU detected", or a hang on 4 H100s).
+    device = torch.cuda.current_device() if dist.get_backend() == "nccl" else None
 
     def teardown() -> None:
         try:
-            if dist.get_backend() == "nccl":
+            if device is not None:
+                torch.cuda.set_device(device)
                 torch.cuda.synchronize()
-                dist.barrier(device_ids=[torch.cuda.current_device()])
+                dist.barrier(device_ids=[device])
             # Megatron's cached groups first: a group object alive at interpreter exit is torn
             # down with its threads there, which can abort a finished run (exit code -6)
             parallel_state.destroy_model_parallel()
