@@ -66,4 +66,4 @@ def test_gpu_tp2_ranks_recapture_together():
     and the second call finishes with the first call's greedy tokens (before: a hang)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    run_distributed(_tp2_body, 2, backend="nccl", timeout=150)
+    run_distributed(_tp2_body, 2, backend="nccl", timeout=90)
