@@ -61,9 +61,11 @@ def _worker(
         fn(rank, world_size, *args)
     except BaseException:  # noqa: BLE001 - forwarded to the parent
         errq.put((rank, traceback.format_exc()))
-        raise
-    finally:
-        _teardown()
+        # No teardown: NCCL's blocks while a peer is elsewhere (both ranks of a failed 2-GPU
+        # test sat in destroy_process_group until the deadline); exiting frees the GPU.
+        sys.stderr.flush()
+        os._exit(1)
+    _teardown()
     # The body passed. Exit without running C++ static destructors: a gloo group's threads torn
     # down at interpreter exit can abort a healthy process ("terminate called without an active
     # exception", exit code -6), which would fail a test whose body passed.
