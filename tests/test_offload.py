@@ -88,6 +88,39 @@ def _round_trip(dist_opt: bool, dtype: str) -> None:
     _same(offload, before)
     # the optimizer still steps from the reloaded state, as it would have
     optimizer_step(optimizer, scheduler)
+    _measured_switch(chunks, optimizer)
+
+
+class _Shortfalls:
+    """A stand-in :class:`MeasuredCheck`: the bytes the cache lacks at each call, in turn."""
+
+    def __init__(self, *shorts: float) -> None:
+        self.shorts, self.calls = list(shorts), 0
+
+    def short(self, device) -> float:
+        self.calls += 1
+        return self.shorts.pop(0)
+
+
+def _measured_switch(chunks, optimizer) -> None:
+    """``auto`` left off by the plan: off while the measured memory suffices, on from the
+    first step it does not (said once), and not measured again after."""
+    from megatron_grpo.train.offload import RolloutOffload
+
+    said: list[str] = []
+    check = _Shortfalls(-1.0, 3 * 2**29)
+    offload = RolloutOffload(chunks, optimizer, False, check, said.append)
+    with offload.during_rollout(0):
+        assert offload._moved == [] and not offload.enabled
+    with offload.during_rollout(1):
+        assert offload.enabled and offload._moved
+    assert said == [RolloutOffload.check_line(1, 3 * 2**29)] and "1.50 GiB" in said[0]
+    assert "on from step 2" in said[0]
+    with offload.during_rollout(2):
+        assert offload._moved
+    assert check.calls == 2 and offload._moved == []
+    forced = RolloutOffload(chunks, optimizer, True, _Shortfalls(), said.append)
+    assert forced.check is None  # already on: nothing to measure
 
 
 def _round_trip_body(rank: int, world: int) -> None:
@@ -176,10 +209,32 @@ def _auto(rank: int, world: int) -> None:
         mp.setattr(torch.cuda, "mem_get_info", lambda *a: (fits, fits))
         on, line = off.decide(cfg, policy, layout)
         assert not on and line.startswith("training.offload_during_rollout=auto: off (")
+        assert line.endswith("; measured again before each rollout)")
         tight = fits - int((2**20 + movable / 2) / 0.9)
         mp.setattr(torch.cuda, "mem_get_info", lambda *a: (tight, tight))
         on, line = off.decide(cfg, policy, layout)
         assert on and "auto: on" in line and "GiB" in line
+        _measured(cfg, policy, layout, need, mp)
+    assert off.measured_check(forced, policy, layout) is None  # true: nothing to measure
+    assert off.measured_check(cfg, policy, layout) is None  # CPU: memory does not decide
+
+
+def _measured(cfg, policy, layout, need: float, mp: pytest.MonkeyPatch) -> None:
+    """The check before each rollout applies the engine's sizing rule to the memory measured
+    then: ``fraction x total - in use - fixed headroom`` against the samples' need."""
+    from megatron_grpo.train import offload as off
+
+    check = off.measured_check(cfg, policy, layout)
+    assert check is not None and check.need == need and check.fixed > 0
+    assert check.fraction == cfg.rollout.engine.kv_cache_fraction
+    cuda = torch.device("cuda")  # a name only: the memory queries are faked
+    assert check.short(torch.device("cpu")) == 0.0  # no device memory: nothing lacks
+    total, cached = 2**32, 2**20  # the allocator's unused cache counts as free
+    mp.setattr(torch.cuda, "memory_reserved", lambda *a: cached)
+    for lacks in (-(2**20), 2**25):
+        free = int(need + check.fixed - lacks - check.fraction * total + total) - cached
+        mp.setattr(torch.cuda, "mem_get_info", lambda *a, free=free: (free, total))
+        assert abs(check.short(cuda) - lacks) < 1.0
 
 
 def test_offload_config_errors_name_the_field():

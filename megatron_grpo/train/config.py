@@ -132,8 +132,9 @@ class TrainingConfig:
             memory while the policy generates, so the KV cache can use their device memory
             (``train/offload.py``; bit-exact; logged as ``perf/offload_seconds``). "auto"
             (default): on when the step's samples would not all get a cache slot otherwise
-            (from the memory plan; the start-up line says which and why); needs generated
-            rollouts.
+            (from the memory plan; the start-up line says which and why; left off, measured
+            again before each rollout and on from the first step that falls short, in one
+            line); needs generated rollouts.
     """
 
     steps: int = 100

@@ -14,7 +14,9 @@ trainer zeroes it after every update) is not copied: it comes back zeroed. Bit-e
 
 ``auto`` turns it on when the step's samples would not all get a KV-cache slot with the
 optimizer state and gradients on the GPU, from the memory plan (``megatron/plan/memory.py``) and
-the engine's own sizing rule (``rollout/kv_cache.py``), and says so in one start-up line.
+the engine's own sizing rule (``rollout/kv_cache.py``), and says so in one start-up line. Left
+off by the plan, it measures again before each rollout (:class:`MeasuredCheck`): the first
+shortfall turns it on for the rest of the run, in one line.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -54,17 +56,33 @@ def _bytes_view(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
 
 
 class RolloutOffload:
-    """``with offload.during_rollout(): ...``: moves out, runs the block, moves back;
-    ``seconds``: the last round trip's wall time (``perf/offload_seconds``)."""
+    """``with offload.during_rollout(step): ...``: moves out, runs the block, moves back;
+    ``seconds``: the last round trip's wall time (``perf/offload_seconds``). ``check``: ``auto``
+    left off by the plan, measured again before each rollout until it turns on (``say``: the
+    line that says so)."""
 
-    def __init__(self, chunks: list[torch.nn.Module], optimizer, enabled: bool) -> None:
+    def __init__(
+        self,
+        chunks: list[torch.nn.Module],
+        optimizer,
+        enabled: bool,
+        check: MeasuredCheck | None = None,
+        say: Callable[[str], None] = print,
+    ) -> None:
         self.chunks, self.optimizer, self.enabled = chunks, optimizer, enabled
+        self.check, self.say = (None if enabled else check), say
         self.seconds = 0.0
         self._moved: list[_Moved] = []
         self._host: dict[tuple[int, int], torch.Tensor] = {}  # (slot, nbytes) -> pinned buffer
 
     @contextlib.contextmanager
-    def during_rollout(self) -> Iterator[None]:
+    def during_rollout(self, step: int = 0) -> Iterator[None]:
+        """``step``: 0-based, for the line of a measured switch."""
+        if self.check is not None:
+            short = self.check.short(self._device())
+            if short > 0:
+                self.enabled, self.check = True, None
+                self.say(self.check_line(step, short))
         if not self.enabled:
             yield
             return
@@ -77,6 +95,14 @@ class RolloutOffload:
             start = time.perf_counter()
             self.reload()
             self.seconds += time.perf_counter() - start
+
+    @staticmethod
+    def check_line(step: int, short: float) -> str:
+        return (
+            f"training.offload_during_rollout=auto: on from step {step + 1} (measured before "
+            f"its rollout, the KV cache would lack {short / GIB:.2f} GiB for the step's samples "
+            "with the optimizer state and main grads on the GPU; the plan had left it off)"
+        )
 
     # ------------------------------------------------------------------ the moves
     def offload(self) -> None:
@@ -183,8 +209,41 @@ def decide(cfg: TrainConfig, policy: torch.nn.Module, layout: ParallelLayout) ->
         f"{name}=auto: {'on' if on else 'off'} (the KV cache for a step's samples needs "
         f"{need / GIB:.2f} GiB on this rank; {left / GIB:.2f} GiB would be free with the "
         f"optimizer state and main grads on the GPU, {(left + movable) / GIB:.2f} GiB without "
-        f"their {movable / GIB:.2f} GiB of the memory plan)"
+        f"their {movable / GIB:.2f} GiB of the memory plan"
+        + (")" if on else "; measured again before each rollout)")
     )
+
+
+@dataclass(frozen=True)
+class MeasuredCheck:
+    """``auto`` the plan left off: the memory measured before a rollout decides, with the
+    engine's own sizing rule (``kv_cache.memory_slots``). The plan does not see everything that
+    stays allocated across steps: a Qwen3-8B TP4 run on 4 H100s planned 0.5 GiB to spare and its
+    cache held 485 of 512 samples from step 2 (a second decode wave: rollout 28.5 s vs 21.6 s)."""
+
+    need: float  # bytes the cache of a step's samples needs, per-slot headroom included
+    fixed: float  # the headroom's fixed bytes (scratch slot, RoPE table, one prefill)
+    fraction: float  # rollout.engine.kv_cache_fraction
+
+    def short(self, device: torch.device) -> float:
+        """Bytes the cache would lack now on the rank that lacks most (<= 0: none lacks)."""
+        memory = kvc.device_memory(device, cached=True)
+        if memory is None:
+            return 0.0
+        free, total = memory
+        left = self.fraction * total - (total - free) - self.fixed
+        [short] = comm.all_reduce_max([float(self.need - left)])
+        return short
+
+
+def measured_check(
+    cfg: TrainConfig, policy: torch.nn.Module, layout: ParallelLayout
+) -> MeasuredCheck | None:
+    """The per-rollout check of ``auto`` (None: not ``auto``, or memory does not decide)."""
+    if cfg.training.offload_during_rollout != "auto" or _auto_off(cfg, policy):
+        return None
+    need, fixed, _ = _cache_need(cfg, policy, layout)
+    return MeasuredCheck(need, fixed, cfg.rollout.engine.kv_cache_fraction)
 
 
 def _auto_off(cfg: TrainConfig, policy: torch.nn.Module) -> str:
@@ -210,13 +269,26 @@ def _cache_room(
 ) -> tuple[float, float, float]:
     """(bytes the KV cache of a step needs with its headroom, bytes the engine's sizing rule
     would leave it with the plan's optimizer state and gradients on the GPU, those bytes)."""
+    need, fixed, parts = _cache_need(cfg, policy, layout)
+    movable = parts["grads"] + parts["optimizer"]
+    free, total = torch.cuda.mem_get_info()
+    overhead = max(total - free - torch.cuda.memory_allocated(), 0)  # CUDA context, NCCL
+    resident = parts["params"] + parts["reference"] + movable + overhead
+    left = cfg.rollout.engine.kv_cache_fraction * total - resident - fixed
+    return need, left, movable
+
+
+def _cache_need(
+    cfg: TrainConfig, policy: torch.nn.Module, layout: ParallelLayout
+) -> tuple[float, float, dict[str, float]]:
+    """(bytes the KV cache of a step's samples needs, per-slot headroom included; the
+    headroom's fixed bytes; this rank's memory plan by part)."""
     from megatron_grpo.megatron.plan.memory import memory_plan
     from megatron_grpo.train.dry_run import plan_args
 
     r, o = cfg.rollout, cfg.rollout.engine
     plan = memory_plan(cfg.model, cfg.parallel, **plan_args(cfg, layout.dp_size))
     parts = plan.stages[layout.pp_rank].bytes
-    movable = parts["grads"] + parts["optimizer"]
     groups = r.num_prompts // layout.dp_size
     if r.partial.enabled:  # PartialRollouts keeps its over-provisioned groups in flight
         groups += math.ceil(groups * r.partial.over_provision)
@@ -229,8 +301,4 @@ def _cache_room(
     graphs = o.cuda_graphs if o.cuda_graphs is not None else cfg.model.num_moe_experts is None
     room = kvc.Headroom.of(policy, shape, seq, max(prefill, r.max_prompt_length), graphs)
     need = samples * (shape.bytes_per_token * seq + room.per_slot)
-    free, total = torch.cuda.mem_get_info()
-    overhead = max(total - free - torch.cuda.memory_allocated(), 0)  # CUDA context, NCCL
-    resident = parts["params"] + parts["reference"] + movable + overhead
-    left = o.kv_cache_fraction * total - resident - room.fixed
-    return need, left, movable
+    return need, room.fixed, parts

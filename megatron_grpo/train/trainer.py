@@ -53,7 +53,7 @@ from megatron_grpo.train.config import TrainConfig
 from megatron_grpo.train.dry_run import resolve_recompute
 from megatron_grpo.train.monitor import Monitor, write_resolved_config
 from megatron_grpo.train.nonfinite import NonFiniteError, NonFiniteGuard
-from megatron_grpo.train.offload import RolloutOffload
+from megatron_grpo.train.offload import RolloutOffload, measured_check
 from megatron_grpo.train.offload import decide as offload_decision
 from megatron_grpo.train.optim import build_optimizer, optimizer_step, zero_grads
 from megatron_grpo.train.run_outputs import start_outputs
@@ -62,6 +62,12 @@ from megatron_grpo.train.stop import Stopped, StopRequest
 from megatron_grpo.train.writer_queue import install_writer_queue
 
 __all__ = ["NonFiniteError", "Trainer"]
+
+
+def say(line: str) -> None:
+    """A start-up or resume line on stdout, from global rank 0 ("" says nothing)."""
+    if line and torch.distributed.get_rank() == 0:
+        print(line, flush=True)
 
 
 class Trainer:
@@ -128,11 +134,12 @@ class Trainer:
             self.monitor.message(line)
 
     def _setup_offload(self, policy: torch.nn.Module) -> None:
-        """``training.offload_during_rollout``: decided once from the plan, said in one line."""
+        """``training.offload_during_rollout``: decided from the plan, said in one line; ``auto``
+        left off is measured again before each rollout."""
         offload, line = offload_decision(self.cfg, policy, self.layout)
-        self.offload = RolloutOffload(self.model, self.optimizer, offload)
-        if line and torch.distributed.get_rank() == 0:
-            print(line, flush=True)
+        check = measured_check(self.cfg, policy, self.layout)
+        self.offload = RolloutOffload(self.model, self.optimizer, offload, check, say)
+        say(line)
 
     def _open_rollouts(self, task: Task | None) -> RolloutPlan:
         """The rollout source's plan and the evaluator (the ``evaluation:`` section; off: a
@@ -215,8 +222,7 @@ class Trainer:
             device = -device
         choice = resolve_recompute(self.cfg, self.dp_size, device)
         self.cfg = dataclasses.replace(self.cfg, model=choice.model)
-        if torch.distributed.get_rank() == 0:
-            print(choice.reason, flush=True)
+        say(choice.reason)
 
     def _load(self, resume: bool) -> tuple[int, int]:
         """Loads ``checkpoint.load`` and, on resume, the latest checkpoint: returns its step and
@@ -236,8 +242,7 @@ class Trainer:
         check_checkpoint_architecture(self.cfg.model, str(latest))
         state = ckpt.load_checkpoint(latest, self.model, self.optimizer, self.scheduler)
         step = int(state["step"])
-        if torch.distributed.get_rank() == 0:
-            print(f"resumed from {latest} at step {step}", flush=True)
+        say(f"resumed from {latest} at step {step}")
         self._restore_partial(state)
         self._rank_state = state.get("rank_state") or {}
         return step, int(state.get("skipped_steps", 0))
@@ -250,8 +255,7 @@ class Trainer:
             return
         saved = self._rank_state.get("separate") if resume else None
         line = separate.open(self.start_step, saved)
-        if line and torch.distributed.get_rank() == 0:
-            print(line, flush=True)
+        say(line)
 
     def _restore_partial(self, state: dict[str, Any]) -> None:
         """The partial rollouts' requests in flight continue, or (a checkpoint without them, or
@@ -305,7 +309,7 @@ class Trainer:
                 with self.profiler.step(step + 1):  # logging.profile_step_start .. end
                     stages: dict[str, float] = {}
                     t0 = time.perf_counter()
-                    with self.offload.during_rollout():  # optimizer state + grads on the host
+                    with self.offload.during_rollout(step):  # optimizer state + grads on the host
                         with sm.timed(stages, "rollout"):  # generation (or file read) + scoring
                             batch = self.source.next(step)
                     if self.offload.enabled:
