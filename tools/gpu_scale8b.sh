@@ -9,7 +9,8 @@
 #   b  rollouts from files: SCALE8B_FILE_PROMPTS (4) x 8 samples of 2048 + 30720 tokens, 32k
 #      micro-batches, 4 mini-batches
 #   c  on-policy, built-in engine: 256 x (256 + 3840) (NeMo-RL's 4k setting), 16k micro-batches
-# SCALE8B_STEPS (3) steps each; step 1 is warm-up. $OUT/scale8b.md: the step split, tokens/s
+# SCALE8B_STEPS (3) steps each; step 1 is warm-up. Rows a and c: decode CUDA graphs on (the
+# default allocator; SCALE8B_ALLOC_CONF sets another). $OUT/scale8b.md: the step split, tokens/s
 # per GPU (step and update) and the update's MFU per GPU (model FLOPs: 6 x matmul weights per
 # token + causal attention, over SCALE8B_PEAK_TFLOPS (989, H100/H200 bf16 dense)).
 
@@ -42,7 +43,14 @@ scale8b_row() {
     local row=$1
     local LOG="$OUT/scale8b_$row.log"  # this row's output (train appends to $LOG)
     scale8b_args "$row" || return 1
-    NPROC=4 train "scale8b_${row}_fused" qwen3_8b_long_sp fused "${SCALE8B_ARGS[@]}"
+    # The engine rows (a, c) run the product's default allocator: decode CUDA graphs do not
+    # capture under gpu_e2e's expandable segments (issue 42's first table ran them so: graphs
+    # off). SCALE8B_ALLOC_CONF overrides it for them; row b (rollout files) keeps gpu_e2e's.
+    local alloc=$PYTORCH_CUDA_ALLOC_CONF
+    [ "$row" != b ] && alloc=${SCALE8B_ALLOC_CONF-}
+    echo "scale8b_$row: PYTORCH_CUDA_ALLOC_CONF='$alloc'" | tee -a "$LOG"
+    PYTORCH_CUDA_ALLOC_CONF=$alloc NPROC=4 train "scale8b_${row}_fused" qwen3_8b_long_sp fused \
+        "${SCALE8B_ARGS[@]}"
     local rc=$?
     echo "scale8b_$row: $(grep -h -m1 "recompute_granularity=auto" "$LOG")"
     return $rc
