@@ -213,11 +213,19 @@ class SeparateConfig:
             under: step ``s`` trains on rollouts generated with the weights of step
             ``max(start, s - max_staleness)``; 0 = the trainer waits for rollouts of its latest
             weights (synchronous). Groups that would lag more are dropped and counted.
+        in_flight_updates: a replica swaps in a newer version as soon as it is complete,
+            between engine steps, instead of at the next part: its unfinished requests continue
+            under the new weights (their KV recomputed), each token tagged with the version
+            that sampled it. Tokens only get fresher (lag <= max_staleness still); which tokens
+            are newer depends on timing, so runs are not bit-reproducible. Needs eager decode
+            (``engine.cuda_graphs: false``: a graph capture must not start while weights are
+            in flight) and ``max_staleness >= 1`` (at 0 no newer version exists mid-unit).
     """
 
     generation_ranks: int | list[int] = 1
     tensor_model_parallel_size: int = 1
     max_staleness: int = 1
+    in_flight_updates: bool = False
 
     def __post_init__(self) -> None:
         g = self.generation_ranks
@@ -406,6 +414,20 @@ class RolloutConfig:
             raise ValueError(
                 "partial.enabled is not supported with placement: separate yet (the "
                 "generation ranks keep their decode batch full by running ahead instead)"
+            )
+        s = self.separate
+        if s.in_flight_updates and s.max_staleness == 0:
+            raise ValueError(
+                "separate.in_flight_updates: true needs separate.max_staleness >= 1 (at 0 the "
+                "trainer waits for each unit: no newer version exists while one is generated)"
+            )
+        eager = self.engine.kind == "kv_cache" and self.engine.cuda_graphs is False
+        if s.in_flight_updates and not eager:
+            raise ValueError(
+                "separate.in_flight_updates: true swaps weights between engine steps: it needs "
+                "engine.kind: kv_cache with engine.cuda_graphs: false (a graph capture must not "
+                "start while weights are in flight), got engine.kind: "
+                f"{self.engine.kind}, engine.cuda_graphs: {self.engine.cuda_graphs}"
             )
 
     def _check_source(self) -> None:

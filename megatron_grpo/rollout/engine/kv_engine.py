@@ -20,9 +20,8 @@ sequence), then runs decode steps: one token per unfinished sequence, attending 
   broadcast), DP (each rank its own prompts), EP (every MoE forward is a collective over the
   expert group: ranks agree by one all-reduce MAX per phase and pad to the group's sizes; ranks
   with nothing left run dummy rows until the group is done). PP and CP > 1 are refused.
-* The cache is freed when the call returns, before any policy update, and its memory returned
-  to the driver (``memory_release``); a CUDA graph pool and a few static buffers stay with the
-  engine.
+* The cache is freed when the call returns, its memory back to the driver (``memory_release``);
+  a CUDA graph pool and a few static buffers stay with the engine.
 """
 
 from __future__ import annotations
@@ -138,10 +137,12 @@ class KVCacheEngine:
         stop: Callable[[torch.Tensor], bool] | None = None,
         keep_kv: bool = False,
         record_routes: bool = False,
+        check_every: int | None = None,
     ) -> None:
         """Continue ``requests`` (none finished; ``megatron_grpo.rollout.engine.requests``) until all
         finished or ``stop(finished [N] bool)`` is true between engine steps (an expert group
-        stops when all its ranks' ``stop`` are); new tokens are tagged ``version``. Paused
+        stops when all its ranks' ``stop`` are; asked when a row finishes or, with
+        ``check_every``, at least every that many decode steps); new tokens are tagged ``version``. Paused
         requests keep their cached rows on the host with ``keep_kv``; with ``record_routes``
         each request's ``routes`` hold its fed positions' routes (carried ones kept)."""
         io.check_layout(self.layout)
@@ -155,7 +156,7 @@ class KVCacheEngine:
         self._reset_stats()
         with self._generation_mode(run), recording(run.routes):
             self._restore_kv(run, requests)
-            self._loop(run, stop)
+            self._loop(run, stop, check_every)
             write_back(run, requests, version)
             if keep_kv:
                 for slot, i in enumerate(run.rows):
@@ -275,7 +276,7 @@ class KVCacheEngine:
             self.graphs.clear()
 
     # ------------------------------------------------------------------ the loop
-    def _loop(self, run: Run, stop: Callable[[torch.Tensor], bool] | None = None) -> None:
+    def _loop(self, run: Run, stop: Callable | None = None, every: int | None = None) -> None:
         group = self.layout.expert_tp_ep_group
         while True:
             if stop is not None and self._stopping(run, stop, group):
@@ -303,7 +304,7 @@ class KVCacheEngine:
                 # rows are fed (a step ahead would route rows that already finished).
                 self._decode(run, len(run.rows))
             elif run.rows:
-                self._decode_stream(run)
+                self._decode_stream(run, every if stop is not None else None)
             self.stats["prefill_seconds"] += t1 - t0
             self.stats["decode_seconds"] += time.perf_counter() - t1
             if self.graphs is not None:  # re-captured when the cache or a weight moved
@@ -383,20 +384,20 @@ class KVCacheEngine:
         step = self._launch(run, rows, longest=longest)
         self._retire(run, self._collect(run, step), step.ctx)
 
-    def _decode_stream(self, run: Run) -> None:
-        """Decode steps with one in flight until a row finishes: step t + 1 is launched before
-        step t's tokens reach the host (the device advances the rows' state), so the host's
-        bookkeeping hides behind the GPU. Rows finished at step t also ran step t + 1, whose
-        tokens for them are dropped."""
-        prev = self._launch(run, len(run.rows))
+    def _decode_stream(self, run: Run, steps: int | None = None) -> None:
+        """Decode steps with one in flight until a row finishes (or ``steps`` ran): step t + 1
+        is launched before step t's tokens reach the host (the device advances the rows' state),
+        so the host's bookkeeping hides behind the GPU. Rows finished at step t also ran step
+        t + 1, whose tokens for them are dropped."""
+        prev, n = self._launch(run, len(run.rows)), 2
         while True:
             nxt = self._launch(run, len(run.rows), ahead=1)
             finished = self._collect(run, prev)
-            if finished:
+            if finished or (steps is not None and n >= steps):
                 finished += self._collect(run, nxt, skip=finished)
                 self._retire(run, sorted(finished), nxt.ctx)
                 return
-            prev = nxt
+            prev, n = nxt, n + 1
 
     def _launch(self, run: Run, rows: int, ahead: int = 0, longest: int | None = None) -> Launched:
         """Enqueue one decode step of the active rows (``ahead`` steps of theirs are still in

@@ -8,7 +8,9 @@ prompts, sampling generators, engine and scorer). Without decode CUDA graphs the
 always being received (``begin`` right after each ``swap``), so the transfer overlaps
 generation; with them it starts when the version is due (see ``GenerationLoop.__init__``). A
 swap happens only between parts of units (``parts``), when the next one is scheduled on a newer
-version (``channel.unit_version``), and stops the generators for the copy alone. A version of
+version (``channel.unit_version``), and stops the generators for the copy alone; with
+``rollout.separate.in_flight_updates`` also between engine steps, as soon as a newer version is
+complete (``parts.run_in_flight``: requests continue under it). A version of
 ``STOP`` (the run's end) or ``STOPPED`` (the trainer stopped early on a stop request: a signal,
 the time limit) ends the loop; :meth:`GenerationLoop.run` says which.
 """
@@ -21,7 +23,7 @@ import torch
 
 from megatron_grpo.megatron.config import ModelConfig, ParallelConfig
 from megatron_grpo.megatron.model.build import build_model, unwrap
-from megatron_grpo.megatron.parallel import initialize_parallel
+from megatron_grpo.megatron.parallel import all_reduce_max, initialize_parallel
 from megatron_grpo.rollout.config import EvaluationConfig, RolloutConfig
 from megatron_grpo.rollout.context import RolloutContext
 from megatron_grpo.rollout.dynamic_sampling import FilteredRollouts
@@ -35,7 +37,7 @@ from megatron_grpo.rollout.separate.channel import (
     send_unit,
     unit_version,
 )
-from megatron_grpo.rollout.separate.parts import PartRounds
+from megatron_grpo.rollout.separate.parts import PartRounds, VersionsEnded
 from megatron_grpo.rollout.separate.world import SOURCE, SeparateWorld
 from megatron_grpo.rollout.source import GeneratedRollouts, build_checked_task
 from megatron_grpo.rollout.tasks import Task
@@ -68,7 +70,7 @@ class GenerationLoop:
         moe_tp = world.tp > 1 and model_cfg.num_moe_experts is not None
         # MoE at TP > 1: the sequence-parallel path megatron-core's MoE layer is built for
         par = ParallelConfig(tensor_model_parallel_size=world.tp, sequence_parallel=moe_tp)
-        layout = initialize_parallel(par, ctx.seed)
+        self.layout = layout = initialize_parallel(par, ctx.seed)
         [chunk] = build_model(model_cfg, par, wrap_ddp=False)
         self.model = unwrap(chunk)
         self.model.eval()
@@ -89,6 +91,13 @@ class GenerationLoop:
         # due (at max_staleness 1 the trainer needs this replica's part next anyway).
         engine = self.gen.engine
         self.eager = engine is None or not engine.use_graphs
+        self.in_flight = cfg.separate.in_flight_updates
+        if self.in_flight and not self.eager:  # the config asks cuda_graphs: false
+            raise RuntimeError(
+                "rollout.separate.in_flight_updates needs eager decode, but the engine replays "
+                "CUDA graphs: set rollout.engine.cuda_graphs: false"
+            )
+        self.in_flight_swaps = 0
         self.receiving = False
         self.sends: list = []
         self.sync_metrics: dict[str, float] = {}
@@ -115,15 +124,18 @@ class GenerationLoop:
                 self._swap()
             if ended(self.version):
                 break
-            if self.version != need:
+            if self.version != need and not (self.in_flight and self.version > need):
                 raise RuntimeError(
                     f"separate placement: step {step} is scheduled on policy version {need}, "
                     f"but the generators hold version {self.version}"
                 )
             idle = time.perf_counter() - t0
-            for d, j in mine:
-                self._unit(step, d, j, idle)
-                idle, done = 0.0, done + 1
+            try:
+                for d, j in mine:
+                    self._unit(step, d, j, idle)
+                    idle, done = 0.0, done + 1
+            except VersionsEnded:  # the trainer's end came in flight: it waits for no more
+                break
             self.receiver.poll()  # CPU: moves the next version's buckets on
         while not ended(self.version):  # the trainer's remaining versions, until it stops
             self._swap()
@@ -142,6 +154,21 @@ class GenerationLoop:
         self.receiving = not ended(self.version) and self.eager
         if self.receiving:
             self.receiver.begin()
+
+    # ----------------------------------------------------------- in-flight updates (InFlight)
+    def ready(self, finished: torch.Tensor) -> bool:
+        """A newer version is complete on every rank of this replica (between engine steps)."""
+        missing = int(not self.receiver.poll())
+        if self.layout.tp_size > 1:  # the replica's ranks pause their requests together
+            [missing] = all_reduce_max([missing], self.layout.tp_group, torch.int64)
+        return not missing
+
+    def swap(self) -> None:
+        """Swap the complete version in mid-part; the trainer's end abandons the part."""
+        self._swap()
+        self.in_flight_swaps += 1
+        if ended(self.version):
+            raise VersionsEnded
 
     @torch.no_grad()
     def _evaluate(self) -> None:
@@ -167,7 +194,9 @@ class GenerationLoop:
         rank sends it."""
         t0 = time.perf_counter()
         lo, hi = self.ranges[part]
-        source = PartRounds(self.gen, dp_rank, lo, hi, self.version)
+        version, swaps = self.version, self.in_flight_swaps
+        flight = self if self.in_flight else None
+        source = PartRounds(self.gen, dp_rank, lo, hi, version, flight)
         if self.cfg.filter_groups.enabled:  # this part's groups, filtered here alone
             source = FilteredRollouts(source, self.cfg.filter_groups, hi - lo, local=True)
         batch = source.next(step)
@@ -180,9 +209,11 @@ class GenerationLoop:
                 "rollout/weight_swap_seconds", 0.0
             ),
         }
+        if self.in_flight:  # versions swapped in while this part was generated
+            metrics["rollout/in_flight_swaps"] = float(self.in_flight_swaps - swaps)
         if not self.world.is_leader:
             return
-        unit = Unit(step, dp_rank, part, self.version, batch, metrics, counts)
+        unit = Unit(step, dp_rank, part, version, batch, metrics, counts)  # the version it began
         dsts, s = self.start.trainers_of(dp_rank), self.start
         self.sends.append(send_unit(unit, dsts, s.dp_size, len(self.ranges), self.world.data_group))
         self.sends = [s for s in self.sends if not all(w.is_completed() for w in s[0])]

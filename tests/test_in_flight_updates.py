@@ -1,0 +1,187 @@
+"""``rollout.separate.in_flight_updates``: a generation replica swaps a newer version in between
+engine steps, and its unfinished requests continue under it (``separate/parts.run_in_flight``).
+
+The tokens before the swap are the old weights' (the run without a swap's), those after it are
+exactly the new weights' continuation of that prefix, each tagged with its own version; a
+separate run with the swaps made at fixed points is reproducible and its tokens lag less.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+
+N, MAX_NEW = 6, 12
+
+
+class _Flight:
+    """A stand-in ``InFlight``: a newer version is ready at the ``at``-th engine check."""
+
+    def __init__(self, model: torch.nn.Module, new: list[torch.Tensor], at: int) -> None:
+        self.model, self.new, self.at = model, new, at
+        self.version, self.checks, self.swaps = 0, 0, 0
+
+    def ready(self, finished: torch.Tensor) -> bool:
+        self.checks += 1
+        return self.version == 0 and self.checks >= self.at
+
+    def swap(self) -> None:
+        with torch.no_grad():  # in place, as WeightReceiver.swap: the storage stays
+            for p, w in zip(self.model.parameters(), self.new, strict=True):
+                p.copy_(w)
+        self.version, self.swaps = 1, self.swaps + 1
+
+
+def _unit_body(rank: int, world: int) -> None:
+    from megatron_grpo.megatron import ParallelConfig, unwrap
+    from megatron_grpo.rollout import EngineOptions, KVCacheEngine, SamplingParams
+    from megatron_grpo.rollout.engine.requests import Request
+    from megatron_grpo.rollout.separate.parts import run_in_flight
+    from tests.megatron_utils import build_layout, tiny_model
+
+    cfg = tiny_model(init_method_std=0.3)
+    model = unwrap(build_layout(ParallelConfig(), cfg)[0])
+    engine = KVCacheEngine(model, EngineOptions(kv_cache_gib=0.01, context_bucket=16))
+    params = SamplingParams(
+        max_new_tokens=MAX_NEW, eos_id=cfg.vocab_size - 1, vocab_size=cfg.vocab_size
+    )
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, cfg.vocab_size, (4 + i,), generator=g).tolist() for i in range(N)]
+    uniforms = torch.rand(N, MAX_NEW, generator=g)
+
+    def requests() -> list[Request]:  # staggered limits: rows finish at different steps
+        pairs = enumerate(zip(prompts, uniforms, strict=True))
+        return [Request(p, u.clone(), limit=3 + 2 * i) for i, (p, u) in pairs]
+
+    old_weights = [p.detach().clone() for p in model.parameters()]
+    new = [w + 0.5 * torch.randn(w.shape, generator=g).to(w.dtype) for w in old_weights]
+    old = requests()
+    engine.run_requests(old, params, 0)
+    flight = _Flight(model, new, at=3)
+    flown = requests()
+    run_in_flight(SimpleNamespace(engine=engine, params=params, record_routes=False), flown, flight)
+    assert flight.swaps == 1 and all(r.finished for r in flown)
+    spanned = 0
+    for a, b in zip(old, flown, strict=True):
+        k = b.versions.count(0)
+        assert b.versions == [0] * k + [1] * (len(b.tokens) - k)  # one switch, in order
+        assert b.tokens[:k] == a.tokens[:k] and b.logprobs[:k] == a.logprobs[:k]
+        spanned += 0 < k < len(b.tokens)
+        # after the swap: the new weights' own continuation of the old prefix
+        ref = Request(b.prompt, b.uniforms.clone(), b.limit, b.tokens[:k], b.logprobs[:k], [0] * k)
+        if k < len(b.tokens):
+            engine.run_requests([ref], params, 1)
+            assert ref.tokens == b.tokens and ref.versions == b.versions
+            torch.testing.assert_close(ref.logprobs, b.logprobs, rtol=0, atol=1e-5)
+    assert spanned >= 2, "the swap landed between requests, not inside them"
+    assert any(a.tokens != b.tokens for a, b in zip(old, flown, strict=True))  # weights matter
+
+
+def test_requests_continue_under_the_version_swapped_in():
+    run_distributed(_unit_body, 1)
+
+
+# ---------------------------------------------------------------------------- end to end
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny_long.yaml"
+IN_FLIGHT = (
+    "rollout.placement=separate",
+    "rollout.separate.generation_ranks=1",
+    "rollout.separate.max_staleness=1",
+    "rollout.separate.in_flight_updates=true",
+    "rollout.engine.cuda_graphs=false",
+    "rollout.reverse_digits.num_digits=12",
+    "rollout.max_prompt_length=16",
+    "rollout.max_response_length=13",
+    "rollout.sampling.ignore_eos=true",  # 13 tokens each: a swap after 5 lands mid-request
+)
+
+
+def _overrides(tmp: Path, name: str, *extra: str) -> list[str]:
+    return [
+        "parallel.tensor_model_parallel_size=1",
+        "rollout.num_prompts=4",
+        "rollout.group_size=4",
+        "training.micro_batch_size=8",
+        "training.use_reference_model=false",
+        "loss.is_correction_level=token",
+        "logging.progress_bar=false",
+        "training.steps=3",
+        f"logging.dir={tmp / name}",
+        f"rollout.output_dir={tmp / name / 'rollouts'}",
+        "checkpoint.dir=null",
+        *extra,
+    ]
+
+
+def _swap_at_fixed_points() -> None:
+    """Make the swaps deterministic: in a part that a newer version will reach (its step is
+    past the version held), at the second engine check (after the prefill and four decode
+    steps: ``parts.CHECK_EVERY`` bounds a stream), wait for that version and swap it in."""
+    from megatron_grpo.rollout.separate import generation, parts
+
+    parts.CHECK_EVERY = 4  # responses here are 13 tokens
+    loop = generation.GenerationLoop
+    unit = loop._unit
+
+    def tracked(self, step, *args) -> None:
+        self.step, self.checks = step, 0
+        unit(self, step, *args)
+
+    def ready(self, finished) -> bool:
+        self.checks += 1
+        if self.step <= self.version or self.checks != 2:
+            return False
+        while not self.receiver.poll():  # the trainer sends it after its current step
+            time.sleep(0.01)
+        return True
+
+    loop._unit, loop.ready = tracked, ready
+
+
+def _e2e_body(rank: int, world: int, tmp: Path) -> None:
+    from megatron_grpo.rollout.separate.launch import run_generation_rank
+    from megatron_grpo.train.config import load_train_config
+    from megatron_grpo.train.trainer import Trainer
+
+    _swap_at_fixed_points()
+    for name in ("a", "b"):
+        cfg = load_train_config(RECIPE, _overrides(tmp, name, *IN_FLIGHT))
+        if (end := run_generation_rank(cfg)) is None:
+            Trainer(cfg, overwrite=True).train()
+        else:
+            assert end == "finished", end
+
+
+def test_in_flight_swaps_freshen_tokens_and_keep_the_run_reproducible(tmp_path):
+    """1 trainer + 1 generator, max_staleness 1: units 1 and 2 start on the previous version
+    and swap the newest in mid-part; their tokens lag 0 or 1 versions, never more."""
+    import json
+
+    run_distributed(_e2e_body, 2, tmp_path)
+    rows = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["rollout/in_flight_swaps"] for m in rows] == [0.0, 1.0, 1.0]
+    assert [m["rollout/policy_lag_max"] for m in rows] == [0.0, 1.0, 1.0]
+    assert all(0.0 < m["rollout/policy_lag_mean"] < 1.0 for m in rows[1:])
+    rollouts = {n: sorted((tmp_path / n / "rollouts").iterdir()) for n in ("a", "b")}
+    assert [p.read_text() for p in rollouts["a"]] == [p.read_text() for p in rollouts["b"]]
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (("rollout.engine.cuda_graphs=null",), "needs engine.kind: kv_cache with engine.cuda"),
+        (("rollout.separate.max_staleness=0",), "needs separate.max_staleness >= 1"),
+    ],
+)
+def test_in_flight_config_errors_name_the_field(tmp_path, extra, match):
+    from megatron_grpo.config import ConfigError
+    from megatron_grpo.train.config import load_train_config
+
+    with pytest.raises((ConfigError, ValueError), match=match):
+        load_train_config(RECIPE, _overrides(tmp_path, "x", *IN_FLIGHT, *extra))
