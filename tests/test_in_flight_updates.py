@@ -158,18 +158,32 @@ def _e2e_body(rank: int, world: int, tmp: Path) -> None:
             assert end == "finished", end
 
 
-def test_in_flight_swaps_freshen_tokens_and_keep_the_run_reproducible(tmp_path):
-    """1 trainer + 1 generator, max_staleness 1: units 1 and 2 start on the previous version
-    and swap the newest in mid-part; their tokens lag 0 or 1 versions, never more."""
+def _check_swaps(tmp: Path, name: str) -> None:
     import json
 
-    run_distributed(_e2e_body, 2, tmp_path)
-    rows = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (tmp / name / "metrics.jsonl").read_text().splitlines()]
     assert [m["rollout/in_flight_swaps"] for m in rows] == [0.0, 1.0, 1.0]
     assert [m["rollout/policy_lag_max"] for m in rows] == [0.0, 1.0, 1.0]
     assert all(0.0 < m["rollout/policy_lag_mean"] < 1.0 for m in rows[1:])
+
+
+def test_in_flight_swaps_freshen_tokens_and_keep_the_run_reproducible(tmp_path):
+    """1 trainer + 1 generator, max_staleness 1: units 1 and 2 start on the previous version
+    and swap the newest in mid-part; their tokens lag 0 or 1 versions, never more."""
+    run_distributed(_e2e_body, 2, tmp_path)
+    _check_swaps(tmp_path, "a")
     rollouts = {n: sorted((tmp_path / n / "rollouts").iterdir()) for n in ("a", "b")}
     assert [p.read_text() for p in rollouts["a"]] == [p.read_text() for p in rollouts["b"]]
+
+
+@pytest.mark.gpu
+def test_gpu_in_flight_swaps_over_nccl(tmp_path):
+    """2 GPUs: the same with the weights over NCCL (the receiver's CUDA-event poll)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    run_distributed(_e2e_body, 2, tmp_path, backend="nccl", timeout=300)
+    _check_swaps(tmp_path, "a")
+    _check_swaps(tmp_path, "b")
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,9 @@ it runs ``recipes/qwen3_8b_long_sp_twin.yaml`` twice with the same samples per s
 * ``colocated``: TP2 + SP x DP2 on all 4 ranks (every rank generates, then trains);
 * ``separate``: a TP2 + SP trainer on ranks 0-1, two TP1 generation replicas on ranks 2-3
   (``rollout.separate``: ``generation_ranks: 2``, ``max_staleness`` ``--staleness``, 1);
-* ``separate_dp2`` (``--placements``): the same split with a TP1 x DP2 trainer.
+* ``separate_dp2`` (``--placements``): the same split with a TP1 x DP2 trainer;
+* ``separate_dp2_inflight``: that with ``rollout.separate.in_flight_updates`` (eager decode:
+  ``rollout.engine.cuda_graphs: false``), to set against ``separate_dp2`` of the same call.
 
 A failing run is logged and the others still run. Prints (and writes ``bench_async.md`` and
 ``bench_async.json`` under ``--out``) one row per run, the means over the steps after the first
@@ -64,6 +66,12 @@ PLACEMENTS = {
         "rollout.separate.tensor_model_parallel_size=1",
     ],
 }
+# requests continue under a newer version swapped in mid-part (eager decode only)
+PLACEMENTS["separate_dp2_inflight"] = [
+    *PLACEMENTS["separate_dp2"],
+    "rollout.separate.in_flight_updates=true",
+    "rollout.engine.cuda_graphs=false",
+]
 COLUMNS = [  # (header, metric, format)
     ("tokens/s", "perf/tokens_per_s", "{:.0f}"),
     ("step s", "perf/step_seconds", "{:.2f}"),
@@ -75,6 +83,7 @@ COLUMNS = [  # (header, metric, format)
     ("sync GiB", "rollout/weight_sync_gib", "{:.2f}"),
     ("sync GiB/s", None, "{:.1f}"),
     ("lag mean", "rollout/policy_lag_mean", "{:.2f}"),
+    ("in-flight swaps", "rollout/in_flight_swaps", "{:.1f}"),
     ("gen s", "perf/generation_seconds", "{:.2f}"),
     ("gen idle s", "perf/generator_idle_seconds", "{:.2f}"),
     ("reward", "reward/mean", "{:.3f}"),
