@@ -167,6 +167,7 @@ def _check_swaps(tmp: Path, name: str) -> None:
     assert all(0.0 < m["rollout/policy_lag_mean"] < 1.0 for m in rows[1:])
 
 
+@pytest.mark.slow
 def test_in_flight_swaps_freshen_tokens_and_keep_the_run_reproducible(tmp_path):
     """1 trainer + 1 generator, max_staleness 1: units 1 and 2 start on the previous version
     and swap the newest in mid-part; their tokens lag 0 or 1 versions, never more."""
