@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.test_separate_placement import _overrides
 
 N, MAX_NEW = 6, 12
 
@@ -102,23 +103,6 @@ IN_FLIGHT = (
 )
 
 
-def _overrides(tmp: Path, name: str, *extra: str) -> list[str]:
-    return [
-        "parallel.tensor_model_parallel_size=1",
-        "rollout.num_prompts=4",
-        "rollout.group_size=4",
-        "training.micro_batch_size=8",
-        "training.use_reference_model=false",
-        "loss.is_correction_level=token",
-        "logging.progress_bar=false",
-        "training.steps=3",
-        f"logging.dir={tmp / name}",
-        f"rollout.output_dir={tmp / name / 'rollouts'}",
-        "checkpoint.dir=null",
-        *extra,
-    ]
-
-
 def _swap_at_fixed_points() -> None:
     """Make the swaps deterministic: in a part that a newer version will reach (its step is
     past the version held), at the second engine check (after the prefill and four decode
@@ -151,7 +135,7 @@ def _e2e_body(rank: int, world: int, tmp: Path) -> None:
 
     _swap_at_fixed_points()
     for name in ("a", "b"):
-        cfg = load_train_config(RECIPE, _overrides(tmp, name, *IN_FLIGHT))
+        cfg = load_train_config(RECIPE, _overrides(tmp, name, "training.steps=3", *IN_FLIGHT))
         if (end := run_generation_rank(cfg)) is None:
             Trainer(cfg, overwrite=True).train()
         else:

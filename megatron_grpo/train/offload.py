@@ -217,7 +217,7 @@ def decide(cfg: TrainConfig, policy: torch.nn.Module, layout: ParallelLayout) ->
 @dataclass(frozen=True)
 class MeasuredCheck:
     """``auto`` the plan left off: the memory measured before a rollout decides, with the
-    engine's own sizing rule (``kv_cache.memory_slots``). The plan does not see everything that
+    engine's own sizing rule (``kv_cache.memory_budget``). The plan does not see everything that
     stays allocated across steps: a Qwen3-8B TP4 run on 4 H100s planned 0.5 GiB to spare and its
     cache held 485 of 512 samples from step 2 (a second decode wave: rollout 28.5 s vs 21.6 s)."""
 
@@ -230,8 +230,7 @@ class MeasuredCheck:
         memory = kvc.device_memory(device, cached=True)
         if memory is None:
             return 0.0
-        free, total = memory
-        left = self.fraction * total - (total - free) - self.fixed
+        left = kvc.memory_budget(*memory, self.fraction, self.fixed)
         [short] = comm.all_reduce_max([float(self.need - left)])
         return short
 

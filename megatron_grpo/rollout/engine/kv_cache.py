@@ -150,11 +150,17 @@ def device_memory(device: torch.device, cached: bool = True) -> tuple[int, int] 
     return free, total
 
 
+def memory_budget(free: int, total: int, fraction: float, fixed: int) -> float:
+    """Bytes the cache's slots may take: ``fraction * total - in_use - fixed`` with ``in_use =
+    total - free`` (this process's tensors, the CUDA context, other processes) and ``fixed`` the
+    call's :class:`Headroom` beside its slots (the trainer's offload check asks the same)."""
+    return fraction * total - (total - free) - fixed
+
+
 def memory_slots(free: int, total: int, per_seq: int, fraction: float, headroom: Headroom) -> int:
-    """Sequences of ``per_seq`` bytes the cache may hold (0 if none):
-    ``(fraction * total - in_use - headroom.fixed) // (per_seq + headroom.per_slot)``, with
-    ``in_use = total - free`` (this process's tensors, the CUDA context, other processes)."""
-    budget = fraction * total - (total - free) - headroom.fixed
+    """Sequences of ``per_seq`` bytes the cache may hold (0 if none): the
+    :func:`memory_budget` over ``per_seq + headroom.per_slot`` each."""
+    budget = memory_budget(free, total, fraction, headroom.fixed)
     return max(0, int(budget // (per_seq + headroom.per_slot)))
 
 

@@ -91,12 +91,7 @@ class GenerationLoop:
         # due (at max_staleness 1 the trainer needs this replica's part next anyway).
         engine = self.gen.engine
         self.eager = engine is None or not engine.use_graphs
-        self.in_flight = cfg.separate.in_flight_updates
-        if self.in_flight and not self.eager:  # the config asks cuda_graphs: false
-            raise RuntimeError(
-                "rollout.separate.in_flight_updates needs eager decode, but the engine replays "
-                "CUDA graphs: set rollout.engine.cuda_graphs: false"
-            )
+        self.in_flight = cfg.separate.in_flight_updates  # eager: the config asks for it
         self.in_flight_swaps = 0
         self.receiving = False
         self.sends: list = []
