@@ -263,6 +263,46 @@ def test_sync_is_bit_exact_over_nccl_with_decode_graphs():
     run_distributed(_cases, 4, [*CASES.values(), *MOE_CASES.values()], backend="nccl")
 
 
+def _device_sync_while_receiving(rank: int, world: int) -> None:
+    """Rank 1 (a generator) begins receiving, frees cached memory and synchronizes its device
+    (as the engine does at each call) and only then tells rank 0 (the trainer) to send: a
+    bucket broadcast posted before the sender began would hold that synchronization forever."""
+    chunks, layout = _on(ParallelConfig(), DENSE, 1 + rank, True)
+    sync, notice = dist.new_group([0, 1]), dist.new_group([0, 1], backend="gloo")
+    data = dist.new_group([0, 1], backend="gloo")  # the flag and the checksum (CPU)
+    flag, total = torch.zeros(1), torch.zeros(1, dtype=torch.float64)
+    if rank == 0:
+        sender = WeightSender(chunks, layout, sync, SOURCE, notice_group=notice)
+        dist.recv(flag, 1, group=data)  # the generator synchronized its device first
+        sender.send(7)
+        total += sum(p.double().sum() for p in unwrap(chunks[0]).parameters()).cpu()
+        dist.send(total, 1, group=data)
+        return
+    receiver = WeightReceiver(chunks[0], layout, sync, SOURCE, notice)
+    receiver.begin()
+    assert not receiver.arrived() and not receiver.poll()  # the sender has not begun
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+    dist.send(flag, 0, group=data)
+    assert receiver.swap()["version"] == 7 == receiver.version
+    dist.recv(total, 0, group=data)
+    mine = sum(p.double().sum() for p in unwrap(chunks[0]).parameters()).cpu()
+    assert torch.equal(mine, total[0]), (mine, total)
+
+
+def test_receiver_posts_buckets_only_after_the_header():
+    run_distributed(_device_sync_while_receiving, 2)
+
+
+@pytest.mark.gpu
+def test_gpu_device_sync_while_receiving_does_not_wait_for_the_sender():
+    """2 GPUs: the same over NCCL, where the early broadcast would deadlock (issue 41)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    run_distributed(_device_sync_while_receiving, 2, backend="nccl", timeout=120)
+
+
 def test_bench_weight_sync_dry_run(tmp_path):
     """tools/bench_weight_sync.py on CPU (gloo, 2 processes, tiny shapes): its table, and
     every replica checked against the trainer."""

@@ -5,8 +5,10 @@ Each rank builds the policy at ``rollout.separate.tensor_model_parallel_size`` (
 megatron-core layout over the generation sub-world), a :class:`WeightReceiver`, and the
 :class:`~megatron_grpo.rollout.source.GeneratedRollouts` of a colocated run (same task,
 prompts, sampling generators, engine and scorer). Without decode CUDA graphs the next version is
-always being received (``begin`` right after each ``swap``), so the transfer overlaps
-generation; with them it starts when the version is due (see ``GenerationLoop.__init__``). A
+always being received (``begin`` right after each ``swap``): its buckets are posted as soon as a
+check finds its header arrived (between parts; with in-flight updates also every few decode
+steps), so the transfer overlaps generation; with graphs it starts when the version is due (see
+``GenerationLoop.__init__``). A
 swap happens only between parts of units (``parts``), when the next one is scheduled on a newer
 version (``channel.unit_version``), and stops the generators for the copy alone; with
 ``rollout.separate.in_flight_updates`` also between engine steps, as soon as a newer version is
@@ -75,7 +77,9 @@ class GenerationLoop:
         self.model = unwrap(chunk)
         self.model.eval()
         # Collective with the trainer's WeightSender, then the trainer's opening message.
-        self.receiver = WeightReceiver(self.model, layout, world.sync_group, SOURCE)
+        self.receiver = WeightReceiver(
+            self.model, layout, world.sync_group, SOURCE, world.notice_group
+        )
         self.start: Start = exchange_start(None, world.data_group)
         task = task if task is not None else build_checked_task(cfg, ctx)
         self.gen = GeneratedRollouts(cfg, ctx, task, self.model, 0, self.start.dp_size)
@@ -131,7 +135,7 @@ class GenerationLoop:
                     idle, done = 0.0, done + 1
             except VersionsEnded:  # the trainer's end came in flight: it waits for no more
                 break
-            self.receiver.poll()  # CPU: moves the next version's buckets on
+            self._receive()  # posts the next version's buckets once it has begun
         while not ended(self.version):  # the trainer's remaining versions, until it stops
             self._swap()
         self._finish_sends()
@@ -153,9 +157,21 @@ class GenerationLoop:
     # ----------------------------------------------------------- in-flight updates (InFlight)
     def ready(self, finished: torch.Tensor) -> bool:
         """A newer version is complete on every rank of this replica (between engine steps)."""
-        missing = int(not self.receiver.poll())
-        if self.layout.tp_size > 1:  # the replica's ranks pause their requests together
-            [missing] = all_reduce_max([missing], self.layout.tp_group, torch.int64)
+        return self._receive()
+
+    def _receive(self) -> bool:
+        """Move the version being received on; whether it is complete on every rank of the
+        replica. Its ranks post the buckets together, once the header reached all of them: a
+        rank whose broadcast waited for a TP peer still decoding could block that peer's next
+        TP collective at its next device synchronization."""
+        r, group = self.receiver, self.layout.tp_group
+        if self.layout.tp_size == 1:
+            return r.poll()
+        [missing] = all_reduce_max([int(not r.arrived())], group, torch.int64)
+        if missing:
+            return False
+        r.post()
+        [missing] = all_reduce_max([int(not r.poll())], group, torch.int64)  # ranks pause together
         return not missing
 
     def swap(self) -> None:

@@ -65,7 +65,9 @@ class SeparateRollouts:
     ) -> None:
         self.cfg, self.layout, self.world, self.steps = cfg, layout, world, steps
         self.k = cfg.separate.max_staleness
-        self.sender = WeightSender(model, layout, world.sync_group, SOURCE)
+        self.sender = WeightSender(
+            model, layout, world.sync_group, SOURCE, notice_group=world.notice_group
+        )
         self.held: dict[int, Unit] = {}  # received, not trained on yet (by step)
         self.sent: int | None = None  # the last version pushed (STOP: finished)
         self.start: Start | None = None

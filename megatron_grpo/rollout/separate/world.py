@@ -11,7 +11,8 @@ lists and the weight sender's source are global ranks there).
 
 Two groups span both roles, made before the split over the real world (their ranks are global
 ranks): ``sync_group`` (trainer rank 0, the weight sender's source, and every generation rank:
-the weight broadcasts) and ``data_group`` (every rank, gloo: scored rollouts and the run's
+the weight broadcasts), ``notice_group`` (the same ranks, gloo: each version's header, sent
+before its buckets: ``weight_sync.receiver``) and ``data_group`` (every rank, gloo: scored rollouts and the run's
 start/stop messages, as pickled CPU tensors).
 """
 
@@ -33,6 +34,7 @@ class SeparateWorld:
         trainer_ranks / generation_ranks: the two roles' global ranks.
         rank: this process's global rank.
         sync_group: ``SOURCE`` and every generation rank (weight broadcasts).
+        notice_group: the same ranks, gloo (each version's header).
         data_group: every rank, gloo (rollouts, control messages).
         tp: the tensor-parallel size of each generation replica.
     """
@@ -41,6 +43,7 @@ class SeparateWorld:
     generation_ranks: tuple[int, ...]
     rank: int
     sync_group: dist.ProcessGroup
+    notice_group: dist.ProcessGroup
     data_group: dist.ProcessGroup
     tp: int
 
@@ -87,12 +90,13 @@ def split_world(generation_ranks: list[int], tp: int) -> SeparateWorld:
             f"of the {world}-rank world, leaving at least one trainer rank"
         )
     sync_group = dist.new_group([SOURCE, *gen])
+    notice_group = dist.new_group([SOURCE, *gen], backend="gloo")
     data_group = dist.new_group(list(range(world)), backend="gloo")
     trainer_group = dist.new_group(list(trainers))
     generator_group = dist.new_group(list(gen))
     own = generator_group if rank in gen else trainer_group
     c10d._update_default_pg(own)
-    _WORLD = SeparateWorld(trainers, gen, rank, sync_group, data_group, tp)
+    _WORLD = SeparateWorld(trainers, gen, rank, sync_group, notice_group, data_group, tp)
     return _WORLD
 
 

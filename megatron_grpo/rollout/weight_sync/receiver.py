@@ -1,14 +1,23 @@
 """The generator's side: receive the buckets into a staging copy, swap it in at a step boundary.
 
 A :class:`WeightReceiver` holds a staging copy of the rank's parameters (the double buffer) and
-two bucket buffers. :meth:`~WeightReceiver.begin` starts receiving the next version:
+two bucket buffers. :meth:`~WeightReceiver.begin` starts receiving the next version: it posts the
+receive of the version's header (on ``notice_group``). Once the header arrived (the sender has
+begun: :meth:`~WeightReceiver.arrived`), :meth:`~WeightReceiver.post` posts the buckets:
 
 * on GPU every bucket's broadcast and its copies into the staging tensors are queued at once on
   a side stream (two bucket buffers in turn; the stream orders their reuse), so the host returns
   at once and decode steps keep running on the current weights;
 * on CPU (gloo) two buckets are in flight and :meth:`~WeightReceiver.poll` moves on.
 
-:meth:`~WeightReceiver.poll` says (without blocking) whether the version is complete;
+Why the header first, on a gloo ``notice_group``: a bucket broadcast posted before the sender
+has begun waits on the GPU, and anything that synchronizes the device meanwhile (freeing memory
+to the driver, as the engine does at each call) waits with it; if the sender in turn waits for
+this rank's rollouts, neither moves. Posted after the header, a broadcast waits at most for the
+other receivers to post theirs. Without a ``notice_group`` the header shares ``sync_group``.
+
+:meth:`~WeightReceiver.poll` posts the buckets when the header arrived and says (without
+blocking) whether the version is complete;
 :meth:`~WeightReceiver.swap` waits for it and copies the staging tensors into the parameters in
 one multi-tensor copy: the engine's parameters keep their storage, so its fused decoder and
 CUDA graphs stay valid, and requests continue under the new weights from the next step (their
@@ -33,7 +42,7 @@ from megatron_grpo.rollout.weight_sync.plan import (
     check_metas,
     plan_buckets,
 )
-from megatron_grpo.rollout.weight_sync.sender import GIB, bytes_as
+from megatron_grpo.rollout.weight_sync.sender import GIB, bytes_as, header_tensor
 from megatron_grpo.rollout.weight_sync.shards import Coords, SyncTensor, one_chunk, sync_tensors
 
 Copies = tuple[list[Tensor], list[Tensor]]  # (destinations, sources) of one bucket
@@ -49,6 +58,8 @@ class WeightReceiver:
         layout: this rank's :class:`ParallelLayout` within its replica.
         sync_group: the group of ``source`` and every generator rank.
         source: the trainer rank that sends.
+        notice_group: a gloo group of the same ranks for the version's header (module
+            docstring); None: the header goes over ``sync_group``.
     """
 
     def __init__(
@@ -57,10 +68,12 @@ class WeightReceiver:
         layout: ParallelLayout,
         sync_group: dist.ProcessGroup,
         source: int,
+        notice_group: dist.ProcessGroup | None = None,
     ) -> None:
         if layout.pp_size > 1:
             raise ValueError("weight sync needs pipeline_model_parallel_size == 1 on generators")
         self.source, self.sync_group = source, sync_group
+        self.notice_group = sync_group if notice_group is None else notice_group
         model = one_chunk(model)
         own = {t.key: t for t in sync_tensors(model)}
         coords = Coords.of(model, layout)
@@ -80,7 +93,7 @@ class WeightReceiver:
             self._bucket_copies(b, bucket.segments, tensors, coords)
             for b, bucket in enumerate(self.buckets)
         ]
-        self._header = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._header = header_tensor(self.notice_group, self.device)
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._state = "idle"  # idle -> receiving -> (swap) idle
@@ -115,19 +128,32 @@ class WeightReceiver:
         way); the parameters are untouched until :meth:`swap`."""
         if self._state != "idle":
             raise RuntimeError("WeightReceiver.begin: the previous version was not swapped in")
-        self._state, self._t0 = "receiving", time.perf_counter()
+        self._state, self._posted = "receiving", False
         self._next, self._inflight, self._done_at = 0, deque(), None
+        self._header_work = dist.broadcast(
+            self._header, self.source, group=self.notice_group, async_op=True
+        )
+
+    def arrived(self) -> bool:
+        """Whether the header of the version being received came (the sender has begun: the
+        buckets can be posted); never blocks."""
+        return self._state == "receiving" and self._header_work.is_completed()
+
+    def post(self) -> None:
+        """Post the buckets' broadcasts (once per version, after the header arrived; the
+        ranks of a generator's TP group post together: ``separate.generation``)."""
+        if self._state != "receiving" or self._posted:
+            return
+        self._posted, self._t0 = True, time.perf_counter()
         if self._cuda:  # the last swap read the staging tensors on the current stream
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
                 self._start = torch.cuda.Event(enable_timing=True)
                 self._start.record()
-                self._header_work = self._broadcast(self._header)
                 self._advance()
                 self._done = torch.cuda.Event(enable_timing=True)
                 self._done.record()
         else:
-            self._header_work = self._broadcast(self._header)
             self._advance()
 
     def _broadcast(self, t: Tensor):
@@ -157,9 +183,14 @@ class WeightReceiver:
                 return
 
     def poll(self) -> bool:
-        """Whether the version being received is complete (never blocks)."""
+        """Whether the version being received is complete; posts the buckets once the header
+        arrived (never blocks)."""
         if self._state != "receiving":
             return False
+        if not self._posted:
+            if not self.arrived():
+                return False
+            self.post()
         if self._cuda:
             done = self._done.query()
         else:
@@ -177,13 +208,14 @@ class WeightReceiver:
         copy: how long generation stops)."""
         if self._state != "receiving":
             raise RuntimeError("WeightReceiver.swap: begin() first")
+        self._header_work.wait()
+        self.post()
         if self._cuda:  # complete first, so the swap's seconds are the copy's alone
             self._done.synchronize()
             torch.cuda.current_stream(self.device).wait_event(self._done)
         else:
             while not self.poll():  # not done: a broadcast is in flight
                 self._inflight[0][1].wait()
-        self._header_work.wait()
         t0 = time.perf_counter()
         torch._foreach_copy_(self._live, self._staged)
         if self._cuda:

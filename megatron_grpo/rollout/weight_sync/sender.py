@@ -44,6 +44,12 @@ class _Gather:
     member: bool
 
 
+def header_tensor(group: dist.ProcessGroup, device: torch.device) -> Tensor:
+    """The one-element version header, where ``group``'s backend takes it (gloo: the CPU)."""
+    on = torch.device("cpu") if dist.get_backend(group) == "gloo" else device
+    return torch.zeros(1, dtype=torch.int64, device=on)
+
+
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
@@ -90,6 +96,8 @@ class WeightSender:
         sync_group: a group of ``source`` and every generator rank (only the source uses it).
         source: the global rank that sends (a trainer rank; every trainer rank passes the same).
         bucket_bytes: bytes per broadcast (module docstring of ``plan``).
+        notice_group: the receivers' ``notice_group`` (the version's header goes first, over
+            it: ``receiver``'s docstring); None: over ``sync_group``.
     """
 
     def __init__(
@@ -99,12 +107,14 @@ class WeightSender:
         sync_group: dist.ProcessGroup | None,
         source: int,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        notice_group: dist.ProcessGroup | None = None,
     ) -> None:
         if layout.pp_size > 1:
             raise ValueError("weight sync needs pipeline_model_parallel_size == 1 on the trainer")
         model = one_chunk(model)
         self.tensors: list[SyncTensor] = sync_tensors(model)
         self.source, self.sync_group = source, sync_group
+        self.notice_group = sync_group if notice_group is None else notice_group
         self.is_source = dist.get_rank() == source
         self.device = self.tensors[0].params[0].device
         coords = Coords.of(model, layout)
@@ -124,7 +134,7 @@ class WeightSender:
             self._buffers = [
                 torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(n)
             ]
-            self._header = torch.zeros(1, dtype=torch.int64, device=self.device)
+            self._header = header_tensor(self.notice_group, self.device)
 
     def _gather_of(self, group: dist.ProcessGroup | None, coords: Coords) -> _Gather:
         members = dist.get_process_group_ranks(group) if group is not None else [dist.get_rank()]
@@ -141,17 +151,17 @@ class WeightSender:
         ``rollout/weight_sync_seconds`` (this call's wall time, until the broadcasts
         completed) and ``rollout/weight_sync_gib`` (the bytes broadcast; 0 off the source)."""
         t0 = time.perf_counter()
-        works: list = []
-        if self.is_source:
+        works: list = []  # the buckets' broadcasts
+        if self.is_source:  # the header first: the receivers post their buckets once it came
             self._header.fill_(version)
-            works.append(self._broadcast(self._header))
+            header = dist.broadcast(self._header, self.source, self.notice_group, async_op=True)
         full: dict[int, Tensor] = {}
         for b, bucket in enumerate(self.buckets):
             self._gather([s.index for s in bucket.segments if s.row0 == 0], full)
             if not self.is_source:
                 continue
             if b >= 2:
-                works[b - 1].wait()  # the broadcast that last read this buffer (header first)
+                works[b - 2].wait()  # the broadcast that last read this buffer
             buf = self._buffers[b % 2]
             for s in bucket.segments:
                 seg = as_bytes(full[s.index][s.row0 : s.row1])
@@ -159,7 +169,7 @@ class WeightSender:
                 if s.row1 == self.metas[s.index].shape[0]:
                     del full[s.index]
             works.append(self._broadcast(buf[: bucket.nbytes]))
-        for w in works:
+        for w in [header, *works] if self.is_source else []:
             w.wait()
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
