@@ -95,7 +95,6 @@ IN_FLIGHT = (
     "rollout.separate.generation_ranks=1",
     "rollout.separate.max_staleness=1",
     "rollout.separate.in_flight_updates=true",
-    "rollout.engine.cuda_graphs=false",
     "rollout.reverse_digits.num_digits=12",
     "rollout.max_prompt_length=16",
     "rollout.max_response_length=13",
@@ -174,7 +173,7 @@ def test_gpu_in_flight_swaps_over_nccl(tmp_path):
 @pytest.mark.parametrize(
     "extra, match",
     [
-        (("rollout.engine.cuda_graphs=null",), "needs engine.kind: kv_cache with engine.cuda"),
+        (("rollout.engine.kind=recompute",), "needs engine.kind: kv_cache, got"),
         (("rollout.separate.max_staleness=0",), "needs separate.max_staleness >= 1"),
     ],
 )

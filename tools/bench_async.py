@@ -9,8 +9,8 @@ it runs ``recipes/qwen3_8b_long_sp_twin.yaml`` twice with the same samples per s
 * ``separate``: a TP2 + SP trainer on ranks 0-1, two TP1 generation replicas on ranks 2-3
   (``rollout.separate``: ``generation_ranks: 2``, ``max_staleness`` ``--staleness``, 1);
 * ``separate_dp2`` (``--placements``): the same split with a TP1 x DP2 trainer;
-* ``separate_dp2_inflight``: that with ``rollout.separate.in_flight_updates`` (eager decode:
-  ``rollout.engine.cuda_graphs: false``), to set against ``separate_dp2`` of the same call.
+* ``separate_dp2_inflight``: that with ``rollout.separate.in_flight_updates``, to set against
+  ``separate_dp2`` of the same call.
 
 A failing run is logged and the others still run. Prints (and writes ``bench_async.md`` and
 ``bench_async.json`` under ``--out``) one row per run, the means over the steps after the first
@@ -66,11 +66,10 @@ PLACEMENTS = {
         "rollout.separate.tensor_model_parallel_size=1",
     ],
 }
-# requests continue under a newer version swapped in mid-part (eager decode only)
+# requests continue under a newer version swapped in mid-part
 PLACEMENTS["separate_dp2_inflight"] = [
     *PLACEMENTS["separate_dp2"],
     "rollout.separate.in_flight_updates=true",
-    "rollout.engine.cuda_graphs=false",
 ]
 COLUMNS = [  # (header, metric, format)
     ("tokens/s", "perf/tokens_per_s", "{:.0f}"),

@@ -217,9 +217,9 @@ class SeparateConfig:
             between engine steps, instead of at the next part: its unfinished requests continue
             under the new weights (their KV recomputed), each token tagged with the version
             that sampled it. Tokens only get fresher (lag <= max_staleness still); which tokens
-            are newer depends on timing, so runs are not bit-reproducible. Needs eager decode
-            (``engine.cuda_graphs: false``: a graph capture must not start while weights are
-            in flight) and ``max_staleness >= 1`` (at 0 no newer version exists mid-unit).
+            are newer depends on timing, so runs are not bit-reproducible. Needs
+            ``engine.kind: kv_cache`` and ``max_staleness >= 1`` (at 0 no newer version exists
+            mid-unit); decode graphs stay valid (weights are copied in place).
     """
 
     generation_ranks: int | list[int] = 1
@@ -421,13 +421,10 @@ class RolloutConfig:
                 "separate.in_flight_updates: true needs separate.max_staleness >= 1 (at 0 the "
                 "trainer waits for each unit: no newer version exists while one is generated)"
             )
-        eager = self.engine.kind == "kv_cache" and self.engine.cuda_graphs is False
-        if s.in_flight_updates and not eager:
+        if s.in_flight_updates and self.engine.kind != "kv_cache":
             raise ValueError(
-                "separate.in_flight_updates: true swaps weights between engine steps: it needs "
-                "engine.kind: kv_cache with engine.cuda_graphs: false (a graph capture must not "
-                "start while weights are in flight), got engine.kind: "
-                f"{self.engine.kind}, engine.cuda_graphs: {self.engine.cuda_graphs}"
+                "separate.in_flight_updates: true pauses requests between engine steps: it needs "
+                f"engine.kind: kv_cache, got engine.kind: {self.engine.kind}"
             )
 
     def _check_source(self) -> None:

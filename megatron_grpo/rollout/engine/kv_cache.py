@@ -214,7 +214,9 @@ class CacheSizer:
         ``keep_cache``) when it is as long and holds enough slots, else a new one (``kept``
         freed first)."""
         shape = CacheShape.of(self.model)
-        if self.options.kv_cache_gib is None:  # sized from free memory: unused segments back
+        if self.options.kv_cache_gib is None and kept is None:
+            # sized from free memory: unused segments back first (with a kept cache nothing
+            # else ran since: no release, a device synchronization, on a generation-only GPU)
             memory_release.release(next(self.model.parameters()).device)
         longest = max(len(p) for p in prompts) + max_new_tokens
         longest = max(longest, self.max_context or 0)

@@ -4,11 +4,12 @@ its scheduled policy version, and ship it to its trainer ranks.
 Each rank builds the policy at ``rollout.separate.tensor_model_parallel_size`` (its own
 megatron-core layout over the generation sub-world), a :class:`WeightReceiver`, and the
 :class:`~megatron_grpo.rollout.source.GeneratedRollouts` of a colocated run (same task,
-prompts, sampling generators, engine and scorer). Without decode CUDA graphs the next version is
-always being received (``begin`` right after each ``swap``): its buckets are posted as soon as a
-check finds its header arrived (between parts; with in-flight updates also every few decode
-steps), so the transfer overlaps generation; with graphs it starts when the version is due (see
-``GenerationLoop.__init__``). A
+prompts, sampling generators, engine and scorer); its engine keeps its KV cache (and so its
+decode graphs) across calls: the GPU only generates. The next version is always being received
+(``begin`` right after each ``swap``): its buckets are posted as soon as a check finds its header
+arrived (between parts; with in-flight updates also every few decode steps), so the transfer
+overlaps generation. A device synchronization meanwhile (a graph capture begins with one) waits
+for the transfer at most, never for the trainer (``weight_sync.receiver``). A
 swap happens only between parts of units (``parts``), when the next one is scheduled on a newer
 version (``channel.unit_version``), and stops the generators for the copy alone; with
 ``rollout.separate.in_flight_updates`` also between engine steps, as soon as a newer version is
@@ -20,6 +21,7 @@ the time limit) ends the loop; :meth:`GenerationLoop.run` says which.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
@@ -82,6 +84,8 @@ class GenerationLoop:
         )
         self.start: Start = exchange_start(None, world.data_group)
         task = task if task is not None else build_checked_task(cfg, ctx)
+        # the GPU only generates: the cache and its graphs stay (no release, no re-capture)
+        cfg = replace(cfg, engine=replace(cfg.engine, keep_cache=True))
         self.gen = GeneratedRollouts(cfg, ctx, task, self.model, 0, self.start.dp_size)
         self.ranges = self.start.ranges(world.replicas)  # the parts of a unit
         self.evaluator = None
@@ -89,13 +93,7 @@ class GenerationLoop:
             self.evaluator = Evaluator(evaluation, cfg, ctx, task, layout)
             self.evaluator.attach(self.model, self.gen)
         self.version: int | None = None
-        # Receive the next version while generating, except under decode CUDA graphs: a
-        # capture must not start with NCCL work in flight (torch waits for it or fails), and
-        # the engine may capture in any call. Then the transfer starts when the version is
-        # due (at max_staleness 1 the trainer needs this replica's part next anyway).
-        engine = self.gen.engine
-        self.eager = engine is None or not engine.use_graphs
-        self.in_flight = cfg.separate.in_flight_updates  # eager: the config asks for it
+        self.in_flight = cfg.separate.in_flight_updates
         self.in_flight_swaps = 0
         self.receiving = False
         self.sends: list = []
@@ -142,15 +140,15 @@ class GenerationLoop:
         return done
 
     def _swap(self) -> None:
-        """Complete the version being received (begun now if not yet), copy it in, and (eager)
-        start receiving the next."""
+        """Complete the version being received (begun now if not yet), copy it in and start
+        receiving the next (its header: the buckets follow once the trainer sends it)."""
         if not self.receiving:
             self.receiver.begin()
         metrics = self.receiver.swap()
         self.version = int(metrics.pop("version"))
         self.sync_metrics = metrics
         self._evaluate()
-        self.receiving = not ended(self.version) and self.eager
+        self.receiving = not ended(self.version)
         if self.receiving:
             self.receiver.begin()
 
