@@ -120,7 +120,7 @@ def _swap_at_fixed_points() -> None:
         self.checks += 1
         if self.step <= self.version or self.checks != 2:
             return False
-        while not self.receiver.poll():  # the trainer sends it after its current step
+        while not self._receive():  # the trainer sends it after its current step (TP ranks agree)
             time.sleep(0.01)
         return True
 
@@ -139,6 +139,29 @@ def _e2e_body(rank: int, world: int, tmp: Path) -> None:
             Trainer(cfg, overwrite=True).train()
         else:
             assert end == "finished", end
+
+
+def _tp2_replica_body(rank: int, world: int, tmp: Path) -> None:
+    from megatron_grpo.rollout.separate.launch import run_generation_rank
+    from megatron_grpo.train.config import load_train_config
+    from megatron_grpo.train.trainer import Trainer
+
+    _swap_at_fixed_points()
+    tp2 = ("rollout.separate.generation_ranks=2", "rollout.separate.tensor_model_parallel_size=2")
+    cfg = load_train_config(RECIPE, _overrides(tmp, "a", "training.steps=3", *IN_FLIGHT, *tp2))
+    if (end := run_generation_rank(cfg)) is None:
+        Trainer(cfg, overwrite=True).train()
+    else:
+        assert end == "finished", end
+
+
+@pytest.mark.slow
+def test_a_tp2_replica_receives_and_swaps_with_both_ranks(tmp_path):
+    """1 trainer + one TP2 replica: its two ranks post each version's receives, pause and swap
+    at the same engine step (``GenerationLoop._receive``'s agreement; a rank alone in a
+    collective would hang), so the swaps land as with a TP1 replica."""
+    run_distributed(_tp2_replica_body, 3, tmp_path)
+    _check_swaps(tmp_path, "a")
 
 
 def _check_swaps(tmp: Path, name: str) -> None:
