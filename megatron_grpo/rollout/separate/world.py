@@ -9,11 +9,11 @@ own layout (the trainer the recipe's ``parallel``, a generation replica its own 
 ranks come first, so a trainer's rank in its sub-world is its global rank (megatron-core's rank
 lists and the weight sender's source are global ranks there).
 
-Two groups span both roles, made before the split over the real world (their ranks are global
-ranks): ``sync_group`` (trainer rank 0, the weight sender's source, and every generation rank:
-the weight broadcasts), ``notice_group`` (the same ranks, gloo: each version's header, sent
-before its buckets: ``weight_sync.receiver``) and ``data_group`` (every rank, gloo: scored rollouts and the run's
-start/stop messages, as pickled CPU tensors).
+Three groups span both roles, made before the split over the real world (their ranks are
+global ranks): ``sync_group`` (trainer rank 0, the weight sender's source, and every generation
+rank: the weight broadcasts), ``notice_group`` (the same ranks, gloo: each version's header,
+sent before its buckets: ``weight_sync.receiver``) and ``data_group`` (every rank, gloo: scored
+rollouts and the run's start/stop messages, as pickled CPU tensors).
 """
 
 from __future__ import annotations

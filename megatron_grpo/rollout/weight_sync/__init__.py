@@ -2,12 +2,13 @@
 
 Trainer ranks hold a :class:`WeightSender`, generator ranks a :class:`WeightReceiver`; both are
 built together (a collective) with a ``sync_group`` of the sending trainer rank (``source``)
-and every generator rank::
+and every generator rank, and (keyword ``notice_group``) a gloo group of the same ranks for each
+version's header, which goes first (``receiver``: why)::
 
     # trainer ranks                          # generator ranks
     sender = WeightSender(model, layout,     receiver = WeightReceiver(model, layout,
                           group, source)                               group, source)
-    ...optimizer step...                     receiver.begin()
+    ...optimizer step...                     receiver.begin()  # the header's receive
     metrics = sender.send(version)           while not receiver.poll(): engine steps
                                              metrics = receiver.swap()  # at a step boundary
 

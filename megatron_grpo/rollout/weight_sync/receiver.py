@@ -14,7 +14,9 @@ Why the header first, on a gloo ``notice_group``: a bucket broadcast posted befo
 has begun waits on the GPU, and anything that synchronizes the device meanwhile (freeing memory
 to the driver, as the engine does at each call) waits with it; if the sender in turn waits for
 this rank's rollouts, neither moves. Posted after the header, a broadcast waits at most for the
-other receivers to post theirs. Without a ``notice_group`` the header shares ``sync_group``.
+other receivers to post theirs. Without a ``notice_group`` the header shares ``sync_group``
+(over NCCL it then waits on the GPU too: a caller that synchronizes its device while receiving
+passes one).
 
 :meth:`~WeightReceiver.poll` posts the buckets when the header arrived and says (without
 blocking) whether the version is complete;
