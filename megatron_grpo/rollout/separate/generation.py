@@ -165,10 +165,11 @@ class GenerationLoop:
         r, group = self.receiver, self.layout.tp_group
         if self.layout.tp_size == 1:
             return r.poll()
-        [missing] = all_reduce_max([int(not r.arrived())], group, torch.int64)
-        if missing:
-            return False
-        r.post()
+        if not r.posted:  # agreed once per version; then only completion is
+            [missing] = all_reduce_max([int(not r.arrived())], group, torch.int64)
+            if missing:
+                return False
+            r.post()
         [missing] = all_reduce_max([int(not r.poll())], group, torch.int64)  # ranks pause together
         return not missing
 

@@ -141,6 +141,11 @@ class WeightReceiver:
         buckets can be posted); never blocks."""
         return self._state == "receiving" and self._header_work.is_completed()
 
+    @property
+    def posted(self) -> bool:
+        """Whether the buckets of the version being received are posted."""
+        return self._state == "receiving" and self._posted
+
     def post(self) -> None:
         """Post the buckets' broadcasts (once per version, after the header arrived; the
         ranks of a generator's TP group post together: ``separate.generation``)."""
