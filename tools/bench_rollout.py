@@ -46,7 +46,8 @@ def parse() -> argparse.Namespace:
         "--modes", default="graphs,graphs-modules,eager",
         help="comma list of graphs | eager, each optionally -fused | -modules (the decode path) "
         "and then -sdpa | -triton (the decode attention), and @gathered | @vocab_parallel (how "
-        "TP > 1 draws the next token, rollout.engine.tp_sampling); default: the engine's auto",
+        "TP > 1 draws the next token, rollout.engine.tp_sampling), and /nccl | /one_shot (the "
+        "fused step's TP all-reduce, rollout.engine.tp_all_reduce); default: the engine's auto",
     )  # fmt: skip
     p.add_argument("--eager-new-tokens", type=int, default=None, help="shorter eager run")
     p.add_argument("--no-hf", action="store_true", help="skip HF transformers generate")
@@ -86,9 +87,11 @@ def roofline(model, cfg, args, tbps: float) -> float:
 
 def engine_options(args, mode: str):
     """``graphs`` / ``eager`` with an optional ``-fused`` / ``-modules`` decode path, ``-sdpa`` /
-    ``-triton`` attention and ``@gathered`` / ``@vocab_parallel`` sampling at TP > 1."""
+    ``-triton`` attention, ``@gathered`` / ``@vocab_parallel`` sampling at TP > 1 and
+    ``/nccl`` / ``/one_shot`` for the fused step's TP all-reduce."""
     from megatron_grpo.rollout import EngineOptions
 
+    mode, _, reduce = mode.partition("/")
     mode, _, sampling = mode.partition("@")
     graphs, _, rest = mode.partition("-")
     path, _, attention = rest.partition("-")
@@ -99,7 +102,7 @@ def engine_options(args, mode: str):
         kv_cache_gib=args.kv_cache_gib, kv_cache_fraction=args.kv_cache_fraction,
         cuda_graphs=graphs == "graphs",
         decode_path=path or "auto", decode_attention=attention or "auto",
-        tp_sampling=sampling or "auto",
+        tp_sampling=sampling or "auto", tp_all_reduce=reduce or "auto",
     )  # fmt: skip
 
 

@@ -20,6 +20,7 @@ head per rank; anything else decodes through the modules, and the plan says why.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -51,7 +52,8 @@ class DecodePlan:
     the sampler), the decode ``attention`` ("triton": exact row lengths, or "sdpa": the masked
     context bucket), and why the modules path was taken (``reason``; empty for the fused path).
     ``graphs``: decode steps replay CUDA graphs (``graphs.plan_graphs``; ``graphs_off``: why
-    not, where auto would). ``str(plan)`` is the engine's start-up line."""
+    not, where auto would). ``all_reduce``: the fused step's TP all-reduce ("nccl" or
+    "one_shot": ``tp_all_reduce.reduce_path``). ``str(plan)`` is the engine's start-up line."""
 
     path: str
     impl: str
@@ -60,10 +62,12 @@ class DecodePlan:
     attention: str = "sdpa"
     graphs: bool = False
     graphs_off: str = ""
+    all_reduce: str = "nccl"
 
     def __str__(self) -> str:
         where = f"{self.path}/{self.impl}" if self.path == "fused" else f"modules ({self.reason})"
-        return f"{where}, {self.attention} attention"
+        reduce = ", one-shot TP all-reduce" if self.all_reduce == "one_shot" else ""
+        return f"{where}, {self.attention} attention{reduce}"
 
 
 def plan_decode(
@@ -200,9 +204,14 @@ class FusedDecoder:
     final-normed hidden ``[b, H]``."""
 
     def __init__(
-        self, model: torch.nn.Module, kernels: DecodeKernels, tp_group: dist.ProcessGroup | None
+        self,
+        model: torch.nn.Module,
+        kernels: DecodeKernels,
+        tp_group: dist.ProcessGroup | None,
+        reduce: Callable[[Tensor], Tensor] | None = None,
     ) -> None:
-        """``tp_group``: the layout's (None without TP)."""
+        """``tp_group``: the layout's (None without TP). ``reduce``: the row-parallel outputs'
+        sum over TP (a ``tp_all_reduce.TPAllReduce``; None: NCCL's all-reduce in place)."""
         self.model = model
         self.add_norm, self.qkv_rope = kernels.add_rms_norm, kernels.qkv_rope_cache
         self.swiglu = kernels.swiglu
@@ -214,7 +223,7 @@ class FusedDecoder:
         )
         self.layers = [_Layer.of(layer) for layer in model.decoder.layers]
         self.final = _norm(model.decoder.final_layernorm)
-        self.tp_group = tp_group
+        self.tp_group, self.reduce = tp_group, reduce
         self.scale = softmax_scale(model)
 
     def __call__(
@@ -251,6 +260,9 @@ class FusedDecoder:
 
     def _reduce(self, t: Tensor) -> Tensor:
         """Row-parallel outputs are partial sums over TP (megatron adds their bias after)."""
-        if self.tp_group is not None:
-            dist.all_reduce(t, group=self.tp_group)
+        if self.tp_group is None:
+            return t
+        if self.reduce is not None:
+            return self.reduce(t)
+        dist.all_reduce(t, group=self.tp_group)
         return t

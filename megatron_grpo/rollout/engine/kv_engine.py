@@ -15,11 +15,10 @@ sequence), then runs decode steps: one token per unfinished sequence, attending 
   where it covers the model, else megatron-core's layer modules; ``self.decode`` says which.
 * Decode reads keys ``[0, ctx)`` with ctx the longest row's length rounded up to
   ``context_bucket`` (graph shapes), masking each row to its own length.
-* Parallelism: TP (sequence parallelism switched off while generating and restored; every TP
-  rank samples the same tokens from the same gathered logits and uniforms, and TP rank 0's are
-  broadcast), DP (each rank its own prompts), EP (every MoE forward is a collective over the
-  expert group: ranks agree by one all-reduce MAX per phase and pad to the group's sizes; ranks
-  with nothing left run dummy rows until the group is done). PP and CP > 1 are refused.
+* TP: SP off while generating; every TP rank draws the same tokens (``tp_sampling``); the
+  fused step's sums go through ``tp_all_reduce``. DP: each rank its own prompts. EP: every MoE
+  forward is a collective of the expert group (one all-reduce MAX a phase, padded to the group's
+  sizes, dummy rows until the group is done). PP and CP > 1 are refused.
 * The cache is freed when the call returns, its memory back to the driver (``memory_release``);
   a CUDA graph pool and a few static buffers stay with the engine.
 """
@@ -51,6 +50,7 @@ from megatron_grpo.rollout.engine.params import SamplingParams
 from megatron_grpo.rollout.engine.requests import Request, start_run, write_back
 from megatron_grpo.rollout.engine.routes import RouteLog, recording
 from megatron_grpo.rollout.engine.run_state import Generation, Launched, Run
+from megatron_grpo.rollout.engine.tp_all_reduce import TPAllReduce, reduce_path
 from megatron_grpo.rollout.engine.tp_sampling import next_tokens
 
 
@@ -75,18 +75,20 @@ class KVCacheEngine:
             layout = ParallelLayout.current(model.config.sequence_parallel)
         self.layout = layout
         self.options = o = options or EngineOptions()
-        cuda = io.model_device(model).type == "cuda"
+        device = io.model_device(model)
         plan = fd.plan_decode(
             model, self.layout.tp_size, o.decode_path, o.decode_impl, o.decode_attention
         )
-        use, off = plan_graphs(model, o.cuda_graphs, cuda)
-        self.decode = dataclasses.replace(plan, graphs=use, graphs_off=off)
+        use, off = plan_graphs(model, o.cuda_graphs, device.type == "cuda")
+        reduce = reduce_path(o.tp_all_reduce, self.layout.tp_group, device, plan.path)
+        self.decode = dataclasses.replace(plan, graphs=use, graphs_off=off, all_reduce=reduce)
         self.graphs = DecodeGraphs() if use else None
         # (hidden [b, H], uniforms [b], params) -> tokens, log-probs [b], the same on TP ranks
         kw = dict(layout=self.layout, choice=o.tp_sampling, rows_kernel=plan.kernels.sample_rows)
         self._next_tokens = functools.partial(next_tokens, model, **kw)
         self.sizer = kvc.CacheSizer(model, o, self.layout, max_context, use)
         self._fused: fd.FusedDecoder | None = None
+        self._all_reduce: TPAllReduce | None = None  # built at the first call (a TP collective)
         self.cache: kvc.KVCache | None = None
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self._static_key: tuple | None = None
@@ -167,18 +169,9 @@ class KVCacheEngine:
                 r.routes = run.routes.sample_rows(i, len(r.prompt) + len(r.tokens))
 
     def _reset_stats(self) -> None:
-        names = (
-            "prefill_forwards",
-            "decode_steps",
-            "decode_rows",
-            "decode_live_rows",
-            "generated_tokens",
-            "prefill_seconds",
-            "decode_seconds",
-            "kv_recomputed",
-            "graph_captures",
-        )
-        self.stats = dict.fromkeys(names, 0)
+        names = "prefill_forwards decode_steps decode_rows decode_live_rows generated_tokens"
+        names += " prefill_seconds decode_seconds kv_recomputed graph_captures"
+        self.stats = dict.fromkeys(names.split(), 0)
         self._captures_before = 0 if self.graphs is None else self.graphs.captures
 
     def _restore_kv(self, run: Run, requests: list[Request]) -> None:
@@ -261,7 +254,9 @@ class KVCacheEngine:
         if not changed:
             return
         if self.decode.path == "fused":
-            self._fused = fd.FusedDecoder(self.model, self.decode.kernels, self.layout.tp_group)
+            tp = self.layout.tp_group
+            self._all_reduce = self._all_reduce or TPAllReduce(tp, self.decode.all_reduce, device)
+            self._fused = fd.FusedDecoder(self.model, self.decode.kernels, tp, self._all_reduce)
         self._meta = torch.zeros(4, cache.slots, dtype=torch.long, device=device)
         self._u = torch.zeros(cache.slots, dtype=torch.float32, device=device)
         self._out = torch.zeros(2, cache.slots, dtype=torch.float64, device=device)

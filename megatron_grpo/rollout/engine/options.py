@@ -46,6 +46,10 @@ class EngineOptions:
             "vocab_parallel" (each rank samples from its vocabulary shard, two small
             collectives; untruncated or greedy sampling only), "gathered" (all-gather the fp32
             logits, sample, broadcast) or "auto" (vocab-parallel where the sampling allows).
+        tp_all_reduce: the fused decode step's TP all-reduces (``engine.tp_all_reduce``):
+            "nccl", "one_shot" (symmetric memory, one kernel reading every TP rank's partial
+            sum over NVLink, for messages up to ``ONE_SHOT_MAX_BYTES``; CUDA, one host) or
+            "auto" (one-shot where it runs and was measured ahead, else NCCL).
     """
 
     kind: Literal["kv_cache", "recompute"] = "kv_cache"
@@ -59,6 +63,7 @@ class EngineOptions:
     decode_impl: Literal["auto", "triton", "torch"] = "auto"
     decode_attention: Literal["auto", "triton", "sdpa"] = "auto"
     tp_sampling: Literal["auto", "gathered", "vocab_parallel"] = "auto"
+    tp_all_reduce: Literal["auto", "nccl", "one_shot"] = "auto"
 
     def __post_init__(self) -> None:
         if self.kind not in ("kv_cache", "recompute"):
@@ -68,6 +73,7 @@ class EngineOptions:
         if not 0.0 < self.kv_cache_fraction <= 1.0:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
         check_choice("tp_sampling", self.tp_sampling, "rollout.engine.tp_sampling")
+        check_choice("tp_all_reduce", self.tp_all_reduce, "rollout.engine.tp_all_reduce")
         for name in ("max_prefill_tokens", "context_bucket"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -1,0 +1,136 @@
+"""The fused decode step's TP all-reduce (rollout/engine/tp_all_reduce.py).
+
+On CPU: the one decision (``reduce_path``) and its errors; the NCCL path (gloo here) sums.
+On 2 GPUs: one-shot over symmetric memory equals NCCL's all-reduce bit for bit (a + b is one
+rounding either way), eagerly and replayed in a CUDA graph; a TP2 engine decodes the same
+greedy tokens and log-probs with either.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_grpo.rollout.engine import tp_all_reduce as tar
+from tests.dist_utils import run_distributed
+
+
+def test_tp1_and_nccl_need_no_group():
+    assert tar.reduce_path("auto", None, torch.device("cuda")) == "nccl"
+    assert tar.reduce_path("nccl", None, torch.device("cpu")) == "nccl"
+    with pytest.raises(ValueError, match="tp_all_reduce must be one of.*did you mean 'one_shot'"):
+        tar.reduce_path("oneshot", None, torch.device("cpu"))
+    with pytest.raises(ValueError, match="tp_all_reduce 'one_shot' needs the fused decode path"):
+        tar.reduce_path("one_shot", None, torch.device("cuda"), decode_path="modules")
+    with pytest.raises(ValueError, match="resolved path"):
+        tar.TPAllReduce(None, "auto", torch.device("cpu"))
+
+
+def test_engine_options_name_the_field():
+    from megatron_grpo.rollout import EngineOptions
+
+    with pytest.raises(ValueError, match="rollout.engine.tp_all_reduce must be one of"):
+        EngineOptions(tp_all_reduce="one-shot")
+
+
+def _decision_body(rank: int, world: int) -> None:
+    import os
+
+    group = dist.new_group([0, 1])
+    cuda = torch.device("cuda")  # only its type is read: the decision runs without a GPU
+    with pytest.raises(ValueError, match="'one_shot' cannot run here: the model is on cpu"):
+        tar.reduce_path("one_shot", group, torch.device("cpu"))
+    assert tar.reduce_path("auto", group, torch.device("cpu")) == "nccl"
+    os.environ["LOCAL_WORLD_SIZE"] = "1"  # two hosts of one rank each
+    assert "spans 2 hosts of 1 ranks" in tar.one_shot_unavailable(group, cuda)
+    with pytest.raises(ValueError, match="spans 2 hosts"):
+        tar.reduce_path("one_shot", group, cuda)
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    if hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy"):
+        assert tar.one_shot_unavailable(group, cuda) == ""
+        assert tar.reduce_path("one_shot", group, cuda) == "one_shot"
+    # "auto" takes one-shot only where it runs and was measured ahead
+    assert tar.reduce_path("auto", group, cuda) == (
+        "one_shot" if tar.ONE_SHOT_MEASURED_AHEAD else "nccl"
+    )
+    # the NCCL path (gloo here) sums in place on every rank
+    reduce = tar.TPAllReduce(group, "nccl", torch.device("cpu"))
+    t = torch.arange(6.0).reshape(2, 3) * (rank + 1)
+    assert torch.equal(reduce(t), torch.arange(6.0).reshape(2, 3) * 3)
+
+
+def test_decision_over_a_two_rank_group():
+    run_distributed(_decision_body, 2)
+
+
+def _one_shot_body(rank: int, world: int) -> None:
+    group = dist.new_group(list(range(world)))
+    device = torch.device("cuda", torch.cuda.current_device())
+    one = tar.TPAllReduce(group, "one_shot", device, max_bytes=1 << 20)
+    g = torch.Generator(device=device).manual_seed(rank)
+    for dtype, shape in ((torch.bfloat16, (3, 4096)), (torch.float32, (257, 1000)),
+                         (torch.bfloat16, (1, 8)), (torch.bfloat16, (512, 4096))):  # fmt: skip
+        x = torch.randn(shape, generator=g, device=device, dtype=dtype) * 5
+        want = x.clone()
+        dist.all_reduce(want, group=group)
+        got = one(x.clone())
+        assert torch.equal(got, want), (dtype, shape, (got.float() - want.float()).abs().max())
+    # replayed in a CUDA graph with new inputs (the engine's decode steps)
+    static = torch.zeros(64, 4096, device=device, dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        one(static.clone())  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = one(static) * 1
+    for step in range(3):
+        static.copy_(torch.randn(static.shape, generator=g, device=device, dtype=static.dtype))
+        want = static.clone()
+        dist.all_reduce(want, group=group)
+        graph.replay()
+        assert torch.equal(out, want), f"replay {step}"
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_gpu_one_shot_equals_nccl_bitwise():
+    """2 GPUs: one-shot sums equal NCCL's exactly (bf16 and fp32, odd shapes, the largest
+    message one buffer holds), eagerly and replayed from a CUDA graph."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    run_distributed(_one_shot_body, 2, backend="nccl", timeout=120)
+
+
+def _engine_body(rank: int, world: int) -> None:
+    from megatron_grpo.megatron import ParallelConfig, unwrap
+    from megatron_grpo.rollout import EngineOptions, SamplingParams, generate
+    from megatron_grpo.rollout.engine import KVCacheEngine
+    from tests.megatron_utils import build_layout, tiny_model
+
+    cfg = tiny_model(init_method_std=0.3)
+    model = unwrap(build_layout(ParallelConfig(tensor_model_parallel_size=2), cfg)[0])
+    params = SamplingParams(top_k=1, max_new_tokens=16, eos_id=3, vocab_size=cfg.vocab_size)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, cfg.vocab_size, (4 + i % 9,), generator=g).tolist()
+               for i in range(20)]  # fmt: skip
+    out = {}
+    for path in ("nccl", "one_shot"):
+        options = EngineOptions(kv_cache_gib=0.5, context_bucket=16, tp_all_reduce=path)
+        engine = KVCacheEngine(model, options)
+        assert engine.decode.all_reduce == path and engine.use_graphs, engine.decode
+        out[path] = generate(
+            model, prompts, params, torch.Generator().manual_seed(1), engine=engine
+        )
+    assert out["one_shot"] == out["nccl"]
+
+
+@pytest.mark.gpu
+def test_gpu_tp2_engine_one_shot_decodes_the_nccl_tokens():
+    """2 GPUs: a TP2 engine with decode graphs gives the same greedy tokens and log-probs with
+    the one-shot all-reduce as with NCCL's."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    run_distributed(_engine_body, 2, backend="nccl", timeout=120)
