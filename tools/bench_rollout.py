@@ -131,7 +131,7 @@ def run_ours(model, cfg, args, mode: str, new_tokens: int) -> dict:
         result[label] = dict(
             seconds=seconds, tokens_per_s=new / seconds,
             peak_gib_over_weights=(torch.cuda.max_memory_allocated() - base) / 2**30,
-            graph_captures=engine.graphs.captures if engine.graphs else 0, **engine.stats,
+            **engine.stats,  # graph_captures: this call's
         )  # fmt: skip
     return result
 

@@ -5,7 +5,7 @@ At TP = the torchrun world size, for each message ``[rows, hidden]`` in bf16: a 
 replays its steps), once through ``dist.all_reduce`` (NCCL) and once through
 ``TPAllReduce(..., "one_shot")``, timed over ``--iters`` replays: microseconds per all-reduce,
 one-shot / NCCL, and the one-shot result's equality with NCCL's. The largest size one-shot
-wins at is what ``tp_all_reduce.ONE_SHOT_MAX_BYTES`` should be. Writes
+wins at is what ``tp_all_reduce.MEASURED_AHEAD_UP_TO`` holds for this TP size. Writes
 ``OUT/bench_tp_all_reduce_tpN.json`` (rank 0).
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 python -m torch.distributed.run \\

@@ -48,8 +48,8 @@ class EngineOptions:
             logits, sample, broadcast) or "auto" (vocab-parallel where the sampling allows).
         tp_all_reduce: the fused decode step's TP all-reduces (``engine.tp_all_reduce``):
             "nccl", "one_shot" (symmetric memory, one kernel reading every TP rank's partial
-            sum over NVLink, for messages up to ``ONE_SHOT_MAX_BYTES``; CUDA, one host) or
-            "auto" (one-shot where it runs and was measured ahead, else NCCL).
+            sum over NVLink, for small messages: ``tp_all_reduce.one_shot_max_bytes``; CUDA,
+            one host) or "auto" (one-shot where it runs and was measured ahead, else NCCL).
     """
 
     kind: Literal["kv_cache", "recompute"] = "kv_cache"

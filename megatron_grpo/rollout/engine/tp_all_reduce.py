@@ -7,12 +7,13 @@ of vLLM's custom all-reduce) copies the rank's partial sum into a buffer every T
 start-up, and one kernel reads all TP ranks' buffers over NVLink and sums them: one launch, no
 ring steps, no multicast (NVLS stays off: ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``). It moves
 ``TP x`` the bytes NCCL's ring moves, so it wins on small messages only: messages above
-``one_shot_max_bytes`` keep NCCL, decided by size as data in one place (:func:`reduce_path`).
+:func:`one_shot_max_bytes` keep NCCL (a decode step's message shrinks with its batch, so the
+long tail of a rollout takes one-shot and full batches NCCL).
 
 The decision (``rollout.engine.tp_all_reduce``): "nccl", "one_shot" (needs CUDA, TP > 1 and the
 TP group's GPUs in one NVLink domain; anything else is an error naming the field), or "auto":
-one-shot where it runs and :data:`ONE_SHOT_MEASURED_AHEAD` says it was measured ahead
-(``tools/bench_tp_all_reduce.py``), else NCCL.
+one-shot where it runs at a TP size :data:`MEASURED_AHEAD_UP_TO` lists (measured ahead by
+``tools/bench_tp_all_reduce.py``), else NCCL.
 
 Both paths give every rank the same sum; at TP 2 a + b is one rounding either way, so the one-shot
 result equals NCCL's bit for bit (the GPU test checks it, inside a CUDA graph too).
@@ -30,11 +31,17 @@ from megatron_grpo.ops.kernels import CHOICES, check_choice
 
 TP_ALL_REDUCE = CHOICES["tp_all_reduce"]
 FIELD = "rollout.engine.tp_all_reduce"
-# one-shot for messages up to this size (bytes); above it NCCL's ring (measured: see
-# docs/benchmarks.md, "The decode step's TP all-reduce")
-ONE_SHOT_MAX_BYTES = 1 << 20
-# whether "auto" takes one-shot: True once tools/bench_tp_all_reduce.py showed it ahead
-ONE_SHOT_MEASURED_AHEAD = False
+# "auto": one-shot at these TP sizes for messages up to these bytes, where it was measured ahead
+# of NCCL inside CUDA graphs (tools/bench_tp_all_reduce.py, 4 x H200 of one host, 2026-11-28:
+# TP 4 0.78-0.95x up to 512 KiB, 1.04-1.32x from 1 MiB; TP 2 within 5% either way: NCCL)
+MEASURED_AHEAD_UP_TO: dict[int, int] = {4: 512 << 10}
+# an explicit "one_shot" at a TP size the table lacks: up to this many bytes
+ONE_SHOT_MAX_BYTES = 512 << 10
+
+
+def one_shot_max_bytes(tp_size: int) -> int:
+    """The largest message (bytes) one-shot takes at ``tp_size``; larger ones keep NCCL."""
+    return MEASURED_AHEAD_UP_TO.get(tp_size, ONE_SHOT_MAX_BYTES)
 
 
 def one_shot_unavailable(group: dist.ProcessGroup | None, device: torch.device) -> str:
@@ -73,7 +80,8 @@ def reduce_path(
         if why:
             raise ValueError(f"{FIELD} 'one_shot' cannot run here: {why} (use 'nccl' or 'auto')")
         return "one_shot"
-    return "one_shot" if ONE_SHOT_MEASURED_AHEAD and not why else "nccl"
+    ahead = dist.get_world_size(group) in MEASURED_AHEAD_UP_TO
+    return "one_shot" if ahead and not why else "nccl"
 
 
 class TPAllReduce:
@@ -90,12 +98,15 @@ class TPAllReduce:
         group: dist.ProcessGroup | None,
         path: str,
         device: torch.device,
-        max_bytes: int = ONE_SHOT_MAX_BYTES,
+        max_bytes: int | None = None,
     ) -> None:
+        """``max_bytes``: one-shot's largest message (None: :func:`one_shot_max_bytes`)."""
         check_choice("tp_all_reduce", path, FIELD)
         if path == "auto":
             raise ValueError("TPAllReduce takes a resolved path: reduce_path(...)'s")
-        self.group, self.path, self.max_bytes = group, path, max_bytes
+        tp = 1 if group is None else dist.get_world_size(group)
+        self.group, self.path = group, path
+        self.max_bytes = one_shot_max_bytes(tp) if max_bytes is None else max_bytes
         self.buffer: Tensor | None = None
         if path == "one_shot":
             from torch.distributed import _symmetric_memory as symm_mem
