@@ -1,9 +1,9 @@
 """The fused decode step's TP all-reduce (rollout/engine/tp_all_reduce.py).
 
 On CPU: the one decision (``reduce_path``) and its errors; the NCCL path (gloo here) sums.
-On 2 GPUs: one-shot over symmetric memory equals NCCL's all-reduce bit for bit (a + b is one
-rounding either way), eagerly and replayed in a CUDA graph; a TP2 engine decodes the same
-greedy tokens and log-probs with either.
+On 2 GPUs: one-shot and two-shot over symmetric memory equal NCCL's all-reduce bit for bit (a + b
+is one rounding either way), eagerly and replayed in a CUDA graph; a TP2 engine decodes the same
+greedy tokens and log-probs with each. On 4 GPUs: within rounding.
 """
 
 from __future__ import annotations
@@ -17,14 +17,18 @@ from tests.dist_utils import run_distributed
 
 
 def test_tp1_and_nccl_need_no_group():
-    assert tar.reduce_path("auto", None, torch.device("cuda")) == "nccl"
-    assert tar.reduce_path("nccl", None, torch.device("cpu")) == "nccl"
+    assert tar.reduce_tiers("auto", None, torch.device("cuda")) == ()
+    assert tar.reduce_tiers("nccl", None, torch.device("cpu")) == ()
     with pytest.raises(ValueError, match="tp_all_reduce must be one of.*did you mean 'one_shot'"):
-        tar.reduce_path("oneshot", None, torch.device("cpu"))
-    with pytest.raises(ValueError, match="tp_all_reduce 'one_shot' needs the fused decode path"):
-        tar.reduce_path("one_shot", None, torch.device("cuda"), decode_path="modules")
-    with pytest.raises(ValueError, match="resolved path"):
-        tar.TPAllReduce(None, "auto", torch.device("cpu"))
+        tar.reduce_tiers("oneshot", None, torch.device("cpu"))
+    with pytest.raises(ValueError, match="tp_all_reduce 'two_shot' needs the fused decode path"):
+        tar.reduce_tiers("two_shot", None, torch.device("cuda"), decode_path="modules")
+    with pytest.raises(ValueError, match="a tier is"):
+        tar.TPAllReduce(None, ((1024, "three_shot"),), torch.device("cpu"))
+    assert tar.describe(((512 << 10, "one_shot"), (8 << 20, "two_shot"))) == (
+        "one_shot <= 512 KiB, two_shot <= 8192 KiB, then NCCL"
+    )
+    assert tar.describe(()) == "NCCL"
 
 
 def test_engine_options_name_the_field():
@@ -40,29 +44,30 @@ def _decision_body(rank: int, world: int) -> None:
     group = dist.new_group([0, 1])
     cuda = torch.device("cuda")  # only its type is read: the decision runs without a GPU
     with pytest.raises(ValueError, match="'one_shot' cannot run here: the model is on cpu"):
-        tar.reduce_path("one_shot", group, torch.device("cpu"))
-    assert tar.reduce_path("auto", group, torch.device("cpu")) == "nccl"
+        tar.reduce_tiers("one_shot", group, torch.device("cpu"))
+    assert tar.reduce_tiers("auto", group, torch.device("cpu")) == ()
     os.environ["LOCAL_WORLD_SIZE"] = "1"  # two hosts of one rank each
     assert "spans 2 hosts of 1 ranks" in tar.one_shot_unavailable(group, cuda)
     with pytest.raises(ValueError, match="spans 2 hosts"):
-        tar.reduce_path("one_shot", group, cuda)
+        tar.reduce_tiers("two_shot", group, cuda)
+    assert tar.reduce_tiers("auto", group, cuda) == ()
     os.environ["LOCAL_WORLD_SIZE"] = "2"
-    if hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy"):
+    symm = hasattr(torch.ops.symm_mem, "two_shot_all_reduce_out")
+    if symm:
         assert tar.one_shot_unavailable(group, cuda) == ""
-        assert tar.reduce_path("one_shot", group, cuda) == "one_shot"
-    # "auto" takes one-shot only at TP sizes it was measured ahead at (TP 2: not)
-    assert 2 not in tar.MEASURED_AHEAD_UP_TO and tar.reduce_path("auto", group, cuda) == "nccl"
-    if hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy"):
-        tar.MEASURED_AHEAD_UP_TO[2] = 1 << 16
-        try:
-            assert tar.reduce_path("auto", group, cuda) == "one_shot"
-            assert tar.one_shot_max_bytes(2) == 1 << 16
-        finally:
-            del tar.MEASURED_AHEAD_UP_TO[2]
-    assert tar.one_shot_max_bytes(2) == tar.ONE_SHOT_MAX_BYTES
+        assert tar.reduce_tiers("one_shot", group, cuda) == ((512 << 10, "one_shot"),)
+        assert tar.reduce_tiers("two_shot", group, cuda) == ((8 << 20, "two_shot"),)
+    # "auto": the tiers measured ahead at this TP size (TP 2: none)
+    assert 2 not in tar.MEASURED_AHEAD and tar.reduce_tiers("auto", group, cuda) == ()
+    tar.MEASURED_AHEAD[2] = ((1 << 16, "one_shot"),)
+    try:
+        assert tar.reduce_tiers("auto", group, cuda) == (((1 << 16, "one_shot"),) if symm else ())
+    finally:
+        del tar.MEASURED_AHEAD[2]
     # the NCCL path (gloo here) sums in place on every rank
-    reduce = tar.TPAllReduce(group, "nccl", torch.device("cpu"))
+    reduce = tar.TPAllReduce(group, (), torch.device("cpu"))
     t = torch.arange(6.0).reshape(2, 3) * (rank + 1)
+    assert reduce.kernel(t) == "nccl"
     assert torch.equal(reduce(t), torch.arange(6.0).reshape(2, 3) * 3)
 
 
@@ -81,52 +86,58 @@ def _close(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, group) -> boo
     return bool(((got.float() - want.float()).abs() <= bound).all())
 
 
-def _one_shot_body(rank: int, world: int) -> None:
+def _symm_body(rank: int, world: int) -> None:
     group = dist.new_group(list(range(world)))
     device = torch.device("cuda", torch.cuda.current_device())
-    one = tar.TPAllReduce(group, "one_shot", device, max_bytes=1 << 20)
+    tiers = ((64 << 10, "one_shot"), (1 << 20, "two_shot"))
+    symm = tar.TPAllReduce(group, tiers, device)
     g = torch.Generator(device=device).manual_seed(rank)
-    for dtype, shape in ((torch.bfloat16, (3, 4096)), (torch.float32, (257, 1000)),
-                         (torch.bfloat16, (1, 8)), (torch.bfloat16, (512, 4096))):  # fmt: skip
+    cases = ((torch.bfloat16, (3, 4096), "one_shot"), (torch.float32, (300, 1000), "nccl"),
+             (torch.bfloat16, (1, 8), "one_shot"), (torch.bfloat16, (64, 4096), "two_shot"),
+             (torch.float32, (33, 1000), "two_shot"), (torch.bfloat16, (37, 999), "nccl"),
+             (torch.bfloat16, (512, 4096), "nccl"))  # fmt: skip
+    for dtype, shape, kernel in cases:  # the tiers by size; two-shot needs 16 x TP bytes parts
         x = torch.randn(shape, generator=g, device=device, dtype=dtype) * 5
+        assert symm.kernel(x) == kernel or (kernel == "two_shot" and world == 4), (shape, dtype)
         want = x.clone()
         dist.all_reduce(want, group=group)
-        got = one(x.clone())
+        got = symm(x.clone())
         assert _close(got, want, x, group), (dtype, shape, (got.float() - want.float()).abs().max())
-    # replayed in a CUDA graph with new inputs (the engine's decode steps)
-    static = torch.zeros(64, 4096, device=device, dtype=torch.bfloat16)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        one(static.clone())  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = one(static) * 1
-    for step in range(3):
-        static.copy_(torch.randn(static.shape, generator=g, device=device, dtype=static.dtype))
-        want = static.clone()
-        dist.all_reduce(want, group=group)
-        graph.replay()
-        assert _close(out, want, static, group), f"replay {step}"
+    # replayed in a CUDA graph with new inputs (the engine's decode steps), both kernels
+    for rows in (4, 64):
+        static = torch.zeros(rows, 4096, device=device, dtype=torch.bfloat16)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            symm(static.clone())  # warm-up outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = symm(static.clone()) * 1
+        for step in range(3):
+            static.copy_(torch.randn(static.shape, generator=g, device=device, dtype=static.dtype))
+            want = static.clone()
+            dist.all_reduce(want, group=group)
+            graph.replay()
+            assert _close(out, want, static, group), f"{rows} rows, replay {step}"
     torch.cuda.synchronize()
 
 
 @pytest.mark.gpu
 def test_gpu_one_shot_equals_nccl_bitwise():
-    """2 GPUs: one-shot sums equal NCCL's exactly (bf16 and fp32, odd shapes, the largest
-    message one buffer holds), eagerly and replayed from a CUDA graph."""
+    """2 GPUs: one-shot and two-shot sums equal NCCL's exactly (bf16 and fp32, odd shapes, each
+    size tier and beyond them), eagerly and replayed from a CUDA graph."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    run_distributed(_one_shot_body, 2, backend="nccl", timeout=120)
+    run_distributed(_symm_body, 2, backend="nccl", timeout=120)
 
 
 @pytest.mark.gpu
 def test_gpu_one_shot_at_tp4_within_rounding():
-    """4 GPUs: at TP 4 one-shot and NCCL sum in other orders; within bf16 / fp32 rounding."""
+    """4 GPUs: at TP 4 the kernels and NCCL sum in other orders; within bf16 / fp32 rounding."""
     if torch.cuda.device_count() < 4:
         pytest.skip("needs 4 GPUs")
-    run_distributed(_one_shot_body, 4, backend="nccl", timeout=120)
+    run_distributed(_symm_body, 4, backend="nccl", timeout=120)
 
 
 def _engine_body(rank: int, world: int) -> None:
@@ -155,7 +166,7 @@ def _engine_body(rank: int, world: int) -> None:
 @pytest.mark.gpu
 def test_gpu_tp2_engine_one_shot_decodes_the_nccl_tokens():
     """2 GPUs: a TP2 engine with decode graphs gives the same greedy tokens and log-probs with
-    the one-shot all-reduce as with NCCL's."""
+    the one-shot and two-shot all-reduces as with NCCL's."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     run_distributed(_engine_body, 2, backend="nccl", timeout=120)

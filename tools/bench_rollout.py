@@ -237,7 +237,9 @@ def main() -> None:
         if rank == 0:
             print(table, flush=True)
             if args.out:
-                with open(os.path.join(args.out, f"profile_{args.profile}.txt"), "w") as f:
+                with open(
+                    os.path.join(args.out, f"profile_{args.profile.replace('/', '_')}.txt"), "w"
+                ) as f:
                     f.write(table)
     if not args.no_hf and report["world"] == 1:
         del model

@@ -1,11 +1,11 @@
-"""The decode step's TP all-reduce: NCCL against one-shot over symmetric memory (issue 42, item 3).
+"""The decode step's TP all-reduce: NCCL against one- and two-shot over symmetric memory (issue 42).
 
 At TP = the torchrun world size, for each message ``[rows, hidden]`` in bf16: a CUDA graph of
 ``--per-graph`` back-to-back all-reduces (a decode step's 2 a layer, replayed as the engine
-replays its steps), once through ``dist.all_reduce`` (NCCL) and once through
-``TPAllReduce(..., "one_shot")``, timed over ``--iters`` replays: microseconds per all-reduce,
-one-shot / NCCL, and the one-shot result's equality with NCCL's. The largest size one-shot
-wins at is what ``tp_all_reduce.MEASURED_AHEAD_UP_TO`` holds for this TP size. Writes
+replays its steps), through ``dist.all_reduce`` (NCCL) and through ``TPAllReduce`` with each
+symmetric-memory kernel, timed over ``--iters`` replays: microseconds per all-reduce, each
+kernel / NCCL, and its result's equality with NCCL's. The sizes each kernel wins at are the
+tiers ``tp_all_reduce.MEASURED_AHEAD`` holds for this TP size. Writes
 ``OUT/bench_tp_all_reduce_tpN.json`` (rank 0).
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 python -m torch.distributed.run \\
@@ -80,17 +80,20 @@ def main(argv=None) -> None:
     device, group = torch.device("cuda", torch.cuda.current_device()), dist.group.WORLD
     rows = [int(r) for r in a.rows.split(",")]
     max_bytes = max(rows) * a.hidden * 2
-    one = TPAllReduce(group, "one_shot", device, max_bytes=max_bytes)
+    paths = {"nccl": _nccl(group)}
+    for kernel in ("one_shot", "two_shot"):
+        paths[kernel] = TPAllReduce(group, ((max_bytes, kernel),), device)
     results = []
     for r in rows:
         x = torch.randn(r, a.hidden, device=device, dtype=torch.bfloat16)
         row = dict(rows=r, kib=r * a.hidden * 2 / 1024)
-        for name, reduce in (("nccl", _nccl(group)), ("one_shot", one)):
-            graph, y = _graph(reduce, x, a.per_graph)
+        outs = {}
+        for name, reduce in paths.items():
+            graph, outs[name] = _graph(reduce, x, a.per_graph)
             row[f"{name}_us"] = _time(graph, a.iters, group) / a.per_graph * 1e6
-            row[f"{name}_out"] = y
-        row["equal"] = bool(torch.equal(row.pop("nccl_out"), row.pop("one_shot_out")))
-        row["one_shot_vs_nccl"] = row["one_shot_us"] / row["nccl_us"]
+        for kernel in ("one_shot", "two_shot"):
+            row[f"{kernel}_equal"] = bool(torch.equal(outs[kernel], outs["nccl"]))
+            row[f"{kernel}_vs_nccl"] = row[f"{kernel}_us"] / row["nccl_us"]
         results.append(row)
         if rank == 0:
             print(json.dumps(row), flush=True)

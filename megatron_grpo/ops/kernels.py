@@ -59,9 +59,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     # the sequence-parallel linear layers' collectives (megatron/model/tp_overlap.py): "ring" =
     # chunked collective-matmul, "off" = megatron-core's layers; "auto": resolve_tp_overlap
     "tp_overlap": ("auto", "off", "ring"),
-    # the fused decode step's TP all-reduce (rollout/engine/tp_all_reduce.py): "one_shot" =
-    # symmetric memory for small messages; "auto": one-shot where it runs and was measured ahead
-    "tp_all_reduce": ("auto", "nccl", "one_shot"),
+    # the fused decode step's TP all-reduce (rollout/engine/tp_all_reduce.py): one-shot /
+    # two-shot over symmetric memory up to a size; "auto": the tiers measured ahead of NCCL
+    "tp_all_reduce": ("auto", "nccl", "one_shot", "two_shot"),
 }
 IMPLS = CHOICES["impl"]
 

@@ -41,6 +41,7 @@ from megatron_grpo.ops.layers import decode as decode_ops
 from megatron_grpo.ops.layers.decode import DecodeKernels
 from megatron_grpo.rollout.engine.cached_attention import decode_attention, softmax_scale
 from megatron_grpo.rollout.engine.kv_cache import KVCache
+from megatron_grpo.rollout.engine.tp_all_reduce import describe
 
 PATHS = ("auto", "fused", "modules")
 
@@ -52,8 +53,8 @@ class DecodePlan:
     the sampler), the decode ``attention`` ("triton": exact row lengths, or "sdpa": the masked
     context bucket), and why the modules path was taken (``reason``; empty for the fused path).
     ``graphs``: decode steps replay CUDA graphs (``graphs.plan_graphs``; ``graphs_off``: why
-    not, where auto would). ``all_reduce``: the fused step's TP all-reduce ("nccl" or
-    "one_shot": ``tp_all_reduce.reduce_path``). ``str(plan)`` is the engine's start-up line."""
+    not, where auto would). ``all_reduce``: the fused step's TP all-reduce tiers
+    (``tp_all_reduce.reduce_tiers``; empty: NCCL). ``str(plan)`` is the engine's start-up line."""
 
     path: str
     impl: str
@@ -62,11 +63,11 @@ class DecodePlan:
     attention: str = "sdpa"
     graphs: bool = False
     graphs_off: str = ""
-    all_reduce: str = "nccl"
+    all_reduce: tuple[tuple[int, str], ...] = ()
 
     def __str__(self) -> str:
         where = f"{self.path}/{self.impl}" if self.path == "fused" else f"modules ({self.reason})"
-        reduce = ", one-shot TP all-reduce" if self.all_reduce == "one_shot" else ""
+        reduce = f", TP all-reduce {describe(self.all_reduce)}" if self.all_reduce else ""
         return f"{where}, {self.attention} attention{reduce}"
 
 

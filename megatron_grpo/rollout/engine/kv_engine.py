@@ -50,7 +50,7 @@ from megatron_grpo.rollout.engine.params import SamplingParams
 from megatron_grpo.rollout.engine.requests import Request, start_run, write_back
 from megatron_grpo.rollout.engine.routes import RouteLog, recording
 from megatron_grpo.rollout.engine.run_state import Generation, Launched, Run
-from megatron_grpo.rollout.engine.tp_all_reduce import TPAllReduce, reduce_path
+from megatron_grpo.rollout.engine.tp_all_reduce import TPAllReduce, reduce_tiers
 from megatron_grpo.rollout.engine.tp_sampling import next_tokens
 
 
@@ -80,7 +80,7 @@ class KVCacheEngine:
             model, self.layout.tp_size, o.decode_path, o.decode_impl, o.decode_attention
         )
         use, off = plan_graphs(model, o.cuda_graphs, device.type == "cuda")
-        reduce = reduce_path(o.tp_all_reduce, self.layout.tp_group, device, plan.path)
+        reduce = reduce_tiers(o.tp_all_reduce, self.layout.tp_group, device, plan.path)
         self.decode = dataclasses.replace(plan, graphs=use, graphs_off=off, all_reduce=reduce)
         self.graphs = DecodeGraphs() if use else None
         # (hidden [b, H], uniforms [b], params) -> tokens, log-probs [b], the same on TP ranks

@@ -47,9 +47,9 @@ class EngineOptions:
             collectives; untruncated or greedy sampling only), "gathered" (all-gather the fp32
             logits, sample, broadcast) or "auto" (vocab-parallel where the sampling allows).
         tp_all_reduce: the fused decode step's TP all-reduces (``engine.tp_all_reduce``):
-            "nccl", "one_shot" (symmetric memory, one kernel reading every TP rank's partial
-            sum over NVLink, for small messages: ``tp_all_reduce.one_shot_max_bytes``; CUDA,
-            one host) or "auto" (one-shot where it runs and was measured ahead, else NCCL).
+            "nccl", "one_shot" / "two_shot" (symmetric memory: one kernel reads every TP
+            rank's partial sum over NVLink, up to ``tp_all_reduce.SYMM_MAX_BYTES``, NCCL above;
+            CUDA, one host) or "auto" (the size tiers measured ahead of NCCL, else NCCL).
     """
 
     kind: Literal["kv_cache", "recompute"] = "kv_cache"
@@ -63,7 +63,7 @@ class EngineOptions:
     decode_impl: Literal["auto", "triton", "torch"] = "auto"
     decode_attention: Literal["auto", "triton", "sdpa"] = "auto"
     tp_sampling: Literal["auto", "gathered", "vocab_parallel"] = "auto"
-    tp_all_reduce: Literal["auto", "nccl", "one_shot"] = "auto"
+    tp_all_reduce: Literal["auto", "nccl", "one_shot", "two_shot"] = "auto"
 
     def __post_init__(self) -> None:
         if self.kind not in ("kv_cache", "recompute"):
