@@ -23,7 +23,7 @@ def test_tp1_and_nccl_need_no_group():
         tar.reduce_tiers("oneshot", None, torch.device("cpu"))
     with pytest.raises(ValueError, match="tp_all_reduce 'two_shot' needs the fused decode path"):
         tar.reduce_tiers("two_shot", None, torch.device("cuda"), decode_path="modules")
-    with pytest.raises(ValueError, match="a tier is"):
+    with pytest.raises(ValueError, match="a tier is .*nccl | one_shot | two_shot"):
         tar.TPAllReduce(None, ((1024, "three_shot"),), torch.device("cpu"))
     assert tar.describe(((512 << 10, "one_shot"), (8 << 20, "two_shot"))) == (
         "one_shot <= 512 KiB, two_shot <= 8192 KiB, then NCCL"
@@ -57,17 +57,19 @@ def _decision_body(rank: int, world: int) -> None:
         assert tar.one_shot_unavailable(group, cuda) == ""
         assert tar.reduce_tiers("one_shot", group, cuda) == ((512 << 10, "one_shot"),)
         assert tar.reduce_tiers("two_shot", group, cuda) == ((8 << 20, "two_shot"),)
-    # "auto": the tiers measured ahead at this TP size (TP 2: none)
-    assert 2 not in tar.MEASURED_AHEAD and tar.reduce_tiers("auto", group, cuda) == ()
-    tar.MEASURED_AHEAD[2] = ((1 << 16, "one_shot"),)
-    try:
-        assert tar.reduce_tiers("auto", group, cuda) == (((1 << 16, "one_shot"),) if symm else ())
+    # "auto": the tiers measured ahead at this TP size
+    assert tar.reduce_tiers("auto", group, cuda) == (tar.MEASURED_AHEAD[2] if symm else ())
+    measured = tar.MEASURED_AHEAD.pop(2)
+    try:  # a TP size never measured: NCCL
+        assert tar.reduce_tiers("auto", group, cuda) == ()
     finally:
-        del tar.MEASURED_AHEAD[2]
+        tar.MEASURED_AHEAD[2] = measured
     # the NCCL path (gloo here) sums in place on every rank
     reduce = tar.TPAllReduce(group, (), torch.device("cpu"))
     t = torch.arange(6.0).reshape(2, 3) * (rank + 1)
     assert reduce.kernel(t) == "nccl"
+    reduce = tar.TPAllReduce(group, ((1 << 10, "nccl"),), torch.device("cpu"))  # no buffer
+    assert reduce.buffer is None and reduce.kernel(t) == "nccl"
     assert torch.equal(reduce(t), torch.arange(6.0).reshape(2, 3) * 3)
 
 
@@ -140,6 +142,14 @@ def test_gpu_one_shot_at_tp4_within_rounding():
     run_distributed(_symm_body, 4, backend="nccl", timeout=120)
 
 
+def _recording(kernel, used: list):
+    def recorded(self, t):
+        used.append(kernel(self, t))
+        return used[-1]
+
+    return recorded
+
+
 def _engine_body(rank: int, world: int) -> None:
     from megatron_grpo.megatron import ParallelConfig, unwrap
     from megatron_grpo.rollout import EngineOptions, SamplingParams, generate
@@ -153,14 +163,20 @@ def _engine_body(rank: int, world: int) -> None:
     prompts = [torch.randint(0, cfg.vocab_size, (4 + i % 9,), generator=g).tolist()
                for i in range(20)]  # fmt: skip
     out = {}
-    for path in ("nccl", "one_shot"):
+    for path in ("nccl", "one_shot", "two_shot"):
         options = EngineOptions(kv_cache_gib=0.5, context_bucket=16, tp_all_reduce=path)
         engine = KVCacheEngine(model, options)
-        assert engine.decode.all_reduce == path and engine.use_graphs, engine.decode
-        out[path] = generate(
-            model, prompts, params, torch.Generator().manual_seed(1), engine=engine
-        )
-    assert out["one_shot"] == out["nccl"]
+        assert engine.use_graphs, engine.decode
+        assert path in str(engine.decode) or path == "nccl", engine.decode
+        used, kernel = [], tar.TPAllReduce.kernel
+        tar.TPAllReduce.kernel = _recording(kernel, used)
+        try:
+            g = torch.Generator().manual_seed(1)
+            out[path] = generate(model, prompts, params, g, engine=engine)
+        finally:
+            tar.TPAllReduce.kernel = kernel
+        assert path in used, (path, set(used))  # the decode steps went through the kernel
+    assert out["one_shot"] == out["nccl"] and out["two_shot"] == out["nccl"]
 
 
 @pytest.mark.gpu

@@ -17,7 +17,7 @@ No multicast either way (NVLS stays off: ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``)
 
 The decision (``rollout.engine.tp_all_reduce``), made once by :func:`reduce_tiers` as data: a
 tuple of ``(largest message bytes, kernel)`` tiers, smallest first; a message takes the first tier
-it fits, NCCL above the last (and where none). "nccl": no tiers; "one_shot" / "two_shot": that
+it fits (a tier may name NCCL), NCCL above the last (and where none). "nccl": no tiers; "one_shot" / "two_shot": that
 kernel up to :data:`SYMM_MAX_BYTES` (needs CUDA, TP > 1 and the TP group on one host; anything
 else is an error naming the field); "auto": the tiers :data:`MEASURED_AHEAD` lists for the TP
 size (measured ahead of NCCL by ``tools/bench_tp_all_reduce.py``), else NCCL.
@@ -38,14 +38,18 @@ from megatron_grpo.ops.kernels import CHOICES, check_choice
 
 TP_ALL_REDUCE = CHOICES["tp_all_reduce"]
 FIELD = "rollout.engine.tp_all_reduce"
-Tiers = tuple[tuple[int, str], ...]  # (largest message bytes, "one_shot" | "two_shot")
-KERNELS = ("one_shot", "two_shot")
+Tiers = tuple[tuple[int, str], ...]  # (largest message bytes, "nccl" | "one_shot" | "two_shot")
+KERNELS = ("one_shot", "two_shot")  # over symmetric memory; a tier may also name "nccl"
 # an explicit choice: its kernel up to this many bytes, NCCL above
 SYMM_MAX_BYTES = {"one_shot": 512 << 10, "two_shot": 8 << 20}
 # "auto": per TP size, the tiers measured ahead of NCCL inside CUDA graphs
-# (tools/bench_tp_all_reduce.py, 4 x H200 of one host, 2026-11-28: one-shot at TP 4 0.78-0.95x
-# up to 512 KiB, 1.04-1.32x from 1 MiB; at TP 2 within 5% either way)
-MEASURED_AHEAD: dict[int, Tiers] = {4: ((512 << 10, "one_shot"),)}
+# (tools/bench_tp_all_reduce.py, 4 x H200 of one host, 2026-11-28, [rows, 4096] bf16): TP 4
+# one-shot 0.79-0.95x of NCCL up to 512 KiB, two-shot 0.86-0.97x from 1 MiB; TP 2 one-shot
+# within 5% of NCCL up to 1 MiB (NCCL kept), two-shot 0.75-0.86x at 2-4 MiB
+MEASURED_AHEAD: dict[int, Tiers] = {
+    2: ((1 << 20, "nccl"), (8 << 20, "two_shot")),
+    4: ((512 << 10, "one_shot"), (8 << 20, "two_shot")),
+}
 
 
 def one_shot_unavailable(group: dist.ProcessGroup | None, device: torch.device) -> str:
@@ -103,14 +107,16 @@ class TPAllReduce:
 
     def __init__(self, group: dist.ProcessGroup | None, tiers: Tiers, device: torch.device):
         for nbytes, kernel in tiers:
-            if kernel not in KERNELS or nbytes <= 0:
-                raise ValueError(f"a tier is (bytes > 0, one of {KERNELS}), got {(nbytes, kernel)}")
+            if kernel not in ("nccl", *KERNELS) or nbytes <= 0:
+                names = " | ".join(("nccl", *KERNELS))
+                raise ValueError(f"a tier is (bytes > 0, {names}), got {(nbytes, kernel)}")
         self.group, self.tiers = group, tiers
         self.buffer: Tensor | None = None
-        if tiers:
+        symm = [nbytes for nbytes, kernel in tiers if kernel in KERNELS]
+        if symm:
             from torch.distributed import _symmetric_memory as symm_mem
 
-            size = max(nbytes for nbytes, _ in tiers)
+            size = max(symm)
             self.buffer = symm_mem.empty(size, dtype=torch.uint8, device=device)
             symm_mem.rendezvous(self.buffer, group.group_name)
             # two-shot splits the message into TP 16-byte-aligned parts
