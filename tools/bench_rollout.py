@@ -224,6 +224,8 @@ def main() -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     name = torch.cuda.get_device_name()
     tbps = next((v for k, v in HBM_TBPS.items() if k in name), 3.35)
+    if args.out and rank == 0:
+        os.makedirs(args.out, exist_ok=True)
     report = dict(device=name, world=int(os.environ.get("WORLD_SIZE", "1")), args=vars(args),
                   roofline_tokens_per_s=roofline(model, cfg, args, tbps), hbm_tbps=tbps)  # fmt: skip
     for mode in args.modes.split(","):
