@@ -87,21 +87,29 @@ def _metrics(tmp: Path, name: str) -> list[dict]:
     return [json.loads(line) for line in lines]
 
 
-def _weights_equal(tmp: Path, a: str, b: str) -> None:
-    wa, wb = (torch.load(tmp / n / "weights.pt") for n in (a, b))
+def _weights_equal(tmp_a: Path, tmp_b: Path, a: str, b: str) -> None:
+    wa, wb = torch.load(tmp_a / a / "weights.pt"), torch.load(tmp_b / b / "weights.pt")
     assert wa.keys() == wb.keys()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@pytest.fixture(scope="module")
+def colocated_run(tmp_path_factory) -> Path:
+    """The colocated 3-step run both replica counts are compared with (run once)."""
+    tmp = tmp_path_factory.mktemp("colocated")
+    run_distributed(_colocated, 1, tmp, 3)
+    return tmp
+
+
 @pytest.mark.parametrize("replicas", [1, 2])
-def test_staleness_0_separate_is_the_colocated_run(tmp_path, replicas):
+def test_staleness_0_separate_is_the_colocated_run(tmp_path, colocated_run, replicas):
     """One replica generates each step's rollouts in the colocated run's engine call; two
     generate half of its prompt groups each (``separate/parts.py``) from the same uniforms."""
-    run_distributed(_colocated, 1, tmp_path, 3)
     gen = (f"rollout.separate.generation_ranks={replicas}", "rollout.separate.max_staleness=0")
     run_distributed(_separate, 1 + replicas, tmp_path, "sep0", 3, *gen)
-    assert _rollouts(tmp_path, "colocated") == _rollouts(tmp_path, "sep0")
-    for a, b in zip(_metrics(tmp_path, "colocated"), _metrics(tmp_path, "sep0"), strict=True):
+    assert _rollouts(colocated_run, "colocated") == _rollouts(tmp_path, "sep0")
+    colocated = _metrics(colocated_run, "colocated")
+    for a, b in zip(colocated, _metrics(tmp_path, "sep0"), strict=True):
         for key in LOSS_KEYS:
             assert a[key] == b[key], key
         assert b["rollout/policy_lag_max"] == 0.0 and b["rollout/stale_dropped_groups"] == 0.0
@@ -110,7 +118,7 @@ def test_staleness_0_separate_is_the_colocated_run(tmp_path, replicas):
         made = a["perf/generation_tokens_per_s"] * a["perf/rollout_seconds"]
         rate = b["perf/generation_tokens_per_s"]
         assert rate * b["perf/generation_seconds"] == pytest.approx(made, rel=1e-6)
-    _weights_equal(tmp_path, "colocated", "sep0")
+    _weights_equal(colocated_run, tmp_path, "colocated", "sep0")
 
 
 FILTER = ("rollout.filter_groups.enabled=true", "rollout.filter_groups.max_extra_rounds=2")
@@ -201,7 +209,7 @@ def test_moe_routes_recorded_by_the_generator_are_replayed(tmp_path):
             if key in a:
                 assert a[key] == b[key], key
         assert any(k.startswith("moe/") for k in b), sorted(b)
-    _weights_equal(tmp_path, "colocated", "moe")
+    _weights_equal(tmp_path, tmp_path, "colocated", "moe")
 
 
 def _stop_at(at: int):
@@ -276,7 +284,7 @@ def _lag_resume_body(rank: int, world: int, tmp: Path) -> None:
 def test_staleness_1_lag_and_resume_mid_flight_equals_uninterrupted(tmp_path):
     run_distributed(_lag_resume_body, 4, tmp_path)
     assert _rollouts(tmp_path, "whole") == _rollouts(tmp_path, "cut")
-    _weights_equal(tmp_path, "whole", "cut")
+    _weights_equal(tmp_path, tmp_path, "whole", "cut")
 
 
 @pytest.mark.parametrize(
