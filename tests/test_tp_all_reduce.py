@@ -1,6 +1,6 @@
 """The fused decode step's TP all-reduce (rollout/engine/tp_all_reduce.py).
 
-On CPU: the one decision (``reduce_path``) and its errors; the NCCL path (gloo here) sums.
+On CPU: the one decision (``reduce_tiers``) and its errors; the NCCL path (gloo here) sums.
 On 2 GPUs: one-shot and two-shot over symmetric memory equal NCCL's all-reduce bit for bit (a + b
 is one rounding either way), eagerly and replayed in a CUDA graph; a TP2 engine decodes the same
 greedy tokens and log-probs with each. On 4 GPUs: within rounding.
