@@ -47,14 +47,14 @@ def _decision_body(rank: int, world: int) -> None:
         tar.reduce_tiers("one_shot", group, torch.device("cpu"))
     assert tar.reduce_tiers("auto", group, torch.device("cpu")) == ()
     os.environ["LOCAL_WORLD_SIZE"] = "1"  # two hosts of one rank each
-    assert "spans 2 hosts of 1 ranks" in tar.one_shot_unavailable(group, cuda)
+    assert "spans 2 hosts of 1 ranks" in tar.symm_mem_unavailable(group, cuda)
     with pytest.raises(ValueError, match="spans 2 hosts"):
         tar.reduce_tiers("two_shot", group, cuda)
     assert tar.reduce_tiers("auto", group, cuda) == ()
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     symm = hasattr(torch.ops.symm_mem, "two_shot_all_reduce_out")
     if symm:
-        assert tar.one_shot_unavailable(group, cuda) == ""
+        assert tar.symm_mem_unavailable(group, cuda) == ""
         assert tar.reduce_tiers("one_shot", group, cuda) == ((512 << 10, "one_shot"),)
         assert tar.reduce_tiers("two_shot", group, cuda) == ((8 << 20, "two_shot"),)
     # "auto": the tiers measured ahead at this TP size

@@ -20,7 +20,6 @@ head per rank; anything else decodes through the modules, and the plan says why.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -41,7 +40,7 @@ from megatron_grpo.ops.layers import decode as decode_ops
 from megatron_grpo.ops.layers.decode import DecodeKernels
 from megatron_grpo.rollout.engine.cached_attention import decode_attention, softmax_scale
 from megatron_grpo.rollout.engine.kv_cache import KVCache
-from megatron_grpo.rollout.engine.tp_all_reduce import describe
+from megatron_grpo.rollout.engine.tp_all_reduce import TPAllReduce, describe
 
 PATHS = ("auto", "fused", "modules")
 
@@ -209,10 +208,10 @@ class FusedDecoder:
         model: torch.nn.Module,
         kernels: DecodeKernels,
         tp_group: dist.ProcessGroup | None,
-        reduce: Callable[[Tensor], Tensor] | None = None,
+        reduce: TPAllReduce | None = None,
     ) -> None:
         """``tp_group``: the layout's (None without TP). ``reduce``: the row-parallel outputs'
-        sum over TP (a ``tp_all_reduce.TPAllReduce``; None: NCCL's all-reduce in place)."""
+        sum over TP (None: NCCL's alone, ``TPAllReduce(tp_group, ())``)."""
         self.model = model
         self.add_norm, self.qkv_rope = kernels.add_rms_norm, kernels.qkv_rope_cache
         self.swiglu = kernels.swiglu
@@ -224,7 +223,8 @@ class FusedDecoder:
         )
         self.layers = [_Layer.of(layer) for layer in model.decoder.layers]
         self.final = _norm(model.decoder.final_layernorm)
-        self.tp_group, self.reduce = tp_group, reduce
+        self.tp_group = tp_group
+        self.reduce = reduce or TPAllReduce(tp_group, (), next(model.parameters()).device)
         self.scale = softmax_scale(model)
 
     def __call__(
@@ -251,19 +251,10 @@ class FusedDecoder:
                 rope_args,
             )
             att = decode_attention(q, k_cache, v_cache, cache, self.scale)
-            out = self._reduce(F.linear(att, layer.proj[0]))
+            out = self.reduce(F.linear(att, layer.proj[0]))  # partial sums; bias added after
             res, x = self.add_norm(out, *layer.norm2, residual=res, bias=layer.proj[1])
             hidden = self.swiglu(F.linear(x, layer.fc1[0]), layer.fc1[1])
-            out = self._reduce(F.linear(hidden, layer.fc2[0]))
+            out = self.reduce(F.linear(hidden, layer.fc2[0]))
             nxt = self.layers[i + 1].norm1 if i + 1 < len(self.layers) else self.final
             res, x = self.add_norm(out, *nxt, residual=res, bias=layer.fc2[1])
         return x
-
-    def _reduce(self, t: Tensor) -> Tensor:
-        """Row-parallel outputs are partial sums over TP (megatron adds their bias after)."""
-        if self.tp_group is None:
-            return t
-        if self.reduce is not None:
-            return self.reduce(t)
-        dist.all_reduce(t, group=self.tp_group)
-        return t

@@ -34,9 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_grpo.ops.kernels import CHOICES, check_choice
+from megatron_grpo.ops.kernels import check_choice
 
-TP_ALL_REDUCE = CHOICES["tp_all_reduce"]
 FIELD = "rollout.engine.tp_all_reduce"
 Tiers = tuple[tuple[int, str], ...]  # (largest message bytes, "nccl" | "one_shot" | "two_shot")
 KERNELS = ("one_shot", "two_shot")  # over symmetric memory; a tier may also name "nccl"
@@ -52,7 +51,7 @@ MEASURED_AHEAD: dict[int, Tiers] = {
 }
 
 
-def one_shot_unavailable(group: dist.ProcessGroup | None, device: torch.device) -> str:
+def symm_mem_unavailable(group: dist.ProcessGroup | None, device: torch.device) -> str:
     """Why symmetric memory cannot reduce over ``group`` on ``device`` ("" when it can).
     It maps the peers' GPU memory, so the group must lie on one host: its global ranks must
     share ``rank // LOCAL_WORLD_SIZE`` (torchrun's; default: this host's GPUs)."""
@@ -82,7 +81,7 @@ def reduce_tiers(
         raise ValueError(f"{FIELD} {choice!r} needs the fused decode path ({why})")
     if choice == "nccl" or decode_path != "fused" or group is None:
         return ()
-    why = one_shot_unavailable(group, device)
+    why = symm_mem_unavailable(group, device)
     if explicit:
         if why:
             raise ValueError(f"{FIELD} {choice!r} cannot run here: {why} (use 'nccl' or 'auto')")
