@@ -137,10 +137,13 @@ def report(events, wall: float, rank: int, start: int, end: int) -> str:
 
 
 def device_events(events) -> list:
-    """The GPU's kernels, copies and sets; without any (a CPU run) the leaf CPU ops."""
+    """The GPU's kernels, copies and sets; without any (a CPU run) the leaf CPU ops. The
+    ``record_function`` ranges (the ``stage/...`` marks) also appear on the GPU's timeline, as
+    user annotations spanning the kernels they enclose: counting them would add each stage's
+    wall time to the kernel time and hide the host-bound gaps, so they are left out."""
     from torch.autograd import DeviceType
 
-    gpu = [e for e in events if e.device_type == DeviceType.CUDA]
+    gpu = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
     if gpu:
         return gpu
     return [e for e in events if e.device_type == DeviceType.CPU and not e.cpu_children]

@@ -52,6 +52,28 @@ def test_kernel_kinds_and_busy_time():
     assert union_seconds([(0, 4e6), (1e6, 2e6)]) == pytest.approx(4.0)  # nested
 
 
+def test_gpu_annotations_are_not_kernels():
+    """The stage ranges mirrored on the GPU's timeline span the kernels they enclose: the table
+    must count the kernels only (a profile of a host-bound step read 96% busy with them)."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from megatron_grpo.profiling import device_events, report
+
+    def event(name, start, end, annotation=False):
+        span = SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)
+        return SimpleNamespace(name=name, device_type=DeviceType.CUDA, time_range=span,
+                               is_user_annotation=annotation, cpu_children=[])  # fmt: skip
+
+    events = [event("stage/update", 0, 10e6, annotation=True), event("nvjet_gemm", 1e6, 2e6),
+              event("triton_rms_norm", 3e6, 3.5e6)]  # fmt: skip
+    assert [e.name for e in device_events(events)] == ["nvjet_gemm", "triton_rms_norm"]
+    table = report(events, 10.0, 0, 2, 2)
+    assert "device busy 1.500 s (15%), idle 8.500 s; kernel time 1.500 s in 2 launches" in table
+    assert "stage/update" not in table
+
+
 @pytest.mark.parametrize(
     "sets, match",
     [

@@ -11,9 +11,11 @@
 #   bash tools/gpu_e2e.sh moe_twin  # the MoE twin (2 GPUs): toy task + 4k synthetic rollouts
 #   bash tools/gpu_e2e.sh moe_ep    # the MoE twin at EP1 (1 GPU), EP2 TP2+SP (2), EP4 TP1 and
 #                                   # TP2+SP (4 GPUs): step split, generation tokens/s, ratios
-#                                   # to EP1 (moe_ep.md; MOE_EP_LAYOUTS "tag:gpus:tp:sp[:dispatch] ...";
-#                                   # MOE_EP_PROFILE_STEP=3: that step profiled on every rank,
-#                                   # profile_<tag>_rank<R>_steps3-3.md device-time tables)
+#                                   # to EP1 (moe_ep.md; MOE_EP_LAYOUTS
+#                                   # "tag:gpus:tp:sp[:dispatch[:micro-batch tokens]] ...";
+#                                   # MOE_EP_PROFILE_STEP=3: that step profiled on every rank and
+#                                   # left out of the means, device-time tables in
+#                                   # moe_ep_profiles.md)
 #   bash tools/gpu_e2e.sh maxctx    # longest packed micro-batch per log-prob path, one GPU
 #   bash tools/gpu_e2e.sh step      # the dense twin's step on 2 GPUs (TP2+SP), toy task with
 #                                   # 256-digit prompts: on-policy (1 mini-batch, old-log-prob
@@ -229,9 +231,10 @@ moe_ep() {
         --set rollout.max_response_length=129)
     local layouts=${MOE_EP_LAYOUTS:-ep1:1:1:false ep2_tp2sp:2:2:true ep4_tp1:4:1:false ep4_tp2sp:4:2:true}
     for spec in $layouts; do
-        # tag:gpus:tp:sp[:dispatch]: dispatch = model.layer_kernels.moe_dispatch (auto: the
-        # gathered dispatch in decode, megatron-core's all-to-all in training; gathered: both)
-        IFS=: read -r tag nproc tp sp dispatch <<<"$spec"
+        # tag:gpus:tp:sp[:dispatch[:mb]]: dispatch = model.layer_kernels.moe_dispatch (auto: the
+        # gathered dispatch in decode, megatron-core's all-to-all in training; gathered: both);
+        # mb = training.max_tokens_per_micro_batch (the recipe's 4096 by default)
+        IFS=: read -r tag nproc tp sp dispatch mb <<<"$spec"
         if [ "$nproc" -gt "$NGPU" ]; then
             echo "== moe_ep_$tag: skipped ($nproc GPUs, $NGPU here)" | tee -a "$LOG"
             continue
@@ -246,35 +249,47 @@ moe_ep() {
             --set parallel.tensor_model_parallel_size="$tp" --set parallel.sequence_parallel="$sp" \
             --set parallel.expert_model_parallel_size="$nproc" \
             --set parallel.expert_tensor_parallel_size=1 "${profile[@]}" \
-            --set model.layer_kernels.moe_dispatch="${dispatch:-auto}" || status=1
+            --set model.layer_kernels.moe_dispatch="${dispatch:-auto}" \
+            --set training.max_tokens_per_micro_batch="${mb:-4096}" || status=1
         for table in "$WORK/moe_ep_${tag}_fused"/profile/*.md; do  # the tables, not the traces
-            [ -f "$table" ] && cp "$table" "$OUT/profile_${tag}_$(basename "$table")"
+            [ -f "$table" ] && { echo "## $tag: $(basename "$table")"; cat "$table"; } \
+                >>"$OUT/moe_ep_profiles.md"
         done
         echo "moe_ep_$tag: $(grep -h -m1 "CUDA graphs" "$OUT/moe_ep_$tag.log")" | tee -a "$LOG"
     done
-    python3 - "$WORK" "$OUT/moe_ep.md" <<'EOF' | tee -a "$LOG"
+    python3 - "$WORK" "$OUT/moe_ep.md" "${MOE_EP_PROFILE_STEP:-0}" <<'EOF' | tee -a "$LOG"
 import json, sys
 from pathlib import Path
+import yaml
 work, out = Path(sys.argv[1]), Path(sys.argv[2])
 keys = ("step", "rollout", "logprob", "update")
-rows, base = [], None
-for run in sorted(work.glob("moe_ep_*_fused")):
+rows, bases = [], {}  # bases: micro-batch tokens -> that size's EP1 row
+for run in sorted(work.glob("moe_ep_*_fused"), key=lambda p: p.stat().st_mtime):
     f = run / "metrics.jsonl"
-    steps = [json.loads(l) for l in f.read_text().splitlines()][1:] if f.exists() else []
+    # after the warm-up step, without the profiled one (the profiler costs host time)
+    lines = f.read_text().splitlines() if f.exists() else []
+    steps = [json.loads(l) for i, l in enumerate(lines, 1) if i > 1 and i != int(sys.argv[3])]
     def mean(k):
         v = [s[k] for s in steps if s.get(k) is not None]
         return sum(v) / len(v) if v else None
-    r = dict(tag=run.name[len("moe_ep_"):-len("_fused")], steps=len(steps),
+    cfg = yaml.safe_load((run / "config.yaml").read_text()) if (run / "config.yaml").exists() else {}
+    mb = cfg.get("training", {}).get("max_tokens_per_micro_batch")
+    ep = cfg.get("parallel", {}).get("expert_model_parallel_size")
+    r = dict(tag=run.name[len("moe_ep_"):-len("_fused")], steps=len(steps), mb=mb,
              **{k: mean(f"perf/{k}_seconds") for k in keys},
              tps=mean("perf/tokens_per_s"), gen=mean("perf/generation_tokens_per_s"))
     rows.append(r)
-    base = r if r["tag"] == "ep1" else base
+    if ep == 1:
+        bases.setdefault(mb, r)
 fmt = lambda v, p=2: "n/a" if v is None else f"{v:.{p}f}"
-ratio = lambda r, k: "n/a" if not (base and base[k] and r[k]) else f"{r[k] / base[k]:.2f}x"
-lines = ["| layout | steps (after warm-up) | step s | rollout s | log-prob s | update s | "
-         "step tok/s | vs EP1 | generation tok/s | vs EP1 |", "|---" * 10 + "|"]
+def ratio(r, k):  # to the EP1 row of the same micro-batch size
+    b = bases.get(r["mb"])
+    return "n/a" if not (b and b[k] and r[k]) else f"{r[k] / b[k]:.2f}x"
+lines = ["| layout | micro-batch tokens | steps (after warm-up) | step s | rollout s | log-prob s "
+         "| update s | step tok/s | vs EP1 | generation tok/s | vs EP1 |", "|---" * 11 + "|"]
 for r in rows:
-    lines.append(f"| {r['tag']} | {r['steps']} | " + " | ".join(fmt(r[k]) for k in keys)
+    lines.append(f"| {r['tag']} | {r['mb']} | {r['steps']} | "
+                 + " | ".join(fmt(r[k]) for k in keys)
                  + f" | {fmt(r['tps'], 0)} | {ratio(r, 'tps')} | {fmt(r['gen'], 0)} | "
                  + f"{ratio(r, 'gen')} |")
 text = "## MoE twin at expert parallelism\n\n" + "\n".join(lines) + "\n"
