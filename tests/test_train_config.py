@@ -116,6 +116,16 @@ def test_unknown_keys_and_bad_values_name_the_field(override, message):
             ],
             "logprob_max_tokens_per_micro_batch needs model.moe_token_dispatcher_type alltoall",
         ),
+        (
+            [
+                "model.num_moe_experts=4",
+                "parallel.expert_model_parallel_size=2",
+                "model.moe_token_dispatcher_type=alltoall",
+                "model.layer_kernels.moe_dispatch=gathered",
+                "training.logprob_max_tokens_per_micro_batch=4096",
+            ],
+            "the gathered dispatch need the same token count",
+        ),
     ],
 )
 def test_cross_field_checks_raise_naming_the_field(overrides, message):
@@ -154,6 +164,7 @@ def test_checkpoint_architecture_check_names_the_field(tmp_path):
 
 
 _EP2 = ["model.num_moe_experts=4", "parallel.expert_model_parallel_size=2"]
+_GATHERED = "model.layer_kernels.moe_dispatch=gathered"
 
 
 @pytest.mark.parametrize(
@@ -173,6 +184,9 @@ _EP2 = ["model.num_moe_experts=4", "parallel.expert_model_parallel_size=2"]
         ),  # fmt: skip
         # ... under allgather every forward needs equal tokens: the update's micro-batches
         (_EP2 + ["model.moe_token_dispatcher_type=allgather"], None),
+        # ... and under the gathered dispatch in every forward (its all-gather takes equal shares)
+        (_EP2 + ["model.moe_token_dispatcher_type=alltoall", _GATHERED], None),
+        (["model.num_moe_experts=4", _GATHERED], 32768),  # EP 1: no dispatch to match
         (["training.logprob_max_tokens_per_micro_batch=4096"], 4096),
         (["training.logprob_max_tokens_per_micro_batch=null"], None),
     ],

@@ -233,7 +233,7 @@ moe_ep() {
     for spec in $layouts; do
         # tag:gpus:tp:sp[:dispatch[:mb]]: dispatch = model.layer_kernels.moe_dispatch (auto: the
         # gathered dispatch in decode, megatron-core's all-to-all in training; gathered: both);
-        # mb = training.max_tokens_per_micro_batch (the recipe's 4096 by default)
+        # mb = training.max_tokens_per_micro_batch (default: the recipe's)
         IFS=: read -r tag nproc tp sp dispatch mb <<<"$spec"
         if [ "$nproc" -gt "$NGPU" ]; then
             echo "== moe_ep_$tag: skipped ($nproc GPUs, $NGPU here)" | tee -a "$LOG"
@@ -250,7 +250,7 @@ moe_ep() {
             --set parallel.expert_model_parallel_size="$nproc" \
             --set parallel.expert_tensor_parallel_size=1 "${profile[@]}" \
             --set model.layer_kernels.moe_dispatch="${dispatch:-auto}" \
-            --set training.max_tokens_per_micro_batch="${mb:-4096}" || status=1
+            ${mb:+--set training.max_tokens_per_micro_batch="$mb"} || status=1
         for table in "$WORK/moe_ep_${tag}_fused"/profile/*.md; do  # the tables, not the traces
             [ -f "$table" ] && { echo "## $tag: $(basename "$table")"; cat "$table"; } \
                 >>"$OUT/moe_ep_profiles.md"

@@ -45,9 +45,10 @@ from megatron_grpo.rollout.context import RolloutContext
 LOGPROB_MERGE_TOKENS = 32768
 _MERGE_NEEDS_ALLTOALL = (
     "training.logprob_max_tokens_per_micro_batch needs model.moe_token_dispatcher_type "
-    "alltoall (the GPU default) at parallel.expert_model_parallel_size > 1: the allgather "
-    "dispatcher needs the same token count in each forward on every expert-parallel rank, which "
-    "merged micro-batches do not keep; set it to null"
+    "alltoall (the GPU default) and model.layer_kernels.moe_dispatch auto or alltoall at "
+    "parallel.expert_model_parallel_size > 1: the allgather dispatcher and the gathered dispatch "
+    "need the same token count in each forward on every expert-parallel rank, which merged "
+    "micro-batches do not keep; set it to null"
 )
 
 
@@ -293,7 +294,7 @@ class TrainConfig:
         if self.training.logprob_max_tokens_per_micro_batch not in (
             None,
             "auto",
-        ) and self._moe_forwards_need_equal_tokens(self.model.moe_token_dispatcher_type):
+        ) and self.moe_forwards_need_equal_tokens(self.model.moe_token_dispatcher_type):
             raise ValueError(_MERGE_NEEDS_ALLTOALL)
         if self.training.log_mismatch_without_replay and not self.model.moe_enable_routing_replay:
             raise ValueError(
@@ -399,20 +400,25 @@ class TrainConfig:
         """What the log-prob passes merge micro-batches up to (None: they don't), with
         ``training.logprob_max_tokens_per_micro_batch`` "auto" resolved for this model."""
         merge = self.training.logprob_max_tokens_per_micro_batch
-        equal_tokens = self._moe_forwards_need_equal_tokens(dispatcher_type(self.model))
+        equal_tokens = self.moe_forwards_need_equal_tokens(dispatcher_type(self.model))
         if merge == "auto":
             return None if equal_tokens else LOGPROB_MERGE_TOKENS
         if merge is not None and equal_tokens:  # the CPU default dispatcher (allgather)
             raise ValueError(_MERGE_NEEDS_ALLTOALL)
         return merge
 
-    def _moe_forwards_need_equal_tokens(self, dispatcher: str | None) -> bool:
+    def moe_forwards_need_equal_tokens(self, dispatcher: str | None) -> bool:
         """Whether every MoE forward is a collective over ranks with different batches (EP)
-        that needs the same token count on each (the allgather dispatcher): merged log-prob
-        micro-batches would differ. Under all-to-all the ranks only agree on the number of
-        forwards (``GRPOStep.compute_logprobs(count_group=...)``)."""
+        that needs the same token count on each: megatron-core's allgather ``dispatcher``, or
+        the gathered dispatch chosen for every forward (``model.layer_kernels.moe_dispatch:
+        gathered``; its all-gather takes equal shares). The trainer then pads each rank's
+        ``i``-th micro-batch to the group's longest, and merged log-prob micro-batches would
+        differ. Under all-to-all the ranks only agree on the number of forwards
+        (``GRPOStep.compute_logprobs(count_group=...)``)."""
         moe = self.model.num_moe_experts is not None
-        return moe and self.parallel.expert_model_parallel_size > 1 and dispatcher == "allgather"
+        if not moe or self.parallel.expert_model_parallel_size == 1:
+            return False
+        return dispatcher == "allgather" or self.model.layer_kernels.moe_dispatch == "gathered"
 
 
 # Keys moved into rollout.sampling / rollout.engine (kept for one release, with a warning).

@@ -377,13 +377,14 @@ class Trainer:
     def _moe_groups(self) -> tuple[Any, Any]:
         """MoE forwards are collectives (token dispatch over the expert tensor-and-model group;
         the global aux loss over all DP ranks), so every DP rank runs the same number of
-        micro-batches; the allgather dispatcher also needs equal token counts over the expert
-        group (padding carries loss_mask False). Dense models: (None, None), as before."""
+        micro-batches; the allgather dispatcher and the gathered dispatch also need equal token
+        counts over the expert group (padding carries loss_mask False). Dense models: (None,
+        None), as before."""
         if self.cfg.model.num_moe_experts is None:
             return None, None
         count = self.layout.dp_group if self.dp_size > 1 else None
         tokens = None
-        if self.layout.ep_size > 1 and dispatcher_type(self.cfg.model) == "allgather":
+        if self.cfg.moe_forwards_need_equal_tokens(dispatcher_type(self.cfg.model)):
             tokens = self.layout.expert_tp_ep_group
         return count, tokens
 
