@@ -15,7 +15,8 @@
 #                                   # "tag:gpus:tp:sp[:dispatch[:micro-batch tokens]] ...";
 #                                   # MOE_EP_PROFILE_STEP=3: that step profiled on every rank and
 #                                   # left out of the means, device-time tables in
-#                                   # moe_ep_profiles.md)
+#                                   # moe_ep_profiles.md; MOE_EP_WARMUP steps left out, 1:
+#                                   # step 2 captures decode graphs again, see its column)
 #   bash tools/gpu_e2e.sh maxctx    # longest packed micro-batch per log-prob path, one GPU
 #   bash tools/gpu_e2e.sh step      # the dense twin's step on 2 GPUs (TP2+SP), toy task with
 #                                   # 256-digit prompts: on-policy (1 mini-batch, old-log-prob
@@ -257,7 +258,8 @@ moe_ep() {
         done
         echo "moe_ep_$tag: $(grep -h -m1 "CUDA graphs" "$OUT/moe_ep_$tag.log")" | tee -a "$LOG"
     done
-    python3 - "$WORK" "$OUT/moe_ep.md" "${MOE_EP_PROFILE_STEP:-0}" <<'EOF' | tee -a "$LOG"
+    python3 - "$WORK" "$OUT/moe_ep.md" "${MOE_EP_PROFILE_STEP:-0}" "${MOE_EP_WARMUP:-1}" \
+        <<'EOF' | tee -a "$LOG"
 import json, sys
 from pathlib import Path
 import yaml
@@ -266,9 +268,10 @@ keys = ("step", "rollout", "logprob", "update")
 rows, bases = [], {}  # bases: micro-batch tokens -> that size's EP1 row
 for run in sorted(work.glob("moe_ep_*_fused"), key=lambda p: p.stat().st_mtime):
     f = run / "metrics.jsonl"
-    # after the warm-up step, without the profiled one (the profiler costs host time)
+    # after the warm-up steps, without the profiled one (the profiler costs host time)
     lines = f.read_text().splitlines() if f.exists() else []
-    steps = [json.loads(l) for i, l in enumerate(lines, 1) if i > 1 and i != int(sys.argv[3])]
+    warm, prof = int(sys.argv[4]), int(sys.argv[3])
+    steps = [json.loads(l) for i, l in enumerate(lines, 1) if i > warm and i != prof]
     def mean(k):
         v = [s[k] for s in steps if s.get(k) is not None]
         return sum(v) / len(v) if v else None
@@ -277,7 +280,9 @@ for run in sorted(work.glob("moe_ep_*_fused"), key=lambda p: p.stat().st_mtime):
     ep = cfg.get("parallel", {}).get("expert_model_parallel_size")
     r = dict(tag=run.name[len("moe_ep_"):-len("_fused")], steps=len(steps), mb=mb,
              **{k: mean(f"perf/{k}_seconds") for k in keys},
-             tps=mean("perf/tokens_per_s"), gen=mean("perf/generation_tokens_per_s"))
+             tps=mean("perf/tokens_per_s"), gen=mean("perf/generation_tokens_per_s"),
+             last=steps[-1].get("perf/tokens_per_s") if steps else None,
+             captures=[int(s.get("rollout/graph_captures", 0)) for s in steps])
     rows.append(r)
     if ep == 1:
         bases.setdefault(mb, r)
@@ -285,13 +290,14 @@ fmt = lambda v, p=2: "n/a" if v is None else f"{v:.{p}f}"
 def ratio(r, k):  # to the EP1 row of the same micro-batch size
     b = bases.get(r["mb"])
     return "n/a" if not (b and b[k] and r[k]) else f"{r[k] / b[k]:.2f}x"
-lines = ["| layout | micro-batch tokens | steps (after warm-up) | step s | rollout s | log-prob s "
-         "| update s | step tok/s | vs EP1 | generation tok/s | vs EP1 |", "|---" * 11 + "|"]
+lines = ["| layout | micro-batch tokens | steps (after warm-up) | decode graph captures | step s "
+         "| rollout s | log-prob s | update s | step tok/s | vs EP1 | last step tok/s | vs EP1 "
+         "| generation tok/s | vs EP1 |", "|---" * 14 + "|"]
 for r in rows:
-    lines.append(f"| {r['tag']} | {r['mb']} | {r['steps']} | "
+    lines.append(f"| {r['tag']} | {r['mb']} | {r['steps']} | {r['captures']} | "
                  + " | ".join(fmt(r[k]) for k in keys)
-                 + f" | {fmt(r['tps'], 0)} | {ratio(r, 'tps')} | {fmt(r['gen'], 0)} | "
-                 + f"{ratio(r, 'gen')} |")
+                 + f" | {fmt(r['tps'], 0)} | {ratio(r, 'tps')} | {fmt(r['last'], 0)} | "
+                 + f"{ratio(r, 'last')} | {fmt(r['gen'], 0)} | {ratio(r, 'gen')} |")
 text = "## MoE twin at expert parallelism\n\n" + "\n".join(lines) + "\n"
 out.write_text(text)
 print(text)
