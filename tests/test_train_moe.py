@@ -195,3 +195,25 @@ def test_gpu_gathered_dispatch_trains_at_dp2(tmp_path):
     metrics = _train(tmp_path, GATHERED_DP2, timeout=150)
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert all(math.isfinite(m["loss/loss"]) for m in metrics), metrics
+
+
+def _gathered_body(rank: int, world: int, tmp: Path) -> None:
+    from megatron_grpo.train.config import load_train_config
+    from megatron_grpo.train.trainer import Trainer
+    from tests.ep_utils import cpu_alltoall
+
+    cpu_alltoall()  # megatron-core's all-to-all dispatcher configured, as on GPU
+    sets = [*MOE, *GATHERED_DP2, f"logging.dir={tmp}", "training.steps=2"]
+    Trainer(load_train_config(RECIPE, sets)).train()
+
+
+def test_gathered_dispatch_trains_at_dp2_with_the_alltoall_dispatcher_configured(tmp_path):
+    """CPU (gloo, 2 ranks) of the GPU test above: the ranks' micro-batches differ in tokens and
+    the gathered dispatch's all-gather takes equal shares, so the trainer pads them (before,
+    the first update failed or hung)."""
+    from tests.dist_utils import run_distributed
+
+    run_distributed(_gathered_body, 2, tmp_path, timeout=240)
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(math.isfinite(m["loss/loss"]) for m in metrics), metrics
