@@ -15,6 +15,7 @@ own metrics are slower than the others'.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import time
 from collections.abc import Iterator
@@ -123,6 +124,7 @@ def report(events, wall: float, rank: int, start: int, end: int) -> str:
         "|---|---|---|",
         *(f"| {k} | {s:.3f} | {100 * s / total:.1f} |" for k, s in ranked),
         "",
+        *stage_lines(events, kernels),
         "| kernel | kind | calls | s | % |",
         "|---|---|---|---|---|",
     ]
@@ -134,6 +136,55 @@ def report(events, wall: float, rank: int, start: int, end: int) -> str:
             f"| `{short}` | {kind_of(name)} | {len(times)} | {sum(times):.4f} | {pct:.1f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def stage_lines(events, kernels: list) -> list[str]:
+    """Per trainer stage (the ``stage/...`` ranges; on the GPU's timeline where it has them):
+    its span, the device-busy time inside it and the launches, so a host-bound stage shows as
+    a low busy share. Empty without stage ranges."""
+    from torch.autograd import DeviceType
+
+    ranges = [e for e in events if e.name.startswith("stage/")]
+    on_gpu = [e for e in ranges if e.device_type == DeviceType.CUDA]
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for e in on_gpu or ranges:
+        spans.setdefault(e.name[len("stage/") :], []).append((e.time_range.start, e.time_range.end))
+    if not spans:
+        return []
+    lines = [
+        "| stage | calls | span s | device busy s | busy % | launches |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, parts in sorted(spans.items(), key=lambda kv: -sum(b - a for a, b in kv[1])):
+        calls, parts = len(parts), merged(parts)
+        span = sum(b - a for a, b in parts) / 1e6
+        inside = [clip(e, parts) for e in kernels]
+        busy = union_seconds([c for c in inside if c is not None])
+        count = sum(c is not None for c in inside)
+        pct = 100 * busy / span if span else 0.0
+        lines.append(f"| {name} | {calls} | {span:.3f} | {busy:.3f} | {pct:.0f} | {count} |")
+    return [*lines, ""]
+
+
+def merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``spans`` sorted, overlapping ones joined."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def clip(event, spans: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """``event``'s interval cut to the last of ``spans`` (sorted, disjoint) that starts before
+    it ends, if they overlap (None: they do not)."""
+    s, e = event.time_range.start, event.time_range.end
+    i = bisect.bisect_left(spans, (e, float("-inf"))) - 1
+    if i < 0 or spans[i][1] <= s:
+        return None
+    return max(s, spans[i][0]), min(e, spans[i][1])
 
 
 def device_events(events) -> list:

@@ -67,11 +67,17 @@ def test_gpu_annotations_are_not_kernels():
                                is_user_annotation=annotation, cpu_children=[])  # fmt: skip
 
     events = [event("stage/update", 0, 10e6, annotation=True), event("nvjet_gemm", 1e6, 2e6),
-              event("triton_rms_norm", 3e6, 3.5e6)]  # fmt: skip
-    assert [e.name for e in device_events(events)] == ["nvjet_gemm", "triton_rms_norm"]
-    table = report(events, 10.0, 0, 2, 2)
-    assert "device busy 1.500 s (15%), idle 8.500 s; kernel time 1.500 s in 2 launches" in table
+              event("triton_rms_norm", 3e6, 3.5e6), event("stage/rollout", 10e6, 12e6, True),
+              event("stage/rollout", 11e6, 14e6, True), event("decode_attn", 11.5e6, 12.5e6),
+              event("memcpy", 14.5e6, 15e6)]  # fmt: skip
+    assert [e.name for e in device_events(events)] == [
+        "nvjet_gemm", "triton_rms_norm", "decode_attn", "memcpy"]  # fmt: skip
+    table = report(events, 15.0, 0, 2, 2)
+    assert "device busy 3.000 s (20%), idle 12.000 s; kernel time 3.000 s in 4 launches" in table
     assert "stage/update" not in table
+    # per stage: its span (overlapping ranges joined), the busy time and launches inside it
+    assert "| update | 1 | 10.000 | 1.500 | 15 | 2 |" in table
+    assert "| rollout | 2 | 4.000 | 1.000 | 25 | 1 |" in table  # the copy at 14.5 s is after
 
 
 @pytest.mark.parametrize(
