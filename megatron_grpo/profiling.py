@@ -139,15 +139,15 @@ def report(events, wall: float, rank: int, start: int, end: int) -> str:
 
 
 def stage_lines(events, kernels: list) -> list[str]:
-    """Per trainer stage (the ``stage/...`` ranges; on the GPU's timeline where it has them):
-    its span, the device-busy time inside it and the launches, so a host-bound stage shows as
-    a low busy share. Empty without stage ranges."""
+    """Per trainer stage (the host's ``stage/...`` ranges, which end after a device
+    synchronization: ``step_metrics.timed``): its span, the device-busy time inside it and the
+    launches, so a host-bound stage shows as a low busy share. Empty without stage ranges. (The
+    GPU's mirrored annotations are no measure of a stage: one per kernel at times.)"""
     from torch.autograd import DeviceType
 
-    ranges = [e for e in events if e.name.startswith("stage/")]
-    on_gpu = [e for e in ranges if e.device_type == DeviceType.CUDA]
+    ranges = [e for e in events if e.device_type == DeviceType.CPU and e.name.startswith("stage/")]
     spans: dict[str, list[tuple[float, float]]] = {}
-    for e in on_gpu or ranges:
+    for e in ranges:
         spans.setdefault(e.name[len("stage/") :], []).append((e.time_range.start, e.time_range.end))
     if not spans:
         return []

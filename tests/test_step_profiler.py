@@ -61,14 +61,18 @@ def test_gpu_annotations_are_not_kernels():
 
     from megatron_grpo.profiling import device_events, report
 
-    def event(name, start, end, annotation=False):
+    def event(name, start, end, annotation=False, device=DeviceType.CUDA):
         span = SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)
-        return SimpleNamespace(name=name, device_type=DeviceType.CUDA, time_range=span,
+        return SimpleNamespace(name=name, device_type=device, time_range=span,
                                is_user_annotation=annotation, cpu_children=[])  # fmt: skip
+
+    def host(name, start, end):  # a record_function range on the host
+        return event(name, start, end, annotation=True, device=DeviceType.CPU)
 
     events = [event("stage/update", 0, 10e6, annotation=True), event("nvjet_gemm", 1e6, 2e6),
               event("triton_rms_norm", 3e6, 3.5e6), event("stage/rollout", 10e6, 12e6, True),
-              event("stage/rollout", 11e6, 14e6, True), event("decode_attn", 11.5e6, 12.5e6),
+              host("stage/update", 0, 10e6), host("stage/rollout", 10e6, 12e6),
+              host("stage/rollout", 11e6, 14e6), event("decode_attn", 11.5e6, 12.5e6),
               event("memcpy", 14.5e6, 15e6)]  # fmt: skip
     assert [e.name for e in device_events(events)] == [
         "nvjet_gemm", "triton_rms_norm", "decode_attn", "memcpy"]  # fmt: skip

@@ -28,8 +28,8 @@ def timed(stages: dict[str, float], name: str) -> Iterator[None]:
     start = time.perf_counter()
     with torch.profiler.record_function(f"stage/{name}"):
         yield
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():  # inside the range: it spans the stage's GPU work
+            torch.cuda.synchronize()
     stages[name] = time.perf_counter() - start
 
 
