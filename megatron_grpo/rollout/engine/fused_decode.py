@@ -223,7 +223,6 @@ class FusedDecoder:
         )
         self.layers = [_Layer.of(layer) for layer in model.decoder.layers]
         self.final = _norm(model.decoder.final_layernorm)
-        self.tp_group = tp_group
         self.reduce = reduce or TPAllReduce(tp_group, (), next(model.parameters()).device)
         self.scale = softmax_scale(model)
 
