@@ -160,7 +160,8 @@ def build_engine(cfg: RolloutConfig, model: torch.nn.Module) -> KVCacheEngine | 
     engine = KVCacheEngine(model, cfg.engine, cfg.max_prompt_length + cfg.max_response_length)
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         graphs = "CUDA graphs " + ("on" if engine.use_graphs else engine.graphs_off or "off")
-        print(f"rollout: decode steps run {engine.decode}, {graphs}", flush=True)
+        line = f"rollout: decode steps run {engine.decode}, {graphs}, {engine.sizer.memory}"
+        print(line, flush=True)
     return engine
 
 

@@ -12,6 +12,7 @@ The attention over it is ``cached_attention.py``'s.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,7 @@ from megatron_grpo.megatron.moe.ep_dispatch import gathered_decode_width
 from megatron_grpo.megatron.parallel import all_reduce_max
 from megatron_grpo.ops.layers.rope import rope_reference
 from megatron_grpo.rollout.engine import memory_release
+from megatron_grpo.rollout.engine.fixed_address import FixedAddressMemory
 from megatron_grpo.rollout.engine.options import EngineOptions
 
 
@@ -200,11 +202,21 @@ class CacheSizer:
         layout: ParallelLayout,
         max_context: int | None,
         graphs: bool,
+        memory: tuple[bool, str] = (False, ""),
     ) -> None:
         """``max_context``: the longest prompt + response any call brings (None: each call's
-        own); ``graphs``: decode steps replay CUDA graphs (their pool counts in the headroom)."""
+        own); ``graphs``: decode steps replay CUDA graphs (their pool counts in the headroom);
+        ``memory``: whether every cache is mapped at one reserved address, and why not where
+        auto would (``fixed_address.plan_kv_cache_memory``)."""
         self.model, self.options, self.layout = model, options, layout
         self.max_context, self.graphs = max_context, graphs
+        self.fixed: FixedAddressMemory | None = None
+        self._retired: list[FixedAddressMemory] = []  # still viewed when their call ended
+        self._memory_off = memory[1]
+        if memory[0]:  # the range spans the GPU: no cache can outgrow it
+            device = next(model.parameters()).device
+            total = torch.cuda.get_device_properties(device).total_memory
+            self.fixed = FixedAddressMemory(device, total)
         self._reported_slots: int | None = None  # the fewest slots logged so far
 
     def allocate(
@@ -239,7 +251,9 @@ class CacheSizer:
             ):
                 cache = kept
                 break
-            kept = None  # the kept one, if any, is freed before the new one is allocated
+            if kept is not None:  # freed before the new one is allocated
+                kept.release()
+                kept = None
             cache = self._new_cache(shape, slots, seq_len, last=not cached)
             if cache is not None:
                 break
@@ -301,10 +315,10 @@ class CacheSizer:
         it again from the driver's free memory alone (``last``: an error on every rank)."""
         device = next(self.model.parameters()).device
         if self.options.kv_cache_gib is not None or device.type != "cuda":
-            return KVCache(shape, slots, seq_len, device)
+            return KVCache(shape, slots, seq_len, device, self.fixed)
         cache, error = None, None
         try:
-            cache = KVCache(shape, slots, seq_len, device)
+            cache = KVCache(shape, slots, seq_len, device, self.fixed)
         except torch.OutOfMemoryError as e:
             error = e
         if _agree_min(int(error is None), self._sizing_groups()) == 1:
@@ -317,6 +331,24 @@ class CacheSizer:
                 "rollout.engine.kv_cache_gib"
             ) from error
         return None
+
+    @property
+    def memory(self) -> str:
+        """Where the caches live (``rollout.engine.kv_cache_memory``), for the start-up line."""
+        if self.fixed is not None:
+            return "KV cache at a fixed address"
+        return "KV cache from the " + (self._memory_off or "allocator")
+
+    def release(self) -> bool:
+        """Return a dropped cache's fixed-address memory to the driver (True without one).
+        While a tensor still views it (an exception's frames), the next cache takes a new
+        range (its graphs are captured again) and this one is unmapped once it is free."""
+        self._retired = [r for r in self._retired if not r.unmap()]
+        if self.fixed is None or self.fixed.unmap():
+            return True
+        self._retired.append(self.fixed)
+        self.fixed = type(self.fixed)(self.fixed.device, self.fixed.capacity)
+        return False
 
     def _report(self, cache: KVCache, samples: int, budget: int, sizing: str) -> None:
         """One log line (global rank 0) at the first call, and whenever memory (not a smaller
@@ -352,20 +384,24 @@ def _agree_min(value: int, groups: list[dist.ProcessGroup]) -> int:
 class KVCache:
     """The buffer plus the per-forward write/read plan that every layer's attention shares."""
 
-    def __init__(self, shape: CacheShape, slots: int, seq_len: int, device) -> None:
+    def __init__(
+        self,
+        shape: CacheShape,
+        slots: int,
+        seq_len: int,
+        device,
+        memory: FixedAddressMemory | None = None,
+    ) -> None:
+        """``memory``: the buffer is mapped there (at its fixed address), else allocated."""
         self.shape, self.slots, self.seq_len = shape, slots, seq_len
+        dims = (shape.layers, 2, slots + 1, shape.kv_heads, seq_len, shape.head_dim)
         # Zeroed: masked-out keys still enter the score GEMM, and a NaN bit pattern left in
         # unwritten memory would turn masked scores (NaN + -inf) and the output into NaN.
-        self.kv = torch.zeros(
-            shape.layers,
-            2,
-            slots + 1,
-            shape.kv_heads,
-            seq_len,
-            shape.head_dim,
-            dtype=shape.dtype,
-            device=device,
-        )
+        if memory is None:
+            self.kv = torch.zeros(dims, dtype=shape.dtype, device=device)
+        else:
+            nbytes = math.prod(dims) * shape.dtype.itemsize
+            self.kv = memory.map(nbytes).view(shape.dtype).view(dims).zero_()
         self.scratch = slots
         self.decoding = False
         self.packed: PackedSeqParams | None = None  # prefill: the documents of the stream
@@ -378,6 +414,11 @@ class KVCache:
         self.rope: tuple[Tensor, Tensor] | None = None
         self.rotary_interleaved = False
         self.attention = "sdpa"  # decode attention: "sdpa" (masked, cuDNN) or "triton"
+
+    def release(self) -> None:
+        """Let go of the buffer, so its memory can be freed while this object is still
+        referenced (a cache is not used after this)."""
+        del self.kv
 
     def plan_prefill(self, packed: PackedSeqParams, write_slot: Tensor, write_pos: Tensor) -> None:
         self.decoding, self.packed = False, packed

@@ -44,6 +44,7 @@ from megatron_grpo.rollout.engine import kv_cache as kvc
 from megatron_grpo.rollout.engine import memory_release
 from megatron_grpo.rollout.engine import model_io as io
 from megatron_grpo.rollout.engine.cached_attention import attached
+from megatron_grpo.rollout.engine.fixed_address import plan_kv_cache_memory
 from megatron_grpo.rollout.engine.graphs import DecodeGraphs, graph_batch, plan_graphs
 from megatron_grpo.rollout.engine.options import EngineOptions
 from megatron_grpo.rollout.engine.params import SamplingParams
@@ -86,7 +87,8 @@ class KVCacheEngine:
         # (hidden [b, H], uniforms [b], params) -> tokens, log-probs [b], the same on TP ranks
         kw = dict(layout=self.layout, choice=o.tp_sampling, rows_kernel=plan.kernels.sample_rows)
         self._next_tokens = functools.partial(next_tokens, model, **kw)
-        self.sizer = kvc.CacheSizer(model, o, self.layout, max_context, use)
+        memory = plan_kv_cache_memory(o.kv_cache_memory, device, use)
+        self.sizer = kvc.CacheSizer(model, o, self.layout, max_context, use, memory)
         self._fused: fd.FusedDecoder | None = None
         self._all_reduce: TPAllReduce | None = None  # built at the first call (a TP collective)
         self.cache: kvc.KVCache | None = None
@@ -237,7 +239,8 @@ class KVCacheEngine:
         dropped = weakref.ref(self.cache.kv)
         device = self.cache.kv.device
         self.cache = None
-        if not memory_release.release(device, dropped):  # e.g. an exception's frames hold it
+        released = memory_release.release(device, dropped)  # e.g. an exception's frames hold it
+        if not (self.sizer.release() and released):
             warnings.warn("the KV cache is still referenced after the call", stacklevel=2)
 
     def _prepare_static(self, run: Run) -> None:

@@ -50,6 +50,12 @@ class EngineOptions:
             "nccl", "one_shot" / "two_shot" (symmetric memory: one kernel reads every TP
             rank's partial sum over NVLink, up to ``tp_all_reduce.SYMM_MAX_BYTES``, NCCL above;
             CUDA, one host) or "auto" (the size tiers measured ahead of NCCL, else NCCL).
+        kv_cache_memory: where the KV cache lives (``fixed_address.plan_kv_cache_memory``):
+            "fixed_address" (an address range reserved once, backed by memory only during a
+            call: the memory is returned between calls, as with the allocator, but the
+            address never moves, so decode graphs are captured once), "allocator" (PyTorch's
+            caching allocator: a call's cache may land elsewhere and its graphs be captured
+            again) or "auto" (fixed wherever decode graphs are on and the driver can).
     """
 
     kind: Literal["kv_cache", "recompute"] = "kv_cache"
@@ -64,6 +70,7 @@ class EngineOptions:
     decode_attention: Literal["auto", "triton", "sdpa"] = "auto"
     tp_sampling: Literal["auto", "gathered", "vocab_parallel"] = "auto"
     tp_all_reduce: Literal["auto", "nccl", "one_shot", "two_shot"] = "auto"
+    kv_cache_memory: Literal["auto", "fixed_address", "allocator"] = "auto"
 
     def __post_init__(self) -> None:
         if self.kind not in ("kv_cache", "recompute"):
@@ -74,6 +81,7 @@ class EngineOptions:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
         check_choice("tp_sampling", self.tp_sampling, "rollout.engine.tp_sampling")
         check_choice("tp_all_reduce", self.tp_all_reduce, "rollout.engine.tp_all_reduce")
+        check_choice("kv_cache_memory", self.kv_cache_memory, "rollout.engine.kv_cache_memory")
         for name in ("max_prefill_tokens", "context_bucket"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
