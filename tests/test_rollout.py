@@ -53,9 +53,12 @@ def _teacher_forced(chunks, prompts, responses, temperature, multiple) -> list[l
     return out
 
 
-def _compare(chunks, prompts, params, *, budget_gib=1.0, multiple=1, forced=True) -> None:
+def _compare(
+    chunks, prompts, params, *, budget_gib=1.0, multiple=1, forced=True, **options
+) -> dict[str, float]:
     """kv_cache == recompute (tokens) on every decode path that covers the model (fused and
-    modules), and both record the training pass's log-probs."""
+    modules), and both record the training pass's log-probs; ``options``: more engine options.
+    Returns the last engine's stats."""
     from megatron_grpo.megatron import unwrap
     from megatron_grpo.rollout import EngineOptions, KVCacheEngine, generate
 
@@ -63,11 +66,12 @@ def _compare(chunks, prompts, params, *, budget_gib=1.0, multiple=1, forced=True
     want = generate(model, prompts, params, torch.Generator().manual_seed(5), engine="recompute")
     auto = KVCacheEngine(model).decode.path
     for path in {"modules", auto}:
-        options = EngineOptions(kv_cache_gib=budget_gib, context_bucket=8, decode_path=path)
-        engine = KVCacheEngine(model, options)
+        o = EngineOptions(kv_cache_gib=budget_gib, context_bucket=8, decode_path=path, **options)
+        engine = KVCacheEngine(model, o)
         assert engine.decode.path == path
         got = generate(model, prompts, params, torch.Generator().manual_seed(5), engine=engine)
         _check_generation(chunks, prompts, params, got, want, multiple, forced)
+    return engine.stats
 
 
 def _check_generation(chunks, prompts, params, got, want, multiple, forced) -> None:
@@ -171,6 +175,11 @@ def _ep_body(rank: int, world: int, dispatcher: str) -> None:
         KVCacheEngine(unwrap(chunks[0]), EngineOptions(decode_path="fused"))
     _compare(chunks, prompts, _params(top_k=1), forced=False)
     _compare(chunks, prompts, _params(temperature=0.9), forced=False)
+    # Few slots, so samples wait and are admitted between the group's multi-step segments;
+    # rows that stop inside a segment stay in the batch until it ends.
+    params = _params(temperature=0.9, max_new_tokens=20)
+    stats = _compare(chunks, prompts, params, budget_gib=8e-5, forced=False, ep_decode_steps=5)
+    assert 1 < stats["slots"] < 3 + 4 * (world - 1), stats  # the last rank waits
 
 
 @pytest.mark.slow
@@ -324,3 +333,20 @@ def test_expandable_segments_turn_decode_graphs_off(monkeypatch, env, found):
     engine = KVCacheEngine(model, EngineOptions(), layout=ParallelLayout())
     assert not engine.use_graphs and engine.graphs is None and not engine.decode.graphs
     assert engine.graphs_off == engine.decode.graphs_off == f"off: {expandable_segments()}"
+
+
+def test_steps_left_bounds_the_expert_groups_segments():
+    """An EP segment never runs past a row's length limit: the fewest steps any next-step row
+    (active, or prefilled now: fresh ones get their first token there) has before its limit."""
+    from megatron_grpo.rollout.engine.run_state import Run
+
+    params = _params(max_new_tokens=10)
+    run = Run.start([[1, 2], [3], [4, 5, 6]], params, torch.rand(3, 10), [10, 4, None])
+    assert run.steps_left([]) == 1  # nothing to decode
+    assert run.steps_left([0, 1, 2]) == 3  # fresh: sample 1 holds 1 of its 4 after prefill
+    run.rows, run.lengths[0], run.lengths[2] = [0, 2], 7, 2
+    assert run.steps_left([]) == 3  # sample 0: 3 more tokens
+    run.lengths[1] = 2  # resumed with 2 tokens (its last is fed by the next step)
+    assert run.steps_left([1]) == 2
+    run.lengths[0] = 10  # at its limit (finished): still at least one step
+    assert run.steps_left([]) == 1

@@ -232,10 +232,14 @@ moe_ep() {
         --set rollout.max_response_length=129)
     local layouts=${MOE_EP_LAYOUTS:-ep1:1:1:false ep2_tp2sp:2:2:true ep4_tp1:4:1:false ep4_tp2sp:4:2:true}
     for spec in $layouts; do
-        # tag:gpus:tp:sp[:dispatch[:mb]]: dispatch = model.layer_kernels.moe_dispatch (auto: the
-        # gathered dispatch in decode, megatron-core's all-to-all in training; gathered: both);
-        # mb = training.max_tokens_per_micro_batch (default: the recipe's)
-        IFS=: read -r tag nproc tp sp dispatch mb <<<"$spec"
+        # tag:gpus:tp:sp[:dispatch[:mb[:engine]]]: dispatch = model.layer_kernels.moe_dispatch
+        # (auto: the gathered dispatch in decode, megatron-core's all-to-all in training;
+        # gathered: both); mb = training.max_tokens_per_micro_batch (default: the recipe's);
+        # engine = rollout.engine settings, e.g. ep_decode_steps=1,kv_cache_memory=allocator
+        IFS=: read -r tag nproc tp sp dispatch mb engine <<<"$spec"
+        local engine_set=() setting
+        IFS=, read -ra settings <<<"${engine:-}"
+        for setting in "${settings[@]}"; do engine_set+=(--set "rollout.engine.$setting"); done
         if [ "$nproc" -gt "$NGPU" ]; then
             echo "== moe_ep_$tag: skipped ($nproc GPUs, $NGPU here)" | tee -a "$LOG"
             continue
@@ -251,7 +255,7 @@ moe_ep() {
             --set parallel.expert_model_parallel_size="$nproc" \
             --set parallel.expert_tensor_parallel_size=1 "${profile[@]}" \
             --set model.layer_kernels.moe_dispatch="${dispatch:-auto}" \
-            ${mb:+--set training.max_tokens_per_micro_batch="$mb"} || status=1
+            ${mb:+--set training.max_tokens_per_micro_batch="$mb"} "${engine_set[@]}" || status=1
         for table in "$WORK/moe_ep_${tag}_fused"/profile/*.md; do  # the tables, not the traces
             [ -f "$table" ] && { echo "## $tag: $(basename "$table")"; cat "$table"; } \
                 >>"$OUT/moe_ep_profiles.md"

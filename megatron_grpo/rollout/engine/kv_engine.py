@@ -17,10 +17,12 @@ sequence), then runs decode steps: one token per unfinished sequence, attending 
   ``context_bucket`` (graph shapes), masking each row to its own length.
 * TP: SP off while generating; every TP rank draws the same tokens (``tp_sampling``); the
   fused step's sums go through ``tp_all_reduce``. DP: each rank its own prompts. EP: every MoE
-  forward is a collective of the expert group (one all-reduce MAX a phase, padded to the group's
-  sizes, dummy rows until the group is done). PP and CP > 1 are refused.
-* The cache is freed when the call returns, its memory back to the driver (``memory_release``);
-  a CUDA graph pool and a few static buffers stay with the engine.
+  forward is a collective of the expert group (one all-reduce MAX per prefill and segment of
+  ``ep_decode_steps`` decode steps, padded to the group's sizes, dummy rows until the group is
+  done). PP and CP > 1 are refused.
+* The cache is freed when the call returns, its memory back to the driver (``memory_release``;
+  with graphs, mapped at one reserved address: ``fixed_address``); a CUDA graph pool and a few
+  static buffers stay with the engine.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from megatron_grpo.rollout.engine.fixed_address import plan_kv_cache_memory
 from megatron_grpo.rollout.engine.graphs import DecodeGraphs, graph_batch, plan_graphs
 from megatron_grpo.rollout.engine.options import EngineOptions
 from megatron_grpo.rollout.engine.params import SamplingParams
-from megatron_grpo.rollout.engine.requests import Request, start_run, write_back
+from megatron_grpo.rollout.engine.requests import Request, restore_kv, start_run, write_back
 from megatron_grpo.rollout.engine.routes import RouteLog, recording
 from megatron_grpo.rollout.engine.run_state import Generation, Launched, Run
 from megatron_grpo.rollout.engine.tp_all_reduce import TPAllReduce, reduce_tiers
@@ -159,7 +161,8 @@ class KVCacheEngine:
                     run.routes.restore(i, r.routes)
         self._reset_stats()
         with self._generation_mode(run), recording(run.routes):
-            self._restore_kv(run, requests)
+            self.stats["kv_recomputed"] = restore_kv(run, requests, self.cache.kv)
+            self._rows_moved = True
             self._loop(run, stop, check_every)
             write_back(run, requests, version)
             if keep_kv:
@@ -175,33 +178,6 @@ class KVCacheEngine:
         names += " prefill_seconds decode_seconds kv_recomputed graph_captures"
         self.stats = dict.fromkeys(names.split(), 0)
         self._captures_before = 0 if self.graphs is None else self.graphs.captures
-
-    def _restore_kv(self, run: Run, requests: list[Request]) -> None:
-        """Requests paused with their cached rows (``keep``) go straight into slots. When the
-        cache holds fewer sequences than were kept (less free memory after an update), the
-        oldest kept requests fill it and the rest drop their rows and are prefilled again, as
-        ``recompute`` does (exact under the current weights); counted in
-        ``stats["kv_recomputed"]`` (``rollout/partial_kv_recomputed``)."""
-        restored = [i for i in run.waiting if requests[i].kv is not None]
-        for i in restored[self.cache.slots :]:
-            requests[i].kv = None
-        self.stats["kv_recomputed"] = max(len(restored) - self.cache.slots, 0)
-        restored = restored[: self.cache.slots]
-        device = self.cache.kv.device
-        for i in restored:
-            kv, slot = requests[i].kv, len(run.rows)
-            want = (
-                *self.cache.kv.shape[:2],
-                self.cache.kv.shape[3],
-                requests[i].fed,
-                self.cache.kv.shape[5],
-            )
-            if tuple(kv.shape) != want:
-                raise ValueError(f"a kept KV row has shape {list(kv.shape)}, expected {list(want)}")
-            self.cache.kv[:, :, slot, :, : kv.shape[3]].copy_(kv.to(device))
-            run.waiting.remove(i)
-            run.rows.append(i)
-        self._rows_moved = True
 
     # ------------------------------------------------------------------ setup
     @contextlib.contextmanager
@@ -281,11 +257,13 @@ class KVCacheEngine:
                 return
             new = self._admit(run)
             tokens = sum(run.prefix_len(i) for i in new)
-            if group is not None:  # EP: one agreement an iteration (one host sync a step)
+            if group is not None:  # EP: one agreement an iteration (one host round trip)
                 work = int(bool(new or run.rows or run.waiting))
-                # + the decode step's rows and longest context (rows finishing at prefill: pad)
+                # + the decode steps' rows and longest context (rows finishing at prefill: pad)
+                # and how many steps run before the next agreement (the group's fewest)
                 bounds = [work, tokens, len(run.rows) + len(new), run.longest(new)]
-                work, tokens, rows, longest = all_reduce_max(bounds, group, torch.int64)
+                bounds.append(-min(run.steps_left(new), self._segment(run, stop, every)))
+                work, tokens, rows, longest, steps = all_reduce_max(bounds, group, torch.int64)
                 if not work:
                     return
             elif not (new or run.rows or run.waiting):
@@ -294,9 +272,9 @@ class KVCacheEngine:
             if tokens:
                 self._prefill(run, new, tokens if group is not None else None)
             t1 = time.perf_counter()
-            if group is not None:  # EP: the group agrees on every step, one at a time
+            if group is not None:  # EP: the group's agreed steps, one in flight
                 if rows:
-                    self._decode(run, rows, longest)
+                    self._decode_steps(run, rows, longest, -steps)
             elif run.rows and (self._admissible(run) or run.routes is not None):
                 # One step, then admit the waiting; routes are recorded step by step, as the
                 # rows are fed (a step ahead would route rows that already finished).
@@ -376,11 +354,31 @@ class KVCacheEngine:
         self.stats["generated_tokens"] += len(sampled)
         self._retire(run, [first + fresh[j] for j in done.nonzero()[:, 0].tolist()])
 
-    def _decode(self, run: Run, rows: int, longest: int | None = None) -> None:
-        """One token for every active row (``rows`` >= them: the group's padded batch;
-        ``longest``: the group's longest sequence after this step, else this rank's)."""
-        step = self._launch(run, rows, longest=longest)
+    def _decode(self, run: Run, rows: int) -> None:
+        """One token for every active row."""
+        step = self._launch(run, rows)
         self._retire(run, self._collect(run, step), step.ctx)
+
+    def _segment(self, run: Run, stop: Callable | None, every: int | None) -> int:
+        """Decode steps between two agreements of the expert group (``ep_decode_steps``; 1
+        while routes are recorded; at most ``every`` between ``stop`` checks)."""
+        if run.routes is not None:
+            return 1
+        steps = self.options.ep_decode_steps
+        return min(steps, every) if stop is not None and every else steps
+
+    def _decode_steps(self, run: Run, rows: int, longest: int, steps: int) -> None:
+        """``steps`` decode steps of the expert group's padded batch of ``rows`` (``longest``:
+        the group's longest sequence after the first), each launched before the last one's
+        tokens reach the host. Rows that stop stay in the batch (padding: their tokens are
+        dropped) and retire after the last step; ``steps`` never passes a row's limit."""
+        finished: list[int] = []
+        launched = [self._launch(run, rows, longest=longest)]
+        for k in range(1, steps + 1):
+            if k < steps:
+                launched.append(self._launch(run, rows, longest=longest + k))
+            finished += self._collect(run, launched[k - 1], skip=finished)
+        self._retire(run, sorted(finished), launched[-1].ctx)
 
     def _decode_stream(self, run: Run, steps: int | None = None) -> None:
         """Decode steps with one in flight until a row finishes (or ``steps`` ran): step t + 1

@@ -56,6 +56,11 @@ class EngineOptions:
             address never moves, so decode graphs are captured once), "allocator" (PyTorch's
             caching allocator: a call's cache may land elsewhere and its graphs be captured
             again) or "auto" (fixed wherever decode graphs are on and the driver can).
+        ep_decode_steps: at EP > 1 (MoE), decode steps the expert group runs between two
+            agreements (one host round trip each), with the next step launched before the
+            last one's tokens reach the host; a row that stops meanwhile stays in the batch,
+            its tokens dropped, until the group next agrees (fewer when a row reaches its
+            length limit sooner; 1 with routing replay, which records step by step).
     """
 
     kind: Literal["kv_cache", "recompute"] = "kv_cache"
@@ -71,6 +76,7 @@ class EngineOptions:
     tp_sampling: Literal["auto", "gathered", "vocab_parallel"] = "auto"
     tp_all_reduce: Literal["auto", "nccl", "one_shot", "two_shot"] = "auto"
     kv_cache_memory: Literal["auto", "fixed_address", "allocator"] = "auto"
+    ep_decode_steps: int = 16
 
     def __post_init__(self) -> None:
         if self.kind not in ("kv_cache", "recompute"):
@@ -82,6 +88,6 @@ class EngineOptions:
         check_choice("tp_sampling", self.tp_sampling, "rollout.engine.tp_sampling")
         check_choice("tp_all_reduce", self.tp_all_reduce, "rollout.engine.tp_all_reduce")
         check_choice("kv_cache_memory", self.kv_cache_memory, "rollout.engine.kv_cache_memory")
-        for name in ("max_prefill_tokens", "context_bucket"):
+        for name in ("max_prefill_tokens", "context_bucket", "ep_decode_steps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -83,3 +83,25 @@ def write_back(run: Run, requests: list[Request], version: int) -> None:
             r.versions += [version] * (new - old)
             r.kv = None  # stale: the slot's rows are saved again below when it pauses
         r.finished = bool(run.finished[i])
+
+
+def restore_kv(run: Run, requests: list[Request], kv: torch.Tensor) -> int:
+    """Move requests paused with their cached rows (``keep``) straight into slots of ``kv``
+    (the cache buffer ``[L, 2, slots + 1, kv_heads, seq, head_dim]``; the last slot is scratch).
+    When it holds fewer sequences than were kept (less free memory after an update), the oldest
+    kept requests fill it and the rest drop their rows, to be prefilled again as ``recompute``
+    does (exact under the current weights). Returns how many were dropped
+    (``stats["kv_recomputed"]``, ``rollout/partial_kv_recomputed``)."""
+    slots = kv.shape[2] - 1
+    restored = [i for i in run.waiting if requests[i].kv is not None]
+    for i in restored[slots:]:
+        requests[i].kv = None
+    for i in restored[:slots]:
+        row, slot = requests[i].kv, len(run.rows)
+        want = (*kv.shape[:2], kv.shape[3], requests[i].fed, kv.shape[5])
+        if tuple(row.shape) != want:
+            raise ValueError(f"a kept KV row has shape {list(row.shape)}, expected {list(want)}")
+        kv[:, :, slot, :, : row.shape[3]].copy_(row.to(kv.device))
+        run.waiting.remove(i)
+        run.rows.append(i)
+    return max(len(restored) - slots, 0)

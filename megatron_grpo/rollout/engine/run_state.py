@@ -107,6 +107,14 @@ class Run:
         active = int((self.prompt_lens[rows] + self.lengths[rows]).max()) if self.rows else 1
         return max([active, *(self.prefix_len(i) + 1 for i in new)])
 
+    def steps_left(self, new: list[int]) -> int:
+        """Decode steps until the first of the next step's rows (the active ones and ``new``
+        once prefilled) reaches its limit, at least 1 (a row may stop sooner on a stop id)."""
+        rows = torch.tensor(self.rows + new, dtype=torch.long)
+        if not len(rows):
+            return 1
+        return max(int((self.limits[rows] - self.lengths[rows].clamp(min=1)).min()), 1)
+
     def feeds(self, samples: torch.Tensor) -> torch.Tensor:
         """``[4, k]``: token, position, sample and response length each row feeds next."""
         lens = self.lengths[samples]
