@@ -184,11 +184,11 @@ class FixedAddressMemory:
     def map(self, nbytes: int) -> torch.Tensor:
         """``[nbytes]`` uint8 at ``address``, backed by new physical memory (contents undefined).
         A previous mapping is unmapped first; an error while a tensor still views it."""
-        if not self.unmap():
-            raise RuntimeError("the fixed-address memory is still viewed by a tensor")
         size = _round_up(max(nbytes, 1), self.granularity)
         if size > self.capacity:
             raise ValueError(f"{nbytes} bytes exceed the reserved {self.capacity}")
+        if not self.unmap():
+            raise RuntimeError("the fixed-address memory is still viewed by a tensor")
         lib, handle = _driver(), _U64()
         _check(lib.cuMemCreate(ctypes.byref(handle), size, ctypes.byref(self._prop), 0), "create")
         try:
