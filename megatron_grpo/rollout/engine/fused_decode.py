@@ -9,12 +9,14 @@ step: ~1000 kernels). This path reads the same parameters and runs per layer::
     (TP all-reduce) -> add + RMSNorm -> fc1 GEMM -> SwiGLU -> fc2 GEMM (TP all-reduce)
 
 with each element-wise step one kernel (``ops.layers.decode``: Triton on GPU, the torch reference
-elsewhere) that keeps the module path's roundings in the model dtype. Prefill stays on the
-modules (its cost is the GEMMs).
+elsewhere) that keeps the module path's roundings in the model dtype. An MoE layer's MLP runs
+through its own module (router, token dispatch, grouped experts), whose output is already summed
+over TP and EP, between the fused attention half and the next add + RMSNorm. Prefill stays on
+the modules (its cost is the GEMMs).
 
 :func:`plan_decode` decides once, as data, which path a model decodes with: the fused path
-covers dense GPT layers of the portable spec with RMSNorm, SwiGLU, optional q/k RMSNorm and
-biases, RoPE (YaRN, partial, interleaved) or learned positions, and TP with at least one KV
+covers GPT layers of the portable spec (dense or MoE) with RMSNorm, SwiGLU, optional q/k RMSNorm
+and biases, RoPE (YaRN, partial, interleaved) or learned positions, and TP with at least one KV
 head per rank; anything else decodes through the modules, and the plan says why.
 """
 
@@ -104,8 +106,6 @@ def unsupported(model: torch.nn.Module, tp_size: int) -> str:
     ``tp_size``-way tensor parallelism."""
     cfg, tp = model.config, tp_size
     checks = (
-        # MoE decodes through the model's modules (router, dispatcher, grouped experts)
-        (cfg.num_moe_experts is None, "MoE layers (the fused step covers dense MLPs)"),
         (cfg.normalization == "RMSNorm", f"normalization={cfg.normalization}"),
         (cfg.gated_linear_unit and cfg.activation_func is F.silu, "the MLP is not SwiGLU"),
         (getattr(cfg, "activation_func_clamp_value", None) is None, "a clamped GLU"),
@@ -155,24 +155,32 @@ def _layer_unsupported(layer: torch.nn.Module) -> str:
             return "its q/k norm is not the portable RMSNorm"
     if type(attn.q_layernorm) is not type(attn.k_layernorm):
         return "only one of q/k is normed"
-    if type(mlp) not in (MLP, SwiGLUMLP) or type(mlp.linear_fc1) not in _COLUMN:
+    if _is_moe(mlp):
+        pass  # the MoE block runs as its module
+    elif type(mlp) not in (MLP, SwiGLUMLP) or type(mlp.linear_fc1) not in _COLUMN:
         return "its MLP is not megatron-core's local MLP"
     if type(getattr(layer, "cross_attention", IdentityOp)) is not IdentityOp:
         return "cross attention"
     return ""
 
 
+def _is_moe(mlp: torch.nn.Module) -> bool:
+    return hasattr(mlp, "router")  # megatron-core's MoELayer and ours built on it
+
+
 @dataclass(frozen=True)
 class _Layer:
-    """One layer's parameters (the live tensors: in-place updates are seen)."""
+    """One layer's parameters (the live tensors: in-place updates are seen); an MoE layer's
+    ``moe`` module instead of ``fc1`` / ``fc2``."""
 
     norm1: tuple[Tensor, float]
     qkv: tuple[Tensor, Tensor | None]
     qk_norm: tuple[Tensor, Tensor, float] | None
     proj: tuple[Tensor, Tensor | None]
     norm2: tuple[Tensor, float]
-    fc1: tuple[Tensor, Tensor | None]
-    fc2: tuple[Tensor, Tensor | None]
+    fc1: tuple[Tensor, Tensor | None] | None
+    fc2: tuple[Tensor, Tensor | None] | None
+    moe: torch.nn.Module | None = None
 
     @classmethod
     def of(cls, layer: torch.nn.Module) -> _Layer:
@@ -180,14 +188,16 @@ class _Layer:
         qk = None
         if type(attn.q_layernorm) is Norm:
             qk = (attn.q_layernorm.weight, attn.k_layernorm.weight, attn.q_layernorm.eps)
+        moe = _is_moe(mlp)
         return cls(
             _norm(layer.input_layernorm),
             _linear(attn.linear_qkv),
             qk,
             _linear(attn.linear_proj),
             _norm(layer.pre_mlp_layernorm),
-            _linear(mlp.linear_fc1),
-            _linear(mlp.linear_fc2),
+            None if moe else _linear(mlp.linear_fc1),
+            None if moe else _linear(mlp.linear_fc2),
+            mlp if moe else None,
         )
 
 
@@ -252,8 +262,15 @@ class FusedDecoder:
             att = decode_attention(q, k_cache, v_cache, cache, self.scale)
             out = self.reduce(F.linear(att, layer.proj[0]))  # partial sums; bias added after
             res, x = self.add_norm(out, *layer.norm2, residual=res, bias=layer.proj[1])
-            hidden = self.swiglu(F.linear(x, layer.fc1[0]), layer.fc1[1])
-            out = self.reduce(F.linear(hidden, layer.fc2[0]))
+            out, bias = self._mlp(x, layer)
             nxt = self.layers[i + 1].norm1 if i + 1 < len(self.layers) else self.final
-            res, x = self.add_norm(out, *nxt, residual=res, bias=layer.fc2[1])
+            res, x = self.add_norm(out, *nxt, residual=res, bias=bias)
         return x
+
+    def _mlp(self, x: Tensor, layer: _Layer) -> tuple[Tensor, Tensor | None]:
+        """The MLP of normed ``x [b, H]``: its output summed over TP (and EP) and its bias."""
+        if layer.moe is not None:  # [s=1, b, H] through the module, already summed
+            out, bias = layer.moe(x[None])
+            return out[0], bias
+        hidden = self.swiglu(F.linear(x, layer.fc1[0]), layer.fc1[1])
+        return self.reduce(F.linear(hidden, layer.fc2[0])), layer.fc2[1]

@@ -458,10 +458,10 @@ class KVCacheEngine:
         """The device-only decode step over rows ``0 .. b-1`` (static inputs -> static out)."""
         ids, pos = self._meta[0, :b], self._meta[1, :b]
         self.cache.plan_decode(pos, ctx)
-        if self._fused is not None:
-            hidden = self._fused(ids, pos, self.cache, self._rope)
-        else:  # MoE at EP > 1: the gathered dispatch (every rank of the group steps together)
-            with no_host_sync(self.model):
+        with no_host_sync(self.model):  # MoE at EP > 1: the gathered dispatch (lock step)
+            if self._fused is not None:
+                hidden = self._fused(ids, pos, self.cache, self._rope)
+            else:
                 hidden = self._forward(ids[:, None], pos[:, None])[0]  # [b, H]
         tokens, logp = self._next_tokens(hidden, self._u[:b], params)
         self._out[0, :b].copy_(tokens)
