@@ -180,6 +180,13 @@ def _ep_body(rank: int, world: int, dispatcher: str) -> None:
     params = _params(temperature=0.9, max_new_tokens=20)
     stats = _compare(chunks, prompts, params, budget_gib=8e-5, forced=False, ep_decode_steps=5)
     assert 1 < stats["slots"] < 3 + 4 * (world - 1), stats  # the last rank waits
+    # Prompts admitted over several prefills into free slots: one step between admissions,
+    # as at EP 1, not a whole segment (the last prefilled rows would finish segments later).
+    params = _params(temperature=0.9, max_new_tokens=12, ignore_eos=True)
+    stats = _compare(
+        chunks, prompts, params, forced=False, ep_decode_steps=5, max_prefill_tokens=16
+    )
+    assert stats["decode_steps"] <= params.max_new_tokens - 1 + stats["prefill_forwards"], stats
 
 
 @pytest.mark.slow

@@ -262,7 +262,7 @@ class KVCacheEngine:
                 # + the decode steps' rows and longest context (rows finishing at prefill: pad)
                 # and how many steps run before the next agreement (the group's fewest)
                 bounds = [work, tokens, len(run.rows) + len(new), run.longest(new)]
-                bounds.append(-min(run.steps_left(new), self._segment(run, stop, every)))
+                bounds.append(-min(run.steps_left(new), self._segment(run, new, stop, every)))
                 work, tokens, rows, longest, steps = all_reduce_max(bounds, group, torch.int64)
                 if not work:
                     return
@@ -297,10 +297,10 @@ class KVCacheEngine:
             return local
         return all_reduce_max([int(not local)], group, torch.int64)[0] == 0
 
-    def _admissible(self, run: Run) -> bool:
+    def _admissible(self, run: Run, admitted: int = 0) -> bool:
         """Waiting samples are admitted once a quarter of the slots (or every waiting sample's
-        worth, or the whole cache) is free."""
-        free = self.cache.slots - len(run.rows)
+        worth, or the whole cache) is free (``admitted``: slots just taken, not yet rows)."""
+        free = self.cache.slots - len(run.rows) - admitted
         return bool(run.waiting) and free >= min(len(run.waiting), max(1, self.cache.slots // 4))
 
     def _admit(self, run: Run) -> list[int]:
@@ -359,10 +359,11 @@ class KVCacheEngine:
         step = self._launch(run, rows)
         self._retire(run, self._collect(run, step), step.ctx)
 
-    def _segment(self, run: Run, stop: Callable | None, every: int | None) -> int:
+    def _segment(self, run: Run, new: list[int], stop: Callable | None, every: int | None) -> int:
         """Decode steps between two agreements of the expert group (``ep_decode_steps``; 1
-        while routes are recorded; at most ``every`` between ``stop`` checks)."""
-        if run.routes is not None:
+        while routes are recorded or more waiting samples could be admitted (``new``: those
+        admitted now), as at EP 1; at most ``every`` between ``stop`` checks)."""
+        if run.routes is not None or self._admissible(run, len(new)):
             return 1
         steps = self.options.ep_decode_steps
         return min(steps, every) if stop is not None and every else steps
