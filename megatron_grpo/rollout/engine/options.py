@@ -60,7 +60,8 @@ class EngineOptions:
             agreements (one host round trip each), with the next step launched before the
             last one's tokens reach the host; a row that stops meanwhile stays in the batch,
             its tokens dropped, until the group next agrees (fewer when a row reaches its
-            length limit sooner; 1 with routing replay, which records step by step).
+            length limit sooner; 1 with routing replay, which records step by step, and
+            while waiting samples fit in free slots).
     """
 
     kind: Literal["kv_cache", "recompute"] = "kv_cache"
