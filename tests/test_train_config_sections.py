@@ -216,6 +216,7 @@ def test_the_sections_pass_through_to_generation(monkeypatch):
     assert params == want
     fake = type("FakeEngine", (), {"__init__": lambda self, model, o, ctx: setattr(self, "o", o)})
     fake.decode, fake.use_graphs, fake.graphs_off = "fake", False, ""
+    fake.sizer = type("FakeSizer", (), {"memory": "KV cache from the allocator"})
     monkeypatch.setattr(rollout_source, "KVCacheEngine", fake)
     assert rollout_source.build_engine(cfg.rollout, model=None).o is cfg.rollout.engine
     recompute = _load_quietly(RECIPE, ["rollout.engine.kind=recompute"])
