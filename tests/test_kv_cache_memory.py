@@ -71,18 +71,28 @@ class HostMemory:
         return True
 
 
-def _engine_body(rank: int, world: int) -> None:
+def _setup(samples: int, shortest: int, longest: int, max_new_tokens: int):
+    """A tiny dense model (TP 1), greedy sampling and ``samples`` prompts of ``shortest`` to
+    ``longest`` tokens."""
     from megatron_grpo.megatron import ParallelConfig, unwrap
-    from megatron_grpo.rollout import EngineOptions, KVCacheEngine, SamplingParams, generate
+    from megatron_grpo.rollout import SamplingParams
     from tests.megatron_utils import build_layout, tiny_model
 
     cfg = tiny_model(init_method_std=0.3)
     model = unwrap(build_layout(ParallelConfig(), cfg)[0])
-    params = SamplingParams(top_k=1, max_new_tokens=10, eos_id=3, vocab_size=cfg.vocab_size)
+    params = SamplingParams(
+        top_k=1, max_new_tokens=max_new_tokens, eos_id=3, vocab_size=cfg.vocab_size
+    )
     g = torch.Generator().manual_seed(0)
-    prompts = [
-        torch.randint(0, cfg.vocab_size, (4 + i % 5,), generator=g).tolist() for i in range(9)
-    ]
+    lens = [shortest + i % (longest - shortest + 1) for i in range(samples)]
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in lens]
+    return cfg, model, params, prompts
+
+
+def _engine_body(rank: int, world: int) -> None:
+    from megatron_grpo.rollout import EngineOptions, KVCacheEngine, SamplingParams, generate
+
+    cfg, model, params, prompts = _setup(9, 4, 8, max_new_tokens=10)
     options = EngineOptions(kv_cache_gib=0.01, context_bucket=8)
     gen = torch.Generator().manual_seed(1)
     want = generate(model, prompts, params, gen, engine=KVCacheEngine(model, options))
@@ -172,17 +182,9 @@ def test_gpu_fixed_address_memory_keeps_its_address_and_its_graphs():
 
 
 def _gpu_engine_body(rank: int, world: int) -> None:
-    from megatron_grpo.megatron import ParallelConfig, unwrap
-    from megatron_grpo.rollout import EngineOptions, KVCacheEngine, SamplingParams, generate
-    from tests.megatron_utils import build_layout, tiny_model
+    from megatron_grpo.rollout import EngineOptions, KVCacheEngine, generate
 
-    cfg = tiny_model(init_method_std=0.3)
-    model = unwrap(build_layout(ParallelConfig(), cfg)[0])
-    params = SamplingParams(top_k=1, max_new_tokens=24, eos_id=3, vocab_size=cfg.vocab_size)
-    g = torch.Generator().manual_seed(0)
-    prompts = [
-        torch.randint(0, cfg.vocab_size, (6 + i % 9,), generator=g).tolist() for i in range(64)
-    ]
+    _, model, params, prompts = _setup(64, 6, 14, max_new_tokens=24)
     engine = KVCacheEngine(model, EngineOptions(context_bucket=16))  # auto, sized from memory
     assert engine.use_graphs and engine.sizer.fixed is not None, engine.sizer.memory
     assert engine.sizer.memory == "KV cache at a fixed address"
