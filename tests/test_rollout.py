@@ -195,6 +195,34 @@ def test_kv_cache_equals_recompute_moe_ep2(dispatcher):
     run_distributed(_ep_body, 2, dispatcher)
 
 
+def _ep_tp_body(rank: int, world: int) -> None:
+    """The MoE recipes' layout, EP 2 with TP 2 + SP (expert-TP 1): decode's gathered dispatch over
+    tokens the same on both ranks, inside the fused step (its attention summed over TP)."""
+    from megatron_grpo.megatron import ParallelConfig, unwrap
+    from megatron_grpo.rollout import KVCacheEngine
+    from tests.ep_utils import cpu_alltoall
+
+    cpu_alltoall()
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
+        expert_tensor_parallel_size=1,
+    )  # fmt: skip
+    _, chunks = _model(
+        parallel, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+        moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall",
+    )  # fmt: skip
+    assert KVCacheEngine(unwrap(chunks[0])).decode.path == "fused"
+    prompts = _prompts(6, seed=30)  # one batch for the TP group
+    _compare(chunks, prompts, _params(top_k=1), forced=False)
+    params = _params(temperature=0.9, max_new_tokens=16)
+    _compare(chunks, prompts, params, forced=False, ep_decode_steps=4)
+
+
+@pytest.mark.slow
+def test_kv_cache_equals_recompute_moe_ep2_tp2_sp():
+    run_distributed(_ep_tp_body, 2)
+
+
 def _errors_body(rank: int, world: int) -> None:
     from megatron_grpo.megatron import ParallelConfig, unwrap
     from megatron_grpo.rollout import EngineOptions, KVCacheEngine, generate
