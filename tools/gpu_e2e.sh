@@ -12,11 +12,12 @@
 #   bash tools/gpu_e2e.sh moe_ep    # the MoE twin at EP1 (1 GPU), EP2 TP2+SP (2), EP4 TP1 and
 #                                   # TP2+SP (4 GPUs): step split, generation tokens/s, ratios
 #                                   # to EP1 (moe_ep.md; MOE_EP_LAYOUTS
-#                                   # "tag:gpus:tp:sp[:dispatch[:micro-batch tokens]] ...";
-#                                   # MOE_EP_PROFILE_STEP=3: that step profiled on every rank and
-#                                   # left out of the means, device-time tables in
-#                                   # moe_ep_profiles.md; MOE_EP_WARMUP steps left out, 1:
-#                                   # step 2 captures decode graphs again, see its column)
+#                                   # "tag:gpus:tp:sp[:dispatch[:micro-batch tokens[:engine
+#                                   # options]]] ..."; MOE_EP_PROFILE_STEP=5: that step profiled
+#                                   # on every rank and left out of the means, device-time tables
+#                                   # in moe_ep_profiles.md; MOE_EP_WARMUP steps left out, 3:
+#                                   # steps 1-2 answer in ~20 tokens, step 3 compiles for the
+#                                   # 129-token shapes)
 #   bash tools/gpu_e2e.sh maxctx    # longest packed micro-batch per log-prob path, one GPU
 #   bash tools/gpu_e2e.sh step      # the dense twin's step on 2 GPUs (TP2+SP), toy task with
 #                                   # 256-digit prompts: on-policy (1 mini-batch, old-log-prob
@@ -262,7 +263,7 @@ moe_ep() {
         done
         echo "moe_ep_$tag: $(grep -h -m1 "CUDA graphs" "$OUT/moe_ep_$tag.log")" | tee -a "$LOG"
     done
-    python3 - "$WORK" "$OUT/moe_ep.md" "${MOE_EP_PROFILE_STEP:-0}" "${MOE_EP_WARMUP:-1}" \
+    python3 - "$WORK" "$OUT/moe_ep.md" "${MOE_EP_PROFILE_STEP:-0}" "${MOE_EP_WARMUP:-3}" \
         <<'EOF' | tee -a "$LOG"
 import json, sys
 from pathlib import Path
