@@ -202,12 +202,4 @@ def device_events(events) -> list:
 
 def union_seconds(spans: list[tuple[float, float]]) -> float:
     """The length of the union of ``[start, end)`` intervals in microseconds, in seconds."""
-    total, end = 0.0, None
-    for s, e in sorted(spans):
-        if end is None or s > end:
-            total += e - s
-            end = e
-        elif e > end:
-            total += e - end
-            end = e
-    return total / 1e6
+    return sum(b - a for a, b in merged(spans)) / 1e6

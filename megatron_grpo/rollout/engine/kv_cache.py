@@ -25,7 +25,8 @@ from megatron_grpo.megatron.moe.ep_dispatch import gathered_decode_width
 from megatron_grpo.megatron.parallel import all_reduce_max
 from megatron_grpo.ops.layers.rope import rope_reference
 from megatron_grpo.rollout.engine import memory_release
-from megatron_grpo.rollout.engine.fixed_address import FixedAddressMemory
+from megatron_grpo.rollout.engine import model_io as io
+from megatron_grpo.rollout.engine.fixed_address import FixedAddressMemory, plan_kv_cache_memory
 from megatron_grpo.rollout.engine.options import EngineOptions
 
 
@@ -202,19 +203,17 @@ class CacheSizer:
         layout: ParallelLayout,
         max_context: int | None,
         graphs: bool,
-        memory: tuple[bool, str] = (False, ""),
     ) -> None:
         """``max_context``: the longest prompt + response any call brings (None: each call's
-        own); ``graphs``: decode steps replay CUDA graphs (their pool counts in the headroom);
-        ``memory``: whether every cache is mapped at one reserved address, and why not where
-        auto would (``fixed_address.plan_kv_cache_memory``)."""
+        own); ``graphs``: decode steps replay CUDA graphs (their pool counts in the headroom,
+        and only they read the cache's address: ``options.kv_cache_memory``)."""
         self.model, self.options, self.layout = model, options, layout
         self.max_context, self.graphs = max_context, graphs
         self.fixed: FixedAddressMemory | None = None
         self._retired: list[FixedAddressMemory] = []  # still viewed when their call ended
-        self._memory_off = memory[1]
-        if memory[0]:  # the range spans the GPU: no cache can outgrow it
-            device = next(model.parameters()).device
+        device = io.model_device(model)
+        fixed, self._memory_off = plan_kv_cache_memory(options.kv_cache_memory, device, graphs)
+        if fixed:  # the range spans the GPU: no cache can outgrow it
             total = torch.cuda.get_device_properties(device).total_memory
             self.fixed = FixedAddressMemory(device, total)
         self._reported_slots: int | None = None  # the fewest slots logged so far
@@ -229,7 +228,7 @@ class CacheSizer:
         if self.options.kv_cache_gib is None and kept is None:
             # sized from free memory: unused segments back first (with a kept cache nothing
             # else ran since: no release, a device synchronization, on a generation-only GPU)
-            memory_release.release(next(self.model.parameters()).device)
+            memory_release.release(io.model_device(self.model))
         longest = max(len(p) for p in prompts) + max_new_tokens
         longest = max(longest, self.max_context or 0)
         bucket = self.options.context_bucket
@@ -272,7 +271,7 @@ class CacheSizer:
         """Sequences of ``seq_len`` tokens the budget holds, and how it was set (for the log).
         Sized from memory, every rank of the TP / EP groups takes the smallest count."""
         o = self.options
-        device = next(self.model.parameters()).device
+        device = io.model_device(self.model)
         memory = None if o.kv_cache_gib is not None else device_memory(device, cached)
         if memory is None:  # an explicit budget, or the CPU default: exactly as set
             gib = CPU_KV_CACHE_GIB if o.kv_cache_gib is None else o.kv_cache_gib
@@ -313,7 +312,7 @@ class CacheSizer:
         """The cache, or None on every rank of the groups when it was sized from memory and
         some rank's allocator could not place it in one piece (fragmentation): the caller sizes
         it again from the driver's free memory alone (``last``: an error on every rank)."""
-        device = next(self.model.parameters()).device
+        device = io.model_device(self.model)
         if self.options.kv_cache_gib is not None or device.type != "cuda":
             return KVCache(shape, slots, seq_len, device, self.fixed)
         cache, error = None, None

@@ -46,7 +46,6 @@ from megatron_grpo.rollout.engine import kv_cache as kvc
 from megatron_grpo.rollout.engine import memory_release
 from megatron_grpo.rollout.engine import model_io as io
 from megatron_grpo.rollout.engine.cached_attention import attached
-from megatron_grpo.rollout.engine.fixed_address import plan_kv_cache_memory
 from megatron_grpo.rollout.engine.graphs import DecodeGraphs, graph_batch, plan_graphs
 from megatron_grpo.rollout.engine.options import EngineOptions
 from megatron_grpo.rollout.engine.params import SamplingParams
@@ -89,8 +88,7 @@ class KVCacheEngine:
         # (hidden [b, H], uniforms [b], params) -> tokens, log-probs [b], the same on TP ranks
         kw = dict(layout=self.layout, choice=o.tp_sampling, rows_kernel=plan.kernels.sample_rows)
         self._next_tokens = functools.partial(next_tokens, model, **kw)
-        memory = plan_kv_cache_memory(o.kv_cache_memory, device, use)
-        self.sizer = kvc.CacheSizer(model, o, self.layout, max_context, use, memory)
+        self.sizer = kvc.CacheSizer(model, o, self.layout, max_context, use)
         self._fused: fd.FusedDecoder | None = None
         self._all_reduce: TPAllReduce | None = None  # built at the first call (a TP collective)
         self.cache: kvc.KVCache | None = None

@@ -19,8 +19,9 @@ The decision (``rollout.engine.tp_all_reduce``), made once by :func:`reduce_tier
 tuple of ``(largest message bytes, kernel)`` tiers, smallest first; a message takes the first
 tier it fits (a tier may name NCCL), NCCL above the last (and where none). "nccl": no tiers;
 "one_shot" / "two_shot": that kernel up to :data:`SYMM_MAX_BYTES` (needs CUDA, TP > 1 and the
-TP group on one host; anything else is an error naming the field); "auto": the tiers :data:`MEASURED_AHEAD` lists for the TP
-size (measured ahead of NCCL by ``tools/bench_tp_all_reduce.py``), else NCCL.
+TP group on one host; anything else is an error naming the field); "auto": the tiers
+:data:`MEASURED_AHEAD` lists for the TP size (measured ahead of NCCL by
+``tools/bench_tp_all_reduce.py``), else NCCL.
 
 Every path gives every rank the same sum; at TP 2 a + b is one rounding either way, so the
 symmetric-memory result equals NCCL's bit for bit (the GPU test checks it, inside a CUDA graph).
