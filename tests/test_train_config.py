@@ -124,7 +124,7 @@ def test_unknown_keys_and_bad_values_name_the_field(override, message):
                 "model.layer_kernels.moe_dispatch=gathered",
                 "training.logprob_max_tokens_per_micro_batch=4096",
             ],
-            "the gathered dispatch need the same token count",
+            "the allgather and gathered dispatches need the same token count",
         ),
     ],
 )
@@ -165,6 +165,12 @@ def test_checkpoint_architecture_check_names_the_field(tmp_path):
 
 _EP2 = ["model.num_moe_experts=4", "parallel.expert_model_parallel_size=2"]
 _GATHERED = "model.layer_kernels.moe_dispatch=gathered"
+_TP2_SP = [
+    "parallel.tensor_model_parallel_size=2",
+    "parallel.sequence_parallel=true",
+    "parallel.expert_tensor_parallel_size=1",
+]
+_EP4 = ["model.num_moe_experts=4", "parallel.expert_model_parallel_size=4"]
 
 
 @pytest.mark.parametrize(
@@ -187,6 +193,11 @@ _GATHERED = "model.layer_kernels.moe_dispatch=gathered"
         # ... and under the gathered dispatch in every forward (its all-gather takes equal shares)
         (_EP2 + ["model.moe_token_dispatcher_type=alltoall", _GATHERED], None),
         (["model.num_moe_experts=4", _GATHERED], 32768),  # EP 1: no dispatch to match
+        # the expert group inside the TP group (expert-TP 1): its ranks share micro-batches
+        (_EP2 + _TP2_SP + [_GATHERED], 32768),
+        (_EP2 + _TP2_SP + ["model.moe_token_dispatcher_type=allgather"], 32768),
+        (_EP2 + _TP2_SP[:2], None),  # expert-TP = TP (megatron-core's default): not inside
+        (_EP4 + _TP2_SP + [_GATHERED], None),  # EP 4 spans 2 TP groups
         (["training.logprob_max_tokens_per_micro_batch=4096"], 4096),
         (["training.logprob_max_tokens_per_micro_batch=null"], None),
     ],

@@ -217,3 +217,53 @@ def test_gathered_dispatch_trains_at_dp2_with_the_alltoall_dispatcher_configured
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(math.isfinite(m["loss/loss"]) for m in metrics), metrics
+
+
+def _tp2_sp_body(rank: int, world: int, tmp: Path) -> None:
+    from megatron_grpo.train.config import load_train_config
+    from megatron_grpo.train.trainer import Trainer
+    from tests.ep_utils import cpu_alltoall
+
+    cpu_alltoall()
+    sets = [*MOE, *TP2_SP_EP2, f"logging.dir={tmp}", "training.steps=2"]
+    cfg = load_train_config(RECIPE, sets)
+    assert cfg.logprob_merge_tokens == 32768 and not cfg.moe_forwards_need_equal_tokens("alltoall")
+    trainer = Trainer(cfg)
+    assert trainer._moe_groups()[1] is None  # no token padding over the expert group
+    step, merged = trainer.step_fn, []
+    original = step.compute_logprobs
+
+    def counted(model, batches, max_tokens=None, count_group=None):
+        merged.append((len(batches), max_tokens))
+        return original(model, batches, max_tokens, count_group)
+
+    step.compute_logprobs = counted
+    trainer.train()
+    assert merged and all(n > 1 and m == 32768 for n, m in merged), merged
+
+
+TP2_SP_EP2 = [
+    "parallel.tensor_model_parallel_size=2",
+    "parallel.sequence_parallel=true",
+    "parallel.expert_tensor_parallel_size=1",
+    "model.moe_token_dispatcher_type=alltoall",
+    "model.layer_kernels.moe_dispatch=gathered",
+    "training.micro_batch_size=null",
+    "training.max_tokens_per_micro_batch=60",
+    "rollout.engine.kind=recompute",
+]
+
+
+def test_gathered_dispatch_trains_at_tp2_sp_ep2_with_merged_logprob_passes(tmp_path):
+    """CPU (gloo, 2 ranks): the MoE recipes' layout (TP 2 + SP, EP 2 inside the TP group) with
+    the gathered dispatch in every forward: the ranks share micro-batches, so the old and the
+    reference log-prob passes merge them (before, "auto" fell back to the update's micro-batches
+    and an explicit size was a config error) and the rollout's log-probs, from the recompute
+    engine's packed forward, equal the merged pass's."""
+    from tests.dist_utils import run_distributed
+
+    run_distributed(_tp2_sp_body, 2, tmp_path, timeout=240)
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert math.isfinite(m["loss/loss"]) and abs(m["mismatch/k1"]) < 1e-5, m

@@ -39,16 +39,16 @@ from megatron_grpo.ops.lm_head.options import LMHeadOptions
 from megatron_grpo.rollout.config import EvaluationConfig, RolloutConfig
 from megatron_grpo.rollout.context import RolloutContext
 
-# training.logprob_max_tokens_per_micro_batch "auto" for dense models: on one H200 the no-grad
-# pass of a 0.6B model runs at 0.45-0.50 MFU at 32k tokens against 0.23-0.42 at 8k
-# (tools/bench_train_passes.py); one layer's activations of 32k tokens stay small
+# logprob_max_tokens_per_micro_batch "auto": on one H200 the no-grad pass of a 0.6B model runs at
+# 0.45-0.50 MFU at 32k tokens, 0.23-0.42 at 8k (bench_train_passes.py); 32k activations stay small
 LOGPROB_MERGE_TOKENS = 32768
 _MERGE_NEEDS_ALLTOALL = (
     "training.logprob_max_tokens_per_micro_batch needs model.moe_token_dispatcher_type "
     "alltoall (the GPU default) and model.layer_kernels.moe_dispatch auto or alltoall at "
-    "parallel.expert_model_parallel_size > 1: the allgather dispatcher and the gathered dispatch "
-    "need the same token count in each forward on every expert-parallel rank, which merged "
-    "micro-batches do not keep; set it to null"
+    "parallel.expert_model_parallel_size > 1 (unless it divides tensor_model_parallel_size with "
+    "expert_tensor_parallel_size 1): the allgather and gathered dispatches need the same token "
+    "count in each forward on every expert-parallel rank, which merged micro-batches do not "
+    "keep; set it to null"
 )
 
 
@@ -119,10 +119,10 @@ class TrainingConfig:
             log-probs are the same. "auto" (default): ``LOGPROB_MERGE_TOKENS`` (32768). MoE at
             ``parallel.expert_model_parallel_size > 1`` (every MoE forward a collective over
             the expert-parallel ranks) merges too: the ranks agree on the number of forwards by
-            one all-reduce, and a rank with fewer runs extra ones; except under the allgather
-            dispatcher (the CPU default), which needs equal token counts per forward: there
-            "auto" runs the update's micro-batches and a number is a config error. null: the
-            update's micro-batches.
+            one all-reduce, and a rank with fewer runs extra ones; except under dispatches
+            needing equal tokens per forward (allgather, the CPU default; gathered) with the
+            expert group across TP groups: "auto" then keeps the update's micro-batches and a
+            number is a config error. null: the update's micro-batches.
         exit_signals: signals that stop the run cleanly (``train/stop.py``): every rank
             finishes the current step, saves a checkpoint (with ``checkpoint.dir``) and exits
             with code 3; a second signal exits at once. ``[]``: the signals' default actions.
@@ -414,11 +414,21 @@ class TrainConfig:
         gathered``; its all-gather takes equal shares). The trainer then pads each rank's
         ``i``-th micro-batch to the group's longest, and merged log-prob micro-batches would
         differ. Under all-to-all the ranks only agree on the number of forwards
-        (``GRPOStep.compute_logprobs(count_group=...)``)."""
+        (``GRPOStep.compute_logprobs(count_group=...)``); an expert group inside a TP group
+        (:meth:`expert_group_shares_batches`, e.g. TP 2 + SP, EP 2) has equal tokens anyway."""
         moe = self.model.num_moe_experts is not None
         if not moe or self.parallel.expert_model_parallel_size == 1:
             return False
+        if self.expert_group_shares_batches():
+            return False
         return dispatcher == "allgather" or self.model.layer_kernels.moe_dispatch == "gathered"
+
+    def expert_group_shares_batches(self) -> bool:
+        """Whether each expert-parallel group lies in one TP group (same micro-batches): with
+        expert-TP 1 megatron-core's EP groups are runs of consecutive ranks, as TP groups are."""
+        par = self.parallel
+        tp, etp = par.tensor_model_parallel_size, par.expert_tensor_parallel_size
+        return (etp or tp) == 1 and tp % par.expert_model_parallel_size == 0
 
 
 # Keys moved into rollout.sampling / rollout.engine (kept for one release, with a warning).
