@@ -231,11 +231,11 @@ moe_ep() {
     local common=(--set training.steps="$STEPS" --set training.mini_batches_per_step=1
         --set rollout.reverse_digits.num_digits=128 --set rollout.max_prompt_length=132
         --set rollout.max_response_length=129)
-    local layouts=${MOE_EP_LAYOUTS:-ep1:1:1:false ep2_tp2sp:2:2:true ep4_tp1:4:1:false ep4_tp2sp:4:2:true}
+    local layouts=${MOE_EP_LAYOUTS:-ep1:1:1:false ep2_tp2sp:2:2:true:gathered ep4_tp1:4:1:false ep4_tp2sp:4:2:true}
     for spec in $layouts; do
         # tag:gpus:tp:sp[:dispatch[:mb[:engine]]]: dispatch = model.layer_kernels.moe_dispatch
         # (auto: the gathered dispatch in decode, megatron-core's all-to-all in training;
-        # gathered: both); mb = training.max_tokens_per_micro_batch (default: the recipe's);
+        # gathered: both, the twin recipe's choice for EP 2 inside TP 2); mb = training.max_tokens_per_micro_batch (default: the recipe's);
         # engine = rollout.engine settings, e.g. ep_decode_steps=1,kv_cache_memory=allocator
         IFS=: read -r tag nproc tp sp dispatch mb engine <<<"$spec"
         local engine_set=() setting
