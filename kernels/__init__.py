@@ -4,11 +4,11 @@ The kernel seam of the vocab-parallel log-prob op (see docs/DESIGN.md): per row-
 (or bf16) logits, ``logits_row_stats`` (max, sum-exp, target logit, entropy numerator over the
 valid columns) and ``logits_grad`` (the fused softmax-gradient epilogue). The GEMMs and the TP
 combine live in ``megatron_grpo.ops``. The decode step's element-wise kernels (``add_rms_norm``,
-``qkv_rope_cache``, ``swiglu``), ``decode_attention`` and ``sample_rows`` serve the
-generation engine; ``rope`` and ``rms_norm_fwd`` / ``rms_norm_bwd`` serve the training passes;
-``split_acc_addmm`` / ``split_acc_resolve`` keep the single pass's d_weight as a
-bf16 gradient with an int8 residual. Importing this package works without Triton installed;
-calling a kernel then raises a RuntimeError saying so.
+``qkv_rope_cache``, ``swiglu``), ``decode_attention``, ``sample_rows`` and ``sort_keys`` (MoE
+pairs by expert) serve the generation engine; ``rope`` and ``rms_norm_fwd`` / ``rms_norm_bwd``
+serve the training passes; ``split_acc_addmm`` / ``split_acc_resolve`` keep the single pass's
+d_weight as a bf16 gradient with an int8 residual. Importing this package works without Triton
+installed; calling a kernel then raises a RuntimeError saying so.
 """
 
 from ._runtime import AUTOTUNE_ENV, triton_available
@@ -21,6 +21,7 @@ from .qkv_rope_cache import qkv_rope_cache
 from .rms_norm import rms_norm_bwd, rms_norm_fwd
 from .rope import rope
 from .sample_rows import sample_rows
+from .sort_keys import sort_keys
 from .split_accumulator import split_acc_addmm, split_acc_resolve
 from .swiglu import swiglu, swiglu_bwd, swiglu_scaled, swiglu_scaled_bwd
 
@@ -37,6 +38,7 @@ __all__ = [
     "rms_norm_fwd",
     "rope",
     "sample_rows",
+    "sort_keys",
     "split_acc_addmm",
     "split_acc_resolve",
     "swiglu",

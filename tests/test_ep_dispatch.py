@@ -334,10 +334,11 @@ def _built_choice_body(rank: int, world: int) -> None:
     from megatron_grpo.ops.kernels import LayerKernels
 
     cpu_alltoall()
-    kernels = LayerKernels(moe_dispatch="alltoall")
+    kernels = LayerKernels(moe_dispatch="alltoall", moe_sort="argsort")
     chunks = build_layout(EP2, _cfg(2, layer_kernels=kernels))
     mlp = unwrap(chunks[0]).decoder.layers[0].mlp
     assert mlp.ep_dispatch.choice == "alltoall"  # given when the model is built
+    assert mlp.ep_dispatch.gathered.sort == "argsort"
     with no_host_sync(chunks):
         assert mlp.ep_dispatch.resolve() == "megatron"  # not even for decode steps
 
@@ -354,6 +355,10 @@ def test_moe_dispatch_is_chosen_when_the_model_is_built():
     config = SimpleNamespace(num_moe_experts=8, moe_grouped_gemm=False)
     with pytest.raises(ValueError, match="moe_dispatch='gathered' needs grouped experts"):
         portable_layer_spec(config, True, LayerKernels(moe_dispatch="gathered"))
+    with pytest.raises(ValueError, match="moe_sort='counting' needs grouped experts"):
+        portable_layer_spec(config, True, LayerKernels(moe_sort="counting"))
+    with pytest.raises(ValueError, match="moe_sort must be one of .* did you mean 'argsort'"):
+        LayerKernels(moe_sort="argsrot")
 
 
 def _sync_free_body(rank, world):

@@ -215,11 +215,13 @@ def _body_single(rank: int, world: int) -> None:
 
     assert host_sync_reason(unwrap(grp[0])) is None
     assert "SequentialMLP experts" in host_sync_reason(unwrap(seq[0]))
+    assert unwrap(grp[0]).decoder.layers[0].mlp.token_dispatcher.sort == "auto"
     # the padded-bmm grouped GEMM, chosen explicitly: the same model, a host sync per layer
-    kernels = LayerKernels(grouped_gemm="padded_bmm", elementwise="torch")
+    kernels = LayerKernels(grouped_gemm="padded_bmm", elementwise="torch", moe_sort="argsort")
     padded = build_layout(ParallelConfig(), _moe_cfg(topk, layer_kernels=kernels))
     load_full(padded, full_params(seq), _moe_cfg(topk))
     assert (_experts(padded).gemm_impl, _experts(padded).impl) == ("padded_bmm", "torch")
+    assert unwrap(padded[0]).decoder.layers[0].mlp.token_dispatcher.sort == "argsort"
     assert "padded_bmm" in host_sync_reason(unwrap(padded[0]))
     _check_models(seq, padded, batches)
     with pytest.raises(ValueError, match="grouped_gemm must be one of"):

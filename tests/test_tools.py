@@ -165,3 +165,11 @@ def test_bench_tp_comparison_table(capsys):
     for bad in ("0", "1,1", "a", ""):
         with pytest.raises(SystemExit, match="--tp"):
             bench_tp.parse_sizes(bad)
+
+
+def test_bench_moe_sort_dry_run(tmp_path):
+    """Tiny shapes in the interpreter: the counting sort and argsort agree; the table prints."""
+    stdout = run_tool("bench_moe_sort.py", "--pairs", "7,300", "--experts", "8:2", out=tmp_path)
+    assert "| 300 | 8 | 2 (4) | - | - | - | True |" in stdout, stdout
+    rows = json.loads((tmp_path / "bench_moe_sort.json").read_text())["rows"]
+    assert [r["pairs"] for r in rows] == [7, 300] and all(r["equal"] for r in rows)

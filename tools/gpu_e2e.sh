@@ -237,10 +237,14 @@ moe_ep() {
         # (auto: the gathered dispatch in decode, megatron-core's all-to-all in training;
         # gathered: both, the twin recipe's choice for EP 2 inside TP 2); mb = training.max_tokens_per_micro_batch (default: the recipe's);
         # engine = rollout.engine settings, e.g. ep_decode_steps=1,kv_cache_memory=allocator
+        # (a dotted key is a full path: model.layer_kernels.moe_sort=argsort)
         IFS=: read -r tag nproc tp sp dispatch mb engine <<<"$spec"
         local engine_set=() setting
         IFS=, read -ra settings <<<"${engine:-}"
-        for setting in "${settings[@]}"; do engine_set+=(--set "rollout.engine.$setting"); done
+        for setting in "${settings[@]}"; do  # a dotted key is a full path
+            [[ ${setting%%=*} == *.* ]] || setting="rollout.engine.$setting"
+            engine_set+=(--set "$setting")
+        done
         if [ "$nproc" -gt "$NGPU" ]; then
             echo "== moe_ep_$tag: skipped ($nproc GPUs, $NGPU here)" | tee -a "$LOG"
             continue

@@ -53,6 +53,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     # MoE token dispatch at EP > 1 (megatron/moe/ep_dispatch.py): "auto" = the gathered one
     # where no host sync is wanted (decode steps), megatron-core's all-to-all elsewhere
     "moe_dispatch": ("auto", "alltoall", "gathered"),
+    # MoE pairs by local expert (ops/layers/sort_keys.py): "counting" = one Triton launch,
+    # O(N^2) compares; "auto" = counting on CUDA for decode-sized batches, else argsort
+    "moe_sort": ("auto", "argsort", "counting"),
     # the next token at TP > 1 (rollout/engine/tp_sampling.py): "auto" = from the vocabulary
     # shards where the sampling allows (untruncated, greedy), else the gathered logits
     "tp_sampling": ("auto", "gathered", "vocab_parallel"),
@@ -124,6 +127,8 @@ class LayerKernels:
         packed_attention: which path runs packed documents: ``packed_attention`` names.
         moe_dispatch: the MoE token dispatch at EP > 1: ``moe_dispatch`` names ("gathered"
             needs every rank of the expert group to bring the same token count: the engine's).
+        moe_sort: how the MoE dispatches sort (token, slot) pairs by expert: ``moe_sort``
+            names (``ops.layers.sort_keys.resolve_moe_sort``).
         tp_overlap: the TP linear layers' sequence-parallel all-gather / reduce-scatter:
             ``tp_overlap`` names ("ring": overlapped with the GEMMs chunk by chunk, applies where
             SP is on; without SP the layers are megatron-core's; "auto": megatron-core's until
@@ -137,6 +142,7 @@ class LayerKernels:
     attention: str = "plan_free"
     packed_attention: str = "auto"
     moe_dispatch: str = "auto"
+    moe_sort: str = "auto"
     tp_overlap: str = "auto"
 
     def __post_init__(self) -> None:
@@ -146,4 +152,5 @@ class LayerKernels:
         check_choice("attention", self.attention)
         check_choice("packed_attention", self.packed_attention)
         check_choice("moe_dispatch", self.moe_dispatch)
+        check_choice("moe_sort", self.moe_sort)
         check_choice("tp_overlap", self.tp_overlap)

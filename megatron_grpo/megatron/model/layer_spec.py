@@ -139,11 +139,13 @@ def portable_layer_spec(
         )
         if config.moe_grouped_gemm:  # SequentialMLP's drop-in: all local experts in 2 GEMMs
             mlp = _with_grouped_experts(mlp, kernels)
-        elif kernels.moe_dispatch != "auto":  # only GroupedMoELayer has the choice
-            raise ValueError(
-                f"model.layer_kernels.moe_dispatch={kernels.moe_dispatch!r} needs grouped "
-                "experts (model.moe_grouped_gemm: true)"
-            )
+        else:  # only GroupedMoELayer has these choices
+            for name in ("moe_dispatch", "moe_sort"):
+                if getattr(kernels, name) != "auto":
+                    raise ValueError(
+                        f"model.layer_kernels.{name}={getattr(kernels, name)!r} needs grouped "
+                        "experts (model.moe_grouped_gemm: true)"
+                    )
         # Same keys as the TE spec: only the attention norm is fused there for MoE layers.
         keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
     else:
@@ -178,7 +180,7 @@ def _with_grouped_experts(mlp, kernels: LayerKernels):
     params = {"gemm_impl": kernels.grouped_gemm, "impl": kernels.elementwise}
     params["expert_groups"] = _expert_groups()
     experts = ModuleSpec(module=GroupedExperts, params=params)
-    dispatch = {"moe_dispatch": kernels.moe_dispatch}
+    dispatch = {"moe_dispatch": kernels.moe_dispatch, "moe_sort": kernels.moe_sort}
     if isinstance(mlp, ModuleSpec):
         mlp.module = GroupedMoELayer
         mlp.submodules.experts = experts

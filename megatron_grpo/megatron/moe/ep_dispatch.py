@@ -56,6 +56,7 @@ from torch import Tensor
 
 from megatron_grpo.megatron.moe.alltoall_permute import use_sort_permute
 from megatron_grpo.ops.kernels import CHOICES
+from megatron_grpo.ops.layers.sort_keys import sort_keys
 
 EP_DISPATCHES = CHOICES["moe_dispatch"]
 
@@ -122,17 +123,20 @@ class EPDispatch:
     sync_free: bool = False  # no_host_sync: the engine's decode steps
 
     @classmethod
-    def of(cls, layer, built: MoETokenDispatcher, groups, choice: str = "auto") -> EPDispatch:
+    def of(
+        cls, layer, built: MoETokenDispatcher, groups, choice: str = "auto", sort: str = "auto"
+    ) -> EPDispatch:
         """``built``: megatron-core's dispatcher of ``layer``; ``groups``: its ``ep``,
         ``expt_tp``, ``tp_ep`` and the attention ``tp`` group; ``choice``: the model's
-        ``LayerKernels.moe_dispatch`` ("gathered" where it cannot run is an error here)."""
+        ``LayerKernels.moe_dispatch`` ("gathered" where it cannot run is an error here);
+        ``sort``: its ``moe_sort``."""
         use_sort_permute()  # megatron-core's dispatcher: one host sync a layer (split sizes)
         why = gathered_dispatch_unsupported(layer.config, groups)
         gathered = None
         if why is None:
             offset = layer.local_expert_indices[0]
             gathered = GatheredTokenDispatcher(
-                layer.num_local_experts, offset, layer.config, groups
+                layer.num_local_experts, offset, layer.config, groups, sort
             )
         choose_dispatch(choice, True, why)  # refuse an impossible choice at build time
         return cls(built, gathered, why, choice)
@@ -225,10 +229,14 @@ class _Routing:
 class GatheredTokenDispatcher(MoETokenDispatcher):
     """megatron-core's dispatcher interface over the gathered tokens (module docstring)."""
 
-    def __init__(self, num_local_experts: int, local_offset: int, config, groups) -> None:
+    def __init__(
+        self, num_local_experts: int, local_offset: int, config, groups, sort: str = "auto"
+    ) -> None:
+        """``sort``: ``LayerKernels.moe_sort`` (``ops.layers.sort_keys``)."""
         super().__init__(config=config, pg_collection=groups)
         self.num_local_experts = num_local_experts
         self.local_offset = local_offset
+        self.sort = sort
         self.topk = config.moe_router_topk
         tp_ranks, ep_ranks = _ranks(getattr(groups, "tp", None)), _ranks(self.ep_group)
         known = tp_ranks is not None and ep_ranks is not None
@@ -299,20 +307,12 @@ class GatheredTokenDispatcher(MoETokenDispatcher):
         """Sort the gathered (token, slot) pairs ``ids [G, k]``: this rank's experts first (by
         expert, tokens ascending), the rest after; keep the first ``G * min(k, E_local)``."""
         g, k, e = ids.size(0), self.topk, self.num_local_experts
-        key = ids - self.local_offset
-        local = (key >= 0) & (key < e)
-        flat = torch.where(local, key, e).reshape(-1)
-        order = torch.argsort(flat, stable=True)
         m = g * min(k, e)
-        pos = torch.empty_like(order)
-        pos[order] = torch.arange(order.numel(), device=order.device)
-        back = torch.where(local.reshape(-1), pos, m).view(g, k)
-        counts = torch.zeros(e + 1, dtype=torch.long, device=ids.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        order, back, counts = sort_keys(ids, self.local_offset, e, m, self.sort)
         pair_rows = order[:m]
-        valid = torch.arange(m, device=ids.device) < counts[:e].sum()
+        valid = torch.arange(m, device=ids.device) < counts.sum()
         rows = torch.div(pair_rows, k, rounding_mode="floor")
-        return _Routing(rows, pair_rows, back, valid, counts[:e])
+        return _Routing(rows, pair_rows, back.view(g, k), valid, counts)
 
     def combine_preprocess(self, hidden_states: Tensor) -> Tensor:
         """Expert outputs ``[M, H]`` -> each gathered token's local experts summed ``[P*T, H]``

@@ -53,9 +53,13 @@ def local_dispatch_unsupported(config, pg_collection=None) -> str | None:
 class LocalTokenDispatcher(MoETokenDispatcher):
     """megatron-core's dispatcher interface for a layer whose experts are all local."""
 
-    def __init__(self, num_local_experts: int, config, pg_collection=None) -> None:
+    def __init__(
+        self, num_local_experts: int, config, pg_collection=None, sort: str = "auto"
+    ) -> None:
+        """``sort``: ``LayerKernels.moe_sort`` (``ops.layers.sort_keys``)."""
         super().__init__(config=config, pg_collection=pg_collection)
         self.num_experts = num_local_experts
+        self.sort = sort
         self.topk = config.moe_router_topk
         self._state: tuple[Tensor, Tensor, torch.Size] | None = None
         self._counts: Tensor | None = None
@@ -67,7 +71,7 @@ class LocalTokenDispatcher(MoETokenDispatcher):
         tokens = hidden_states.reshape(-1, shape[-1])
         # the k experts of each token: top-k of its 0/1 row (exactly k ones: dropless)
         ids = torch.topk(routing_map.to(torch.uint8), self.topk, dim=1, sorted=False).indices
-        order, inverse, self._counts = sort_by_expert(ids, self.num_experts)
+        order, inverse, self._counts = sort_by_expert(ids, self.num_experts, self.sort)
         self._state = (order, inverse, shape)
         permuted_probs = probs.gather(1, ids).reshape(-1).index_select(0, order)
         return permute_tokens(tokens, order, inverse, self.topk), permuted_probs
@@ -97,18 +101,25 @@ class GroupedMoELayer(MoELayer):
     elsewhere ``ep_dispatch`` picks megatron-core's dispatcher or the gathered one per forward
     (``moe.ep_dispatch.choose_dispatch``)."""
 
-    def __init__(self, config, *args, moe_dispatch: str = "auto", **kwargs) -> None:
-        """``moe_dispatch``: ``LayerKernels.moe_dispatch`` (applies at EP > 1)."""
+    def __init__(
+        self, config, *args, moe_dispatch: str = "auto", moe_sort: str = "auto", **kwargs
+    ) -> None:
+        """``moe_dispatch``: ``LayerKernels.moe_dispatch`` (applies at EP > 1); ``moe_sort``:
+        ``LayerKernels.moe_sort`` (both dispatches of ours)."""
         super().__init__(config, *args, **kwargs)
         built = self.token_dispatcher  # megatron-core's, for its process groups
         groups = SimpleNamespace(ep=built.ep_group, expt_tp=built.tp_group, tp_ep=built.tp_ep_group)
         groups.tp = getattr(self, "attn_tp_group", None)
         if local_dispatch_unsupported(config) is None and groups.tp_ep.size() == 1:
-            self.token_dispatcher = LocalTokenDispatcher(self.num_local_experts, config, groups)
+            self.token_dispatcher = LocalTokenDispatcher(
+                self.num_local_experts, config, groups, moe_sort
+            )
         self.local_dispatch = isinstance(self.token_dispatcher, LocalTokenDispatcher)
         # tokens leave the rank: megatron-core's dispatcher or the gathered one, per forward
         self.ep_dispatch = (
-            None if self.local_dispatch else EPDispatch.of(self, built, groups, moe_dispatch)
+            None
+            if self.local_dispatch
+            else EPDispatch.of(self, built, groups, moe_dispatch, moe_sort)
         )
 
     def forward(self, hidden_states, *args, **kwargs):

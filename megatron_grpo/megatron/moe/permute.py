@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from megatron_grpo.ops.layers.sort_keys import sort_keys
+
 
 def chunk_sort_rows(split_sizes: Tensor, sorted_idxs: Tensor, device: torch.device) -> Tensor:
     """Row indices ``[T]`` of the chunks of ``split_sizes [S]`` concatenated in the order
@@ -51,19 +53,17 @@ def sort_chunks_by_index(
     return input.index_select(0, rows), None if probs is None else probs.index_select(0, rows)
 
 
-def sort_by_expert(expert_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+def sort_by_expert(
+    expert_ids: Tensor, num_experts: int, sort: str = "auto"
+) -> tuple[Tensor, Tensor, Tensor]:
     """Sort-based routing of ``expert_ids [T, k]`` (each token's k distinct experts) without a
     host sync: ``(order [T*k], inverse [T*k], tokens_per_expert [E])``. ``order`` lists the
     (token, slot) pairs expert-major and token-ascending within an expert (megatron-core's
     permuted layout: ``order // k`` is the token of each permuted row); ``inverse`` is its
-    inverse permutation (``inverse.view(T, k)`` holds each token's permuted rows)."""
-    flat = expert_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    return order, inverse, counts
+    inverse permutation (``inverse.view(T, k)`` holds each token's permuted rows). ``sort``:
+    ``LayerKernels.moe_sort`` (``ops.layers.sort_keys``)."""
+    n = expert_ids.numel()
+    return sort_keys(expert_ids, 0, num_experts, n, sort)
 
 
 class _Permute(torch.autograd.Function):

@@ -1,0 +1,108 @@
+"""A stable counting sort of small integer keys in one launch: MoE (token, slot) pairs by expert.
+
+The key of pair ``p`` is ``ids[p] - offset`` where that lies in ``[0, K)`` (a local expert), else
+``K`` (another rank's expert: sorted last). Pair ``p`` lands at
+
+    pos[p] = #{q : key[q] < key[p]} + #{q < p : key[q] == key[p]}
+
+which every program computes for its block of pairs by comparing it with all ``N`` keys, one
+``[BLOCK, BLOCK]`` tile at a time: ``O(N^2)`` comparisons, no atomics, no host sync and no
+cross-program dependency, so it is deterministic and fits a CUDA graph. Meant for decode-sized
+``N`` (thousands of pairs), where ``torch.argsort`` (a multi-pass radix sort) plus the inverse
+scatter and the per-expert counts take several launches; ``ops.layers.sort_keys`` picks it.
+Programs past the pair blocks count the pairs of each key in ``[0, K)``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ._runtime import check_device, interpret_mode, require_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the launcher raises a clear error on use
+    triton = None
+    tl = None
+
+BLOCK = 128
+BLOCK_K = 64
+NUM_WARPS = 4
+
+
+def _key(ids, offset, num_keys):
+    key = ids - offset
+    return tl.where((key >= 0) & (key < num_keys), key, num_keys)
+
+
+def _sort_keys_kernel(
+    ids_ptr, order_ptr, back_ptr, counts_ptr, N, offset, num_keys, fill,
+    BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    blocks = tl.cdiv(N, BLOCK)
+    lanes = tl.arange(0, BLOCK)
+    if pid < blocks:
+        p = pid * BLOCK + lanes
+        p_ok = p < N
+        kp = _key(tl.load(ids_ptr + p, mask=p_ok, other=0), offset, num_keys)
+        pos = tl.zeros([BLOCK], tl.int32)
+        for start in range(0, N, BLOCK):
+            q = start + lanes
+            kq = _key(tl.load(ids_ptr + q, mask=q < N, other=0), offset, num_keys)
+            kq = tl.where(q < N, kq, num_keys + 1)  # past the end: after every real key
+            ahead = (kq[None, :] < kp[:, None]) | (
+                (kq[None, :] == kp[:, None]) & (q[None, :] < p[:, None])
+            )
+            pos += tl.sum(ahead.to(tl.int32), axis=1)
+        tl.store(order_ptr + pos, p.to(tl.int64), mask=p_ok)
+        back = tl.where(kp < num_keys, pos.to(tl.int64), fill)
+        tl.store(back_ptr + p, back, mask=p_ok)
+    else:
+        e = (pid - blocks) * BLOCK_K + tl.arange(0, BLOCK_K)
+        count = tl.zeros([BLOCK_K], tl.int32)
+        for start in range(0, N, BLOCK):
+            q = start + lanes
+            kq = _key(tl.load(ids_ptr + q, mask=q < N, other=0), offset, num_keys)
+            kq = tl.where(q < N, kq, num_keys)
+            count += tl.sum((kq[None, :] == e[:, None]).to(tl.int32), axis=1)
+        tl.store(counts_ptr + e, count.to(tl.int64), mask=e < num_keys)
+
+
+if triton is not None:  # helpers are jitted at import, like _rounding.round_to
+    _key = triton.jit(_key)
+
+
+@functools.cache
+def _build(interpret: bool):
+    """The kernel for one run mode; ``interpret`` keys the cache only."""
+    require_triton()
+    return triton.jit(_sort_keys_kernel)
+
+
+def sort_keys(
+    ids: torch.Tensor, offset: int, num_keys: int, fill: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``ids [N]`` int64 -> ``(order [N], back [N], counts [num_keys])`` int64: ``order`` lists
+    the pairs by key (``ids - offset`` in ``[0, num_keys)``, else last), ties in index order;
+    ``back[p]`` is pair p's position in it, or ``fill`` for a pair of no local key;
+    ``counts[e]`` the pairs of key ``e``."""
+    require_triton()
+    check_device("ids", ids)
+    if ids.dim() != 1 or ids.dtype != torch.int64:
+        raise ValueError(f"ids must be a [N] int64 tensor, got {ids.dtype} {list(ids.shape)}")
+    if num_keys < 1:
+        raise ValueError(f"num_keys must be positive, got {num_keys}")
+    n = ids.numel()
+    order = torch.empty(n, dtype=torch.int64, device=ids.device)
+    back = torch.empty(n, dtype=torch.int64, device=ids.device)
+    counts = torch.empty(num_keys, dtype=torch.int64, device=ids.device)
+    grid = (triton.cdiv(n, BLOCK) + triton.cdiv(num_keys, BLOCK_K),)
+    _build(interpret_mode())[grid](
+        ids.contiguous(), order, back, counts, n, offset, num_keys, fill,
+        BLOCK=BLOCK, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return order, back, counts
