@@ -6,10 +6,11 @@ The key of pair ``p`` is ``ids[p] - offset`` where that lies in ``[0, K)`` (a lo
     pos[p] = #{q : key[q] < key[p]} + #{q < p : key[q] == key[p]}
 
 which every program computes for its block of pairs by comparing it with all ``N`` keys, one
-``[BLOCK, BLOCK]`` tile at a time: ``O(N^2)`` comparisons, no atomics, no host sync and no
-cross-program dependency, so it is deterministic and fits a CUDA graph. Meant for decode-sized
-``N`` (thousands of pairs), where ``torch.argsort`` (a multi-pass radix sort) plus the inverse
-scatter and the per-expert counts take several launches; ``ops.layers.sort_keys`` picks it.
+``[BLOCK_P, BLOCK_Q]`` tile at a time (int32 keys; tiles small enough to stay in registers):
+``O(N^2)`` comparisons, no atomics, no host sync and no cross-program dependency, so it is
+deterministic and fits a CUDA graph. Meant for decode-sized ``N``, where ``torch.argsort`` (a
+multi-pass radix sort) plus the inverse scatter and the per-expert counts take several launches;
+``ops.layers.sort_keys`` picks it where ``tools/bench_moe_sort.py`` measured it ahead.
 Programs past the pair blocks count the pairs of each key in ``[0, K)``.
 """
 
@@ -28,46 +29,46 @@ except ImportError:  # the launcher raises a clear error on use
     triton = None
     tl = None
 
-BLOCK = 128
-BLOCK_K = 64
+BLOCK_P = 32  # pairs per program: small tiles stay in registers
+BLOCK_Q = 128  # keys compared per step
+BLOCK_K = 32  # keys counted per counting program
 NUM_WARPS = 4
 
 
-def _key(ids, offset, num_keys):
-    key = ids - offset
-    return tl.where((key >= 0) & (key < num_keys), key, num_keys)
+def _key(ids_ptr, idx, N, offset, num_keys):
+    """int32 keys of pairs ``idx`` (past ``N``: ``num_keys + 1``, after every real key)."""
+    key = tl.load(ids_ptr + idx, mask=idx < N, other=0).to(tl.int32) - offset
+    key = tl.where((key >= 0) & (key < num_keys), key, num_keys)
+    return tl.where(idx < N, key, num_keys + 1)
 
 
 def _sort_keys_kernel(
     ids_ptr, order_ptr, back_ptr, counts_ptr, N, offset, num_keys, fill,
-    BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    blocks = tl.cdiv(N, BLOCK)
-    lanes = tl.arange(0, BLOCK)
+    blocks = tl.cdiv(N, BLOCK_P)
+    lanes = tl.arange(0, BLOCK_Q)
     if pid < blocks:
-        p = pid * BLOCK + lanes
-        p_ok = p < N
-        kp = _key(tl.load(ids_ptr + p, mask=p_ok, other=0), offset, num_keys)
-        pos = tl.zeros([BLOCK], tl.int32)
-        for start in range(0, N, BLOCK):
+        p = pid * BLOCK_P + tl.arange(0, BLOCK_P)
+        kp = _key(ids_ptr, p, N, offset, num_keys)
+        pos = tl.zeros([BLOCK_P], tl.int32)
+        for start in range(0, N, BLOCK_Q):
             q = start + lanes
-            kq = _key(tl.load(ids_ptr + q, mask=q < N, other=0), offset, num_keys)
-            kq = tl.where(q < N, kq, num_keys + 1)  # past the end: after every real key
+            kq = _key(ids_ptr, q, N, offset, num_keys)
             ahead = (kq[None, :] < kp[:, None]) | (
                 (kq[None, :] == kp[:, None]) & (q[None, :] < p[:, None])
             )
             pos += tl.sum(ahead.to(tl.int32), axis=1)
+        p_ok = p < N
         tl.store(order_ptr + pos, p.to(tl.int64), mask=p_ok)
         back = tl.where(kp < num_keys, pos.to(tl.int64), fill)
         tl.store(back_ptr + p, back, mask=p_ok)
     else:
         e = (pid - blocks) * BLOCK_K + tl.arange(0, BLOCK_K)
         count = tl.zeros([BLOCK_K], tl.int32)
-        for start in range(0, N, BLOCK):
-            q = start + lanes
-            kq = _key(tl.load(ids_ptr + q, mask=q < N, other=0), offset, num_keys)
-            kq = tl.where(q < N, kq, num_keys)
+        for start in range(0, N, BLOCK_Q):
+            kq = _key(ids_ptr, start + lanes, N, offset, num_keys)
             count += tl.sum((kq[None, :] == e[:, None]).to(tl.int32), axis=1)
         tl.store(counts_ptr + e, count.to(tl.int64), mask=e < num_keys)
 
@@ -100,9 +101,9 @@ def sort_keys(
     order = torch.empty(n, dtype=torch.int64, device=ids.device)
     back = torch.empty(n, dtype=torch.int64, device=ids.device)
     counts = torch.empty(num_keys, dtype=torch.int64, device=ids.device)
-    grid = (triton.cdiv(n, BLOCK) + triton.cdiv(num_keys, BLOCK_K),)
+    grid = (triton.cdiv(n, BLOCK_P) + triton.cdiv(num_keys, BLOCK_K),)
     _build(interpret_mode())[grid](
         ids.contiguous(), order, back, counts, n, offset, num_keys, fill,
-        BLOCK=BLOCK, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
+        BLOCK_P=BLOCK_P, BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
     )  # fmt: skip
     return order, back, counts

@@ -78,8 +78,8 @@ test_interpreter_counting_sort_equals_argsort = interpreter_only(_kernel_test)
 
 
 def test_the_decision_is_one_function():
-    assert resolve_moe_sort("auto", 2048, "cpu") == "argsort"  # no Triton on CPU tensors
-    assert resolve_moe_sort("auto", 2048, "cuda") == "counting"  # a decode step
+    assert resolve_moe_sort("auto", 256, "cpu") == "argsort"  # no Triton on CPU tensors
+    assert resolve_moe_sort("auto", COUNTING_SORT_MAX_PAIRS, "cuda") == "counting"
     assert resolve_moe_sort("auto", COUNTING_SORT_MAX_PAIRS + 1, "cuda") == "argsort"
     assert resolve_moe_sort("argsort", 16, "cuda") == "argsort"
     assert resolve_moe_sort("counting", 10**6, "cuda") == "counting"  # explicit: as asked

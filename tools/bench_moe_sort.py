@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def _args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--pairs", default="512,1024,2048,4096,8192,16384,32768", help="comma list")
+    p.add_argument("--pairs", default="256,512,1024,2048,4096,8192,16384", help="comma list")
     p.add_argument("--experts", default="32:1,32:2,128:8", help="E:EP list (local = E / EP)")
     p.add_argument("--per-graph", type=int, default=48, help="sorts per graph (MoE layers)")
     p.add_argument("--iters", type=int, default=20)

@@ -8,11 +8,11 @@ pair's position in ``order``, ``fill`` for a pair of no local key) and ``counts 
 Two implementations, one decision (:func:`resolve_moe_sort`, ``LayerKernels.moe_sort``):
 
 * "argsort" (:func:`sort_keys_torch`, the reference): ``torch.argsort(stable=True)``, the
-  inverse by a scatter, the counts by a ``bincount``-style ``scatter_add``; on CUDA the radix
-  sort alone is several launches (~29 us for the MoE twin's 2,048 decode pairs on an H200).
+  inverse by a scatter, the counts by a ``scatter_add``: ~8 launches, ~50 us in a CUDA graph
+  on an H200 for up to 4,096 pairs (the radix sort alone ~29 us).
 * "counting" (``kernels.sort_keys``): all three in one Triton launch, ``O(N^2)`` comparisons,
-  so "auto" takes it on CUDA up to :data:`COUNTING_SORT_MAX_PAIRS` pairs (decode steps) and the
-  argsort above (training and prefill batches).
+  so "auto" takes it on CUDA up to :data:`COUNTING_SORT_MAX_PAIRS` pairs, where it was
+  measured ahead, and the argsort above (training, prefill and most decode batches).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from torch import Tensor
 
 from megatron_grpo.ops.kernels import check_choice, triton_kernels, triton_runs_on
 
-# kernels.sort_keys compares every pair with every other: beyond this many pairs a decode-sized
-# launch no longer beats the radix sort (tools/bench_moe_sort.py)
-COUNTING_SORT_MAX_PAIRS = 8192
+# kernels.sort_keys compares every pair with every other, so the radix sort wins beyond a size:
+# on an H200 (tools/bench_moe_sort.py, in CUDA graphs) 39 vs 46 us at 512 pairs, 154 vs 53 at 2048
+COUNTING_SORT_MAX_PAIRS = 512
 
 
 def resolve_moe_sort(choice: str, pairs: int, device_type: str) -> str:
