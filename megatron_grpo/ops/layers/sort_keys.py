@@ -12,7 +12,7 @@ Two implementations, one decision (:func:`resolve_moe_sort`, ``LayerKernels.moe_
   on an H200 for up to 4,096 pairs (the radix sort alone ~29 us).
 * "counting" (``kernels.sort_keys``): all three in one Triton launch, ``O(N^2)`` comparisons,
   so "auto" takes it on CUDA up to :data:`COUNTING_SORT_MAX_PAIRS` pairs, where it was
-  measured ahead, and the argsort above (training, prefill and most decode batches).
+  measured ahead (decode steps), and the argsort above (training and prefill batches).
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from torch import Tensor
 from megatron_grpo.ops.kernels import check_choice, triton_kernels, triton_runs_on
 
 # kernels.sort_keys compares every pair with every other, so the radix sort wins beyond a size:
-# on an H200 (tools/bench_moe_sort.py, in CUDA graphs) 39 vs 46 us at 512 pairs, 154 vs 53 at 2048
-COUNTING_SORT_MAX_PAIRS = 512
+# on an H200 (tools/bench_moe_sort.py, in CUDA graphs) 16.9 vs 53.2 us at 2,048 pairs, 68 vs 100
+# at 8,192, 171 vs 104 at 16,384
+COUNTING_SORT_MAX_PAIRS = 8192
 
 
 def resolve_moe_sort(choice: str, pairs: int, device_type: str) -> str:
