@@ -267,3 +267,32 @@ def test_gathered_dispatch_trains_at_tp2_sp_ep2_with_merged_logprob_passes(tmp_p
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
         assert math.isfinite(m["loss/loss"]) and abs(m["mismatch/k1"]) < 1e-5, m
+
+
+def _shares_body(rank: int, world: int) -> None:
+    """megatron-core's own groups at 4 ranks against ``expert_group_shares_batches``."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_grpo.megatron import destroy_parallel, initialize_parallel
+    from megatron_grpo.train.config import load_train_config
+
+    for tp, ep, sp in ((2, 2, True), (4, 2, True), (4, 4, True), (2, 4, True), (1, 2, False)):
+        sets = [*MOE, f"parallel.tensor_model_parallel_size={tp}",
+                f"parallel.expert_model_parallel_size={ep}", f"parallel.sequence_parallel={sp}",
+                "parallel.expert_tensor_parallel_size=1"]  # fmt: skip
+        cfg = load_train_config(RECIPE, sets)
+        initialize_parallel(cfg.parallel, seed=0)
+        ranks = [set(dist.get_process_group_ranks(g)) for g in (
+            ps.get_expert_model_parallel_group(), ps.get_tensor_model_parallel_group())]  # fmt: skip
+        assert cfg.expert_group_shares_batches() == (ranks[0] <= ranks[1]), (tp, ep, ranks)
+        destroy_parallel()
+
+
+def test_expert_group_shares_batches_matches_megatron_cores_groups():
+    """The rule (expert-TP 1, EP dividing TP) against the process groups megatron-core builds
+    at 4 gloo ranks: EP 2 in TP 2 (x DP 2) and in TP 4, EP 4 in TP 4 share; EP 4 over TP 2 and
+    EP 2 over TP 1 do not."""
+    from tests.dist_utils import run_distributed
+
+    run_distributed(_shares_body, 4, timeout=240)
