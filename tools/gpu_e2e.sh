@@ -12,8 +12,8 @@
 #   bash tools/gpu_e2e.sh moe_ep    # the MoE twin at EP1 (1 GPU), EP2 TP2+SP (2), EP4 TP1 and
 #                                   # TP2+SP (4 GPUs): step split, generation tokens/s, ratios
 #                                   # to EP1 (moe_ep.md; MOE_EP_LAYOUTS
-#                                   # "tag:gpus:tp:sp[:dispatch[:micro-batch tokens[:engine
-#                                   # options]]] ..."; MOE_EP_PROFILE_STEP=5: that step profiled
+#                                   # "tag:gpus:tp:sp[:dispatch[:micro-batch tokens[:settings
+#                                   # ]]] ..."; MOE_EP_PROFILE_STEP=5: that step profiled
 #                                   # on every rank and left out of the means, device-time tables
 #                                   # in moe_ep_profiles.md; MOE_EP_WARMUP steps left out, 3:
 #                                   # steps 1-2 answer in ~20 tokens, step 3 compiles for the
@@ -231,13 +231,15 @@ moe_ep() {
     local common=(--set training.steps="$STEPS" --set training.mini_batches_per_step=1
         --set rollout.reverse_digits.num_digits=128 --set rollout.max_prompt_length=132
         --set rollout.max_response_length=129)
-    local layouts=${MOE_EP_LAYOUTS:-ep1:1:1:false ep2_tp2sp:2:2:true:gathered ep4_tp1:4:1:false ep4_tp2sp:4:2:true}
+    local layouts="ep1:1:1:false ep2_tp2sp:2:2:true:gathered ep4_tp1:4:1:false ep4_tp2sp:4:2:true"
+    layouts=${MOE_EP_LAYOUTS:-$layouts}
     for spec in $layouts; do
         # tag:gpus:tp:sp[:dispatch[:mb[:engine]]]: dispatch = model.layer_kernels.moe_dispatch
         # (auto: the gathered dispatch in decode, megatron-core's all-to-all in training;
-        # gathered: both, the twin recipe's choice for EP 2 inside TP 2); mb = training.max_tokens_per_micro_batch (default: the recipe's);
-        # engine = rollout.engine settings, e.g. ep_decode_steps=1,kv_cache_memory=allocator
-        # (a dotted key is a full path: model.layer_kernels.moe_sort=argsort)
+        # gathered: both, the twin recipe's choice for EP 2 inside TP 2);
+        # mb = training.max_tokens_per_micro_batch (default: the recipe's);
+        # engine = settings, rollout.engine keys (ep_decode_steps=1,kv_cache_memory=allocator)
+        # or full dotted paths (model.layer_kernels.moe_sort=argsort)
         IFS=: read -r tag nproc tp sp dispatch mb engine <<<"$spec"
         local engine_set=() setting
         IFS=, read -ra settings <<<"${engine:-}"
