@@ -17,6 +17,7 @@ from typing import Literal
 from megatron_grpo.config import check_positive
 from megatron_grpo.rollout.engine.options import EngineOptions
 from megatron_grpo.rollout.engine.params import SamplingParams
+from megatron_grpo.rollout.placement import ColocatedConfig, Placement, SeparateConfig
 
 TaskName = Literal["reverse_digits", "math", "dataset"]
 # rollout.reward_fn names usable without a module (tasks/verifiers.py's VERIFIERS).
@@ -197,77 +198,6 @@ class PartialConfig:
             )
 
 
-Placement = Literal["colocated", "separate"]
-
-
-@dataclass
-class SeparateConfig:
-    """``rollout.placement: separate``: generation on ranks of its own (``rollout/separate/``).
-
-    Attributes:
-        generation_ranks: the ranks of the torchrun world that only generate: the last N
-            ranks (an int N, or the list of them); the others train with ``parallel``.
-        tensor_model_parallel_size: TP of each generation replica (replicas =
-            generation ranks / TP).
-        max_staleness: policy versions a trained token may lag the weights it is trained
-            under: step ``s`` trains on rollouts generated with the weights of step
-            ``max(start, s - max_staleness)``; 0 = the trainer waits for rollouts of its latest
-            weights (synchronous). Groups that would lag more are dropped and counted.
-        in_flight_updates: a replica swaps in a newer version as soon as it is complete,
-            between engine steps, instead of at the next part: its unfinished requests continue
-            under the new weights (their KV recomputed), each token tagged with the version
-            that sampled it. Tokens only get fresher (lag <= max_staleness still); which tokens
-            are newer depends on timing, so runs are not bit-reproducible. Needs
-            ``engine.kind: kv_cache`` and ``max_staleness >= 1`` (at 0 no newer version exists
-            mid-unit); decode graphs stay valid (weights are copied in place).
-    """
-
-    generation_ranks: int | list[int] = 1
-    tensor_model_parallel_size: int = 1
-    max_staleness: int = 1
-    in_flight_updates: bool = False
-
-    def __post_init__(self) -> None:
-        g = self.generation_ranks
-        if isinstance(g, list):
-            if not g or len(set(g)) != len(g) or min(g) < 0:
-                raise ValueError(
-                    f"generation_ranks must be distinct ranks >= 0 (or a count), got {g}"
-                )
-        elif isinstance(g, bool) or g < 1:
-            raise ValueError(f"generation_ranks must be >= 1 ranks, got {g!r}")
-        check_positive(self, "tensor_model_parallel_size")
-        if self.max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
-        if self.count % self.tensor_model_parallel_size:
-            raise ValueError(
-                f"generation_ranks: {self.count} rank(s) do not divide into replicas of "
-                f"tensor_model_parallel_size={self.tensor_model_parallel_size}"
-            )
-
-    @property
-    def count(self) -> int:
-        g = self.generation_ranks
-        return len(g) if isinstance(g, list) else g
-
-    def ranks(self, world: int) -> list[int]:
-        """The generation ranks of a ``world``-rank run (ValueError naming the field)."""
-        n = self.count
-        if n >= world:
-            raise ValueError(
-                f"rollout.separate.generation_ranks: {n} generation rank(s) leave no trainer rank "
-                f"in a world of {world}"
-            )
-        tail = list(range(world - n, world))
-        g = self.generation_ranks
-        if isinstance(g, list) and sorted(g) != tail:
-            raise ValueError(
-                f"rollout.separate.generation_ranks={g} must be the last {n} ranks of the "
-                f"{world}-rank world ({tail}): trainer ranks come first"
-            )
-        return tail
-
-
 @dataclass
 class RolloutConfig:
     """What each step generates (or reads) and how it is scored.
@@ -315,9 +245,10 @@ class RolloutConfig:
             (one file per step and data-parallel rank; e.g. ``rollouts_step00000001_dp0000.jsonl``).
         filter_groups: dynamic sampling (:class:`FilterGroupsConfig`); needs generation.
         partial: partial rollouts across steps (:class:`PartialConfig`); needs generation.
-        placement: ``colocated`` (default: every rank generates, then every rank trains) or
-            ``separate`` (generation on ranks of its own, ``separate``: :class:`SeparateConfig`;
-            weights streamed after every update, bounded staleness).
+        placement: ``colocated`` (default: every rank generates, then every rank trains;
+            ``colocated``: :class:`ColocatedConfig`, on which weights) or ``separate``
+            (generation on ranks of its own, ``separate``: :class:`SeparateConfig`; weights
+            streamed after every update, bounded staleness).
     """
 
     num_prompts: int = 16
@@ -341,6 +272,7 @@ class RolloutConfig:
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     partial: PartialConfig = field(default_factory=PartialConfig)
     placement: Placement = "colocated"
+    colocated: ColocatedConfig = field(default_factory=ColocatedConfig)
     separate: SeparateConfig = field(default_factory=SeparateConfig)
 
     def __post_init__(self) -> None:
@@ -402,7 +334,9 @@ class RolloutConfig:
         self._check_placement()
 
     def _check_placement(self) -> None:
-        """What ``placement: separate`` does not combine with yet (each names its field)."""
+        """What each placement does not combine with yet (each names its field)."""
+        if self.colocated.weights == "replica":
+            self._check_replica()
         if self.placement != "separate":
             return
         if self.source != "generate":
@@ -426,6 +360,19 @@ class RolloutConfig:
                 "separate.in_flight_updates: true pauses requests between engine steps: it needs "
                 f"engine.kind: kv_cache, got engine.kind: {self.engine.kind}"
             )
+
+    def _check_replica(self) -> None:
+        """``colocated.weights: replica``: generated rollouts from the KV-cached engine, on the
+        trainer's ranks, within one call (a paused request would stay on its rank)."""
+        needs = {
+            "placement: colocated": self.placement == "colocated",
+            "source: generate": self.source == "generate",
+            "engine.kind: kv_cache": self.engine.kind == "kv_cache",
+            "partial.enabled: false": not self.partial.enabled,
+        }
+        for what, ok in needs.items():
+            if not ok:
+                raise ValueError(f"colocated.weights: replica needs {what}")
 
     def _check_source(self) -> None:
         """Resolve ``source: null`` from ``input_path``; a contradiction names both fields."""

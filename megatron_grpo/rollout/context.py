@@ -17,6 +17,8 @@ class RolloutContext:
         vocab_size: ``model.vocab_size``: the vocabulary sampled from and checked against.
         max_sequence_length: ``model.max_sequence_length``: the longest sample.
         record_routes: ``model.moe_enable_routing_replay``: record each token's MoE routes.
+        model_config: the ``model`` section (a ``ModelConfig``): what a generation replica is
+            built from (``rollout.colocated.weights: replica``); None in contexts without one.
     """
 
     seed: int
@@ -24,3 +26,4 @@ class RolloutContext:
     vocab_size: int
     max_sequence_length: int
     record_routes: bool = False
+    model_config: object | None = None

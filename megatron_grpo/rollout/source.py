@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections import defaultdict
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -151,35 +152,54 @@ def sampling_params(
         raise ConfigError(field_message("rollout.sampling", f"{e}{origin}", names)) from e
 
 
-def build_engine(cfg: RolloutConfig, model: torch.nn.Module) -> KVCacheEngine | None:
-    """The :class:`KVCacheEngine` of ``rollout.engine`` (kind ``kv_cache``), or None for
-    ``recompute``; pass ``engine or "recompute"`` to ``generate``. The engine decodes with
-    ``model``'s own parameters, so the policy's updates reach it with no copy."""
+def build_engine(
+    cfg: RolloutConfig, model: torch.nn.Module, ctx: RolloutContext | None = None
+) -> KVCacheEngine | None:
+    """The engine of ``rollout.engine`` (kind ``kv_cache``), or None for ``recompute``; pass
+    ``engine or "recompute"`` to ``generate``. With ``rollout.colocated.weights: shared`` a
+    :class:`KVCacheEngine` on ``model``'s own parameters, so the policy's updates reach it with
+    no copy; with ``replica`` a ``rollout.replica.ReplicaEngine`` (built from
+    ``ctx.model_config``; a collective)."""
     if cfg.engine.kind != "kv_cache":
         return None
-    engine = KVCacheEngine(model, cfg.engine, cfg.max_prompt_length + cfg.max_response_length)
+    max_context = cfg.max_prompt_length + cfg.max_response_length
+    where = ""
+    if cfg.colocated.weights == "replica":
+        from megatron_grpo.rollout.replica import ReplicaEngine
+
+        if ctx is None or ctx.model_config is None:
+            raise ValueError("rollout.colocated.weights: replica needs the model's config")
+        engine = ReplicaEngine(model, ctx.model_config, cfg.engine, max_context)
+        where = f" {engine.describe()},"
+    else:
+        engine = KVCacheEngine(model, cfg.engine, max_context)
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         graphs = "CUDA graphs " + ("on" if engine.use_graphs else engine.graphs_off or "off")
-        line = f"rollout: decode steps run {engine.decode}, {graphs}, {engine.sizer.memory}"
+        line = f"rollout: decode steps run{where} {engine.decode}, {graphs}, {engine.sizer.memory}"
         print(line, flush=True)
     return engine
 
 
-def engine_metrics(s: dict[str, float]) -> dict[str, float]:
-    """Metrics of a :class:`KVCacheEngine` call's ``stats`` (see ``GeneratedRollouts.metrics``)."""
-    steps = max(s["decode_steps"], 1)
-    return {
-        "rollout/kv_slots": float(s["slots"]),
-        "rollout/prefill_forwards": float(s["prefill_forwards"]),
-        "rollout/decode_steps": float(s["decode_steps"]),
+def engine_metrics(stats: dict[str, float]) -> dict[str, float]:
+    """Metrics of an engine call's ``stats`` (see ``GeneratedRollouts.metrics``); counters a
+    call did not report (a replica rank without samples) are 0."""
+    s = defaultdict(float, {k: float(v) for k, v in stats.items()})
+    steps = max(s["decode_steps"], 1.0)
+    out = {
+        "rollout/kv_slots": s["slots"],
+        "rollout/prefill_forwards": s["prefill_forwards"],
+        "rollout/decode_steps": s["decode_steps"],
         "rollout/decode_batch_mean": s["decode_rows"] / steps,
-        "rollout/decode_batch_fill": s["decode_live_rows"] / (steps * max(s["slots"], 1)),
-        "rollout/engine_tokens": float(s["generated_tokens"]),
-        "rollout/partial_kv_recomputed": float(s.get("kv_recomputed", 0)),
-        "rollout/graph_captures": float(s.get("graph_captures", 0)),
-        "perf/prefill_seconds": float(s["prefill_seconds"]),
-        "perf/decode_seconds": float(s["decode_seconds"]),
+        "rollout/decode_batch_fill": s["decode_live_rows"] / (steps * max(s["slots"], 1.0)),
+        "rollout/engine_tokens": s["generated_tokens"],
+        "rollout/partial_kv_recomputed": s["kv_recomputed"],
+        "rollout/graph_captures": s["graph_captures"],
+        "perf/prefill_seconds": s["prefill_seconds"],
+        "perf/decode_seconds": s["decode_seconds"],
     }
+    if "replica_copy_seconds" in s:  # rollout.colocated.weights: replica
+        out["perf/replica_copy_seconds"] = s["replica_copy_seconds"]
+    return out
 
 
 class GeneratedRollouts:
@@ -213,7 +233,7 @@ class GeneratedRollouts:
         stop_ids = getattr(task, "stop_ids", ())
         self.params = sampling_params(cfg, ctx.vocab_size, task.tokenizer.eos_id, stop_ids)
         self.scorer = RewardScorer(task, cfg)  # once per replica (rollout/scoring.py)
-        self.engine = build_engine(cfg, model)  # one per run: CUDA graphs reused across steps
+        self.engine = build_engine(cfg, model, ctx)  # one per run: graphs reused across steps
 
     def metrics(self) -> dict[str, float]:
         """The KV-cached engine's counters of the last call: ``rollout/kv_slots`` (sequences the

@@ -5,9 +5,8 @@ Load with :func:`load_train_config` (YAML + ``--set a.b=value`` overrides); unkn
 are the Megatron integration's sections, ``loss`` is :class:`GRPOLossConfig`, ``rollout`` and
 ``evaluation`` the rollout wing's (``megatron_grpo/rollout/config.py``); the sections defined here
 are ``optimizer`` (megatron-core ``OptimizerConfig`` field names), ``training``, ``checkpoint``
-and ``logging``. Checks that span sections live in ``TrainConfig.__post_init__``; what the rollout
-wing needs of the other sections it gets as a :class:`RolloutContext` (``rollout_context``).
-"""
+and ``logging``. Checks that span sections live in ``TrainConfig.__post_init__``; the rollout
+wing gets what it needs of the others as a :class:`RolloutContext` (``rollout_context``)."""
 
 from __future__ import annotations
 
@@ -389,6 +388,7 @@ class TrainConfig:
             vocab_size=self.model.vocab_size,
             max_sequence_length=self.model.max_sequence_length,
             record_routes=self.model.moe_enable_routing_replay,
+            model_config=self.model,
         )
 
     @property

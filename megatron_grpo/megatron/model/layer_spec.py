@@ -85,9 +85,12 @@ def _context_parallel(config: TransformerConfig) -> tuple[object, int]:
     return parallel_state.get_context_parallel_group(), parallel_state.get_context_parallel_rank()
 
 
-def _expert_groups() -> tuple | None:
+def _expert_groups(groups=None) -> tuple | None:
     """(expert-TP, EP, expert-DP) groups for :class:`GroupedExperts` where megatron-core (0.14)
-    hands the experts no process-group collection (None before the parallel state exists)."""
+    hands the experts no process-group collection (None before the parallel state exists);
+    ``groups``: a model's own collection (a generation replica's), read instead."""
+    if groups is not None:
+        return groups.expt_tp, groups.ep, groups.expt_dp
     ps = parallel_state
     if not ps.model_parallel_is_initialized():
         return None
@@ -128,17 +131,20 @@ def _attention_spec(config: TransformerConfig, kernels: LayerKernels) -> ModuleS
 
 
 def portable_layer_spec(
-    config: TransformerConfig, moe: bool, kernels: LayerKernels | None = None
+    config: TransformerConfig, moe: bool, kernels: LayerKernels | None = None, groups=None
 ) -> ModuleSpec:
     """One decoder layer of the portable spec (dense MLP, or megatron-core MoE when ``moe``),
-    its modules running ``kernels`` (default: ``LayerKernels()``, every choice "auto")."""
+    its modules running ``kernels`` (default: ``LayerKernels()``, every choice "auto").
+    ``groups``: the model's own ``ProcessGroupCollection`` (given to GPTModel too), handed to
+    the MLP modules that megatron-core < 0.19 gives none (it passes one only to its own
+    classes); None: the initialized parallel state's groups."""
     kernels = kernels or LayerKernels()
     if moe:
         mlp = get_moe_module_spec_for_backend(
             LocalSpecProvider(), num_experts=config.num_moe_experts, moe_grouped_gemm=False
         )
         if config.moe_grouped_gemm:  # SequentialMLP's drop-in: all local experts in 2 GEMMs
-            mlp = _with_grouped_experts(mlp, kernels)
+            mlp = _with_grouped_experts(mlp, kernels, groups)
         else:  # only GroupedMoELayer has these choices
             for name in ("moe_dispatch", "moe_sort"):
                 if getattr(kernels, name) != "auto":
@@ -152,7 +158,7 @@ def portable_layer_spec(
         column, row = tp_linear_classes(kernels.tp_overlap, config)
         mlp = ModuleSpec(
             module=SwiGLUMLP,
-            params={"impl": kernels.elementwise},
+            params={"impl": kernels.elementwise, "default_groups": groups},
             submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row),
         )
         keys_map = {
@@ -173,14 +179,15 @@ def portable_layer_spec(
     )
 
 
-def _with_grouped_experts(mlp, kernels: LayerKernels):
+def _with_grouped_experts(mlp, kernels: LayerKernels, groups=None):
     """megatron-core's MoE layer spec as :class:`GroupedMoELayer` (the local dispatch where all
     experts are on the rank) with :class:`GroupedExperts` running ``kernels`` (its grouped GEMM
     and SwiGLU): a ``ModuleSpec`` (megatron-core <= 0.18) or ``partial(MoELayer, ...)`` (0.19)."""
     params = {"gemm_impl": kernels.grouped_gemm, "impl": kernels.elementwise}
-    params["expert_groups"] = _expert_groups()
+    params["expert_groups"] = _expert_groups(groups)
     experts = ModuleSpec(module=GroupedExperts, params=params)
     dispatch = {"moe_dispatch": kernels.moe_dispatch, "moe_sort": kernels.moe_sort}
+    dispatch["default_groups"] = groups
     if isinstance(mlp, ModuleSpec):
         mlp.module = GroupedMoELayer
         mlp.submodules.experts = experts
@@ -197,12 +204,14 @@ def decoder_block_spec(
     use_te: bool,
     vp_stage: int | None = None,
     kernels: LayerKernels | None = None,
+    groups=None,
 ) -> TransformerBlockSubmodules:
     """The layers of this pipeline (and virtual) stage plus the final norm.
 
     ``use_te``: Transformer Engine's spec (megatron-core's ``get_gpt_decoder_block_spec``);
     otherwise the portable spec of this module, its modules running ``kernels`` (default:
-    ``LayerKernels()``).
+    ``LayerKernels()``). ``groups``: the model's own ``ProcessGroupCollection`` (portable spec
+    only; None: the parallel state's).
     """
     kernels = kernels or LayerKernels()
     if use_te:
@@ -215,7 +224,7 @@ def decoder_block_spec(
     pattern = moe_layer_pattern(config)
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     count = get_num_layers_to_build(config, vp_stage=vp_stage)
-    specs = {flag: portable_layer_spec(config, flag, kernels) for flag in set(pattern)}
+    specs = {flag: portable_layer_spec(config, flag, kernels, groups) for flag in set(pattern)}
     return TransformerBlockSubmodules(
         layer_specs=[specs[flag] for flag in pattern[offset : offset + count]],
         layer_norm=_norm(kernels),

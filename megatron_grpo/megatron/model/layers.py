@@ -103,10 +103,13 @@ class SwiGLUMLP(MLP):
         pg_collection=None,
         is_mtp_layer: bool | None = None,
         impl: str = "auto",
+        default_groups=None,
         **kwargs,
     ) -> None:
         # megatron-core 0.19 hands a subclass of MLP the layer's process groups (MLP itself
-        # gets them through ``as_mlp_submodule``); older versions pass none (the default TP group)
+        # gets them through ``as_mlp_submodule``); older versions pass none: the spec's
+        # ``default_groups`` (a model with groups of its own), else the default TP group
+        pg_collection = pg_collection if pg_collection is not None else default_groups
         if pg_collection is not None:
             kwargs.setdefault("tp_group", pg_collection.tp)
         super().__init__(config, submodules, *args, **kwargs)

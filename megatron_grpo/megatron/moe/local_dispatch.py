@@ -102,10 +102,19 @@ class GroupedMoELayer(MoELayer):
     (``moe.ep_dispatch.choose_dispatch``)."""
 
     def __init__(
-        self, config, *args, moe_dispatch: str = "auto", moe_sort: str = "auto", **kwargs
+        self,
+        config,
+        *args,
+        moe_dispatch: str = "auto",
+        moe_sort: str = "auto",
+        default_groups=None,
+        **kwargs,
     ) -> None:
         """``moe_dispatch``: ``LayerKernels.moe_dispatch`` (applies at EP > 1); ``moe_sort``:
-        ``LayerKernels.moe_sort`` (both dispatches of ours)."""
+        ``LayerKernels.moe_sort`` (both dispatches of ours). ``default_groups``: the model's
+        own process groups where megatron-core (< 0.19) hands a subclass none."""
+        if kwargs.get("pg_collection") is None and default_groups is not None:
+            kwargs["pg_collection"] = default_groups
         super().__init__(config, *args, **kwargs)
         built = self.token_dispatcher  # megatron-core's, for its process groups
         groups = SimpleNamespace(ep=built.ep_group, expt_tp=built.tp_group, tp_ep=built.tp_ep_group)

@@ -49,7 +49,9 @@ def generate(
     """Sample a response for each prompt (the model is in eval mode while sampling).
 
     ``engine``: ``"kv_cache"`` (a one-off :class:`KVCacheEngine`; pass an engine instance to
-    reuse its CUDA graphs across calls) or ``"recompute"`` (no cache: the test oracle).
+    reuse its CUDA graphs across calls, or another engine built for ``model`` with the same
+    ``generate``, e.g. ``rollout.replica.ReplicaEngine``) or ``"recompute"`` (no cache: the
+    test oracle).
     ``record_routes``: also record the routes of each sample (MoE only). ``limits``: per
     sample its own response limit (None: ``params.max_new_tokens``)."""
     import torch
@@ -61,9 +63,10 @@ def generate(
     from megatron_grpo.rollout.engine.routes import RouteLog, recording
     from megatron_grpo.rollout.engine.run_state import Generation
 
-    if isinstance(engine, KVCacheEngine):
+    if not isinstance(engine, str):  # a KVCacheEngine, or an engine with its generate
         if engine.model is not model:
-            raise ValueError("the KVCacheEngine passed as engine was built for another model")
+            name = type(engine).__name__
+            raise ValueError(f"the {name} passed as engine was built for another model")
         return engine.generate(prompts, params, generator, record_routes, limits)
     if engine == "kv_cache":
         return KVCacheEngine(model).generate(prompts, params, generator, record_routes, limits)

@@ -116,14 +116,17 @@ class KVCacheEngine:
         generator: torch.Generator,
         record_routes: bool = False,
         limits: list[int | None] | None = None,
+        uniforms: torch.Tensor | None = None,
     ) -> Generation:
         """Responses and log-probs, and with ``record_routes`` per sample its routes
         ``[P + R, L, k]`` (MoE only; ``megatron_grpo.rollout.engine.routes``). ``limits``: per
-        sample its own response limit (None: ``params.max_new_tokens``)."""
+        sample its own response limit (None: ``params.max_new_tokens``). ``uniforms``: each
+        sample's uniform numbers ``[N, max_new_tokens]`` (None: drawn from ``generator``)."""
         io.check_layout(self.layout)
         io.check_prompts(prompts, params, self.model.max_sequence_length)
         device = io.model_device(self.model)
-        uniforms = torch.rand(len(prompts), params.max_new_tokens, generator=generator)
+        if uniforms is None:
+            uniforms = torch.rand(len(prompts), params.max_new_tokens, generator=generator)
         run = Run.start(prompts, params, uniforms.to(device), limits)
         if record_routes:
             run.routes = RouteLog(self.model, run.prompts, params.max_new_tokens)

@@ -198,32 +198,52 @@ class WeightSender:
                 self._gather_kind(ts, g, full)
 
     def _gather_kind(self, indices: list[int], g: _Gather, full: dict[int, Tensor]) -> None:
-        offsets, n = [], 0
-        for i in indices:
-            offsets.append(n)
-            t = self.tensors[i]
-            n = _aligned(n + math.prod(t.local_shape) * t.dtype.itemsize)
-        flat = torch.empty(n, dtype=torch.uint8, device=self.device)
-        for i, off in zip(indices, offsets, strict=True):
-            t = self.tensors[i]
-            dst = bytes_as(flat, off, t.local_shape, t.dtype)
-            if t.stacked:
-                for e, p in enumerate(t.params):
-                    dst[e].copy_(p)
-            else:
-                dst.copy_(t.params[0])
-        if g.group is None:
-            gathered = flat
+        shapes = [self.metas[i].shape for i in indices]
+        got = gather_tensors(self.tensors, indices, shapes, g.group, g.coords, self.is_source)
+        full.update(got)
+
+
+def gather_tensors(
+    tensors: list[SyncTensor],
+    indices: list[int],
+    shapes: list[tuple[int, ...]],
+    group: dist.ProcessGroup | None,
+    coords: list[Coords],
+    assemble: bool = True,
+) -> dict[int, Tensor]:
+    """The global tensors ``tensors[i]`` (``i`` in ``indices``; global ``shapes``) from the
+    shards of ``group``'s ranks (at ``coords``, in group-rank order): one ``all_gather`` of
+    their bytes. Every rank of ``group`` calls it; those with ``assemble`` get the tensors
+    (the others an empty dict)."""
+    offsets, n = [], 0
+    for i in indices:
+        offsets.append(n)
+        t = tensors[i]
+        n = _aligned(n + math.prod(t.local_shape) * t.dtype.itemsize)
+    device = tensors[indices[0]].params[0].device
+    flat = torch.empty(n, dtype=torch.uint8, device=device)
+    for i, off in zip(indices, offsets, strict=True):
+        t = tensors[i]
+        dst = bytes_as(flat, off, t.local_shape, t.dtype)
+        if t.stacked:
+            for e, p in enumerate(t.params):
+                dst[e].copy_(p)
         else:
-            gathered = torch.empty(n * g.group.size(), dtype=torch.uint8, device=self.device)
-            dist.all_gather_into_tensor(gathered, flat, group=g.group)
-        if not self.is_source:
-            return
-        for i, off in zip(indices, offsets, strict=True):
-            t = self.tensors[i]
-            out = torch.empty(self.metas[i].shape, dtype=t.dtype, device=self.device)
-            for r, c in enumerate(g.coords):
-                local = bytes_as(gathered, r * n + off, t.local_shape, t.dtype)
-                for piece in t.pieces(c):
-                    out[piece.glob].copy_(local[piece.local])
-            full[i] = out
+            dst.copy_(t.params[0])
+    if group is None:
+        gathered = flat
+    else:
+        gathered = torch.empty(n * group.size(), dtype=torch.uint8, device=device)
+        dist.all_gather_into_tensor(gathered, flat, group=group)
+    if not assemble:
+        return {}
+    full = {}
+    for i, off, shape in zip(indices, offsets, shapes, strict=True):
+        t = tensors[i]
+        out = torch.empty(shape, dtype=t.dtype, device=device)
+        for r, c in enumerate(coords):
+            local = bytes_as(gathered, r * n + off, t.local_shape, t.dtype)
+            for piece in t.pieces(c):
+                out[piece.glob].copy_(local[piece.local])
+        full[i] = out
+    return full

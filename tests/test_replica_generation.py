@@ -1,0 +1,136 @@
+"""``rollout.colocated.weights: replica``: each rank of a TP group generates its share of the
+samples on its own TP = EP = 1 copy of the policy, gathered from the trained shards before every
+call. At TP 2 + SP with EP 2 (gloo) the gathered batch equals one TP 1 engine's over all samples
+(tokens, log-probs within 1e-5, routes), greedy and sampled, and after the trained weights change
+the next call generates with the new ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_grpo.megatron import ParallelConfig, unwrap
+from megatron_grpo.rollout.replica import share
+from tests.dist_utils import run_distributed
+from tests.ep_utils import cpu_alltoall
+from tests.megatron_utils import build_layout, full_params, load_full, tiny_model
+
+OPTIONS = dict(kv_cache_gib=0.01, context_bucket=16)
+
+
+def _cfg():
+    return tiny_model(
+        num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_grouped_gemm=True,
+        moe_token_dispatcher_type="alltoall", moe_enable_routing_replay=True,
+    )  # fmt: skip
+
+
+def _params(top_k: int):
+    from megatron_grpo.rollout.engine.params import SamplingParams
+
+    return SamplingParams(temperature=1.0, top_k=top_k, max_new_tokens=5, eos_id=3, vocab_size=100)
+
+
+def _run(model, engine, prompts, top_k):
+    from megatron_grpo.rollout import generate
+
+    gen = torch.Generator().manual_seed(5)  # the same on the TP ranks (one model replica)
+    return generate(model, prompts, _params(top_k), gen, engine=engine, record_routes=True)
+
+
+def _reference(weights, cfg, prompts):
+    """Greedy and sampled generations of one TP 1 engine over every prompt."""
+    from megatron_grpo.megatron.layout import ParallelLayout
+    from megatron_grpo.rollout import EngineOptions, KVCacheEngine
+
+    ref = unwrap(build_layout(ParallelConfig(), cfg)[0])
+    load_full([ref], weights, cfg)
+    engine = KVCacheEngine(ref, EngineOptions(**OPTIONS), layout=ParallelLayout())
+    return [_run(ref, engine, prompts, k) for k in (1, 0)]
+
+
+def _same(got, want):
+    assert got.responses == want.responses
+    for a, b in zip(got.logprobs, want.logprobs, strict=True):
+        assert torch.allclose(torch.as_tensor(a), torch.as_tensor(b), atol=1e-5)
+    for a, b in zip(got.routes, want.routes, strict=True):
+        assert torch.equal(a, b)
+
+
+def _body(rank, world):
+    from megatron_grpo.rollout import EngineOptions
+    from megatron_grpo.rollout.replica import ReplicaEngine
+
+    cpu_alltoall()
+    cfg = _cfg()
+    g = torch.Generator().manual_seed(3)  # the same prompts on both ranks: one TP group
+    prompts = [torch.randint(4, 100, (int(n),), generator=g).tolist() for n in (3, 7, 4, 5, 6)]
+    weights = full_params(build_layout(ParallelConfig(), cfg))
+    wants = _reference(weights, cfg, prompts)
+    par = ParallelConfig(
+        tensor_model_parallel_size=2, expert_model_parallel_size=2, sequence_parallel=True,
+        expert_tensor_parallel_size=1,
+    )  # fmt: skip
+    chunks = build_layout(par, cfg)
+    load_full(chunks, weights, cfg)
+    model = unwrap(chunks[0])
+    engine = ReplicaEngine(model, cfg, EngineOptions(**OPTIONS), max_context=32)
+    for top_k, want in zip((1, 0), wants, strict=True):
+        _same(_run(model, engine, prompts, top_k), want)
+    lo, hi = share(len(prompts), rank, world)
+    assert engine.stats["generated_tokens"] == sum(len(r) for r in wants[1].responses[lo:hi])
+    # the trained weights change (an update): the next call generates with the new ones
+    changed = {k: v * 0.5 if "linear" in k else v for k, v in weights.items()}
+    load_full(chunks, changed, cfg)
+    want = _reference(changed, cfg, prompts)[1]
+    assert want.responses != wants[1].responses  # the change is visible in the tokens
+    _same(_run(model, engine, prompts, 0), want)
+
+
+def test_replica_generation_tp2_sp_ep2_equals_one_tp1_engine():
+    run_distributed(_body, 2, timeout=300)
+
+
+@pytest.mark.parametrize("n,size", [(5, 2), (4, 2), (1, 2), (0, 3), (7, 4)])
+def test_share_covers_the_samples_in_order(n, size):
+    spans = [share(n, r, size) for r in range(size)]
+    assert [i for lo, hi in spans for i in range(lo, hi)] == list(range(n))
+    assert max(hi - lo for lo, hi in spans) - min(hi - lo for lo, hi in spans) <= 1
+
+
+@pytest.mark.parametrize(
+    "overrides,needs",
+    [
+        (["rollout.partial.enabled=true"], "partial.enabled: false"),
+        (["rollout.engine.kind=recompute"], "engine.kind: kv_cache"),
+        (["rollout.input_path=/tmp/x.jsonl"], "source: generate"),
+        (
+            ["rollout.placement=separate", "rollout.separate.generation_ranks=1"],
+            "placement: colocated",
+        ),
+    ],
+)
+def test_replica_config_errors_name_the_field(overrides, needs):
+    from megatron_grpo.config import ConfigError
+    from megatron_grpo.train.config import load_train_config
+
+    with pytest.raises(
+        (ConfigError, ValueError), match=f"colocated.weights: replica needs {needs}"
+    ):
+        load_train_config("recipes/tiny.yaml", ["rollout.colocated.weights=replica", *overrides])
+
+
+def test_replica_choice_is_checked_and_reaches_the_context():
+    from megatron_grpo.config import ConfigError
+    from megatron_grpo.rollout.placement import ColocatedConfig
+    from megatron_grpo.train.config import load_train_config
+
+    cfg = load_train_config("recipes/tiny.yaml", ["rollout.colocated.weights=replica"])
+    assert cfg.rollout.colocated.weights == "replica"
+    assert cfg.rollout_context().model_config is cfg.model
+    with pytest.raises(ValueError, match="weights must be one of shared, replica"):
+        ColocatedConfig(weights="copy")
+    with pytest.raises(
+        (ConfigError, ValueError), match="rollout.colocated.weights: 'copy' is not one of"
+    ):
+        load_train_config("recipes/tiny.yaml", ["rollout.colocated.weights=copy"])
