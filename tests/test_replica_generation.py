@@ -58,6 +58,7 @@ def _same(got, want):
 
 
 def _body(rank, world):
+    from megatron_grpo.megatron.plan.generation import replica_bytes
     from megatron_grpo.rollout import EngineOptions
     from megatron_grpo.rollout.replica import ReplicaEngine
 
@@ -75,6 +76,8 @@ def _body(rank, world):
     load_full(chunks, weights, cfg)
     model = unwrap(chunks[0])
     engine = ReplicaEngine(model, cfg, EngineOptions(**OPTIONS), max_context=32)
+    held = sum(p.numel() * p.element_size() for p in engine.replica.parameters())
+    assert held == replica_bytes(cfg, torch.float32)  # what the dry run and offload plan with
     for top_k, want in zip((1, 0), wants, strict=True):
         _same(_run(model, engine, prompts, top_k), want)
     lo, hi = share(len(prompts), rank, world)
@@ -134,3 +137,16 @@ def test_replica_choice_is_checked_and_reaches_the_context():
         (ConfigError, ValueError), match="rollout.colocated.weights: 'copy' is not one of"
     ):
         load_train_config("recipes/tiny.yaml", ["rollout.colocated.weights=copy"])
+
+
+def test_dry_run_states_the_replica():
+    import io
+
+    from megatron_grpo.megatron.plan.generation import replica_bytes
+    from megatron_grpo.train.config import load_train_config
+    from megatron_grpo.train.dry_run import dry_run
+
+    cfg = load_train_config("recipes/tiny.yaml", ["rollout.colocated.weights=replica"])
+    text = dry_run(cfg, 2, file=io.StringIO()).text
+    gib = replica_bytes(cfg.model) / 2**30
+    assert f"generation replica (rollout.colocated.weights: replica): {gib:.2f} GiB" in text

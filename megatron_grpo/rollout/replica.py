@@ -84,10 +84,10 @@ class ReplicaEngine:
 
     def describe(self) -> str:
         """The start-up line's part that says where generation runs."""
-        size = self.layout.tp_size
+        nbytes = sum(p.numel() * p.element_size() for p in self.replica.parameters())
         return (
-            f"on a TP=EP=1 replica per rank ({self.copier.nbytes / 2**30:.2f} GiB), "
-            f"{size} rank(s) of each TP group sharing its samples"
+            f"on a TP=EP=1 replica per rank ({nbytes / 2**30:.2f} GiB), "
+            f"{self.layout.tp_size} rank(s) of each TP group sharing its samples"
         )
 
     @torch.no_grad()

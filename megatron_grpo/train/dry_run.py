@@ -18,7 +18,11 @@ from megatron_grpo.megatron.layout import (  # noqa: F401 (orthogonal_groups: a 
     orthogonal_groups,
     rank_layout,
 )
-from megatron_grpo.megatron.plan.generation import format_generation_plan, generation_plan
+from megatron_grpo.megatron.plan.generation import (
+    format_generation_plan,
+    generation_plan,
+    replica_bytes,
+)
 from megatron_grpo.megatron.plan.memory import GIB, MemoryPlan, format_plan, memory_plan
 from megatron_grpo.megatron.plan.recompute import RecomputeChoice, choose_recompute
 from megatron_grpo.rollout.weight_sync.sender import DEFAULT_BUCKET_BYTES
@@ -174,6 +178,11 @@ def dry_run(
     layout = rank_layout(par, world_size)
     text = f"dry run: world size {world_size}\n{format_layout(layout)}\n{format_plan(plan)}"
     text += f"\nactivation recompute: {choice.reason or choice.label + ' (model config)'}"
+    if train_cfg.rollout.colocated.weights == "replica":
+        copy = replica_bytes(model) / GIB
+        text += (
+            f"\ngeneration replica (rollout.colocated.weights: replica): {copy:.2f} GiB per rank"
+        )
     if generation:
         text = generation.replace("{trainer}", str(world_size)) + "\n" + text
     print(text, file=file or sys.stdout, flush=True)

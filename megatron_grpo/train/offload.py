@@ -31,6 +31,7 @@ import torch
 
 from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.megatron.model.build import unwrap
+from megatron_grpo.megatron.plan.generation import replica_bytes
 from megatron_grpo.rollout.engine import kv_cache as kvc
 from megatron_grpo.rollout.engine import memory_release
 from megatron_grpo.train import comm
@@ -273,6 +274,8 @@ def _cache_room(
     free, total = torch.cuda.mem_get_info()
     overhead = max(total - free - torch.cuda.memory_allocated(), 0)  # CUDA context, NCCL
     resident = parts["params"] + parts["reference"] + movable + overhead
+    if cfg.rollout.colocated.weights == "replica":  # a copy the trainer's plan does not hold
+        resident += replica_bytes(cfg.model)
     left = cfg.rollout.engine.kv_cache_fraction * total - resident - fixed
     return need, left, movable
 

@@ -68,6 +68,13 @@ def generation_plan(
     return GenerationPlan(tp, replicas, dense + expert, samples, tokens_per_sample, parts)
 
 
+def replica_bytes(cfg: ModelConfig, params_dtype: torch.dtype | str | None = None) -> float:
+    """The weights of a TP = EP = 1 copy of the model (``rollout.colocated.weights: replica``:
+    one beside the trained shards on every rank)."""
+    dense, expert = stage_params(cfg, ParallelConfig(), 0)
+    return float((dense + expert) * (torch.finfo(_dtype(cfg, params_dtype)).bits // 8))
+
+
 def format_generation_plan(plan: GenerationPlan) -> str:
     b = {k: v / GIB for k, v in plan.bytes.items()}
     return "\n".join(

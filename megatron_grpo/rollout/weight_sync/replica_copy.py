@@ -88,12 +88,6 @@ class ReplicaCopy:
             size += n
         return out
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the replica's copied tensors."""
-        pairs = zip(self.shapes, self.tensors, strict=True)
-        return sum(math.prod(s) * t.dtype.itemsize for s, t in pairs)
-
 
 def _match(
     tensors: list[SyncTensor], shapes: list[tuple[int, ...]], replica: list[SyncTensor]
