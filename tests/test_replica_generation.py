@@ -2,7 +2,11 @@
 samples on its own TP = EP = 1 copy of the policy, gathered from the trained shards before every
 call. At TP 2 + SP with EP 2 (gloo) the gathered batch equals one TP 1 engine's over all samples
 (tokens, log-probs within 1e-5, routes), greedy and sampled, and after the trained weights change
-the next call generates with the new ones."""
+the next call generates with the new ones. On 2 GPUs (NCCL, bf16) the replica decodes in CUDA
+graphs and samples what a TP 1 engine samples:
+
+    python -m pytest -q -m gpu tests/test_replica_generation.py
+"""
 
 from __future__ import annotations
 
@@ -150,3 +154,70 @@ def test_dry_run_states_the_replica():
     text = dry_run(cfg, 2, file=io.StringIO()).text
     gib = replica_bytes(cfg.model) / 2**30
     assert f"generation replica (rollout.colocated.weights: replica): {gib:.2f} GiB" in text
+
+
+def _gpu_body(rank, world):
+    from megatron_grpo.megatron.layout import ParallelLayout
+    from megatron_grpo.rollout import EngineOptions, KVCacheEngine
+    from megatron_grpo.rollout.replica import ReplicaEngine
+
+    cfg = tiny_model(
+        num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=64, moe_grouped_gemm=True,
+        moe_token_dispatcher_type="alltoall", params_dtype="bfloat16",
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(4, 100, (int(n),), generator=g).tolist() for n in range(3, 40)]
+    ref = unwrap(build_layout(ParallelConfig(), cfg)[0])
+    weights = full_params([ref])
+    options = EngineOptions(kv_cache_gib=1.0, context_bucket=16)
+    one = KVCacheEngine(ref, options, layout=ParallelLayout())
+    params = _params(1)
+    want = _generate_plain(ref, one, prompts, params)
+    par = ParallelConfig(
+        tensor_model_parallel_size=2, expert_model_parallel_size=2, sequence_parallel=True,
+        expert_tensor_parallel_size=1,
+    )  # fmt: skip
+    chunks = build_layout(par, cfg)
+    load_full(chunks, weights, cfg)
+    model = unwrap(chunks[0])
+    engine = ReplicaEngine(model, cfg, options, max_context=64)
+    assert engine.use_graphs, engine.graphs_off
+    got = _generate_plain(model, engine, prompts, params)
+    assert engine.engine.graphs.captures > 0
+    same = sum(a == b for a, b in zip(got.responses, want.responses, strict=True))
+    assert same >= len(prompts) - 2, f"{same} of {len(prompts)} greedy responses agree"
+
+
+def _generate_plain(model, engine, prompts, params):
+    from megatron_grpo.rollout import generate
+
+    return generate(model, prompts, params, torch.Generator().manual_seed(5), engine=engine)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"
+)
+def test_gpu_replica_decodes_in_graphs_as_one_tp1_engine():
+    """2 GPUs: TP 2 + SP, EP 2, bf16: the replicas capture their decode steps in CUDA graphs
+    and their greedy tokens are one TP 1 engine's (but for up to 2 near-tie flips)."""
+    run_distributed(_gpu_body, 2, backend="nccl", timeout=600)
+
+
+def _whole_body(rank, world):
+    from megatron_grpo.rollout import KVCacheEngine
+    from megatron_grpo.rollout.source import build_engine
+    from megatron_grpo.train.config import load_train_config
+
+    cfg = load_train_config(
+        "recipes/tiny.yaml",
+        ["rollout.colocated.weights=replica", "parallel.tensor_model_parallel_size=1"],
+    )
+    model = unwrap(build_layout(ParallelConfig(), cfg.model)[0])
+    engine = build_engine(cfg.rollout, model, cfg.rollout_context())
+    assert isinstance(engine, KVCacheEngine) and engine.model is model
+
+
+def test_replica_at_tp1_ep1_decodes_on_the_trained_model():
+    """At TP = EP = 1 the trained model is whole on each rank: no copy is built."""
+    run_distributed(_whole_body, 2, timeout=300)

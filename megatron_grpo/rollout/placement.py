@@ -95,7 +95,8 @@ class ColocatedConfig:
             (generation as data parallelism over the TP ranks, no collective per decode step;
             ``rollout/replica.py``). It costs one copy of the model per GPU: for models that
             fit on one GPU beside the training state (the copy's bytes are in the start-up
-            line). Needs ``source: generate``, ``engine.kind: kv_cache``, no partial rollouts,
+            line). At TP = EP = 1 each rank holds the whole trained model already: the engine
+            decodes on it, with no copy (the start-up line says so). Needs ``source: generate``, ``engine.kind: kv_cache``, no partial rollouts,
             pipeline and context parallelism 1, megatron-core >= 0.15 and the portable spec.
     """
 

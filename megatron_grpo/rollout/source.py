@@ -164,7 +164,7 @@ def build_engine(
         return None
     max_context = cfg.max_prompt_length + cfg.max_response_length
     where = ""
-    if cfg.colocated.weights == "replica":
+    if cfg.colocated.weights == "replica" and not _whole(model):
         from megatron_grpo.rollout.replica import ReplicaEngine
 
         if ctx is None or ctx.model_config is None:
@@ -173,11 +173,21 @@ def build_engine(
         where = f" {engine.describe()},"
     else:
         engine = KVCacheEngine(model, cfg.engine, max_context)
+        if cfg.colocated.weights == "replica":  # the trained model is the replica already
+            where = " on the trained weights (whole at TP = EP = 1: no replica),"
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         graphs = "CUDA graphs " + ("on" if engine.use_graphs else engine.graphs_off or "off")
         line = f"rollout: decode steps run{where} {engine.decode}, {graphs}, {engine.sizer.memory}"
         print(line, flush=True)
     return engine
+
+
+def _whole(model: torch.nn.Module) -> bool:
+    """Whether each rank holds all of ``model`` (TP = EP = 1 in the initialized layout)."""
+    from megatron_grpo.megatron.layout import ParallelLayout
+
+    layout = ParallelLayout.current(model.config.sequence_parallel)
+    return layout.tp_size == 1 and layout.ep_size == 1
 
 
 def engine_metrics(stats: dict[str, float]) -> dict[str, float]:
