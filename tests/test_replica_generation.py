@@ -10,6 +10,8 @@ graphs and samples what a TP 1 engine samples:
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -205,6 +207,7 @@ def test_gpu_replica_decodes_in_graphs_as_one_tp1_engine():
 
 
 def _whole_body(rank, world):
+    from megatron_grpo.megatron.model.replica import build_replica
     from megatron_grpo.rollout import KVCacheEngine
     from megatron_grpo.rollout.source import build_engine
     from megatron_grpo.train.config import load_train_config
@@ -216,6 +219,9 @@ def _whole_body(rank, world):
     model = unwrap(build_layout(ParallelConfig(), cfg.model)[0])
     engine = build_engine(cfg.rollout, model, cfg.rollout_context())
     assert isinstance(engine, KVCacheEngine) and engine.model is model
+    # the context's model section may still say recompute "auto" (resolved later, for training)
+    auto = dataclasses.replace(cfg.model, recompute_granularity="auto")
+    assert build_replica(auto).config.recompute_granularity is None
 
 
 def test_replica_at_tp1_ep1_decodes_on_the_trained_model():

@@ -9,8 +9,9 @@
 #   b  rollouts from files: SCALE8B_FILE_PROMPTS (4) x 8 samples of 2048 + 30720 tokens, 32k
 #      micro-batches, 4 mini-batches
 #   c  on-policy, built-in engine: 256 x (256 + 3840) (NeMo-RL's 4k setting), 16k micro-batches
-# SCALE8B_STEPS (3) steps each; step 1 is warm-up. Rows a and c: decode CUDA graphs on (the
-# default allocator; SCALE8B_ALLOC_CONF sets another). $OUT/scale8b.md: the step split, tokens/s
+# SCALE8B_SET: extra settings for every row, space-separated key=value (e.g.
+# "rollout.colocated.weights=replica"). SCALE8B_STEPS (3) steps each; step 1 is warm-up. Rows a
+# and c: decode CUDA graphs on (the default allocator; SCALE8B_ALLOC_CONF sets another). $OUT/scale8b.md: the step split, tokens/s
 # per GPU (step and update) and the update's MFU per GPU (model FLOPs: 6 x matmul weights per
 # token + causal attention, over SCALE8B_PEAK_TFLOPS (989, H100/H200 bf16 dense)).
 
@@ -49,8 +50,10 @@ scale8b_row() {
     local alloc=$PYTORCH_CUDA_ALLOC_CONF
     [ "$row" != b ] && alloc=${SCALE8B_ALLOC_CONF-}
     echo "scale8b_$row: PYTORCH_CUDA_ALLOC_CONF='$alloc'" | tee -a "$LOG"
+    local extra=() kv
+    for kv in ${SCALE8B_SET:-}; do extra+=(--set "$kv"); done
     PYTORCH_CUDA_ALLOC_CONF=$alloc NPROC=4 train "scale8b_${row}_fused" qwen3_8b_long_sp fused \
-        "${SCALE8B_ARGS[@]}"
+        "${SCALE8B_ARGS[@]}" "${extra[@]}"
     local rc=$?
     echo "scale8b_$row: $(grep -h -m1 "recompute_granularity=auto" "$LOG")"
     return $rc

@@ -11,6 +11,7 @@ megatron-core's parallel state (that holds the trainer's groups): every module i
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import torch
@@ -58,6 +59,14 @@ def build_replica(model_cfg: ModelConfig) -> GPTModel:
     reason = check_replica_support(model_cfg)
     if reason is not None:
         raise ValueError(f"rollout.colocated.weights: replica: {reason}")
+    # generation only: no activations kept, so no recompute ("auto" may still be unresolved)
+    model_cfg = dataclasses.replace(
+        model_cfg,
+        recompute_granularity=None,
+        recompute_method=None,
+        recompute_num_layers=None,
+        recompute_modules=None,
+    )
     config = to_transformer_config(model_cfg, ParallelConfig())
     config.perform_initialization = False
     if config.num_moe_experts:
