@@ -2,15 +2,17 @@
 
 With the shared weights (the default) a tensor-parallel engine decodes every sample of its
 model replica on every TP rank, each through its shards, plus the TP collectives of every
-layer. A decode step is launch-bound at the batch sizes of RL rollouts (a few hundred rows),
-so TP ranks make it no shorter, and at EP > 1 the MoE layers add their dispatch. Here each rank
+layer; at EP > 1 the MoE layers add their dispatch. At the batch sizes of RL rollouts (a few
+hundred rows) launches and collectives take much of a decode step, so TP ranks shorten it far
+less than they divide its work (the MoE twin's step is launch-bound). Here each rank
 holds a TP = EP = 1 copy of the policy (``megatron/model/replica.py``), refreshed from the
 trained shards before every call (``weight_sync/replica_copy.py``), and decodes only its share
 of the samples: the TP group generates as data parallelism, with no collective per step. The
 results are gathered over the TP group, so every rank returns the whole batch, as the shared
 engine does. Each sample draws the uniform numbers it would draw in a single engine's call, so
 the tokens are the ones one engine over all samples would sample (up to the rounding of other
-batch shapes). The cost: one bf16 copy of the model per GPU, and its copy each call.
+batch shapes). The cost: one copy of the model per GPU (in the model dtype), refreshed each
+call.
 """
 
 from __future__ import annotations

@@ -252,8 +252,8 @@ class GeneratedRollouts:
         (unfinished rows per decode step / cache slots), ``rollout/engine_tokens`` (tokens
         sampled, whether trained on, carried or dropped), ``rollout/partial_kv_recomputed``
         (paused ``kv: keep`` requests whose rows no longer fit the cache: prefilled again),
-        ``perf/prefill_seconds`` and
-        ``perf/decode_seconds``. None for ``rollout.engine.kind: recompute``."""
+        ``perf/prefill_seconds``, ``perf/decode_seconds`` and, generating on replicas,
+        ``perf/replica_copy_seconds``. None for ``rollout.engine.kind: recompute``."""
         if self.engine is None:
             return {}
         return engine_metrics(self.engine.stats)

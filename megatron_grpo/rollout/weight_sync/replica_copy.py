@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from megatron_grpo.megatron.layout import ParallelLayout
-from megatron_grpo.rollout.weight_sync.sender import _exchange_coords, expert_group, gather_tensors
+from megatron_grpo.rollout.weight_sync.sender import exchange_coords, expert_group, gather_tensors
 from megatron_grpo.rollout.weight_sync.shards import Coords, SyncTensor, one_chunk, sync_tensors
 
 BATCH_BYTES = 256 << 20  # shard bytes per all-gather (bounds the gathered buffer)
@@ -48,7 +48,7 @@ class ReplicaCopy:
         coords = Coords.of(trained, layout)
         device = self.tensors[0].params[0].device
         self.groups = {"tp": layout.tp_group, "expert": expert_group(trained, layout)}
-        self.coords = {k: _exchange_coords(g, coords, device) for k, g in self.groups.items()}
+        self.coords = {k: exchange_coords(g, coords, device) for k, g in self.groups.items()}
         self.shapes = [t.global_shape(coords) for t in self.tensors]
         self.targets = _match(self.tensors, self.shapes, sync_tensors(replica))
         self.batch_bytes = batch_bytes

@@ -76,7 +76,7 @@ def expert_group(model: torch.nn.Module, layout: ParallelLayout) -> dist.Process
     return None
 
 
-def _exchange_coords(group: dist.ProcessGroup | None, coords: Coords, device) -> list[Coords]:
+def exchange_coords(group: dist.ProcessGroup | None, coords: Coords, device) -> list[Coords]:
     """The coords of every rank of ``group`` (in group-rank order)."""
     if group is None:
         return [coords]
@@ -138,7 +138,7 @@ class WeightSender:
 
     def _gather_of(self, group: dist.ProcessGroup | None, coords: Coords) -> _Gather:
         members = dist.get_process_group_ranks(group) if group is not None else [dist.get_rank()]
-        return _Gather(group, _exchange_coords(group, coords, self.device), self.source in members)
+        return _Gather(group, exchange_coords(group, coords, self.device), self.source in members)
 
     @property
     def nbytes(self) -> int:
