@@ -227,3 +227,22 @@ def _whole_body(rank, world):
 def test_replica_at_tp1_ep1_decodes_on_the_trained_model():
     """At TP = EP = 1 the trained model is whole on each rank: no copy is built."""
     run_distributed(_whole_body, 2, timeout=300)
+
+
+def test_replica_copy_matches_tensors_by_key_and_names_a_mismatch():
+    from megatron_grpo.rollout.weight_sync.replica_copy import _match
+    from megatron_grpo.rollout.weight_sync.shards import SyncTensor
+
+    def t(key, *shape, vocab=False):
+        return SyncTensor(key, [torch.zeros(shape)], False, (), vocab)
+
+    trained = [t("emb", 16, 4, vocab=True), t("w", 4, 4)]
+    replica = [t("w", 4, 4), t("emb", 8, 4, vocab=True)]  # vocabulary rows: padded per TP size
+    shapes = [(16, 4), (4, 4)]
+    assert [r.key for r in _match(trained, shapes, replica)] == ["emb", "w"]
+    with pytest.raises(ValueError, match=r"generation replica: w is \(4, 3\)"):
+        _match(trained, shapes, [replica[1], t("w", 4, 3)])
+    with pytest.raises(ValueError, match="no tensor w"):
+        _match(trained, shapes, [replica[1]])
+    with pytest.raises(ValueError, match=r"lacks: \['bias'\]"):
+        _match(trained, shapes, [*replica, t("bias", 4)])
