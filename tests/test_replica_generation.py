@@ -55,6 +55,18 @@ def _reference(weights, cfg, prompts):
     return [_run(ref, engine, prompts, k) for k in (1, 0)]
 
 
+def _tp2_sp_ep2(cfg, weights):
+    """The trained model at TP 2 + SP with EP 2 (expert-TP 1), holding ``weights``: its chunks
+    and unwrapped first chunk."""
+    par = ParallelConfig(
+        tensor_model_parallel_size=2, expert_model_parallel_size=2, sequence_parallel=True,
+        expert_tensor_parallel_size=1,
+    )  # fmt: skip
+    chunks = build_layout(par, cfg)
+    load_full(chunks, weights, cfg)
+    return chunks, unwrap(chunks[0])
+
+
 def _same(got, want):
     assert got.responses == want.responses
     for a, b in zip(got.logprobs, want.logprobs, strict=True):
@@ -74,13 +86,7 @@ def _body(rank, world):
     prompts = [torch.randint(4, 100, (int(n),), generator=g).tolist() for n in (3, 7, 4, 5, 6)]
     weights = full_params(build_layout(ParallelConfig(), cfg))
     wants = _reference(weights, cfg, prompts)
-    par = ParallelConfig(
-        tensor_model_parallel_size=2, expert_model_parallel_size=2, sequence_parallel=True,
-        expert_tensor_parallel_size=1,
-    )  # fmt: skip
-    chunks = build_layout(par, cfg)
-    load_full(chunks, weights, cfg)
-    model = unwrap(chunks[0])
+    chunks, model = _tp2_sp_ep2(cfg, weights)
     engine = ReplicaEngine(model, cfg, EngineOptions(**OPTIONS), max_context=32)
     held = sum(p.numel() * p.element_size() for p in engine.replica.parameters())
     assert held == replica_bytes(cfg, torch.float32)  # what the dry run and offload plan with
@@ -175,13 +181,7 @@ def _gpu_body(rank, world):
     one = KVCacheEngine(ref, options, layout=ParallelLayout())
     params = _params(1)
     want = _generate_plain(ref, one, prompts, params)
-    par = ParallelConfig(
-        tensor_model_parallel_size=2, expert_model_parallel_size=2, sequence_parallel=True,
-        expert_tensor_parallel_size=1,
-    )  # fmt: skip
-    chunks = build_layout(par, cfg)
-    load_full(chunks, weights, cfg)
-    model = unwrap(chunks[0])
+    chunks, model = _tp2_sp_ep2(cfg, weights)
     engine = ReplicaEngine(model, cfg, options, max_context=64)
     assert engine.use_graphs, engine.graphs_off
     got = _generate_plain(model, engine, prompts, params)

@@ -42,7 +42,6 @@ class ReplicaEngine:
         model: the trained policy (its unwrapped first chunk: what ``generate`` is called for).
         model_cfg: its architecture (``ModelConfig``): the replica is built from it.
         options, max_context: the replica's :class:`KVCacheEngine`'s (``rollout.engine``).
-        layout: this rank's trainer layout (None: the initialized parallel state's).
 
     A collective over the world when built (the replica's single-rank groups, the shard
     coordinates); ``generate`` is one over the TP and expert groups."""
@@ -53,10 +52,8 @@ class ReplicaEngine:
         model_cfg,
         options: EngineOptions | None = None,
         max_context: int | None = None,
-        layout: ParallelLayout | None = None,
     ) -> None:
-        if layout is None:
-            layout = ParallelLayout.current(model.config.sequence_parallel)
+        layout = ParallelLayout.current(model.config.sequence_parallel)  # the trainer's
         if layout.pp_size > 1 or layout.cp_size > 1:
             raise ValueError(
                 "rollout.colocated.weights: replica needs pipeline_model_parallel_size and "

@@ -77,11 +77,29 @@ def build_gpt_chunk(
     """One GPTModel for this rank's pipeline (and virtual) stage, not wrapped."""
     pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    spec = decoder_block_spec(
+        config, use_transformer_engine(model_cfg), vp_stage, model_cfg.layer_kernels
+    )
+    return gpt_model(model_cfg, config, spec, pre=pre, post=post, vp_stage=vp_stage)
+
+
+def gpt_model(
+    model_cfg: ModelConfig,
+    config: TransformerConfig,
+    spec,
+    *,
+    pre: bool = True,
+    post: bool = True,
+    vp_stage: int | None = None,
+    groups=None,
+) -> GPTModel:
+    """The GPTModel of ``model_cfg`` with ``config`` and the decoder ``spec`` (the one place
+    its fields are passed): ``pre`` / ``post``: it holds the embedding / the output layer;
+    ``groups``: its own ``ProcessGroupCollection`` (None: megatron-core's parallel state)."""
+    own = {} if groups is None else {"pg_collection": groups}  # megatron-core < 0.15: none
     model = GPTModel(
         config=config,
-        transformer_layer_spec=decoder_block_spec(
-            config, use_transformer_engine(model_cfg), vp_stage, model_cfg.layer_kernels
-        ),
+        transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(model_cfg, config.tensor_model_parallel_size),
         max_sequence_length=model_cfg.max_sequence_length,
         pre_process=pre,
@@ -93,6 +111,7 @@ def build_gpt_chunk(
         rope_scaling=model_cfg.rope_scaling,
         rope_scaling_factor=model_cfg.rope_scaling_factor,
         vp_stage=vp_stage,
+        **own,
     )
     model.model_type = ModelType.encoder_or_decoder
     for param in model.parameters():

@@ -20,7 +20,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import Float16Module
 
 from megatron_grpo.megatron.config import ModelConfig, ParallelConfig, to_transformer_config
-from megatron_grpo.megatron.model.build import padded_vocab_size, use_transformer_engine
+from megatron_grpo.megatron.model.build import gpt_model, use_transformer_engine
 from megatron_grpo.megatron.model.layer_spec import decoder_block_spec
 from megatron_grpo.megatron.moe.routing_replay import route_hooks
 from megatron_grpo.megatron.parallel import cuda_compat
@@ -74,19 +74,7 @@ def build_replica(model_cfg: ModelConfig) -> GPTModel:
     groups = single_rank_groups()
     spec = decoder_block_spec(config, False, None, model_cfg.layer_kernels, groups)
     with cuda_compat():
-        model = GPTModel(
-            config=config,
-            transformer_layer_spec=spec,
-            vocab_size=padded_vocab_size(model_cfg, 1),
-            max_sequence_length=model_cfg.max_sequence_length,
-            share_embeddings_and_output_weights=model_cfg.share_embeddings_and_output_weights,
-            position_embedding_type=model_cfg.position_embedding_type,
-            rotary_percent=model_cfg.rotary_percent,
-            rotary_base=model_cfg.rotary_base,
-            rope_scaling=model_cfg.rope_scaling,
-            rope_scaling_factor=model_cfg.rope_scaling_factor,
-            pg_collection=groups,
-        )
+        model = gpt_model(model_cfg, config, spec, groups=groups)
     if torch.cuda.is_available():
         model = model.cuda(torch.cuda.current_device())
     if config.bf16 or config.fp16:

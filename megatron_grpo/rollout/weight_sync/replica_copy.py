@@ -3,7 +3,7 @@
 ``rollout.colocated.weights: replica`` (``rollout/replica.py``) gives each rank a TP = EP = 1
 copy of the policy (``megatron/model/replica.py``). Before each rollout every rank all-gathers
 the TP-sharded tensors over its TP group and the expert tensors over its expert group
-(EP x expert-TP), in batches of at most ``batch_bytes`` of shards, assembles the global tensors
+(EP x expert-TP), in batches of at most ``BATCH_BYTES`` of shards, assembles the global tensors
 (``shards``: the same rules as the weight sender's) and copies them into the replica's
 parameters in place, so the replica's captured decode graphs stay valid.
 """
@@ -41,7 +41,6 @@ class ReplicaCopy:
         trained: torch.nn.Module,
         layout: ParallelLayout,
         replica: torch.nn.Module,
-        batch_bytes: int = BATCH_BYTES,
     ) -> None:
         trained = one_chunk(trained)
         self.tensors: list[SyncTensor] = sync_tensors(trained)
@@ -51,7 +50,6 @@ class ReplicaCopy:
         self.coords = {k: exchange_coords(g, coords, device) for k, g in self.groups.items()}
         self.shapes = [t.global_shape(coords) for t in self.tensors]
         self.targets = _match(self.tensors, self.shapes, sync_tensors(replica))
-        self.batch_bytes = batch_bytes
 
     @torch.no_grad()
     def copy(self) -> float:
@@ -73,15 +71,15 @@ class ReplicaCopy:
         return time.perf_counter() - t0
 
     def _batches(self, kind: str) -> list[list[int]]:
-        """The indices of ``kind``'s tensors, cut into runs of at most ``batch_bytes`` of
+        """The indices of ``kind``'s tensors, cut into runs of at most ``BATCH_BYTES`` of
         shards (a larger tensor alone)."""
         out: list[list[int]] = []
-        size = self.batch_bytes
+        size = BATCH_BYTES
         for i, t in enumerate(self.tensors):
             if t.kind != kind:
                 continue
             n = math.prod(t.local_shape) * t.dtype.itemsize
-            if not out or size + n > self.batch_bytes:
+            if not out or size + n > BATCH_BYTES:
                 out.append([])
                 size = 0
             out[-1].append(i)
