@@ -349,10 +349,16 @@ def test_chunk_sort_equals_megatron_split_cat(ranks, experts):
     by_expert = chunks.reshape(-1, experts).T.ravel()  # the dispatcher's two orders
     back = chunks.reshape(experts, -1).T.ravel()
     x = torch.randn(int(sizes.sum()), 5, generator=g, requires_grad=True)
-    probs = torch.rand(x.shape[0], generator=g)
+    probs = torch.rand(x.shape[0], generator=g, requires_grad=True)
     got, got_p = sort_chunks_by_index(x, sizes, by_expert, probs=probs)
     want, want_p = sort_chunks_by_idxs(x, sizes, by_expert, probs=probs)
     assert torch.equal(got, want) and torch.equal(got_p, want_p)
+    # the backward (a gather by the inverse permutation) equals the split + cat's
+    dy, dp = torch.randn(got.shape, generator=g), torch.randn(got_p.shape, generator=g)
+    if x.shape[0]:
+        mine = torch.autograd.grad((got, got_p), (x, probs), (dy, dp), retain_graph=True)
+        theirs = torch.autograd.grad((want, want_p), (x, probs), (dy, dp))
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
     back_sizes = sizes.reshape(-1, experts).T.ravel()
     restored, _ = sort_chunks_by_index(got, back_sizes, back)
     assert torch.equal(restored, x)
