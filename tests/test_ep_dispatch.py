@@ -305,29 +305,21 @@ def test_sort_permute_keeps_the_five_value_contract_of_megatron_core_0_19():
     assert calls == [16]
 
 
-def _permute_masked(tokens, routing_map):
-    return tokens.masked_select(routing_map)
-
-
 def _permute_sorted(tokens, routing_map):
-    # equivalent to masked_select but fixed-shape (megatron-core 0.19's comment)
     return routing_map.reshape(-1).argsort(descending=True, stable=True)
 
 
-def test_the_sort_permute_replaces_only_a_masked_permute(monkeypatch):
-    """The sort permute goes in where megatron-core's permute calls ``masked_select`` (0.16: a
-    host sync per call) and not where it sorts on the device itself (0.19: fewer syncs than
-    ours on 4 H100s), whatever its comments say."""
+def test_the_sort_permute_is_installed_once(monkeypatch):
+    """The sort permute replaces megatron-core's permute (masked or sorted: both gather with an
+    atomic backward), once: a second call keeps the installed one."""
     from megatron.core.transformer.moe import token_dispatcher
 
-    from megatron_grpo.megatron.moe.alltoall_permute import masks_on_the_host, use_sort_permute
+    from megatron_grpo.megatron.moe.alltoall_permute import use_sort_permute
 
-    assert masks_on_the_host(_permute_masked) and not masks_on_the_host(_permute_sorted)
     monkeypatch.setattr(token_dispatcher, "permute", _permute_sorted)
-    assert not use_sort_permute() and token_dispatcher.permute is _permute_sorted
-    monkeypatch.setattr(token_dispatcher, "permute", _permute_masked)
-    assert use_sort_permute() and token_dispatcher.permute.megatron_permute is _permute_masked
-    assert not use_sort_permute()  # once
+    assert use_sort_permute() and token_dispatcher.permute.megatron_permute is _permute_sorted
+    installed = token_dispatcher.permute
+    assert not use_sort_permute() and token_dispatcher.permute is installed
 
 
 def _built_choice_body(rank: int, world: int) -> None:
