@@ -14,3 +14,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def byo_page(tmp_path_factory):
+    """docs/byo_task.md run as written (``tests/docs_pages.py``), once per session: its
+    directory and its commands' results."""
+    pytest.importorskip("pyarrow")
+    pytest.importorskip("transformers")
+    from tests.docs_pages import ROOT, run_page
+
+    cwd = tmp_path_factory.mktemp("docs_session")
+    return cwd, run_page(ROOT / "docs" / "byo_task.md", cwd)
+
+
+@pytest.fixture(scope="session")
+def conversion_page(byo_page):
+    """docs/conversion.md run as written, once per session, in byo_page's directory (the docs
+    in reader order: its commands must not meet the first page's outputs)."""
+    from tests.docs_pages import ROOT, run_page
+
+    cwd = byo_page[0]
+    return cwd, run_page(ROOT / "docs" / "conversion.md", cwd)

@@ -7,6 +7,10 @@ torch.distributed.run`` on a free port), in a scratch directory that links the r
 ``recipes/`` and ``tools/``. A ``bash`` block whose first line starts with ``# a real model``
 needs a model the tests do not have: it is not run, but each of its commands must be one that
 is run with other path arguments (``--hf``, ``--out``, ``--ckpt``).
+
+The pages run once per session, in reader order in one directory (``byo_page`` then
+``conversion_page`` in ``tests/conftest.py``): each page's test, the converter console's and the
+reader-order test read those runs.
 """
 
 from __future__ import annotations
@@ -45,7 +49,8 @@ def shape(cmd: list[str]) -> list[str]:
 def run_page(page: Path, cwd: Path, timeout: float = 600) -> list[subprocess.CompletedProcess]:
     """Run ``page`` as described in the module docstring; every command must exit 0."""
     for name in ("recipes", "tools"):
-        (cwd / name).symlink_to(ROOT / name)
+        if not (cwd / name).is_symlink():  # a second page in the same directory
+            (cwd / name).symlink_to(ROOT / name)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     done, real = [], []
     for lang, body in blocks(page):

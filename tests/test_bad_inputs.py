@@ -6,15 +6,16 @@ Parquet file and a reward file, all in ``tmp_path``."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-
-from tests.dist_utils import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("pyarrow")
@@ -95,9 +96,8 @@ def _rank_logs(logs: Path) -> dict[int, str]:
     }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("case", "sets", "args", "code", "line"), CASES, ids=[c[0] for c in CASES])
-def test_a_bad_input_is_one_error_line_from_one_rank(world, case, sets, args, code, line):
+def _torchrun(world: Path, case: str, sets: list[str], args: list[str], port: int):
+    """The case's torchrun (2 ranks, TP 2) on ``port``: its result and each rank's output."""
     w, logs = str(world), world / "logs" / case
     base = [
         f"checkpoint.load={w}/ckpt", f"rollout.dataset.train_files=[{w}/data/train.parquet]",
@@ -106,7 +106,7 @@ def test_a_bad_input_is_one_error_line_from_one_rank(world, case, sets, args, co
         "checkpoint.dir=null", f"logging.dir={w}/runs/{case}", "training.steps=1",
     ]  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    cmd += ["--master-port", str(free_port()), "--log-dir", str(logs), "--tee", "3"]
+    cmd += ["--master-port", str(port), "--log-dir", str(logs), "--tee", "3"]
     cmd += ["-m", "megatron_grpo.train"]
     cmd += (
         [a.format(w=w) for a in args]
@@ -116,7 +116,34 @@ def test_a_bad_input_is_one_error_line_from_one_rank(world, case, sets, args, co
     cmd += [x for s in base + [s.format(w=w) for s in sets] for x in ("--set", s)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    ranks = _rank_logs(logs)
+    return out, _rank_logs(logs)
+
+
+@pytest.fixture(scope="module")
+def runs(world, request) -> dict[str, tuple[subprocess.CompletedProcess, dict[int, str]]]:
+    """Every selected case's torchrun, three at a time (each its own directories and port): a
+    failed run spends seconds idle (torchrun waits for the other rank to exit), which the
+    others' start-up fills."""
+    here = [i for i in request.session.items if i.path == request.path and hasattr(i, "callspec")]
+    cases = [c for c in CASES if any(i.callspec.params.get("case") == c[0] for i in here)]
+    with contextlib.ExitStack() as stack:  # distinct free ports: all held while they are picked
+        socks = [stack.enter_context(socket.socket()) for _ in cases]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        ports = [sock.getsockname()[1] for sock in socks]
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = {
+            case: pool.submit(_torchrun, world, case, sets, args, port)
+            for (case, sets, args, _, _), port in zip(cases, ports, strict=True)
+        }
+        return {case: f.result() for case, f in futures.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("case", "sets", "args", "code", "line"), CASES, ids=[c[0] for c in CASES])
+def test_a_bad_input_is_one_error_line_from_one_rank(world, runs, case, sets, args, code, line):
+    w = str(world)
+    out, ranks = runs[case]  # _torchrun(world, case, sets, args, port)
     text = ranks[0] + ranks[1]
     errors = [x for x in text.splitlines() if x.startswith(("error:", "config error:"))]
     assert len(errors) == 1 and errors[0].startswith(line.format(w=w)), (errors, text[-3000:])

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.docs_pages import REAL_MODEL, blocks, commands, run_page
+from tests.docs_pages import REAL_MODEL, blocks, commands
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "byo_task.md"
@@ -40,10 +40,8 @@ def _table_column(step: int) -> dict[str, float]:
 
 
 @pytest.mark.slow
-def test_byo_task_page_runs(tmp_path):
-    pytest.importorskip("pyarrow")
-    pytest.importorskip("transformers")
-    outs = run_page(DOC, tmp_path)
+def test_byo_task_page_runs(byo_page):
+    tmp_path, outs = byo_page  # run_page(DOC, tmp_path), shared by the reader-order tests
     assert "eval at step 0: reward" in outs[-1].stdout
     run = tmp_path / "runs" / "byo_task"
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

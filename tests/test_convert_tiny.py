@@ -46,21 +46,25 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_the_converter_console_is_a_few_lines(tmp_path):
+def test_the_converter_console_is_a_few_lines(tmp_path, conversion_page):
     """tiny-hf, then hf-to-mcore --verify at TP 2 (spawned workers): each at most 10 lines,
-    nothing on stderr, the warnings counted into OUT.warnings.log; an error is one line."""
+    nothing on stderr, the warnings counted into OUT.warnings.log; an error is one line. The
+    two runs are docs/conversion.md's first two commands (``conversion_page``, tests/conftest.py:
+    run once per session, in one directory after docs/byo_task.md)."""
+    cwd, outs = conversion_page
     runs = [
-        ("tiny-hf", "--family", "qwen3", "--out", "hf", "--seed", "0"),
-        ("hf-to-mcore", "--hf", "hf", "--out", "ckpt", "--verify", "--tp", "2"),
+        ("tiny-hf", "--family", "qwen3", "--out", "hf/qwen3", "--seed", "0"),
+        ("hf-to-mcore", "--hf", "hf/qwen3", "--out", "ckpt/qwen3", "--verify", "--tp", "2"),
     ]
-    for args in runs:
-        out = _cli(*args, cwd=tmp_path)
+    for args, out in zip(runs, outs[:2], strict=True):
+        assert out.args[1:] == ["tools/convert_checkpoint.py", *args], out.args
         assert out.returncode == 0 and out.stderr == "", out.stderr[-3000:]
         lines = out.stdout.splitlines()
         assert len(lines) <= 10 and lines[-1] == f"wrote {args[args.index('--out') + 1]}", lines
-    assert "third-party warning(s) in ckpt.warnings.log" in out.stdout
+    assert "third-party warning(s) in ckpt/qwen3.warnings.log" in out.stdout
     assert "verify: max |logit difference|" in out.stdout
-    assert not list(tmp_path.glob("*/**/warnings.log"))  # no output folder holds one
+    outs = [cwd / args[args.index("--out") + 1] for args in runs]
+    assert not [p for out in outs for p in out.glob("**/warnings.log")]  # no output folder
     bad = _cli("hf-to-mcore", "--hf", "nowhere", "--out", "x", cwd=tmp_path)
     assert bad.returncode == 2 and bad.stdout == "", bad.stdout
     assert bad.stderr.startswith("error: ") and len(bad.stderr.splitlines()) == 1, bad.stderr

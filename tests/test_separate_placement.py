@@ -10,6 +10,7 @@ field."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,15 @@ def _separate(rank: int, world: int, tmp: Path, name: str, steps: int, *extra: s
     _run(tmp, name, f"training.steps={steps}", *SEPARATE[:1], *extra)
 
 
+def _side_by_side(*runs: tuple) -> None:
+    """``run_distributed(*run)`` for each of ``runs`` at once: independent runs (each its own
+    run directory and port) whose processes share the cores (a colocated run and a separate
+    one each keep about one core busy)."""
+    with ThreadPoolExecutor(len(runs)) as pool:
+        for future in [pool.submit(run_distributed, *run) for run in runs]:
+            future.result()
+
+
 def _rollouts(tmp: Path, name: str) -> dict[str, str]:
     return {p.name: p.read_text() for p in sorted((tmp / name / "rollouts").iterdir())}
 
@@ -133,9 +143,10 @@ def test_dynamic_sampling_on_the_generators_is_the_colocated_filter(tmp_path):
     units (extra rounds of fresh prompts) exactly as the colocated run filters its batch; the
     trainer reports the same counts."""
     mixed = (*FILTER, "rollout.filter_groups.reward_tolerance=0.5")
-    run_distributed(_colocated, 1, tmp_path, 3, *mixed)
     gen = ("rollout.separate.generation_ranks=1", "rollout.separate.max_staleness=0")
-    run_distributed(_separate, 2, tmp_path, "sepf", 3, *gen, *mixed)
+    _side_by_side(
+        (_colocated, 1, tmp_path, 3, *mixed), (_separate, 2, tmp_path, "sepf", 3, *gen, *mixed)
+    )
     assert _rollouts(tmp_path, "colocated") == _rollouts(tmp_path, "sepf")
     colocated, separate = _metrics(tmp_path, "colocated"), _metrics(tmp_path, "sepf")
     assert max(m["rollout/filter_rounds"] for m in colocated) > 1  # the filter did filter
@@ -179,9 +190,10 @@ def test_evaluation_runs_on_the_generators_with_the_newest_weights(tmp_path):
     after swapping it in (the last with the final weights); at max_staleness 0, one replica of
     the trainer's TP, the eval metrics are the colocated run's, at the same steps."""
     data = _dataset(tmp_path)
-    run_distributed(_colocated, 1, tmp_path, 3, *data)
     gen = ("rollout.separate.generation_ranks=1", "rollout.separate.max_staleness=0")
-    run_distributed(_separate, 2, tmp_path, "sepe", 3, *gen, *data)
+    _side_by_side(
+        (_colocated, 1, tmp_path, 3, *data), (_separate, 2, tmp_path, "sepe", 3, *gen, *data)
+    )
     colocated, separate = _metrics(tmp_path, "colocated"), _metrics(tmp_path, "sepe")
     assert [m["step"] for m in separate] == [0, 1, 2, 3]  # step 0: the evaluation alone
     for a, b in zip(colocated, separate, strict=True):
@@ -201,8 +213,10 @@ MOE = (
 def test_moe_routes_recorded_by_the_generator_are_replayed(tmp_path):
     """MoE with routing replay, max_staleness 0: the generator records each token's routes, they
     travel with the samples, and the trainer replays them: the colocated run exactly."""
-    run_distributed(_colocated, 1, tmp_path, 2, *MOE)
-    run_distributed(_separate, 2, tmp_path, "moe", 2, "rollout.separate.max_staleness=0", *MOE)
+    _side_by_side(
+        (_colocated, 1, tmp_path, 2, *MOE),
+        (_separate, 2, tmp_path, "moe", 2, "rollout.separate.max_staleness=0", *MOE),
+    )
     assert _rollouts(tmp_path, "colocated") == _rollouts(tmp_path, "moe")
     for a, b in zip(_metrics(tmp_path, "colocated"), _metrics(tmp_path, "moe"), strict=True):
         for key in (*LOSS_KEYS, "moe/replay_mismatch_frac"):
