@@ -46,8 +46,18 @@ class StepProfiler:
     into ``log_dir/profile``; a no-op elsewhere or with ``start`` None (the trainer's ranks:
     separate placement's generation ranks run no trainer steps)."""
 
-    def __init__(self, start: int | None, end: int | None, ranks: list[int], log_dir: str) -> None:
+    def __init__(
+        self,
+        start: int | None,
+        end: int | None,
+        ranks: list[int],
+        log_dir: str,
+        with_stack: bool = False,
+    ) -> None:
+        """``with_stack``: also record Python stacks (``tools/trace_stage.py`` then charges the
+        host time of ops to the source lines that called them; the steps run slower still)."""
         self.start, self.end = start, (start if end is None else end)
+        self.with_stack = with_stack
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.on = start is not None and self.rank in ranks
         self.out = Path(log_dir) / "profile"
@@ -74,7 +84,7 @@ class StepProfiler:
         if torch.cuda.is_available():
             acts.append(ProfilerActivity.CUDA)
             torch.cuda.synchronize()
-        self._prof = profile(activities=acts)
+        self._prof = profile(activities=acts, with_stack=self.with_stack)
         self._prof.__enter__()
         self._t0 = time.perf_counter()
 

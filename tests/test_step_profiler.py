@@ -3,6 +3,7 @@ ranks of ``logging.profile_ranks``, a trace and a device-time table each."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ def _body(rank: int, world: int, tmp: Path) -> None:
         "parallel.tensor_model_parallel_size=1", "training.steps=3",
         "training.mini_batches_per_step=1", "rollout.num_prompts=4", f"logging.dir={tmp}",
         "checkpoint.dir=null", "logging.profile_step_start=2", "logging.profile_ranks=[1]",
+        "logging.profile_with_stack=true",
     ])  # fmt: skip
     Trainer(cfg).train()
 
@@ -36,6 +38,14 @@ def test_profiled_steps_leave_a_trace_and_a_table_on_the_chosen_rank(tmp_path):
 
     text = gzip.decompress(trace).decode()
     assert all(f"stage/{s}" in text for s in ("rollout", "logprob", "update"))
+    # with Python stacks: tools/trace_stage.py charges the update's ops to our source lines
+    sys.path.insert(0, str(RECIPE.parents[1] / "tools"))
+    import trace_stage
+
+    events = trace_stage.load(tmp_path / "profile" / "rank1_steps2-2.json.gz")
+    summary = trace_stage.summarize(events, "update", top=50)
+    assert "host time by the calling source line" in summary
+    assert "| `megatron_grpo/" in summary.split("calling source line")[1], summary
 
 
 def test_kernel_kinds_and_busy_time():

@@ -73,3 +73,27 @@ def test_a_real_profiler_trace(tmp_path):
     prof.export_chrome_trace(str(path))
     text = trace_stage.summarize(trace_stage.load(path), "update", top=5)
     assert "| `aten::mm` | 3 |" in text, text
+    assert "calling source line" not in text  # recorded without Python stacks
+
+
+def test_ops_charged_to_the_calling_source_line(tmp_path):
+    """With Python stacks, an op is charged to the innermost megatron_grpo frame that called it
+    (here ``loss.math.true_positions``), once per call; ops outside the stage are not."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from megatron_grpo.loss.math import true_positions
+
+    mask = torch.tensor([True, False, True, True])
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        true_positions(mask, 3)  # outside the stage
+        with record_function("stage/update"):
+            for _ in range(2):
+                true_positions(mask, 3)
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    events = trace_stage.load(path)
+    found = trace_stage.by_source(events, trace_stage.stage_spans(events, "update"))
+    lines = [k for k in found if k.startswith("megatron_grpo/loss/math.py(")]
+    assert lines and all(k.endswith(": true_positions") for k in lines), dict(found)
+    # its three ops (arange, cumsum, searchsorted) per call, two calls
+    assert sum(len(found[k]) for k in lines) == 6, dict(found)

@@ -4,7 +4,9 @@ The trainer's profiler (``logging.profile_step_start``; ``megatron_grpo/profilin
 ``profile/rank<R>_steps<a>-<b>.json.gz`` with the stages marked as ``stage/<name>`` ranges. Its
 markdown table says how busy the device was; for a host-bound stage this says what the host did
 instead: the aten ops (count, own and inclusive host ms), the CUDA runtime calls (launches; syncs, where
-the host waits for the device) and the kernels inside the stage.
+the host waits for the device) and the kernels inside the stage. A trace recorded with Python stacks
+(``logging.profile_with_stack``) also gets the aten ops' host time by the project source line that
+called them (the innermost ``megatron_grpo`` or ``megatron/core`` frame).
 
     python3 tools/trace_stage.py run/profile/rank0_steps6-6.json.gz --stage update [--top 25]
 """
@@ -74,6 +76,40 @@ def self_times(ops: list[dict]) -> dict[str, list[float]]:
     return out
 
 
+SOURCES = ("megatron_grpo/", "megatron/core/")  # the frames an op is charged to
+
+
+def by_source(events: list[dict], spans: list[tuple[float, float]]) -> dict[str, list[float]]:
+    """Each outermost aten op's host time (inside ``spans``) under the innermost Python frame
+    from :data:`SOURCES` open when it started, per thread; empty without stacks."""
+    out: dict[str, list[float]] = defaultdict(list)
+    by_tid: dict[object, list[dict]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") in ("python_function", "cpu_op"):
+            by_tid[e.get("tid")].append(e)
+    for seq in by_tid.values():
+        seq.sort(key=lambda e: (e["ts"], -e["dur"]))
+        frames: list[tuple[float, str]] = []  # open project frames: (end, short name)
+        op_end = float("-inf")  # the open outermost op's end
+        for e in seq:
+            while frames and frames[-1][0] <= e["ts"]:
+                frames.pop()
+            if e["cat"] == "python_function":
+                short = _short(e["name"])
+                if short:
+                    frames.append((e["ts"] + e["dur"], short))
+            elif e["ts"] >= op_end and frames and inside(e, spans):
+                out[frames[-1][1]].append(e["dur"])
+                op_end = e["ts"] + e["dur"]
+    return out
+
+
+def _short(frame: str) -> str:
+    """``.../megatron_grpo/x.py(12): f`` -> ``megatron_grpo/x.py(12): f``; "" for others."""
+    cut = max(frame.rfind(src) for src in SOURCES)
+    return frame[cut:] if cut >= 0 else ""
+
+
 def summarize(events: list[dict], stage: str, top: int) -> str:
     spans = stage_spans(events, stage)
     span_ms = sum(b - a for a, b in spans) / 1e3
@@ -98,6 +134,9 @@ def summarize(events: list[dict], stage: str, top: int) -> str:
     ops = [e for e in events if e.get("cat") == "cpu_op" and inside(e, spans)]
     lines += table("aten ops (self host time)", self_times(ops), top)
     lines += table("aten ops (inclusive host time)", by_cat["cpu_op"], top)
+    sources = by_source(events, spans)
+    if sources:
+        lines += table("aten ops' host time by the calling source line", sources, top)
     lines += table("CUDA runtime calls", runtime, top)
     lines += table("kernels", kernels, top)
     lines += table("annotations", by_cat["user_annotation"], top)

@@ -202,16 +202,15 @@ class CheckpointConfig:
 class LoggingConfig:
     """Where the run's resolved config and metrics go.
 
-    ``dir/config.yaml`` (the resolved config) and one JSON line of metrics per step in
-    ``jsonl_path`` (default ``dir/metrics.jsonl``). ``tensorboard_dir`` needs the ``tensorboard``
-    package. ``progress_bar``: a one-line status per step on rank 0, redrawn in place and fitted
-    to the terminal's width. ``print_interval``: when stdout is not a terminal (a log file, a
-    pipe), the status is one plain line every ``print_interval`` steps (and the first and last).
+    ``dir/config.yaml`` (the resolved config), a JSON line of metrics a step in ``jsonl_path``
+    (default ``dir/metrics.jsonl``). ``tensorboard_dir`` needs ``tensorboard``. ``progress_bar``:
+    a one-line status per step on rank 0, redrawn in place, fitted to the terminal. When stdout
+    is no terminal, the status is one line every ``print_interval`` steps (and first and last).
     Megatron-core's and torch's warnings go to ``dir/warnings.log`` (a count on the console).
     ``profile_step_start`` .. ``profile_step_end`` (1-based steps, inclusive; end default: the
     start; Megatron-LM's names): those steps run under torch.profiler on the global ranks
     ``profile_ranks``, each writing a trace and a device-time table to ``dir/profile/``
-    (``megatron_grpo/profiling.py``).
+    (``megatron_grpo/profiling.py``); ``profile_with_stack``: with Python stacks in the trace.
     """
 
     dir: str = "runs/default"
@@ -222,6 +221,7 @@ class LoggingConfig:
     profile_step_start: int | None = None
     profile_step_end: int | None = None
     profile_ranks: list[int] = field(default_factory=lambda: [0])
+    profile_with_stack: bool = False
 
     def __post_init__(self) -> None:
         if self.print_interval < 1:

@@ -116,7 +116,11 @@ class Trainer:
         self.monitor = Monitor(cfg.logging, cfg.training.steps, self.layout.is_logging_rank)
         log = cfg.logging  # profile_step_start .. end: torch.profiler on profile_ranks
         self.profiler = StepProfiler(
-            log.profile_step_start, log.profile_step_end, log.profile_ranks, log.dir
+            log.profile_step_start,
+            log.profile_step_end,
+            log.profile_ranks,
+            log.dir,
+            log.profile_with_stack,
         )
         self.guard = NonFiniteGuard(
             cfg.training.max_consecutive_nonfinite_skips, self.monitor.message, skipped
