@@ -57,7 +57,10 @@
 # Qwen3-8B-shaped model; the embedding and LM head are full size), MAXCTX_DOC (8192 tokens per
 # packed document; 0 = one sequence), MAXCTX_RECOMPUTE ("full": full activation recompute, as
 # long-context recipes use; the 36-layer Qwen3-8B then fits one H200 without optimizer state),
-# RUN_TIMEOUT (seconds per trainer run; unset: none), WHEELS (.whl).
+# RUN_TIMEOUT (seconds per trainer run; unset: none), WHEELS (.whl), E2E_CODE (a directory
+# holding another megatron_grpo, e.g. `git archive BASE megatron_grpo | tar -x -C .run/base`:
+# the trainer runs that code with this checkout's recipes, for a before / after in one call;
+# give each side its own OUT and WORK).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=tools/gpu_env.sh
@@ -131,8 +134,14 @@ train() {
     # mode's next run starts; a hung run no longer takes the rest of the call
     local limit=()
     [ -n "${RUN_TIMEOUT:-}" ] && limit=(timeout -k 30 "$RUN_TIMEOUT")
-    with_memory_sampling "$tag" "${limit[@]}" python3 -m torch.distributed.run --standalone \
-        --nproc-per-node "$nproc" -m megatron_grpo.train --config "recipes/$recipe.yaml" \
+    # E2E_CODE: the trainer imports that directory's megatron_grpo, not this checkout's (-m
+    # would put the working directory first on sys.path; PYTHONSAFEPATH keeps it off)
+    local code=()
+    [ -n "${E2E_CODE:-}" ] &&
+        code=(env PYTHONSAFEPATH=1 "PYTHONPATH=$E2E_CODE${PYTHONPATH:+:$PYTHONPATH}")
+    with_memory_sampling "$tag" "${limit[@]}" "${code[@]}" python3 -m torch.distributed.run \
+        --standalone --nproc-per-node "$nproc" -m megatron_grpo.train \
+        --config "recipes/$recipe.yaml" \
         --set lm_head.path="$path" --set logging.dir="$WORK/$tag" \
         --set logging.progress_bar=false --set checkpoint.dir=null "${layout[@]}" "$@"
 }
