@@ -6,11 +6,13 @@ exits at once."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -40,11 +42,23 @@ def _lines(path: Path) -> int:
     return len(path.read_text().splitlines()) if path.is_file() else 0
 
 
-def _torchrun(run: Path, steps: int, *extra: str, resume: bool = False) -> subprocess.Popen:
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports, for launches side by side: all held while they are picked."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+
+
+def _torchrun(
+    run: Path, steps: int, *extra: str, resume: bool = False, port: int | None = None
+) -> subprocess.Popen:
     """The tiny recipe, shrunk, under torchrun (2 ranks, TP = 2); each rank's output also goes
     to ``run/logs`` (``--tee``), so the ranks' own output can be told from torchrun's."""
+    port = free_port() if port is None else port
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    cmd += ["--master-port", str(free_port()), "--log-dir", str(run / "logs"), "--tee", "3"]
+    cmd += ["--master-port", str(port), "--log-dir", str(run / "logs"), "--tee", "3"]
     cmd += ["-m", "megatron_grpo.train", "--config", str(RECIPE)]
     sets = [*SMALL, f"training.steps={steps}", f"logging.dir={run}"]
     sets += [f"checkpoint.dir={run / 'ckpt'}", *extra]
@@ -109,34 +123,63 @@ def _check_stopped(run: Path, reason: str, rc: int, exit_codes_reported: bool) -
     return step
 
 
-@pytest.mark.slow
-def test_sigterm_to_every_rank_saves_exits_3_and_resume_replays_exactly(tmp_path):
-    stopped = tmp_path / "stopped"
+@pytest.fixture(scope="module")
+def sigterm_runs(tmp_path_factory) -> dict:
+    """A run stopped by SIGTERM to every rank after step 3 or later, then its ``--resume`` to
+    two steps past the stop and, side by side (its own directory and port), an uninterrupted
+    reference run from step 1. Once the reference has logged those steps it serves the
+    one-rank test too: a signal to its rank 1 (saves a launch of its own)."""
+    root = tmp_path_factory.mktemp("sigterm")
+    stopped, reference = root / "stopped", root / "reference"
     proc = _torchrun(stopped, 1000)
     _wait_for_steps(proc, stopped / "metrics.jsonl", 3)
     for pid in _workers(proc):
         os.kill(pid, signal.SIGTERM)
-    step = _check_stopped(stopped, "SIGTERM", proc.wait(timeout=120), exit_codes_reported=True)
-    assert 3 <= step < 1000
-    total = step + 2
-    resumed = _torchrun(stopped, total, resume=True)
-    reference = _torchrun(tmp_path / "reference", total)
-    assert resumed.wait(timeout=180) == 0 and reference.wait(timeout=180) == 0
+    rc = proc.wait(timeout=120)
+    try:  # the stop's checks (the first test's) before the resume adds to the directory
+        stop: int | AssertionError = _check_stopped(stopped, "SIGTERM", rc, True)
+    except AssertionError as e:
+        stop = e
+    total = _metrics(stopped / "metrics.jsonl")[-1]["step"] + 2
+    resume_port, reference_port = _free_ports(2)
+    resumed = _torchrun(stopped, total, resume=True, port=resume_port)
+    ref = _torchrun(reference, 1000, port=reference_port)
+    try:  # steps 1..total uninterrupted, then the signal to one rank
+        _wait_for_steps(ref, reference / "metrics.jsonl", total, timeout=180)
+        os.kill(_workers(ref)[1], signal.SIGUSR1)
+    except BaseException:
+        os.killpg(ref.pid, signal.SIGKILL)  # torchrun's own process group, ranks included
+        raise
+    finally:
+        resumed_rc, reference_rc = resumed.wait(timeout=180), ref.wait(timeout=120)
+    return dict(root=root, stop=stop, total=total, resumed=resumed_rc, ref=reference_rc)
+
+
+@pytest.mark.slow
+def test_sigterm_to_every_rank_saves_exits_3_and_resume_replays_exactly(sigterm_runs):
+    stopped, total = sigterm_runs["root"] / "stopped", sigterm_runs["total"]
+    step = sigterm_runs["stop"]  # _check_stopped(stopped, "SIGTERM", rc, True) before resuming
+    if isinstance(step, AssertionError):
+        raise step
+    assert 3 <= step < 1000 and total == step + 2
+    assert sigterm_runs["resumed"] == 0
+    # the reference's first ``total`` steps (the signal to one rank came after them)
     full, part = (
-        _metrics(tmp_path / "reference" / "metrics.jsonl"),
+        _metrics(sigterm_runs["root"] / "reference" / "metrics.jsonl")[:total],
         _metrics(stopped / "metrics.jsonl"),
     )
+    assert [m["step"] for m in full] == list(range(1, total + 1))
     assert [m["step"] for m in part] == list(range(1, total + 1))
     for a, b in zip(full, part, strict=True):
         timeless = [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in (a, b)]
         assert timeless[0] == timeless[1], (a, b)
 
 
-def test_a_signal_to_one_rank_stops_both(tmp_path):
-    proc = _torchrun(tmp_path, 1000)
-    _wait_for_steps(proc, tmp_path / "metrics.jsonl", 2)
-    os.kill(_workers(proc)[1], signal.SIGUSR1)
-    _check_stopped(tmp_path, "SIGUSR1", proc.wait(timeout=120), exit_codes_reported=True)
+def test_a_signal_to_one_rank_stops_both(sigterm_runs):
+    """The reference run of ``sigterm_runs`` (a fresh run, like any), SIGUSR1 to its rank 1."""
+    reference, rc = sigterm_runs["root"] / "reference", sigterm_runs["ref"]
+    step = _check_stopped(reference, "SIGUSR1", rc, exit_codes_reported=True)
+    assert step >= sigterm_runs["total"]
 
 
 def test_ctrl_c_to_the_process_group_saves(tmp_path):
