@@ -99,7 +99,8 @@ def test_gpu_annotations_are_not_kernels():
     [
         (["logging.profile_step_start=0"], "profile_step_start must be >= 1"),
         (["logging.profile_step_start=3", "logging.profile_step_end=2"], "profile_step_end"),
-        (["logging.profile_step_end=2"], "profile_step_end needs profile_step_start"),
+        (["logging.profile_step_end=2"], "profile_step_end and .* need profile_step_start"),
+        (["logging.profile_with_stack=true"], "profile_with_stack need profile_step_start"),
         (["logging.profile_step_start=1", "logging.profile_ranks=[]"], "profile_ranks"),
     ],
 )

@@ -234,8 +234,8 @@ class LoggingConfig:
     def _check_profile(self) -> None:
         start, end = self.profile_step_start, self.profile_step_end
         if start is None:
-            if end is not None:
-                raise ValueError("profile_step_end needs profile_step_start")
+            if end is not None or self.profile_with_stack:
+                raise ValueError("profile_step_end and profile_with_stack need profile_step_start")
             return
         if start < 1 or (end is not None and end < start):
             raise ValueError(
