@@ -13,6 +13,7 @@ Exceptions raised in any rank fail the test with that rank's traceback.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import socket
@@ -31,6 +32,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports, for launches side by side: all held open while picked."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
 
 
 def _worker(

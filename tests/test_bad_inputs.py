@@ -6,16 +6,16 @@ Parquet file and a reward file, all in ``tmp_path``."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+from tests.dist_utils import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("pyarrow")
@@ -126,11 +126,7 @@ def runs(world, request) -> dict[str, tuple[subprocess.CompletedProcess, dict[in
     others' start-up fills."""
     here = [i for i in request.session.items if i.path == request.path and hasattr(i, "callspec")]
     cases = [c for c in CASES if any(i.callspec.params.get("case") == c[0] for i in here)]
-    with contextlib.ExitStack() as stack:  # distinct free ports: all held while they are picked
-        socks = [stack.enter_context(socket.socket()) for _ in cases]
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        ports = [sock.getsockname()[1] for sock in socks]
+    ports = free_ports(len(cases))
     with ThreadPoolExecutor(max_workers=3) as pool:
         futures = {
             case: pool.submit(_torchrun, world, case, sets, args, port)

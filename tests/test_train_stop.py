@@ -6,13 +6,11 @@ exits at once."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -22,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from megatron_grpo.train.stop import STOP_EXIT_CODE, Stopped, StopRequest, launch_command
-from tests.dist_utils import free_port
+from tests.dist_utils import free_port, free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "tiny.yaml"
@@ -40,15 +38,6 @@ def _metrics(path: Path) -> list[dict]:
 
 def _lines(path: Path) -> int:
     return len(path.read_text().splitlines()) if path.is_file() else 0
-
-
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct free ports, for launches side by side: all held while they are picked."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
 
 
 def _torchrun(
@@ -141,7 +130,7 @@ def sigterm_runs(tmp_path_factory) -> dict:
     except AssertionError as e:
         stop = e
     total = _metrics(stopped / "metrics.jsonl")[-1]["step"] + 2
-    resume_port, reference_port = _free_ports(2)
+    resume_port, reference_port = free_ports(2)
     resumed = _torchrun(stopped, total, resume=True, port=resume_port)
     ref = _torchrun(reference, 1000, port=reference_port)
     try:  # steps 1..total uninterrupted, then the signal to one rank
