@@ -113,10 +113,13 @@ def _short(frame: str) -> str:
 def summarize(events: list[dict], stage: str, top: int) -> str:
     spans = stage_spans(events, stage)
     span_ms = sum(b - a for a, b in spans) / 1e3
+    ops: list[dict] = []  # the stage's aten ops
     by_cat: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for e in events:
         if inside(e, spans):
             by_cat[e.get("cat", "")][e["name"]].append(e["dur"])
+            if e.get("cat") == "cpu_op":
+                ops.append(e)
     runtime = by_cat["cuda_runtime"]
     launches = sum(len(v) for k, v in runtime.items() if "Launch" in k)
     syncs = {k: v for k, v in runtime.items() if "Synchronize" in k or "Memcpy" in k}
@@ -131,7 +134,6 @@ def summarize(events: list[dict], stage: str, top: int) -> str:
         " ms waiting in them)",
         "",
     ]
-    ops = [e for e in events if e.get("cat") == "cpu_op" and inside(e, spans)]
     lines += table("aten ops (self host time)", self_times(ops), top)
     lines += table("aten ops (inclusive host time)", by_cat["cpu_op"], top)
     sources = by_source(events, spans)
