@@ -264,3 +264,22 @@ def test_gpu_denominator_and_host_copies_do_not_sync():
                                  local_denominator(cfg, mask, cu)))  # fmt: skip
     assert found == [], found
     assert local_denominator(cfg, mask, cu).item() == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_host_to_device_returns_while_the_stream_is_busy():
+    """One GPU: a pageable source larger than the driver's staging buffer goes through pinned
+    memory, so the call returns while earlier kernels still run (the driver's own pageable copy
+    waits for them) and the copy lands once they finish."""
+    from megatron_grpo.loss.segments import host_to_device
+
+    dev = torch.device("cuda")
+    x = torch.arange(16 << 20, dtype=torch.float32)  # 64 MiB, pageable
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of one busy kernel
+    y = host_to_device(x, dev)
+    busy = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert busy, "host_to_device waited for the stream"
+    assert torch.equal(y.cpu(), x)

@@ -164,3 +164,15 @@ def test_kernel_interpreter_equals_reference(dtype, interleaved, percent):
 @_KERNEL_CASES
 def test_kernel_gpu_equals_reference(dtype, interleaved, percent):
     _kernel_case(dtype, interleaved, percent, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cp", [(1, 0), (2, 1), (4, 2)])
+def test_gpu_positions_computed_on_the_device_equal_the_hosts(cp):
+    """One GPU: the positions the attention builds on the device equal the host's."""
+    bounds = [0, 8, 8, 24, 40, 72]
+    tokens = 72 // cp[0] + 4  # trailing padding rows
+    host = packed_positions(bounds, tokens, *cp)
+    dev = packed_positions(bounds, tokens, *cp, device="cuda")
+    assert dev.device.type == "cuda" and torch.equal(dev.cpu(), host)

@@ -9,7 +9,7 @@ import torch
 
 from megatron_grpo.megatron.batch.packing import pack_sequences
 from megatron_grpo.rollout import Generation
-from megatron_grpo.train.batching import attach_logprobs
+from megatron_grpo.train.batching import PER_TOKEN_INPUTS, attach_logprobs, nonfinite_inputs
 from megatron_grpo.train.nonfinite import NonFiniteError, NonFiniteGuard
 
 
@@ -46,6 +46,30 @@ def test_guard_names_the_nonfinite_inputs_loss_and_grads():
     assert NonFiniteGuard.loss_or_grads([report], [layer]) == "non-finite gradients"
     report["loss/loss"].sum = torch.tensor(float("nan"))
     assert NonFiniteGuard.loss_or_grads([report], [layer]).startswith("non-finite loss")
+
+
+def test_nonfinite_inputs_flags_each_field_at_loss_mask_positions_only():
+    """One flag per field over all micro-batches; a non-finite value outside ``loss_mask`` (the
+    last position of every sequence) is not one; a field absent from some micro-batches is
+    checked where present."""
+    a, b, c = _batch(4), _batch(3), _batch(5)
+    a.advantages[3] = float("nan")  # loss_mask False there
+    b.ref_logprobs = torch.zeros(b.num_tokens)
+    b.ref_logprobs[1] = -float("inf")
+    c.old_logprobs = torch.zeros(c.num_tokens)
+    c.old_logprobs[4] = float("inf")  # loss_mask False
+    flags = dict(zip(PER_TOKEN_INPUTS, nonfinite_inputs([a, b, c]), strict=True))
+    assert flags == {
+        "advantages": False,
+        "old_logprobs": False,
+        "ref_logprobs": True,
+        "rollout_logprobs": False,
+    }
+    c.old_logprobs[1] = float("nan")
+    a.advantages[0] = float("inf")  # the first micro-batch: later finite ones keep the flag
+    flags = dict(zip(PER_TOKEN_INPUTS, nonfinite_inputs([a, b, c]), strict=True))
+    assert [n for n, bad in flags.items() if bad] == ["advantages", "old_logprobs", "ref_logprobs"]
+    assert nonfinite_inputs([]) == [False] * len(PER_TOKEN_INPUTS)
 
 
 def test_logprobs_are_attached_to_new_micro_batches():

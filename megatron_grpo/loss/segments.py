@@ -61,14 +61,20 @@ def cu_seqlens_checks(cu_seqlens: Tensor, total: int, device: torch.device) -> l
 
 
 def host_to_device(x: Tensor, device: torch.device) -> Tensor:
-    """``x`` on ``device`` without waiting for the GPU when it comes from pageable host memory
-    (an async copy returns once its source is staged; a blocking one first waits for the
-    stream to drain); otherwise as usual (a pinned source could be overwritten before an async
-    copy ran)."""
+    """``x`` on ``device`` without making the host wait for the GPU.
+
+    A pageable host source goes through pinned memory of its own: the driver's copy from
+    pageable memory waits for its staging buffer, i.e. for the stream's earlier copies and often
+    its kernels (188 us a copy in a profiled TP 2 update, 146 ms a step). The copy from the
+    pinned block is asynchronous and the block is not reused before it ran (torch's host caching
+    allocator records the copy on its stream). A caller's pinned source is copied as usual
+    (synchronously): the caller may overwrite it once this returns."""
+    device = torch.device(device)
     if x.device == device:
         return x
-    staged = x.device.type == "cpu" and not x.is_pinned()
-    return x.to(device, non_blocking=staged)
+    if x.device.type == "cpu" and device.type == "cuda" and not x.is_pinned():
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
 
 
 def segment_ids(cu_seqlens: Tensor, total: int) -> Tensor:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatron_grpo.loss.segments import host_to_device
 from megatron_grpo.megatron.batch.packing import PackedBatch, pack_sequences, padded_layout
 from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.megatron.parallel import all_reduce_max
@@ -183,15 +184,20 @@ def _layout_tokens(mb: PackedBatch, cp_size: int, multiple: int) -> int:
 
 def nonfinite_inputs(micro_batches: list[PackedBatch]) -> list[bool]:
     """For each name in ``PER_TOKEN_INPUTS``: does any micro-batch hold a non-finite value at a
-    ``loss_mask`` position?"""
-    flags = []
-    for name in PER_TOKEN_INPUTS:
-        bad = False
+    ``loss_mask`` position? The flags are computed where the values are and read on the host
+    together: one sync per device, not two per field and micro-batch."""
+    by_device: dict[torch.device, list[tuple[int, Tensor]]] = {}
+    for i, name in enumerate(PER_TOKEN_INPUTS):
         for mb in micro_batches:
             x = getattr(mb, name)
-            if x is not None and not bool(torch.isfinite(x[mb.loss_mask]).all()):
-                bad = True
-        flags.append(bad)
+            if x is not None:
+                bad = (~torch.isfinite(x) & host_to_device(mb.loss_mask, x.device)).any()
+                by_device.setdefault(x.device, []).append((i, bad))
+    flags = [False] * len(PER_TOKEN_INPUTS)
+    for found in by_device.values():
+        values = torch.stack([bad for _, bad in found]).tolist()
+        for (i, _), bad in zip(found, values, strict=True):
+            flags[i] = flags[i] or bad
     return flags
 
 

@@ -29,6 +29,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from torch.nn.attention.bias import causal_lower_right
 
+from megatron_grpo.loss.segments import host_to_device
 from megatron_grpo.megatron.attention.packed import SDPA, cached_layout
 
 # A document whose chunk (padded length / (2 * CP)) has at least this many tokens gets a group of
@@ -123,19 +124,25 @@ def _group(
         rows = torch.where(valid, first + t, 0)
         prefix = (i_q + 1) * chunk
         if uniform:
-            query = _Query(rows.to(device), prefix, None, None, rows.reshape(-1).to(device))
+            query = _Query(
+                host_to_device(rows, device),
+                prefix,
+                None,
+                None,
+                host_to_device(rows.reshape(-1), device),
+            )
         else:
             mask = torch.arange(prefix) <= (i_q * cb + t)[:, :, None]  # [B, chunk, prefix]
             src = valid.reshape(-1).nonzero().squeeze(1)
             query = _Query(
-                rows.to(device),
+                host_to_device(rows, device),
                 prefix,
-                mask[:, None].to(device),
-                src.to(device),
-                rows[valid].to(device),
+                host_to_device(mask[:, None], device),
+                host_to_device(src, device),
+                host_to_device(rows[valid], device),
             )
         queries.append(query)
-    return _LengthGroup(chunk, keys.to(device), (queries[0], queries[1]))
+    return _LengthGroup(chunk, host_to_device(keys, device), (queries[0], queries[1]))
 
 
 def cp_causal_attention(

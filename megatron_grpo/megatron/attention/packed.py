@@ -32,6 +32,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from megatron_grpo.loss.segments import host_to_device
 from megatron_grpo.ops.kernels import CHOICES
 
 # sdpa(q, k, v[, attn_mask]) on [B, n, S, d] batches: causal without a mask
@@ -142,7 +143,9 @@ def _buckets(starts: torch.Tensor, lens: torch.Tensor, end: int, device) -> _Buc
         shapes.append((len(d), len(cols)))
         offset += len(d) * len(cols)
     sizes = [b * s for b, s in shapes]
-    return _Buckets(shapes, sizes, torch.cat(slots).to(device), source.to(device))
+    return _Buckets(
+        shapes, sizes, host_to_device(torch.cat(slots), device), host_to_device(source, device)
+    )
 
 
 def packed_causal_attention(

@@ -26,21 +26,26 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
+from megatron_grpo.loss.segments import host_to_device
 from megatron_grpo.megatron.attention.packed import cached_layout, copy_host_bounds
 from megatron_grpo.ops.kernels import check_choice
 from megatron_grpo.ops.layers.rope import apply_rotary
 
 
-def packed_positions(bounds: list[int], tokens: int, cp_size: int = 1, cp_rank: int = 0) -> Tensor:
+def packed_positions(
+    bounds: list[int], tokens: int, cp_size: int = 1, cp_rank: int = 0, device=None
+) -> Tensor:
     """Each local token's position in its document, as megatron-core's THD RoPE assigns it.
 
     ``bounds``: the documents' (padded) ``cu_seqlens`` of the whole batch; the local tensor holds
     ``tokens`` rows: document i's ``(b[i+1] - b[i]) / cp_size`` tokens in turn, made of the two
     halves (chunks ``cp_rank`` and ``2 * cp_size - 1 - cp_rank``) of the load-balanced CP split.
-    Rows after the last document (padding) get position 0. Returns int64 ``[tokens]`` (CPU).
+    Rows after the last document (padding) get position 0. Returns int64 ``[tokens]`` on
+    ``device`` (None: the host), computed there: a 32k-token search on a slow host took ms.
     """
-    cu = torch.tensor(bounds, dtype=torch.long) // cp_size
-    j = torch.arange(tokens)
+    device = torch.device("cpu") if device is None else torch.device(device)
+    cu = host_to_device(torch.tensor(bounds, dtype=torch.long), device) // cp_size
+    j = torch.arange(tokens, device=device)
     doc = torch.searchsorted(cu[1:], j, right=True)  # first document ending after j
     inside = doc < cu.numel() - 1
     doc = doc.clamp(max=max(cu.numel() - 2, 0))
@@ -102,7 +107,7 @@ def _positions(
                 f"packed_seq_params: a document of {longest} tokens but the rotary table has "
                 f"{rows} rows (max_seqlen_q={params.max_seqlen_q} is below the longest document)"
             )
-        return packed_positions(bounds, tokens, cp_size, cp_rank).to(device, non_blocking=True)
+        return packed_positions(bounds, tokens, cp_size, cp_rank, device)
 
     return cached_layout(params, f"_grpo_rope_positions_{tokens}", device, build)
 

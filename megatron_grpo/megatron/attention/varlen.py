@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from megatron_grpo.loss.segments import host_to_device
 from megatron_grpo.megatron.attention.packed import cached_layout
 
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -79,7 +80,7 @@ def _layout(bounds: list[int], tokens: int, device: torch.device) -> VarlenLayou
         )
     cu = sorted(set(bounds) | {0, tokens})  # empty documents dropped, padding appended
     longest = max((b - a for a, b in zip(cu[:-1], cu[1:], strict=False)), default=0)
-    cu_dev = torch.tensor(cu, dtype=torch.int32).to(device, non_blocking=True)
+    cu_dev = host_to_device(torch.tensor(cu, dtype=torch.int32), device)
     return VarlenLayout(cu=cu_dev, max_len=longest, end=bounds[-1])
 
 

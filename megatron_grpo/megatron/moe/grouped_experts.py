@@ -37,6 +37,7 @@ from megatron.core.tensor_parallel.random import (
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_grpo.loss.segments import host_to_device
 from megatron_grpo.megatron.compat import use_index_chunk_sort
 from megatron_grpo.megatron.moe.expert_checkpoint import (
     ExpertShards,
@@ -184,7 +185,7 @@ class GroupedExperts(MegatronModule):
         if self.config.moe_apply_probs_on_input:  # top-1 only (megatron-core checks it)
             x = (probs.unsqueeze(-1) * x).to(x.dtype)
             probs = None
-        ends = torch.cumsum(tokens_per_expert.to(x.device, non_blocking=True), 0)
+        ends = torch.cumsum(host_to_device(tokens_per_expert, x.device), 0)
         h = grouped_mm(x, self.weight1, ends, impl=self.gemm_impl)
         if self.config.gated_linear_unit:  # scaled by the probs in the same kernel
             h = swiglu(h, impl=self.impl, probs=probs)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from megatron_grpo.loss.segments import host_to_device
 from megatron_grpo.ops.layers.sort_keys import sort_keys
 
 
@@ -23,8 +24,8 @@ def chunk_sort_rows(split_sizes: Tensor, sorted_idxs: Tensor, device: torch.devi
     """Row indices ``[T]`` of the chunks of ``split_sizes [S]`` concatenated in the order
     ``sorted_idxs [S]`` (one index per chunk): ``rows[j]`` is the input row at output row ``j``.
     No host sync (``T`` comes from ``split_sizes`` where it is on the host)."""
-    sizes = split_sizes.to(device=device, dtype=torch.long)
-    order = sorted_idxs.to(device=device, dtype=torch.long)
+    sizes = host_to_device(split_sizes.long(), device)
+    order = host_to_device(sorted_idxs.long(), device)
     starts = torch.cumsum(sizes, 0) - sizes  # input start of each chunk
     out_sizes = sizes[order]
     out_starts = torch.cumsum(out_sizes, 0) - out_sizes
