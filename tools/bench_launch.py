@@ -40,7 +40,13 @@ def host_us(fn: Callable[[], object], calls: int) -> float:
     return statistics.median(runs)
 
 
+CHAIN = 16  # ops per backward: the autograd engine's fixed cost per backward() is shared
+
+
 def cases(rows: int) -> dict[str, Callable[[], object]]:
+    """Each case's per-op cost: forward cases are one call; "fwd+bwd" cases are a chain of
+    ``CHAIN`` calls and one backward through them, timed per op (the total / CHAIN)."""
+    from megatron_grpo.ops.kernels import triton_kernels
     from megatron_grpo.ops.layers.rms_norm import rms_norm
     from megatron_grpo.ops.layers.rope import apply_rotary
     from megatron_grpo.ops.layers.swiglu import swiglu
@@ -51,26 +57,43 @@ def cases(rows: int) -> dict[str, Callable[[], object]]:
     q = torch.randn(rows, 16, 128, device=dev, dtype=bf16)
     cos = torch.randn(rows, 128, device=dev, dtype=bf16)
     sin = torch.randn(rows, 128, device=dev, dtype=bf16)
-    h = torch.randn(rows, 768, device=dev, dtype=bf16)
     probs = torch.rand(rows, device=dev, dtype=torch.float32)
-    xg, wg, qg, hg = (t.clone().requires_grad_() for t in (x, w, q, h))
+    xg, wg, qg = x.clone().requires_grad_(), w.clone().requires_grad_(), q.clone().requires_grad_()
+    hg = torch.randn(rows, 2 * 768, device=dev, dtype=bf16, requires_grad=True)
+    _, rstd = triton_kernels.rms_norm_fwd(x, w, 1e-6)
 
-    def fwd_bwd(make):
-        return lambda: make().sum().backward()
+    def chain(op, start):
+        def run():
+            y = start
+            for _ in range(CHAIN):
+                y = op(y)
+            y.float().sum().backward()
 
+        return run
+
+    def rope_op(t):
+        return apply_rotary(t, cos, sin, interleaved=False, impl="triton")
+
+    def swiglu_op(t):  # [r, 2F] -> [r, F] -> [r, 2F] again (a cat): the chain keeps its shape
+        out = swiglu(t, impl="triton", probs=probs)
+        return torch.cat([out, out], dim=1)
+
+    per_op = {
+        "chain of x * 1 (baseline)": chain(lambda t: t * 1, xg),
+        "rms_norm fwd+bwd": chain(lambda t: rms_norm(t, wg, 1e-6, impl="triton"), xg),
+        "rms_norm fwd+bwd, torch": chain(lambda t: rms_norm(t, wg, 1e-6, impl="torch"), xg),
+        "rope fwd+bwd": chain(rope_op, qg),
+        "swiglu (scaled) + cat fwd+bwd": chain(swiglu_op, hg),
+    }
     return {
         "aten add (baseline)": lambda: x.add(1),
         "empty Triton kernel": lambda: _empty_kernel[(1,)](x, 1),
         "rms_norm fwd": lambda: rms_norm(x, w, 1e-6, impl="triton"),
         "rms_norm fwd, torch": lambda: rms_norm(x, w, 1e-6, impl="torch"),
-        "sum + backward (baseline for fwd+bwd)": fwd_bwd(lambda: xg * 1),
-        "rms_norm fwd+bwd": fwd_bwd(lambda: rms_norm(xg, wg, 1e-6, impl="triton")),
+        "rms_norm_bwd launcher alone": lambda: triton_kernels.rms_norm_bwd(x, x, w, rstd),
         "rope fwd": lambda: apply_rotary(q, cos, sin, interleaved=False, impl="triton"),
-        "rope fwd+bwd": fwd_bwd(
-            lambda: apply_rotary(qg, cos, sin, interleaved=False, impl="triton")
-        ),
-        "swiglu (scaled) fwd": lambda: swiglu(h, impl="triton", probs=probs),
-        "swiglu (scaled) fwd+bwd": fwd_bwd(lambda: swiglu(hg, impl="triton", probs=probs)),
+        "swiglu (scaled) fwd": lambda: swiglu(hg.detach(), impl="triton", probs=probs),
+        **{f"{k} (per op of {CHAIN})": v for k, v in per_op.items()},
     }
 
 
@@ -82,7 +105,8 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     print(f"\n| op ({a.rows} rows) | host us / call |\n|---|---|")
     for name, fn in cases(a.rows).items():
-        print(f"| {name} | {host_us(fn, a.calls):.1f} |")
+        per = CHAIN if "per op" in name else 1
+        print(f"| {name} | {host_us(fn, max(1, a.calls // per)) / per:.1f} |")
 
 
 if __name__ == "__main__":
