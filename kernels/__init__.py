@@ -5,8 +5,8 @@ The kernel seam of the vocab-parallel log-prob op (see docs/DESIGN.md): per row-
 valid columns) and ``logits_grad`` (the fused softmax-gradient epilogue). The GEMMs and the TP
 combine live in ``megatron_grpo.ops``. The decode step's element-wise kernels (``add_rms_norm``,
 ``qkv_rope_cache``, ``swiglu``), ``decode_attention``, ``sample_rows`` and ``sort_keys`` (MoE
-pairs by expert) serve the generation engine; ``rope`` and ``rms_norm_fwd`` / ``rms_norm_bwd``
-serve the training passes; ``split_acc_addmm`` / ``split_acc_resolve`` keep the single pass's
+pairs by expert) serve the generation engine; ``gather_sum`` the gathered MoE dispatch's
+combine; ``rope`` and ``rms_norm_fwd`` / ``rms_norm_bwd`` serve the training passes; ``split_acc_addmm`` / ``split_acc_resolve`` keep the single pass's
 d_weight as a bf16 gradient with an int8 residual. Importing this package works without Triton
 installed; calling a kernel then raises a RuntimeError saying so.
 """
@@ -14,6 +14,7 @@ installed; calling a kernel then raises a RuntimeError saying so.
 from ._runtime import AUTOTUNE_ENV, triton_available
 from .add_rms_norm import add_rms_norm
 from .decode_attention import decode_attention
+from .gather_sum import gather_sum
 from .head_gemm import head_gemm_grad, head_gemm_stats
 from .logits_grad import logits_grad
 from .logits_row_stats import logits_row_stats
@@ -29,6 +30,7 @@ __all__ = [
     "AUTOTUNE_ENV",
     "add_rms_norm",
     "decode_attention",
+    "gather_sum",
     "head_gemm_grad",
     "head_gemm_stats",
     "logits_grad",

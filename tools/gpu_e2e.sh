@@ -60,7 +60,8 @@
 # RUN_TIMEOUT (seconds per trainer run; unset: none), WHEELS (.whl), E2E_CODE (a directory
 # holding another megatron_grpo, e.g. `git archive BASE megatron_grpo | tar -x -C .run/base`:
 # the trainer runs that code with this checkout's recipes, for a before / after in one call;
-# give each side its own OUT and WORK).
+# give each side its own OUT and WORK), TORCHRUN_ARGS (more torchrun options for every trainer
+# run, e.g. "--numa-binding node": each rank on the CPUs near its GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=tools/gpu_env.sh
@@ -139,8 +140,10 @@ train() {
     local code=()
     [ -n "${E2E_CODE:-}" ] &&
         code=(env PYTHONSAFEPATH=1 "PYTHONPATH=$E2E_CODE${PYTHONPATH:+:$PYTHONPATH}")
+    local torchrun_extra=()
+    read -ra torchrun_extra <<<"${TORCHRUN_ARGS:-}"
     with_memory_sampling "$tag" "${limit[@]}" "${code[@]}" python3 -m torch.distributed.run \
-        --standalone --nproc-per-node "$nproc" -m megatron_grpo.train \
+        --standalone --nproc-per-node "$nproc" "${torchrun_extra[@]}" -m megatron_grpo.train \
         --config "recipes/$recipe.yaml" \
         --set lm_head.path="$path" --set logging.dir="$WORK/$tag" \
         --set logging.progress_bar=false --set checkpoint.dir=null "${layout[@]}" "$@"

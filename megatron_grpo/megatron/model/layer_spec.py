@@ -187,6 +187,7 @@ def _with_grouped_experts(mlp, kernels: LayerKernels, groups=None):
     params["expert_groups"] = _expert_groups(groups)
     experts = ModuleSpec(module=GroupedExperts, params=params)
     dispatch = {"moe_dispatch": kernels.moe_dispatch, "moe_sort": kernels.moe_sort}
+    dispatch["elementwise"] = kernels.elementwise
     dispatch["default_groups"] = groups
     if isinstance(mlp, ModuleSpec):
         mlp.module = GroupedMoELayer

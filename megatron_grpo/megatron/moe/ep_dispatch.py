@@ -55,7 +55,8 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from torch import Tensor
 
 from megatron_grpo.megatron.moe.alltoall_permute import use_sort_permute
-from megatron_grpo.ops.kernels import CHOICES
+from megatron_grpo.ops.kernels import CHOICES, check_choice
+from megatron_grpo.ops.layers.gather_sum import gather_sum
 from megatron_grpo.ops.layers.sort_keys import sort_keys
 
 EP_DISPATCHES = CHOICES["moe_dispatch"]
@@ -124,19 +125,25 @@ class EPDispatch:
 
     @classmethod
     def of(
-        cls, layer, built: MoETokenDispatcher, groups, choice: str = "auto", sort: str = "auto"
+        cls,
+        layer,
+        built: MoETokenDispatcher,
+        groups,
+        choice: str = "auto",
+        sort: str = "auto",
+        impl: str = "auto",
     ) -> EPDispatch:
         """``built``: megatron-core's dispatcher of ``layer``; ``groups``: its ``ep``,
         ``expt_tp``, ``tp_ep`` and the attention ``tp`` group; ``choice``: the model's
         ``LayerKernels.moe_dispatch`` ("gathered" where it cannot run is an error here);
-        ``sort``: its ``moe_sort``."""
+        ``sort``: its ``moe_sort``; ``impl``: its ``elementwise``."""
         use_sort_permute()  # megatron-core's dispatcher: one host sync a layer (split sizes)
         why = gathered_dispatch_unsupported(layer.config, groups)
         gathered = None
         if why is None:
             offset = layer.local_expert_indices[0]
             gathered = GatheredTokenDispatcher(
-                layer.num_local_experts, offset, layer.config, groups, sort
+                layer.num_local_experts, offset, layer.config, groups, sort, impl
             )
         choose_dispatch(choice, True, why)  # refuse an impossible choice at build time
         return cls(built, gathered, why, choice)
@@ -183,36 +190,33 @@ class _GatherRows(torch.autograd.Function):
     none) of each of ``src`` row n's ``s`` uses, summed in fp32 (no atomics)."""
 
     @staticmethod
-    def forward(ctx, src: Tensor, rows: Tensor, back: Tensor) -> Tensor:
+    def forward(ctx, src: Tensor, rows: Tensor, back: Tensor, impl: str) -> Tensor:
         ctx.save_for_backward(back)
+        ctx.impl = impl
         return src.index_select(0, rows)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         (back,) = ctx.saved_tensors
-        padded = torch.cat([grad, grad.new_zeros(1, grad.size(1))])
-        parts = padded.index_select(0, back.reshape(-1)).view(*back.shape, grad.size(1))
-        return parts.sum(1, dtype=torch.float32).to(grad.dtype), None, None
+        return gather_sum(grad, back, grad.dtype, impl=ctx.impl), None, None, None
 
 
 class _SumRows(torch.autograd.Function):
-    """``y [M, D]`` -> ``[N, D]`` fp32: row n sums ``y[back[n, s]]`` over s (``M``: a zero row);
+    """``y [M, D]`` -> ``[N, D]`` fp32: row n sums ``y[back[n, s]]`` over s (``M``: nothing);
     backward: row j of ``y`` gets the gradient of ``rows[j]`` where ``valid[j]``, else 0."""
 
     @staticmethod
-    def forward(ctx, y: Tensor, back: Tensor, rows: Tensor, valid: Tensor) -> Tensor:
+    def forward(ctx, y: Tensor, back: Tensor, rows: Tensor, valid: Tensor, impl: str) -> Tensor:
         ctx.save_for_backward(rows, valid)
         ctx.dtype = y.dtype
-        padded = torch.cat([y, y.new_zeros(1, y.size(1))])
-        parts = padded.index_select(0, back.reshape(-1)).view(*back.shape, y.size(1))
-        return parts.sum(1, dtype=torch.float32)
+        return gather_sum(y, back, torch.float32, impl=impl)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         rows, valid = ctx.saved_tensors
         g = grad.index_select(0, rows)
         g = torch.where(valid[:, None], g, torch.zeros((), dtype=g.dtype, device=g.device))
-        return g.to(ctx.dtype), None, None, None
+        return g.to(ctx.dtype), None, None, None, None
 
 
 @dataclass
@@ -230,13 +234,21 @@ class GatheredTokenDispatcher(MoETokenDispatcher):
     """megatron-core's dispatcher interface over the gathered tokens (module docstring)."""
 
     def __init__(
-        self, num_local_experts: int, local_offset: int, config, groups, sort: str = "auto"
+        self,
+        num_local_experts: int,
+        local_offset: int,
+        config,
+        groups,
+        sort: str = "auto",
+        impl: str = "auto",
     ) -> None:
-        """``sort``: ``LayerKernels.moe_sort`` (``ops.layers.sort_keys``)."""
+        """``sort``: ``LayerKernels.moe_sort`` (``ops.layers.sort_keys``); ``impl``: its
+        ``elementwise`` (the combine's row sums, ``ops.layers.gather_sum``)."""
         super().__init__(config=config, pg_collection=groups)
         self.num_local_experts = num_local_experts
         self.local_offset = local_offset
         self.sort = sort
+        self.impl = check_choice("impl", impl, "elementwise")
         self.topk = config.moe_router_topk
         tp_ranks, ep_ranks = _ranks(getattr(groups, "tp", None)), _ranks(self.ep_group)
         known = tp_ranks is not None and ep_ranks is not None
@@ -298,9 +310,9 @@ class GatheredTokenDispatcher(MoETokenDispatcher):
         k = self.topk
         ids = probs[:, k:].detach().long()
         r = self._routing = self._route(ids)
-        rows = _GatherRows.apply(hidden_states, r.rows, r.back)
+        rows = _GatherRows.apply(hidden_states, r.rows, r.back, self.impl)
         flat = probs[:, :k].reshape(-1, 1)
-        permuted_probs = _GatherRows.apply(flat, r.pair_rows, r.back.reshape(-1, 1))
+        permuted_probs = _GatherRows.apply(flat, r.pair_rows, r.back.reshape(-1, 1), self.impl)
         return rows, r.counts, permuted_probs.view(-1).to(self._dtypes[1])
 
     def _route(self, ids: Tensor) -> _Routing:
@@ -318,7 +330,7 @@ class GatheredTokenDispatcher(MoETokenDispatcher):
         """Expert outputs ``[M, H]`` -> each gathered token's local experts summed ``[P*T, H]``
         (fp32)."""
         r, self._routing = self._routing, None
-        return _SumRows.apply(hidden_states, r.back, r.rows, r.valid)
+        return _SumRows.apply(hidden_states, r.back, r.rows, r.valid, self.impl)
 
     def token_combine(self, hidden_states: Tensor) -> Tensor:
         """Sum the group's partial outputs (fp32): this rank's tokens ``[T, H]``."""

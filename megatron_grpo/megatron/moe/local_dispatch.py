@@ -107,11 +107,13 @@ class GroupedMoELayer(MoELayer):
         *args,
         moe_dispatch: str = "auto",
         moe_sort: str = "auto",
+        elementwise: str = "auto",
         default_groups=None,
         **kwargs,
     ) -> None:
         """``moe_dispatch``: ``LayerKernels.moe_dispatch`` (applies at EP > 1); ``moe_sort``:
-        ``LayerKernels.moe_sort`` (both dispatches of ours). ``default_groups``: the model's
+        ``LayerKernels.moe_sort`` (both dispatches of ours); ``elementwise``: its
+        ``elementwise`` (the gathered dispatch's row sums). ``default_groups``: the model's
         own process groups where megatron-core (< 0.19) hands a subclass none."""
         if kwargs.get("pg_collection") is None and default_groups is not None:
             kwargs["pg_collection"] = default_groups
@@ -128,7 +130,7 @@ class GroupedMoELayer(MoELayer):
         self.ep_dispatch = (
             None
             if self.local_dispatch
-            else EPDispatch.of(self, built, groups, moe_dispatch, moe_sort)
+            else EPDispatch.of(self, built, groups, moe_dispatch, moe_sort, elementwise)
         )
 
     def forward(self, hidden_states, *args, **kwargs):

@@ -1,0 +1,40 @@
+"""Rows gathered by index and summed per output row: ``out[n] = sum_s src[idx[n, s]]``.
+
+The gathered MoE dispatch sums each token's local expert rows in its combine, and its row
+gather's backward sums each token's row gradients the same way (``megatron/moe/ep_dispatch.py``);
+an index ``>= M`` (a slot routed to another rank's expert) adds nothing.
+
+* :func:`gather_sum_torch`: the reference: a zero row appended to ``src``, ``index_select`` of
+  ``[N * S]`` rows, a fp32 sum over the slots (three passes over memory, a copy of ``src``).
+* ``impl="triton"``: ``kernels.gather_sum``, one pass: each used row read once, fp32 sums in
+  slot order, as the reference adds them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from megatron_grpo.ops.kernels import resolve_impl, triton_kernels
+
+
+def gather_sum_torch(src: Tensor, idx: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """``src [M, D]``, ``idx [N, S]`` int64 -> ``[N, D]`` in ``out_dtype`` (fp32 sums)."""
+    padded = torch.cat([src, src.new_zeros(1, src.size(1))])
+    rows = padded.index_select(0, idx.reshape(-1).clamp(max=src.size(0)))
+    return rows.view(*idx.shape, src.size(1)).sum(1, dtype=torch.float32).to(out_dtype)
+
+
+def gather_sum(src: Tensor, idx: Tensor, out_dtype: torch.dtype, *, impl: str = "auto") -> Tensor:
+    """Row n of the result: the fp32 sum of ``src [M, D]``'s rows ``idx[n, :]`` (``idx [N, S]``
+    int64; an index >= M adds nothing), in ``out_dtype``. ``impl``: "torch"
+    (:func:`gather_sum_torch`), "triton" or "auto" (:func:`~megatron_grpo.ops.kernels.
+    resolve_impl`)."""
+    if src.dim() != 2 or idx.dim() != 2 or idx.dtype != torch.int64:
+        raise ValueError(
+            f"gather_sum: src must be [M, D] and idx [N, S] int64, got {list(src.shape)} and "
+            f"{idx.dtype} {list(idx.shape)}"
+        )
+    if resolve_impl(impl, src.device.type) == "torch":
+        return gather_sum_torch(src, idx, out_dtype)
+    return triton_kernels.gather_sum(src.contiguous(), idx, out_dtype)
