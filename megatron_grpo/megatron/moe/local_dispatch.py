@@ -28,6 +28,7 @@ from torch import Tensor
 
 from megatron_grpo.megatron.moe.ep_dispatch import EPDispatch
 from megatron_grpo.megatron.moe.permute import combine_tokens, permute_tokens, sort_by_expert
+from megatron_grpo.ops.kernels import check_choice
 
 
 def local_dispatch_unsupported(config, pg_collection=None) -> str | None:
@@ -54,12 +55,19 @@ class LocalTokenDispatcher(MoETokenDispatcher):
     """megatron-core's dispatcher interface for a layer whose experts are all local."""
 
     def __init__(
-        self, num_local_experts: int, config, pg_collection=None, sort: str = "auto"
+        self,
+        num_local_experts: int,
+        config,
+        pg_collection=None,
+        sort: str = "auto",
+        impl: str = "auto",
     ) -> None:
-        """``sort``: ``LayerKernels.moe_sort`` (``ops.layers.sort_keys``)."""
+        """``sort``: ``LayerKernels.moe_sort`` (``ops.layers.sort_keys``); ``impl``: its
+        ``elementwise`` (the row sums of the combine and the permute's backward)."""
         super().__init__(config=config, pg_collection=pg_collection)
         self.num_experts = num_local_experts
         self.sort = sort
+        self.impl = check_choice("impl", impl, "elementwise")
         self.topk = config.moe_router_topk
         self._state: tuple[Tensor, Tensor, torch.Size] | None = None
         self._counts: Tensor | None = None
@@ -74,7 +82,7 @@ class LocalTokenDispatcher(MoETokenDispatcher):
         order, inverse, self._counts = sort_by_expert(ids, self.num_experts, self.sort)
         self._state = (order, inverse, shape)
         permuted_probs = probs.gather(1, ids).reshape(-1).index_select(0, order)
-        return permute_tokens(tokens, order, inverse, self.topk), permuted_probs
+        return permute_tokens(tokens, order, inverse, self.topk, self.impl), permuted_probs
 
     def token_dispatch(self, hidden_states: Tensor, probs: Tensor):
         return hidden_states, probs  # nothing to send
@@ -92,7 +100,7 @@ class LocalTokenDispatcher(MoETokenDispatcher):
     def combine_postprocess(self, hidden_states: Tensor) -> Tensor:
         order, inverse, shape = self._state
         self._state = None
-        return combine_tokens(hidden_states, order, inverse, self.topk).view(shape)
+        return combine_tokens(hidden_states, order, inverse, self.topk, self.impl).view(shape)
 
 
 class GroupedMoELayer(MoELayer):
@@ -123,7 +131,7 @@ class GroupedMoELayer(MoELayer):
         groups.tp = getattr(self, "attn_tp_group", None)
         if local_dispatch_unsupported(config) is None and groups.tp_ep.size() == 1:
             self.token_dispatcher = LocalTokenDispatcher(
-                self.num_local_experts, config, groups, moe_sort
+                self.num_local_experts, config, groups, moe_sort, elementwise
             )
         self.local_dispatch = isinstance(self.token_dispatcher, LocalTokenDispatcher)
         # tokens leave the rank: megatron-core's dispatcher or the gathered one, per forward

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from megatron_grpo.loss.segments import host_to_device
+from megatron_grpo.ops.layers.gather_sum import gather_sum
 from megatron_grpo.ops.layers.sort_keys import sort_keys
 
 
@@ -90,44 +91,47 @@ def sort_by_expert(
 
 class _Permute(torch.autograd.Function):
     """``x [T, H]`` -> ``x[order // k]`` ``[T*k, H]``; backward: each token's k rows gathered
-    and summed (no atomics: deterministic, one rounding)."""
+    and summed in one pass (``ops.layers.gather_sum``: no atomics, deterministic, one
+    rounding)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, order: Tensor, inverse: Tensor, k: int) -> Tensor:
+    def forward(ctx, x: Tensor, order: Tensor, inverse: Tensor, k: int, impl: str) -> Tensor:
         ctx.save_for_backward(inverse)
-        ctx.k = k
+        ctx.k, ctx.impl = k, impl
         return x.index_select(0, torch.div(order, k, rounding_mode="floor"))
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         (inverse,) = ctx.saved_tensors
-        rows = grad.index_select(0, inverse).view(-1, ctx.k, grad.size(-1))
-        return rows.sum(1, dtype=torch.float32).to(grad.dtype), None, None, None
+        rows = inverse.view(-1, ctx.k)
+        return gather_sum(grad, rows, grad.dtype, impl=ctx.impl), None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
     """``y [T*k, H]`` (permuted rows, probs applied) -> ``[T, H]``: each token's k rows summed
-    in fp32, rounded once; backward: the token's gradient gathered to each of its rows."""
+    in fp32 in one pass, rounded once; backward: the token's gradient gathered to each of its
+    rows."""
 
     @staticmethod
-    def forward(ctx, y: Tensor, order: Tensor, inverse: Tensor, k: int) -> Tensor:
+    def forward(ctx, y: Tensor, order: Tensor, inverse: Tensor, k: int, impl: str) -> Tensor:
         ctx.save_for_backward(order)
         ctx.k = k
-        rows = y.index_select(0, inverse).view(-1, k, y.size(-1))
-        return rows.sum(1, dtype=torch.float32).to(y.dtype)
+        return gather_sum(y, inverse.view(-1, k), y.dtype, impl=impl)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         (order,) = ctx.saved_tensors
         token = torch.div(order, ctx.k, rounding_mode="floor")
-        return grad.index_select(0, token), None, None, None
+        return grad.index_select(0, token), None, None, None, None
 
 
-def permute_tokens(x: Tensor, order: Tensor, inverse: Tensor, k: int) -> Tensor:
-    """Tokens ``x [T, H]`` to their ``T*k`` expert-sorted rows (:func:`sort_by_expert`)."""
-    return _Permute.apply(x, order, inverse, k)
+def permute_tokens(x: Tensor, order: Tensor, inverse: Tensor, k: int, impl: str = "auto") -> Tensor:
+    """Tokens ``x [T, H]`` to their ``T*k`` expert-sorted rows (:func:`sort_by_expert`);
+    ``impl``: the backward's row sums (``LayerKernels.elementwise``)."""
+    return _Permute.apply(x, order, inverse, k, impl)
 
 
-def combine_tokens(y: Tensor, order: Tensor, inverse: Tensor, k: int) -> Tensor:
-    """Expert-sorted rows ``y [T*k, H]`` back to tokens ``[T, H]``, summing each token's k."""
-    return _Combine.apply(y, order, inverse, k)
+def combine_tokens(y: Tensor, order: Tensor, inverse: Tensor, k: int, impl: str = "auto") -> Tensor:
+    """Expert-sorted rows ``y [T*k, H]`` back to tokens ``[T, H]``, summing each token's k
+    (``impl``: ``LayerKernels.elementwise``)."""
+    return _Combine.apply(y, order, inverse, k, impl)
