@@ -81,3 +81,21 @@ def test_bad_shapes_name_the_tensors():
 def test_gpu_kernel_equals_reference():
     """One GPU: the compiled kernel against the reference."""
     _kernel_test("cuda")
+
+
+def test_auto_takes_the_reference_for_narrow_rows(monkeypatch):
+    """ "auto" runs the kernel for rows of at least MIN_KERNEL_WIDTH elements on CUDA, the
+    reference below (where the kernel's one program per row loses); explicit "triton" always
+    runs the kernel."""
+    from megatron_grpo.ops.layers import gather_sum as layer
+
+    calls = []
+    monkeypatch.setattr(layer, "resolve_impl", lambda impl, device: "triton")
+    monkeypatch.setattr(
+        layer.triton_kernels, "gather_sum", lambda src, idx, dtype: calls.append(src.size(1))
+    )
+    idx = torch.zeros(3, 2, dtype=torch.long)
+    for width in (1, layer.MIN_KERNEL_WIDTH - 1, layer.MIN_KERNEL_WIDTH):
+        gather_sum(torch.zeros(4, width), idx, torch.float32)
+    gather_sum(torch.zeros(4, 1), idx, torch.float32, impl="triton")
+    assert calls == [layer.MIN_KERNEL_WIDTH, 1]
