@@ -5,10 +5,11 @@ The kernel seam of the vocab-parallel log-prob op (see docs/DESIGN.md): per row-
 valid columns) and ``logits_grad`` (the fused softmax-gradient epilogue). The GEMMs and the TP
 combine live in ``megatron_grpo.ops``. The decode step's element-wise kernels (``add_rms_norm``,
 ``qkv_rope_cache``, ``swiglu``), ``decode_attention``, ``sample_rows`` and ``sort_keys`` (MoE
-pairs by expert) serve the generation engine; ``gather_sum`` the gathered MoE dispatch's
-combine; ``rope`` and ``rms_norm_fwd`` / ``rms_norm_bwd`` serve the training passes; ``split_acc_addmm`` / ``split_acc_resolve`` keep the single pass's
-d_weight as a bf16 gradient with an int8 residual. Importing this package works without Triton
-installed; calling a kernel then raises a RuntimeError saying so.
+pairs by expert) serve the generation engine; ``rope``, ``rms_norm_fwd`` / ``rms_norm_bwd`` and
+``gather_sum`` (the MoE dispatches' row sums) serve the training passes; ``split_acc_addmm`` /
+``split_acc_resolve`` keep the single pass's d_weight as a bf16 gradient with an int8 residual.
+Importing this package works without Triton installed; calling a kernel then raises a
+RuntimeError saying so.
 """
 
 from ._runtime import AUTOTUNE_ENV, triton_available

@@ -1,5 +1,5 @@
-"""Rows gathered by index and summed per output row in one pass: the gathered MoE dispatch's
-combine (each token's local expert rows) and the backward of its row gather.
+"""Rows gathered by index and summed per output row in one pass: the MoE dispatches' combines
+(each token's expert rows) and the backward of their row gathers.
 
     out[n, :] = sum over s of src[idx[n, s], :]    (idx[n, s] >= M: no row; fp32 sums)
 

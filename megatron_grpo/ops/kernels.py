@@ -120,8 +120,8 @@ class LayerKernels:
     """The kernels of the portable spec's layers, chosen once when the model is built.
 
     Attributes (each one of :data:`CHOICES` of its kind; errors name the field):
-        elementwise: RMSNorm, SwiGLU (dense MLP and grouped experts) and the gathered MoE
-            dispatch's row sums: ``impl`` names.
+        elementwise: RMSNorm, SwiGLU (dense MLP and grouped experts) and the MoE
+            dispatches' row sums (``ops.layers.gather_sum``): ``impl`` names.
         grouped_gemm: the MoE experts' two grouped GEMMs: ``grouped_gemm`` names.
         rope: packed (THD) RoPE: ``rope`` names ("megatron": megatron-core's loop).
         attention: how packed documents' length buckets run: ``attention`` names.

@@ -1,8 +1,9 @@
 """Rows gathered by index and summed per output row: ``out[n] = sum_s src[idx[n, s]]``.
 
-The gathered MoE dispatch sums each token's local expert rows in its combine, and its row
-gather's backward sums each token's row gradients the same way (``megatron/moe/ep_dispatch.py``);
-an index ``>= M`` (a slot routed to another rank's expert) adds nothing.
+The MoE dispatches sum each token's expert rows in their combines, and the backward of their
+row gathers sums each token's row gradients the same way (``megatron/moe/permute.py``,
+``megatron/moe/ep_dispatch.py``); an index ``>= M`` (in the gathered dispatch: a slot routed to
+another rank's expert) adds nothing.
 
 * :func:`gather_sum_torch`: the reference: a zero row appended to ``src``, ``index_select`` of
   ``[N * S]`` rows, a fp32 sum over the slots (three passes over memory, a copy of ``src``).
