@@ -30,8 +30,8 @@ engine's forwards do: the group pads to its largest batch).
 
 The choice between this dispatch and megatron-core's is :func:`choose_dispatch`, made per
 forward from data on each layer (:class:`EPDispatch`): ``dispatch`` ("auto", "alltoall",
-"gathered"; ``LayerKernels.moe_dispatch``, given when the model is built) and ``sync_free`` (:func:`no_host_sync`, around the
-engine's decode steps). "auto" takes the gathered dispatch where no host sync is wanted and
+"gathered"; ``LayerKernels.moe_dispatch``, given when the model is built) and ``sync_free``
+(:func:`no_host_sync`, around the engine's decode steps). "auto" takes the gathered dispatch where no host sync is wanted and
 megatron-core's elsewhere (prefill and training batches are large, and their token counts
 differ between ranks).
 """
