@@ -187,12 +187,15 @@ def nonfinite_inputs(micro_batches: list[PackedBatch]) -> list[bool]:
     ``loss_mask`` position? The flags are computed where the values are and read on the host
     together: one sync per device, not two per field and micro-batch."""
     by_device: dict[torch.device, list[tuple[int, Tensor]]] = {}
-    for i, name in enumerate(PER_TOKEN_INPUTS):
-        for mb in micro_batches:
+    for mb in micro_batches:
+        masks: dict[torch.device, Tensor] = {}  # loss_mask moved once per device
+        for i, name in enumerate(PER_TOKEN_INPUTS):
             x = getattr(mb, name)
             if x is not None:
-                bad = (~torch.isfinite(x) & host_to_device(mb.loss_mask, x.device)).any()
-                by_device.setdefault(x.device, []).append((i, bad))
+                if x.device not in masks:
+                    masks[x.device] = host_to_device(mb.loss_mask, x.device)
+                mask = masks[x.device]
+                by_device.setdefault(x.device, []).append((i, (~torch.isfinite(x) & mask).any()))
     flags = [False] * len(PER_TOKEN_INPUTS)
     for found in by_device.values():
         values = torch.stack([bad for _, bad in found]).tolist()

@@ -55,8 +55,8 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from torch import Tensor
 
 from megatron_grpo.megatron.moe.alltoall_permute import use_sort_permute
+from megatron_grpo.megatron.moe.permute import gather_rows, sum_rows
 from megatron_grpo.ops.kernels import CHOICES, check_choice
-from megatron_grpo.ops.layers.gather_sum import gather_sum
 from megatron_grpo.ops.layers.sort_keys import sort_keys
 
 EP_DISPATCHES = CHOICES["moe_dispatch"]
@@ -185,40 +185,6 @@ def _ranks(group) -> list[int] | None:
     return sorted(dist.get_process_group_ranks(group))
 
 
-class _GatherRows(torch.autograd.Function):
-    """``src [N, D]`` -> ``src[rows]`` ``[M, D]``; backward: output row ``back[n, s]`` (``M``:
-    none) of each of ``src`` row n's ``s`` uses, summed in fp32 (no atomics)."""
-
-    @staticmethod
-    def forward(ctx, src: Tensor, rows: Tensor, back: Tensor, impl: str) -> Tensor:
-        ctx.save_for_backward(back)
-        ctx.impl = impl
-        return src.index_select(0, rows)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        (back,) = ctx.saved_tensors
-        return gather_sum(grad, back, grad.dtype, impl=ctx.impl), None, None, None
-
-
-class _SumRows(torch.autograd.Function):
-    """``y [M, D]`` -> ``[N, D]`` fp32: row n sums ``y[back[n, s]]`` over s (``M``: nothing);
-    backward: row j of ``y`` gets the gradient of ``rows[j]`` where ``valid[j]``, else 0."""
-
-    @staticmethod
-    def forward(ctx, y: Tensor, back: Tensor, rows: Tensor, valid: Tensor, impl: str) -> Tensor:
-        ctx.save_for_backward(rows, valid)
-        ctx.dtype = y.dtype
-        return gather_sum(y, back, torch.float32, impl=impl)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        rows, valid = ctx.saved_tensors
-        g = grad.index_select(0, rows)
-        g = torch.where(valid[:, None], g, torch.zeros((), dtype=g.dtype, device=g.device))
-        return g.to(ctx.dtype), None, None, None, None
-
-
 @dataclass
 class _Routing:
     """One forward's device-side routing of the gathered pairs (see :meth:`_route`)."""
@@ -310,9 +276,9 @@ class GatheredTokenDispatcher(MoETokenDispatcher):
         k = self.topk
         ids = probs[:, k:].detach().long()
         r = self._routing = self._route(ids)
-        rows = _GatherRows.apply(hidden_states, r.rows, r.back, self.impl)
+        rows = gather_rows(hidden_states, r.rows, r.back, self.impl)
         flat = probs[:, :k].reshape(-1, 1)
-        permuted_probs = _GatherRows.apply(flat, r.pair_rows, r.back.reshape(-1, 1), self.impl)
+        permuted_probs = gather_rows(flat, r.pair_rows, r.back.reshape(-1, 1), self.impl)
         return rows, r.counts, permuted_probs.view(-1).to(self._dtypes[1])
 
     def _route(self, ids: Tensor) -> _Routing:
@@ -330,7 +296,7 @@ class GatheredTokenDispatcher(MoETokenDispatcher):
         """Expert outputs ``[M, H]`` -> each gathered token's local experts summed ``[P*T, H]``
         (fp32)."""
         r, self._routing = self._routing, None
-        return _SumRows.apply(hidden_states, r.back, r.rows, r.valid, self.impl)
+        return sum_rows(hidden_states, r.back, r.rows, r.valid, torch.float32, self.impl)
 
     def token_combine(self, hidden_states: Tensor) -> Tensor:
         """Sum the group's partial outputs (fp32): this rank's tokens ``[T, H]``."""

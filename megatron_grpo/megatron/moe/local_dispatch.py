@@ -121,7 +121,7 @@ class GroupedMoELayer(MoELayer):
     ) -> None:
         """``moe_dispatch``: ``LayerKernels.moe_dispatch`` (applies at EP > 1); ``moe_sort``:
         ``LayerKernels.moe_sort`` (both dispatches of ours); ``elementwise``: its
-        ``elementwise`` (the gathered dispatch's row sums). ``default_groups``: the model's
+        ``elementwise`` (both dispatches' row sums). ``default_groups``: the model's
         own process groups where megatron-core (< 0.19) hands a subclass none."""
         if kwargs.get("pg_collection") is None and default_groups is not None:
             kwargs["pg_collection"] = default_groups

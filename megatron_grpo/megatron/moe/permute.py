@@ -9,6 +9,10 @@ same permutation as one gather (``index_select``; its backward a gather too), wi
 indices built on the device; at the identity order (EP = TP = 1) it copies nothing.
 ``compat.use_index_chunk_sort`` installs it in the dispatcher; tests compare it with
 megatron-core's own.
+
+:func:`gather_rows` and :func:`sum_rows` are the row gather and row sum of every dispatch of
+ours (the local and gathered ones, the all-to-all's sort permute), each the other's backward,
+the sums in one pass (``ops.layers.gather_sum``).
 """
 
 from __future__ import annotations
@@ -89,49 +93,74 @@ def sort_by_expert(
     return sort_keys(expert_ids, 0, num_experts, n, sort)
 
 
-class _Permute(torch.autograd.Function):
-    """``x [T, H]`` -> ``x[order // k]`` ``[T*k, H]``; backward: each token's k rows gathered
-    and summed in one pass (``ops.layers.gather_sum``: no atomics, deterministic, one
-    rounding)."""
+class _GatherRows(torch.autograd.Function):
+    """``src [N, D]`` -> ``src[rows]`` ``[R, D]``; backward: row n's gradient is the fp32 sum of
+    the output rows ``back[n, :]`` (``>= R``: none) in one pass (``ops.layers.gather_sum``: no
+    atomics, deterministic, one rounding)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, order: Tensor, inverse: Tensor, k: int, impl: str) -> Tensor:
-        ctx.save_for_backward(inverse)
-        ctx.k, ctx.impl = k, impl
-        return x.index_select(0, torch.div(order, k, rounding_mode="floor"))
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        (inverse,) = ctx.saved_tensors
-        rows = inverse.view(-1, ctx.k)
-        return gather_sum(grad, rows, grad.dtype, impl=ctx.impl), None, None, None, None
-
-
-class _Combine(torch.autograd.Function):
-    """``y [T*k, H]`` (permuted rows, probs applied) -> ``[T, H]``: each token's k rows summed
-    in fp32 in one pass, rounded once; backward: the token's gradient gathered to each of its
-    rows."""
-
-    @staticmethod
-    def forward(ctx, y: Tensor, order: Tensor, inverse: Tensor, k: int, impl: str) -> Tensor:
-        ctx.save_for_backward(order)
-        ctx.k = k
-        return gather_sum(y, inverse.view(-1, k), y.dtype, impl=impl)
+    def forward(ctx, src: Tensor, rows: Tensor, back: Tensor, impl: str) -> Tensor:
+        ctx.save_for_backward(back)
+        ctx.impl = impl
+        return src.index_select(0, rows)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        (order,) = ctx.saved_tensors
-        token = torch.div(order, ctx.k, rounding_mode="floor")
-        return grad.index_select(0, token), None, None, None, None
+        (back,) = ctx.saved_tensors
+        return gather_sum(grad, back, grad.dtype, impl=ctx.impl), None, None, None
+
+
+class _SumRows(torch.autograd.Function):
+    """``y [M, D]`` -> ``[N, D]`` in ``out_dtype``: row n is the fp32 sum of ``y[back[n, :]]``
+    (``>= M``: nothing), rounded once; backward: row j of ``y`` gets the gradient of output row
+    ``rows[j]`` (0 where ``valid[j]`` is False; ``valid`` None: every row is used)."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, back: Tensor, rows: Tensor, valid, out_dtype, impl: str) -> Tensor:
+        ctx.save_for_backward(rows, valid)
+        ctx.dtype = y.dtype
+        return gather_sum(y, back, out_dtype, impl=impl)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        rows, valid = ctx.saved_tensors
+        g = grad.index_select(0, rows)
+        if valid is not None:
+            g = torch.where(valid[:, None], g, torch.zeros((), dtype=g.dtype, device=g.device))
+        return g.to(ctx.dtype), None, None, None, None, None
+
+
+def gather_rows(src: Tensor, rows: Tensor, back: Tensor, impl: str = "auto") -> Tensor:
+    """``src[rows]`` whose backward sums each source row's uses ``back [N, S]`` (the inverse of
+    ``rows``: the output rows of source row n, ``>= len(rows)`` where unused) without atomics;
+    ``impl``: ``LayerKernels.elementwise`` (``ops.layers.gather_sum``)."""
+    return _GatherRows.apply(src, rows, back, impl)
+
+
+def sum_rows(
+    y: Tensor,
+    back: Tensor,
+    rows: Tensor,
+    valid: Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    impl: str = "auto",
+) -> Tensor:
+    """Row n: the fp32 sum of ``y [M, D]``'s rows ``back[n, :]`` (``>= M``: nothing) in
+    ``out_dtype`` (default ``y``'s); ``rows [M]`` (row j's output row; ``valid [M]``: which rows
+    count) routes the backward. The inverse of :func:`gather_rows`."""
+    out_dtype = y.dtype if out_dtype is None else out_dtype
+    return _SumRows.apply(y, back, rows, valid, out_dtype, impl)
 
 
 def permute_tokens(x: Tensor, order: Tensor, inverse: Tensor, k: int, impl: str = "auto") -> Tensor:
-    """Tokens ``x [T, H]`` to their ``T*k`` expert-sorted rows (:func:`sort_by_expert`);
-    ``impl``: the backward's row sums (``LayerKernels.elementwise``)."""
-    return _Permute.apply(x, order, inverse, k, impl)
+    """Tokens ``x [T, H]`` to their ``T*k`` expert-sorted rows (:func:`sort_by_expert`); the
+    backward sums each token's k rows (``impl``: ``LayerKernels.elementwise``)."""
+    token = torch.div(order, k, rounding_mode="floor")
+    return gather_rows(x, token, inverse.view(-1, k), impl)
 
 
 def combine_tokens(y: Tensor, order: Tensor, inverse: Tensor, k: int, impl: str = "auto") -> Tensor:
-    """Expert-sorted rows ``y [T*k, H]`` back to tokens ``[T, H]``, summing each token's k
-    (``impl``: ``LayerKernels.elementwise``)."""
-    return _Combine.apply(y, order, inverse, k, impl)
+    """Expert-sorted rows ``y [T*k, H]`` back to tokens ``[T, H]``, each token's k rows summed
+    in fp32 and rounded once (``impl``: ``LayerKernels.elementwise``)."""
+    token = torch.div(order, k, rounding_mode="floor")
+    return sum_rows(y, inverse.view(-1, k), token, impl=impl)
