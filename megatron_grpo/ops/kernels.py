@@ -5,7 +5,7 @@
   ``triton_kernels.<name>`` (the kernel package, imported once here) and its constants from here.
 * :data:`CHOICES`: the names each kernel choice takes, one table for training and decode
   (``impl``: the element-wise ops, the LM-head seam and the decode step; ``rope``: packed RoPE;
-  ``grouped_gemm``: the MoE experts; ``attention``: how packed documents run through SDPA;
+  ``qk_norm_rope``: it fused with the q / k norms; ``grouped_gemm``: the MoE experts; ``attention``: how packed documents run through SDPA;
   ``decode_attention``: the decode step's attention; ``tp_overlap``: the sequence-parallel
   collectives of the TP linear layers).
 * :func:`resolve_impl`: THE decision of what ``impl`` "auto" means on a device.
@@ -41,6 +41,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "impl": ("auto", "torch", "triton"),
     # "megatron": megatron-core's own per-document loop (the baseline)
     "rope": ("auto", "torch", "triton", "megatron"),
+    # the attention's q / k RMSNorms and packed RoPE (attention/rope.py): "fused" = one op
+    # (ops/layers/qk_norm_rope.py); "auto" = fused where both would run Triton kernels
+    "qk_norm_rope": ("auto", "fused", "separate"),
     # "auto": torch's grouped_mm where it takes the operands, else the padded bmm
     "grouped_gemm": ("auto", "grouped_mm", "padded_bmm"),
     # the SDPA backends of packed documents' length buckets (attention/packed.py)
@@ -124,6 +127,9 @@ class LayerKernels:
             dispatches' row sums (``ops.layers.gather_sum``): ``impl`` names.
         grouped_gemm: the MoE experts' two grouped GEMMs: ``grouped_gemm`` names.
         rope: packed (THD) RoPE: ``rope`` names ("megatron": megatron-core's loop).
+        qk_norm_rope: whether packed RoPE and the q / k RMSNorms before it run as one op
+            (``ops.layers.qk_norm_rope``): ``qk_norm_rope`` names ("auto": fused where the norms'
+            and RoPE's kernels both resolve to Triton, ``attention.rope.fuses_qk_norm``).
         attention: how packed documents' length buckets run: ``attention`` names.
         packed_attention: which path runs packed documents: ``packed_attention`` names.
         moe_dispatch: the MoE token dispatch at EP > 1: ``moe_dispatch`` names ("gathered"
@@ -140,6 +146,7 @@ class LayerKernels:
     elementwise: str = "auto"
     grouped_gemm: str = "auto"
     rope: str = "auto"
+    qk_norm_rope: str = "auto"
     attention: str = "plan_free"
     packed_attention: str = "auto"
     moe_dispatch: str = "auto"
@@ -150,6 +157,7 @@ class LayerKernels:
         check_choice("impl", self.elementwise, "elementwise")
         check_choice("grouped_gemm", self.grouped_gemm)
         check_choice("rope", self.rope)
+        check_choice("qk_norm_rope", self.qk_norm_rope)
         check_choice("attention", self.attention)
         check_choice("packed_attention", self.packed_attention)
         check_choice("moe_dispatch", self.moe_dispatch)

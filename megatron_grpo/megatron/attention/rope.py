@@ -12,6 +12,11 @@ interleaving and partial rotary, equal bit for bit in the torch reference.
 The choice is data: ``PackedRopeSelfAttention.packed_rope`` is one of the ``rope`` names of
 :data:`megatron_grpo.ops.kernels.CHOICES` ("auto", "torch", "triton", or "megatron" =
 megatron-core's own loop, the baseline): ``LayerKernels.rope``, given by the layer spec.
+
+Qwen3-style q / k RMSNorms fuse with the RoPE (``LayerKernels.qk_norm_rope``,
+:func:`fuses_qk_norm`): the attention then applies
+:func:`megatron_grpo.ops.layers.qk_norm_rope.qk_norm_rope` right after megatron-core's QKV split,
+with the norms deferred (``Norm.deferred``), and hands the core attention rotated q and k.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from torch import Tensor
 
 from megatron_grpo.loss.segments import host_to_device
 from megatron_grpo.megatron.attention.packed import cached_layout, copy_host_bounds
-from megatron_grpo.ops.kernels import check_choice
+from megatron_grpo.ops.kernels import check_choice, resolve_impl
+from megatron_grpo.ops.layers.qk_norm_rope import qk_norm_rope
 from megatron_grpo.ops.layers.rope import apply_rotary
 
 
@@ -71,9 +77,18 @@ class PackedRope:
     cp_rank: int
     _tables: dict = field(default_factory=dict, repr=False)
 
-    def apply(self, query: Tensor, key: Tensor, params: PackedSeqParams) -> tuple[Tensor, Tensor]:
-        """RoPE of ``query [T, n_q, d]`` and ``key [T, n_kv, d]``."""
+    def apply(
+        self, query: Tensor, key: Tensor, params: PackedSeqParams, qk_norm: tuple | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """RoPE of ``query [T, n_q, d]`` and ``key [T, n_kv, d]``; ``qk_norm``: the layer's q and
+        k RMSNorm modules, applied first in the same op (q and k sharing one rotary table)."""
         qc, qs = self._table(self.q_freqs, query, params)
+        if qk_norm is not None:
+            qn, kn = qk_norm
+            return qk_norm_rope(
+                query, key, qn.weight, kn.weight, qn.eps, qc, qs, interleaved=self.interleaved,
+                impl=self.impl,
+            )  # fmt: skip
         kc, ks = (
             (qc, qs) if self.k_freqs is self.q_freqs else self._table(self.k_freqs, key, params)
         )
@@ -169,17 +184,57 @@ def roped_params(
     return roped
 
 
+def fuses_qk_norm(choice: str, rope_impl: str, norm_impl: str, device_type: str) -> bool:
+    """THE decision of whether a packed forward runs the q / k RMSNorms and RoPE as one op:
+    ``choice`` "fused" / "separate" as asked; "auto" where RoPE (``rope_impl``) and the norms
+    (``norm_impl``) would both run Triton kernels on ``device_type`` (on the torch reference the
+    fused op is the same ops in turn, so nothing is saved)."""
+    check_choice("qk_norm_rope", choice)
+    if choice != "auto":
+        return choice == "fused"
+    return all(resolve_impl(impl, device_type) == "triton" for impl in (rope_impl, norm_impl))
+
+
+def _fusable_norms(attn: SelfAttention, packed_rope: str) -> tuple | str:
+    """``(q_layernorm, k_layernorm)`` when the fused op can apply them, else why not."""
+    if packed_rope == "megatron":
+        return "packed_rope is 'megatron' (megatron-core's own RoPE)"
+    if not supports(attn.config):
+        return "the model's RoPE stays on megatron-core's path (multi-latent or multimodal)"
+    norms = (attn.q_layernorm, attn.k_layernorm)
+    for norm in norms:  # the portable spec's Norm (model/layers.py) in its RMSNorm form
+        if not hasattr(norm, "deferred") or getattr(norm, "normalization", None) != "RMSNorm":
+            return f"the q / k norms are {type(norm).__name__}, not the portable spec's RMSNorm"
+    if norms[0].eps != norms[1].eps:
+        return f"the q / k norms' eps differ ({norms[0].eps} and {norms[1].eps})"
+    return norms
+
+
 class PackedRopeSelfAttention(SelfAttention):
     """megatron-core's ``SelfAttention``; on packed (THD) batches outside inference its RoPE is
     left to the core attention (``RopedPackedSeqParams``), one op per tensor instead of
     megatron-core's per-document loop. ``packed_rope`` ("auto" | "torch" | "triton" |
     "megatron": ``LayerKernels.rope``) picks the path; "megatron" keeps megatron-core's.
-    ``cp_rank``: the context-parallel rank (both given by the layer spec)."""
+    ``qk_norm_rope`` ("auto" | "fused" | "separate": ``LayerKernels.qk_norm_rope``): whether the
+    q / k RMSNorms and that RoPE run as one op after the QKV split instead (:func:`fuses_qk_norm`).
+    ``cp_rank``: the context-parallel rank (all given by the layer spec)."""
 
-    def __init__(self, *args, packed_rope: str = "auto", cp_rank: int = 0, **kwargs) -> None:
+    def __init__(
+        self,
+        *args,
+        packed_rope: str = "auto",
+        qk_norm_rope: str = "auto",
+        cp_rank: int = 0,
+        **kwargs,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.packed_rope = check_choice("rope", packed_rope, "packed_rope")
+        self.qk_norm_rope = check_choice("qk_norm_rope", qk_norm_rope)
         self.cp_rank = cp_rank
+        self._qk_norms = _fusable_norms(self, self.packed_rope)
+        if qk_norm_rope == "fused" and isinstance(self._qk_norms, str):
+            raise ValueError(f"layer_kernels.qk_norm_rope='fused' cannot apply: {self._qk_norms}")
+        self._qk_pending: RopedPackedSeqParams | None = None
 
     def forward(self, hidden_states: Tensor, *args, **kwargs):
         emb, params = kwargs.get("rotary_pos_emb"), kwargs.get("packed_seq_params")
@@ -191,7 +246,44 @@ class PackedRopeSelfAttention(SelfAttention):
             and supports(self.config)
         ):
             kwargs["rotary_pos_emb"] = None
-            kwargs["packed_seq_params"] = roped_params(
-                params, emb, self.config, self.packed_rope, self.cp_rank
-            )
+            roped = roped_params(params, emb, self.config, self.packed_rope, self.cp_rank)
+            if self._fuse(emb, hidden_states.device.type):
+                return self._forward_fused(roped, hidden_states, *args, **kwargs)
+            kwargs["packed_seq_params"] = roped
         return super().forward(hidden_states, *args, **kwargs)
+
+    def _fuse(self, emb: Tensor | tuple, device_type: str) -> bool:
+        if isinstance(self._qk_norms, str):
+            return False
+        if isinstance(emb, tuple) and emb[0] is not emb[1]:  # the op rotates q and k alike
+            if self.qk_norm_rope == "fused":
+                raise ValueError(
+                    "layer_kernels.qk_norm_rope='fused' needs one rotary table for q and k"
+                )
+            return False
+        return fuses_qk_norm(
+            self.qk_norm_rope, self.packed_rope, self._qk_norms[0].impl, device_type
+        )
+
+    def _forward_fused(self, roped: RopedPackedSeqParams, hidden_states: Tensor, *args, **kwargs):
+        """megatron-core's forward, q and k normalized and rotated in one op right after the QKV
+        split (:meth:`get_query_key_value_tensors`); the core attention gets the plain params."""
+        self._qk_pending = roped
+        try:
+            return super().forward(hidden_states, *args, **kwargs)
+        finally:
+            self._qk_pending = None
+
+    def get_query_key_value_tensors(self, *args, **kwargs):
+        roped = self._qk_pending
+        if roped is None:
+            return super().get_query_key_value_tensors(*args, **kwargs)
+        q_norm, k_norm = self._qk_norms
+        q_norm.deferred = k_norm.deferred = True  # called (hooks run) but returning their input
+        try:
+            out = super().get_query_key_value_tensors(*args, **kwargs)
+        finally:
+            q_norm.deferred = k_norm.deferred = False
+        query, key = out[0].squeeze(1), out[1].squeeze(1)  # THD: [T, 1, n, d] -> [T, n, d]
+        query, key = roped.rope.apply(query, key, roped, qk_norm=(q_norm, k_norm))
+        return (query.unsqueeze(1), key.unsqueeze(1), *out[2:])

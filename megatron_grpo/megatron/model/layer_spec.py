@@ -118,6 +118,7 @@ def _attention_spec(config: TransformerConfig, kernels: LayerKernels) -> ModuleS
         params={
             "attn_mask_type": AttnMaskType.causal,
             "packed_rope": kernels.rope,
+            "qk_norm_rope": kernels.qk_norm_rope,
             "cp_rank": cp_rank,
         },
         submodules=SelfAttentionSubmodules(

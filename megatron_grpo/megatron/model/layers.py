@@ -24,7 +24,14 @@ class Norm(torch.nn.Module):
     Input ``[..., hidden_size]``; the output keeps the input dtype. RMSNorm runs
     :func:`megatron_grpo.ops.layers.rms_norm.rms_norm` with ``impl`` (``LayerKernels.elementwise``,
     given by the layer spec; "auto": the Triton kernels on CUDA).
+
+    ``deferred`` (set by the attention around its q / k split, never by users): return the input
+    unchanged because the attention applies this RMSNorm itself, fused with RoPE
+    (``attention.rope.PackedRopeSelfAttention``). The module is still called, so hooks on it
+    (e.g. megatron-core DDP's parameter-gather waits) run as before.
     """
+
+    deferred = False
 
     def __init__(
         self,
@@ -55,6 +62,8 @@ class Norm(torch.nn.Module):
             param.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.deferred:
+            return x
         if self.bias is None:
             return rms_norm(x, self.weight, self.eps, impl=self.impl)
         shape = (self.hidden_size,)
