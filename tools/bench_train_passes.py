@@ -43,17 +43,18 @@ trainer sets them), reference log-probs = old + noise (``--kl-coef`` uses them).
 micro-batch of every timed pass, as a trainer meets them (each pass brings the attention new
 bucket shapes; FLOPs and MFU are those of the first batches).
 
-``--rope`` (a comma list of ``ROPE[/LAYER[/BUCKETS[/ATTN]]]``) is the model's
+``--rope`` (a comma list of ``ROPE[/LAYER[/BUCKETS[/ATTN[/QK]]]]``) is the model's
 ``ModelConfig.layer_kernels`` (``LayerKernels(rope=ROPE, elementwise=LAYER,
-attention=BUCKETS, packed_attention=ATTN)``, what a recipe's ``model.layer_kernels`` sets): each variant is a model of
-its own, built with it and loaded with the first one's weights (GPU memory: one model per
+attention=BUCKETS, packed_attention=ATTN, qk_norm_rope=QK)``, what a recipe's
+``model.layer_kernels`` sets): each variant is a model of its own, built with it and loaded with the first one's weights (GPU memory: one model per
 variant), the rows of one L back to back: "megatron" is
 megatron-core's per-document loop (the "before"), "auto" / "torch" / "triton" our packed RoPE;
 BUCKETS "exact" runs mixed-length documents on torch's SDPA choice (cuDNN on Hopper, a plan
 per new shape), the default "plan_free" on flash / memory-efficient. ATTN is the packed
 attention path (auto, varlen, blocked, buckets; default auto), e.g.
 ``auto/auto/plan_free/buckets,auto/auto/plan_free/varlen`` for the length-bucketed SDPA against
-one varlen_attn call per layer (issue 42). The comparison table gives
+one varlen_attn call per layer (issue 42); QK "separate" against "fused" times the q / k norms
+and RoPE as four ops against one (``ops.layers.qk_norm_rope``). The comparison table gives
 each variant's time over the first one's (after / before; < 1 is faster).
 
 Timing: ``--warmup`` iterations, then the median of ``--iters``, each between

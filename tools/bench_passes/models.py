@@ -17,31 +17,32 @@ from megatron_grpo.megatron.attention.rope import PackedRopeSelfAttention
 from megatron_grpo.ops.kernels import CHOICES, LayerKernels
 
 IMPLS, LAYER_IMPLS, BUCKETS = CHOICES["rope"], CHOICES["impl"], CHOICES["attention"]
-PACKED = CHOICES["packed_attention"]
+PACKED, QK = CHOICES["packed_attention"], CHOICES["qk_norm_rope"]
 
 
 def check_variants(variants: list[str]) -> None:
-    """Exit naming the ``--rope`` variants that are not ``ROPE[/LAYER[/BUCKETS[/ATTN]]]`` of the
-    kernels' choices (or none given)."""
+    """Exit naming the ``--rope`` variants that are not ``ROPE[/LAYER[/BUCKETS[/ATTN[/QK]]]]`` of
+    the kernels' choices (or none given)."""
 
     def known(variant: str) -> bool:
         parts = variant.split("/")
-        choices = (IMPLS, ("", *LAYER_IMPLS), ("", *BUCKETS), ("", *PACKED))
-        return len(parts) <= 4 and all(p in c for p, c in zip(parts, choices, strict=False))
+        choices = (IMPLS, ("", *LAYER_IMPLS), ("", *BUCKETS), ("", *PACKED), ("", *QK))
+        return len(parts) <= 5 and all(p in c for p, c in zip(parts, choices, strict=False))
 
     unknown = [r for r in variants if not known(r)]
     if unknown or not variants:
         raise SystemExit(f"--rope: {unknown or variants}: ROPE in {IMPLS}, LAYER in "
-                         f"{LAYER_IMPLS}, BUCKETS in {BUCKETS}, ATTN in {PACKED}")  # fmt: skip
+                         f"{LAYER_IMPLS}, BUCKETS in {BUCKETS}, ATTN in {PACKED}, QK in {QK}")  # fmt: skip
 
 
 def layer_kernels(variant: str) -> LayerKernels:
-    """A ``ROPE[/LAYER[/BUCKETS[/ATTN]]]`` variant as the model's kernels: the packed RoPE impl,
-    the layers' element-wise kernels (default "auto"), how the bucketed attention runs documents
-    of mixed lengths (default "plan_free") and the packed attention path (default "auto")."""
-    rope, layer, buckets, attn = (variant.split("/") + ["", "", ""])[:4]
+    """A ``ROPE[/LAYER[/BUCKETS[/ATTN[/QK]]]]`` variant as the model's kernels: the packed RoPE
+    impl, the layers' element-wise kernels (default "auto"), how the bucketed attention runs
+    documents of mixed lengths (default "plan_free"), the packed attention path (default "auto")
+    and whether the q / k norms fuse with RoPE (``qk_norm_rope``, default "auto")."""
+    rope, layer, buckets, attn, qk = (variant.split("/") + ["", "", "", ""])[:5]
     return LayerKernels(elementwise=layer or "auto", rope=rope, attention=buckets or "plan_free",
-                        packed_attention=attn or "auto")  # fmt: skip
+                        packed_attention=attn or "auto", qk_norm_rope=qk or "auto")  # fmt: skip
 
 
 def build(args, dev: torch.device, experts: str, kernels: LayerKernels):
