@@ -1,4 +1,4 @@
-"""Compiling the LM-head kernels for Hopper without a GPU: what each launch costs in registers,
+"""Compiling the LM-head (and fused q / k norm + RoPE) kernels for Hopper without a GPU: what each launch costs in registers,
 spilled bytes and shared memory.
 
 Triton compiles ahead of time for a named target with the ``ptxas`` it ships, so a CPU machine
@@ -71,8 +71,9 @@ def resources(kernel) -> Resources:
 
 
 def hopper_specs() -> list[KernelSpec]:
-    """The LM head's GPU launches at their default configs (bf16 operands)."""
-    return _head_gemm_specs() + _split_specs() + _logits_grad_specs()
+    """The LM head's GPU launches at their default configs (bf16 operands), and the fused
+    q / k norm + RoPE kernels (their q / k branches must give one pointer type)."""
+    return _head_gemm_specs() + _split_specs() + _logits_grad_specs() + _qk_norm_rope_specs()
 
 
 def _head_gemm_specs() -> list[KernelSpec]:
@@ -167,6 +168,32 @@ def _logits_grad_specs() -> list[KernelSpec]:
            "shift_block": "i32"}  # fmt: skip
     consts = dict(BLOCK_V=lg.BLOCK_V, HAS_ENTROPY=False, NARROW_ALIAS=False, HAS_SHIFT=True)
     return [KernelSpec("logits_grad shifted", _jit(lg._grad_kernel), sig, consts, lg.NUM_WARPS, 1)]
+
+
+def _qk_norm_rope_specs() -> list[KernelSpec]:
+    qk = importlib.import_module(".qk_norm_rope", __package__)
+
+    bf16 = "*bf16"
+    tables = {"cos_ptr": bf16, "sin_ptr": bf16}
+    fwd = {"q_ptr": bf16, "k_ptr": bf16, "wq_ptr": bf16, "wk_ptr": bf16, **tables,
+           "qo_ptr": bf16, "ko_ptr": bf16, "rq_ptr": _F32, "rk_ptr": _F32, "T": "i32",
+           **dict.fromkeys(("sq_t", "sq_h", "sk_t", "sk_h", "stride_c"), "i32"),
+           "eps": "fp32"}  # fmt: skip
+    bwd = {"gq_ptr": bf16, "gk_ptr": bf16, "q_ptr": bf16, "k_ptr": bf16, "wq_ptr": bf16,
+           "wk_ptr": bf16, "rq_ptr": _F32, "rk_ptr": _F32, **tables, "dq_ptr": bf16,
+           "dk_ptr": bf16, "dw_ptr": _F32, "T": "i32", "tiles": "i32",
+           **dict.fromkeys((*qk._STRIDES, "stride_c"), "i32")}  # fmt: skip
+    shape = dict(NQ=32, NK=8, ROT=128, D=128, BLOCK_T=qk.BLOCK_T, BLOCK_D=128)
+    return [
+        KernelSpec(
+            f"qk_norm_rope {name}{' interleaved' * i}",
+            lambda k=k: qk._build(False)[k],
+            sig,
+            {**shape, "INTERLEAVED": i},
+        )  # fmt: skip
+        for name, k, sig in (("fwd", 0, fwd), ("bwd", 1, bwd))
+        for i in (False, True)
+    ]
 
 
 def _jit(fn):

@@ -40,11 +40,18 @@ BLOCK_T = 16
 _STRIDES = ("sq_t", "sq_h", "sk_t", "sk_h", "gq_t", "gq_h", "gk_t", "gk_h")
 
 
-def _partner(cols, ROT: tl.constexpr, INTERLEAVED: tl.constexpr):
+def _partner_of(cols, ROT: tl.constexpr, INTERLEAVED: tl.constexpr):
     """``(p(i), first(i))``: the rotation partner of each feature and whether it is negated."""
     if INTERLEAVED:
-        return cols ^ 1, (cols % 2) == 0
-    return tl.where(cols < ROT // 2, cols + ROT // 2, cols - ROT // 2), cols < ROT // 2
+        partner = cols ^ 1
+        first = (cols % 2) == 0
+    else:
+        partner = tl.where(cols < ROT // 2, cols + ROT // 2, cols - ROT // 2)
+        first = cols < ROT // 2
+    return partner, first
+
+
+_partner = triton.jit(_partner_of) if triton is not None else None
 
 
 def _fwd_kernel(
