@@ -1,5 +1,5 @@
-"""Compiling the LM-head (and fused q / k norm + RoPE) kernels for Hopper without a GPU: what each launch costs in registers,
-spilled bytes and shared memory.
+"""Compiling the LM-head (and fused q / k norm + RoPE) kernels for Hopper without a GPU: what
+each launch costs in registers, spilled bytes and shared memory.
 
 Triton compiles ahead of time for a named target with the ``ptxas`` it ships, so a CPU machine
 can check that a kernel compiles at its default config (the interpreter runs the Python, not the
