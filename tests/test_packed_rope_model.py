@@ -1,6 +1,7 @@
 """The portable spec's packed RoPE inside the model: log-probs and gradients of packed batches
-equal megatron-core's per-document path bit for bit (fp32; TP 1/2, SP on/off, CP 2; YaRN,
-partial and interleaved rotary), and the work per layer does not grow with the documents."""
+equal megatron-core's per-document path bit for bit (fp32; TP 1/2, SP on/off, CP 2, the last two
+with the q / k norms fused into the RoPE op; YaRN, partial and interleaved rotary), and the work
+per layer does not grow with the documents."""
 
 from __future__ import annotations
 
@@ -27,9 +28,10 @@ from tests.megatron_utils import (
 from tests.op_count import CountOps
 
 
-def _build(parallel, model_cfg, rope: str, weights=None) -> list:
-    """The model with ``layer_kernels.rope = rope`` (the same seed: the same weights)."""
-    cfg = dataclasses.replace(model_cfg, layer_kernels=LayerKernels(rope=rope))
+def _build(parallel, model_cfg, rope: str, weights=None, qk: str = "auto") -> list:
+    """The model with ``layer_kernels.rope = rope`` and ``qk_norm_rope = qk`` (the same seed:
+    the same weights)."""
+    cfg = dataclasses.replace(model_cfg, layer_kernels=LayerKernels(rope=rope, qk_norm_rope=qk))
     chunks = build_layout(parallel, cfg)
     if weights is not None:
         load_full(chunks, weights, cfg)
@@ -44,7 +46,7 @@ def _run(chunks, step, batches, model_cfg):
     return logp, gather_full_grads(chunks, model_cfg)
 
 
-def _compare(parallel, model_cfg, seqs, label, weights=None):
+def _compare(parallel, model_cfg, seqs, label, weights=None, qk="auto"):
     step = GRPOStep(GRPOLossConfig(), vocab_size=model_cfg.vocab_size)
     multiple = parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1
     batches = [pack(seqs[:5], multiple), pack(seqs[5:], multiple)]
@@ -52,7 +54,7 @@ def _compare(parallel, model_cfg, seqs, label, weights=None):
     chunks = _build(parallel, model_cfg, "megatron", weights)
     start = full_params(chunks)
     want = _run(chunks, step, batches, model_cfg)
-    chunks = _build(parallel, model_cfg, "auto", weights)
+    chunks = _build(parallel, model_cfg, "auto", weights, qk)
     got = _run(chunks, step, batches, model_cfg)
     for i, (a, b) in enumerate(zip(got[0], want[0], strict=True)):
         assert torch.equal(a, b), f"{label} logprobs[{i}]: {(a - b).abs().max()}"
@@ -72,8 +74,8 @@ def _body(rank: int, world: int) -> None:
         "TP2+SP": ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True),
         "CP2": ParallelConfig(context_parallel_size=2),
     }
-    for label, parallel in layouts.items():
-        _compare(parallel, model_cfg, seqs, label, weights)
+    for label, parallel in layouts.items():  # SP and CP: the q / k norms fused with RoPE
+        _compare(parallel, model_cfg, seqs, label, weights, "auto" if label == "TP2" else "fused")
     variants = {
         "yarn": dict(position_embedding_type="yarn", yarn_rotary_scaling_factor=4.0,
                      yarn_original_max_position_embeddings=16, yarn_mscale=0.7,

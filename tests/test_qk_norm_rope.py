@@ -5,8 +5,8 @@ the model.
   error of the float64 truth plus a few units of roundoff, forward and backward (inputs and both
   weights), at odd head dims, partial and interleaved rotary, k a strided view of the QKV output.
 * In the model, the fused path equals the separate norms + RoPE: bit for bit on the torch
-  reference (fp32; the packed-rope model tests compare it with megatron-core's path across TP,
-  SP and CP), within rounding on the interpreted kernels.
+  reference (fp32; test_packed_rope_model compares it with megatron-core's path at TP 2 + SP
+  and CP 2), within rounding on the interpreted kernels.
 * The decision (``attention.rope.fuses_qk_norm``) and the errors of an explicit "fused" that
   cannot apply.
 """
@@ -154,8 +154,9 @@ def test_the_decision():
         fuses_qk_norm("fusd", "auto", "auto", "cuda")
 
 
-def _model_body(rank: int, world: int, impl: str, qk_norm: bool) -> None:
-    """The tiny model's log-probs and gradients with the fused op equal the separate ops'."""
+def _model_body(rank: int, world: int, impl: str) -> None:
+    """The tiny model's log-probs and gradients with the fused op equal the separate ops'; an
+    explicit "fused" without q / k norms is a build error."""
     from megatron_grpo.loss import GRPOLossConfig
     from megatron_grpo.megatron import GRPOStep, ParallelConfig
     from megatron_grpo.megatron.attention.rope import PackedRopeSelfAttention
@@ -169,12 +170,10 @@ def _model_body(rank: int, world: int, impl: str, qk_norm: bool) -> None:
         train_grads,
     )
 
-    model_cfg = tiny_model(qk_layernorm=qk_norm)
-    if not qk_norm:
-        kernels = LayerKernels(qk_norm_rope="fused")
-        with pytest.raises(ValueError, match="qk_norm_rope='fused' cannot apply: the q / k norms"):
-            build_layout(ParallelConfig(), dataclasses.replace(model_cfg, layer_kernels=kernels))
-        return
+    fused = LayerKernels(qk_norm_rope="fused")
+    with pytest.raises(ValueError, match="qk_norm_rope='fused' cannot apply: the q / k norms"):
+        build_layout(ParallelConfig(), tiny_model(qk_layernorm=False, layer_kernels=fused))
+    model_cfg = tiny_model()
     step = GRPOStep(GRPOLossConfig(), vocab_size=model_cfg.vocab_size)
     seqs = make_sequences(7)
     batches = [pack(seqs[:4], 1), pack(seqs[4:], 1)]
@@ -205,8 +204,7 @@ def _model_body(rank: int, world: int, impl: str, qk_norm: bool) -> None:
 def test_model_fused_equals_separate_reference():
     from tests.dist_utils import run_distributed
 
-    run_distributed(_model_body, 1, "torch", True)
-    run_distributed(_model_body, 1, "torch", False)
+    run_distributed(_model_body, 1, "torch")
 
 
 def test_model_fused_equals_separate_interpreter():
@@ -215,4 +213,4 @@ def test_model_fused_equals_separate_interpreter():
 
     if not IN_INTERPRETER:
         pytest.skip("runs under TRITON_INTERPRET=1 in test_interpreter_subprocess")
-    run_distributed(_model_body, 1, "triton", True)
+    run_distributed(_model_body, 1, "triton")

@@ -170,7 +170,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     print(f"\n| op ({a.rows} rows) | host us / call |\n|---|---|")
     for name, fn in cases(a.rows).items():
-        per = CHAIN if "per op" in name else 1
+        per = CHAIN if f"of {CHAIN})" in name else 1  # chains: per op / per layer
         print(f"| {name} | {host_us(fn, max(1, a.calls // per)) / per:.1f} |")
     print(f"\n| q / k norms + RoPE, {a.tokens} tokens x (32 + 8) heads x 128 | GPU us fwd+bwd |")
     print("|---|---|")
