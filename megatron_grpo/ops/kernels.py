@@ -5,9 +5,9 @@
   ``triton_kernels.<name>`` (the kernel package, imported once here) and its constants from here.
 * :data:`CHOICES`: the names each kernel choice takes, one table for training and decode
   (``impl``: the element-wise ops, the LM-head seam and the decode step; ``rope``: packed RoPE;
-  ``qk_norm_rope``: it fused with the q / k norms; ``grouped_gemm``: the MoE experts; ``attention``: how packed documents run through SDPA;
-  ``decode_attention``: the decode step's attention; ``tp_overlap``: the sequence-parallel
-  collectives of the TP linear layers).
+  ``qk_norm_rope``: it fused with the q / k norms; ``grouped_gemm``: the MoE experts;
+  ``attention``: how packed documents run through SDPA; ``decode_attention``: the decode step's
+  attention; ``tp_overlap``: the sequence-parallel collectives of the TP linear layers).
 * :func:`resolve_impl`: THE decision of what ``impl`` "auto" means on a device.
 * :class:`LayerKernels`: the model's layer kernel choices as one frozen value, given to the
   layer spec when the model is built (a recipe's ``model.layer_kernels`` section).
@@ -127,9 +127,6 @@ class LayerKernels:
             dispatches' row sums (``ops.layers.gather_sum``): ``impl`` names.
         grouped_gemm: the MoE experts' two grouped GEMMs: ``grouped_gemm`` names.
         rope: packed (THD) RoPE: ``rope`` names ("megatron": megatron-core's loop).
-        qk_norm_rope: whether packed RoPE and the q / k RMSNorms before it run as one op
-            (``ops.layers.qk_norm_rope``): ``qk_norm_rope`` names ("auto": fused where the norms'
-            and RoPE's kernels both resolve to Triton, ``attention.rope.fuses_qk_norm``).
         attention: how packed documents' length buckets run: ``attention`` names.
         packed_attention: which path runs packed documents: ``packed_attention`` names.
         moe_dispatch: the MoE token dispatch at EP > 1: ``moe_dispatch`` names ("gathered"
@@ -141,17 +138,20 @@ class LayerKernels:
             SP is on; without SP the layers are megatron-core's; "auto": megatron-core's until
             the ring is measured ahead on GPU, ``tp_overlap.resolve_tp_overlap``). The portable
             spec's; Transformer Engine's spec takes only "auto".
+        qk_norm_rope: whether packed RoPE and the q / k RMSNorms before it run as one op
+            (``ops.layers.qk_norm_rope``): ``qk_norm_rope`` names ("auto": fused where the norms'
+            and RoPE's kernels both resolve to Triton, ``attention.rope.fuses_qk_norm``).
     """
 
     elementwise: str = "auto"
     grouped_gemm: str = "auto"
     rope: str = "auto"
-    qk_norm_rope: str = "auto"
     attention: str = "plan_free"
     packed_attention: str = "auto"
     moe_dispatch: str = "auto"
     moe_sort: str = "auto"
     tp_overlap: str = "auto"
+    qk_norm_rope: str = "auto"  # last: the fields before it keep their positions
 
     def __post_init__(self) -> None:
         check_choice("impl", self.elementwise, "elementwise")

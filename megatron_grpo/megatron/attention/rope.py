@@ -86,9 +86,16 @@ class PackedRope:
         if qk_norm is not None:
             qn, kn = qk_norm
             return qk_norm_rope(
-                query, key, qn.weight, kn.weight, qn.eps, qc, qs, interleaved=self.interleaved,
+                query,
+                key,
+                qn.weight,
+                kn.weight,
+                qn.eps,
+                qc,
+                qs,
+                interleaved=self.interleaved,
                 impl=self.impl,
-            )  # fmt: skip
+            )
         kc, ks = (
             (qc, qs) if self.k_freqs is self.q_freqs else self._table(self.k_freqs, key, params)
         )

@@ -25,9 +25,15 @@ from megatron_grpo.ops.layers.rope import apply_rotary_torch
 
 
 def qk_norm_rope_torch(
-    q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float, cos: Tensor,
-    sin: Tensor, interleaved: bool,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+    q: Tensor,
+    k: Tensor,
+    q_weight: Tensor,
+    k_weight: Tensor,
+    eps: float,
+    cos: Tensor,
+    sin: Tensor,
+    interleaved: bool,
+) -> tuple[Tensor, Tensor]:
     """``q [T, NQ, D]``, ``k [T, NK, D]`` -> RoPE(RMSNorm(q)), RoPE(RMSNorm(k)) in their dtype."""
     q = apply_rotary_torch(rms_norm_torch(q, q_weight, eps), cos, sin, interleaved)
     return q, apply_rotary_torch(rms_norm_torch(k, k_weight, eps), cos, sin, interleaved)
@@ -52,16 +58,33 @@ class _QKNormRopeTriton(torch.autograd.Function):
     def backward(ctx, grad_q: Tensor, grad_k: Tensor):
         q, k, q_weight, k_weight, rq, rk, cos, sin = ctx.saved_tensors
         dq, dk, dwq, dwk = triton_kernels.qk_norm_rope_bwd(
-            _heads(grad_q), _heads(grad_k), q, k, q_weight, k_weight, rq, rk, cos, sin,
+            _heads(grad_q),
+            _heads(grad_k),
+            q,
+            k,
+            q_weight,
+            k_weight,
+            rq,
+            rk,
+            cos,
+            sin,
             interleaved=ctx.interleaved,
-        )  # fmt: skip
+        )
         return dq, dk, dwq, dwk, None, None, None, None
 
 
 def qk_norm_rope(
-    q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float, cos: Tensor,
-    sin: Tensor, *, interleaved: bool = False, impl: str = "auto",
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+    q: Tensor,
+    k: Tensor,
+    q_weight: Tensor,
+    k_weight: Tensor,
+    eps: float,
+    cos: Tensor,
+    sin: Tensor,
+    *,
+    interleaved: bool = False,
+    impl: str = "auto",
+) -> tuple[Tensor, Tensor]:
     """RoPE of the RMS-normalized heads: ``q [T, NQ, D]``, ``k [T, NK, D]`` (any token / head
     strides, e.g. views of the fused QKV output), norm weights ``q_weight, k_weight [D]`` with
     ``eps``, per-token ``cos, sin [T, ROT]`` in q's dtype (``ROT <= D`` even) -> new
@@ -92,8 +115,14 @@ def qk_norm_rope(
     grads = (q, k, q_weight, k_weight)
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in grads)):
         qo, ko, _, _ = triton_kernels.qk_norm_rope_fwd(
-            _heads(q), _heads(k), q_weight, k_weight, args[5], args[6], eps,
+            _heads(q),
+            _heads(k),
+            q_weight,
+            k_weight,
+            args[5],
+            args[6],
+            eps,
             interleaved=interleaved,
-        )  # fmt: skip
+        )
         return qo, ko  # no graph to record: skip Function.apply's cost
     return _QKNormRopeTriton.apply(*args)
