@@ -18,6 +18,7 @@ from megatron_grpo.megatron.config import to_transformer_config
 from megatron_grpo.megatron.plan.activations import layer_activations
 from megatron_grpo.megatron.plan.memory import memory_plan
 from megatron_grpo.megatron.plan.recompute import HEADROOM, choose_recompute
+from megatron_grpo.ops.kernels import LayerKernels
 from tests.dist_utils import run_distributed
 from tests.megatron_utils import VOCAB, build_layout, make_sequences, pack, tiny_model
 
@@ -146,7 +147,11 @@ def _body(rank: int, world: int) -> None:
         seqs = make_sequences(6, seed=3)  # TP ranks must see the same data
         batches = [pack(seqs[:3], multiple), pack(seqs[3:], multiple)]
         state, losses, grads, calls = _run(parallel, tiny_model(), None, batches)
-        sel = tiny_model(recompute_granularity="selective", recompute_modules=mods)
+        # the q / k norms fused into RoPE (the core attention then recomputes on rotated q, k)
+        fused = LayerKernels(qk_norm_rope="fused")
+        sel = tiny_model(
+            recompute_granularity="selective", recompute_modules=mods, layer_kernels=fused
+        )
         _, losses2, grads2, calls2 = _run(parallel, sel, state, batches)
         assert calls2 == [2 * c for c in calls], (calls, calls2)  # recomputed in backward
         assert losses2 == losses

@@ -22,6 +22,7 @@ from megatron_grpo.megatron.moe.routing_replay import (
     replay_mismatch,
     replay_routes,
 )
+from megatron_grpo.ops.kernels import LayerKernels
 from megatron_grpo.rollout.files import read_rollouts, write_rollouts
 from tests.dist_utils import run_distributed
 from tests.megatron_utils import build_layout, make_sequences, pack, tiny_model, train_grads
@@ -118,9 +119,10 @@ def _body(rank: int, world: int, parallel: ParallelConfig) -> None:
     grads = {n: p.main_grad.clone() for n, p in unwrap(chunks[0]).named_parameters()}
     # Activation recompute: the recomputed routers replay each micro-batch's ids in backward.
     _cpu_checkpointing()
-    recompute = _moe(
-        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
-    )
+    recompute = _moe(  # with the q / k norms fused into RoPE: re-run by the recompute too
+        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+        layer_kernels=LayerKernels(qk_norm_rope="fused"),
+    )  # fmt: skip
     chunks = build_layout(parallel, recompute)
     _twin_routers(chunks)
     _perturb_routers(chunks)
