@@ -49,14 +49,17 @@ def _inputs(t, nq, nk, d, rot, dtype, device, seed=0):
     return qkv, wq, wk, cos, sin, grads
 
 
+def _split(qkv, nq: int, nk: int, d: int):
+    """``(q [T, NQ, D], k [T, NK, D])`` of ``qkv``, the views megatron's QKV split makes."""
+    per = nq // nk
+    q = qkv[:, :, : per * d].reshape(qkv.size(0), nq, d)
+    return q, qkv[:, :, per * d : (per + 1) * d]
+
+
 def _run(fn, qkv, wq, wk, cos, sin, grads, nq, nk):
     """``fn``'s outputs and the gradients of ``qkv`` and both weights."""
     qkv, wq, wk = (x.detach().requires_grad_() for x in (qkv, wq, wk))
-    d = wq.numel()
-    per = nq // nk
-    q = qkv[:, :, : per * d].reshape(qkv.size(0), nq, d)  # the same view as megatron's split
-    k = qkv[:, :, per * d : (per + 1) * d]
-    qo, ko = fn(q, k, wq, wk, cos, sin)
+    qo, ko = fn(*_split(qkv, nq, nk, wq.numel()), wq, wk, cos, sin)
     torch.autograd.backward((qo, ko), grads)
     return qo.detach(), ko.detach(), qkv.grad, wq.grad, wk.grad
 
@@ -86,12 +89,8 @@ def _check(dtype, device, t, nq, nk, d, rot, interleaved):
         scale = {"d_q_weight": t * nq, "d_k_weight": t * nk}.get(name, 1)
         assert _err(a, tr) <= _err(r, tr) + tol * scale, (name, _err(a, tr), _err(r, tr))
     with torch.no_grad():  # the no-graph path (no autograd.Function) computes the same
-        q, k = got[0], got[1]
-        d_ = wq.numel()
-        qn = qkv[:, :, : (nq // nk) * d_].reshape(t, nq, d_)
-        kn = qkv[:, :, (nq // nk) * d_ : (nq // nk + 1) * d_]
-        nograd = kernel(qn, kn, wq, wk, cos, sin)
-        assert torch.equal(nograd[0], q) and torch.equal(nograd[1], k)
+        nograd = kernel(*_split(qkv, nq, nk, d), wq, wk, cos, sin)
+        assert torch.equal(nograd[0], got[0]) and torch.equal(nograd[1], got[1])
 
 
 CASES = pytest.mark.parametrize(
