@@ -122,6 +122,12 @@ class TrainingConfig:
             needing equal tokens per forward (allgather, the CPU default; gathered) with the
             expert group across TP groups: "auto" then keeps the update's micro-batches and a
             number is a config error. null: the update's micro-batches.
+        logprob_cuda_graphs: the no-grad log-prob passes replay a captured CUDA graph of the
+            decoder per micro-batch shape (``megatron/step/logprob_graphs.py``: micro-batches
+            padded to a few shapes, captured once per shape and pass, the LM head eager; the
+            same log-probs up to the GEMMs' rounding at the padded size). null (default): where
+            they can run (one pipeline stage, no CP, 'varlen' attention, 16-bit, MoE without
+            host syncs), said at start-up with the reason; true: an error where they cannot.
         exit_signals: signals that stop the run cleanly (``train/stop.py``): every rank
             finishes the current step, saves a checkpoint (with ``checkpoint.dir``) and exits
             with code 3; a second signal exits at once. ``[]``: the signals' default actions.
@@ -143,6 +149,7 @@ class TrainingConfig:
     micro_batch_size: int | None = 16
     max_tokens_per_micro_batch: int | None = None
     logprob_max_tokens_per_micro_batch: int | Literal["auto"] | None = "auto"
+    logprob_cuda_graphs: bool | None = None
     advantage_estimator: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
     use_reference_model: bool = False
     max_consecutive_nonfinite_skips: int = 3

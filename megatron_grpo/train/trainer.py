@@ -183,6 +183,8 @@ class Trainer:
             on_policy=self.on_policy,
             layout=self.layout,
         )
+        graphs = self.step_fn.plan_logprob_graphs(self.model, t.logprob_cuda_graphs)
+        say(f"log-prob passes: CUDA graphs {graphs}")
         self.replay = RoutingReplay.of(
             cfg.model.moe_enable_routing_replay,
             self.model,
@@ -401,7 +403,9 @@ class Trainer:
         flat = [mb for mini in mini_batches for mb in mini]
         merge = self.cfg.logprob_merge_tokens
         # MoE: the ranks agree on the number of (merged) forwards, as on micro-batches
-        count_group = self._moe_groups()[0] if merge is not None else None
+        # (and, replaying graphs, on each forward's shape: theirs hold the same collectives)
+        agree = merge is not None or self.step_fn.logprob_graphs
+        count_group = self._moe_groups()[0] if agree else None
         old = ref = None
         if not self.on_policy:
             old = self.step_fn.compute_logprobs(self.model, flat, merge, count_group)

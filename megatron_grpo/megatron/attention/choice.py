@@ -28,7 +28,11 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_grpo.megatron.attention.blocked import blocked_causal_attention
-from megatron_grpo.megatron.attention.packed import cached_layout, packed_causal_attention
+from megatron_grpo.megatron.attention.packed import (
+    cached_layout,
+    packed_causal_attention,
+    static_max_len,
+)
 from megatron_grpo.megatron.attention.varlen import varlen_causal_attention, varlen_unavailable
 from megatron_grpo.ops.kernels import CHOICES, check_choice
 
@@ -53,8 +57,22 @@ def choose_packed_impl(
     """(the path ``impl`` means for ``q [T, n_q, d]``, ``k [T, n_kv, d]`` at ``dropout_p`` and
     the documents of ``params`` (None: not looked at), why).
 
+    Static ``params`` (a captured forward, :func:`.packed.mark_static`) run "varlen": the other
+    paths read the bounds on the host.
+
     Raises ``ValueError`` for an unknown ``impl`` or an explicit "varlen" that cannot run."""
     check_choice("packed_attention", impl)
+    if static_max_len(params) is not None:
+        why = (
+            "chosen explicitly"
+            if impl in ("blocked", "buckets")
+            else varlen_unavailable(q, k, dropout_p)
+        )
+        if why is not None:
+            raise ValueError(
+                f"a captured forward's packed attention runs 'varlen' only; {impl!r} here: {why}"
+            )
+        return "varlen", "a captured forward: its bounds live on the device"
     if impl in ("blocked", "buckets"):
         return impl, "chosen explicitly"
     if (

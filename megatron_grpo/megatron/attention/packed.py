@@ -65,6 +65,20 @@ class DocumentLayout:
 
 
 _HOST = "_grpo_host_bounds"
+_STATIC = "_grpo_static_max_len"
+
+
+def mark_static(params: PackedSeqParams, max_len: int) -> None:
+    """The bounds of ``params`` live on the device only and change between forwards without a
+    new ``params`` (the static inputs of a captured CUDA graph): the layouts read the device
+    ``cu_seqlens_q`` in their kernels, take ``max_len`` as the longest document and never read
+    bounds on the host (:func:`cached_layout` refuses)."""
+    params.__dict__[_STATIC] = int(max_len)
+
+
+def static_max_len(params: PackedSeqParams | None) -> int | None:
+    """The ``max_len`` of a :func:`mark_static` ``params`` (None: its bounds may be read)."""
+    return None if params is None else params.__dict__.get(_STATIC)
 
 
 def remember_host_bounds(params: PackedSeqParams, host: dict[str, torch.Tensor]) -> None:
@@ -79,9 +93,11 @@ def remember_host_bounds(params: PackedSeqParams, host: dict[str, torch.Tensor])
 
 
 def copy_host_bounds(src: PackedSeqParams, dst: PackedSeqParams) -> None:
-    """``dst`` (holding ``src``'s bound tensors) reads the host copies ``src`` recorded."""
-    if _HOST in src.__dict__:
-        dst.__dict__[_HOST] = src.__dict__[_HOST]
+    """``dst`` (holding ``src``'s bound tensors) reads the host copies ``src`` recorded (or is
+    static as ``src`` is)."""
+    for name in (_HOST, _STATIC):
+        if name in src.__dict__:
+            dst.__dict__[name] = src.__dict__[name]
 
 
 def _bounds(params: PackedSeqParams, cu: torch.Tensor) -> list[int]:
@@ -98,7 +114,14 @@ def cached_layout(params: PackedSeqParams, name: str, device: torch.device, buil
     from the device (one sync per micro-batch and name).
 
     Valid while the bounds are the same tensor (held by the cache, so its id cannot be reused),
-    not modified in place since (its version counter), and the device is the same."""
+    not modified in place since (its version counter), and the device is the same. Static
+    ``params`` (:func:`mark_static`) have no bounds to read: an error naming the layout."""
+    if static_max_len(params) is not None:
+        raise ValueError(
+            f"{name.strip('_')}: a captured forward's bounds change between replays on the "
+            "device, but this layout reads them on the host (only 'varlen' attention runs "
+            "captured)"
+        )
     cu = params.cu_seqlens_q_padded
     cu = params.cu_seqlens_q if cu is None else cu
     cached = getattr(params, name, None)

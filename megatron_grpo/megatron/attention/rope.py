@@ -32,7 +32,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
 from megatron_grpo.loss.segments import host_to_device
-from megatron_grpo.megatron.attention.packed import cached_layout, copy_host_bounds
+from megatron_grpo.megatron.attention.packed import (
+    cached_layout,
+    copy_host_bounds,
+    static_max_len,
+)
 from megatron_grpo.ops.kernels import check_choice, resolve_impl
 from megatron_grpo.ops.layers.qk_norm_rope import qk_norm_rope
 from megatron_grpo.ops.layers.rope import apply_rotary
@@ -50,7 +54,15 @@ def packed_positions(
     ``device`` (None: the host), computed there: a 32k-token search on a slow host took ms.
     """
     device = torch.device("cpu") if device is None else torch.device(device)
-    cu = host_to_device(torch.tensor(bounds, dtype=torch.long), device) // cp_size
+    cu = host_to_device(torch.tensor(bounds, dtype=torch.long), device)
+    return cu_positions(cu, tokens, cp_size, cp_rank)
+
+
+def cu_positions(cu: Tensor, tokens: int, cp_size: int = 1, cp_rank: int = 0) -> Tensor:
+    """:func:`packed_positions` of the bounds ``cu [S+1]`` (any integer dtype) where they are,
+    with no host read: kernels only (a captured forward's static bounds)."""
+    device = cu.device
+    cu = cu.long() // cp_size
     j = torch.arange(tokens, device=device)
     doc = torch.searchsorted(cu[1:], j, right=True)  # first document ending after j
     inside = doc < cu.numel() - 1
@@ -120,7 +132,16 @@ def _positions(
     params: PackedSeqParams, tokens: int, rows: int, cp_size: int, cp_rank: int, device
 ) -> Tensor:
     """:func:`packed_positions` of ``params`` on ``device`` (cached on ``params``); an error when
-    a document is longer than the rotary table (megatron-core would fail on it too)."""
+    a document is longer than the rotary table (megatron-core would fail on it too). Static
+    ``params`` (a captured forward) compute them from the device bounds at every forward."""
+    longest = static_max_len(params)
+    if longest is not None:
+        if longest > rows:
+            raise ValueError(
+                f"static packed_seq_params: documents up to {longest} tokens but the rotary "
+                f"table has {rows} rows"
+            )
+        return cu_positions(params.cu_seqlens_q, tokens, cp_size, cp_rank)
 
     def build(bounds: list[int]) -> Tensor:
         longest = max((b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)), default=0)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_grpo.loss.segments import host_to_device
-from megatron_grpo.megatron.attention.packed import cached_layout
+from megatron_grpo.megatron.attention.packed import cached_layout, static_max_len
 
 _DTYPES = (torch.float16, torch.bfloat16)
 
@@ -85,7 +85,18 @@ def _layout(bounds: list[int], tokens: int, device: torch.device) -> VarlenLayou
 
 
 def varlen_layout(params: PackedSeqParams, tokens: int, device: torch.device) -> VarlenLayout:
-    """The (cached) :class:`VarlenLayout` of ``params`` for ``tokens`` packed rows."""
+    """The (cached) :class:`VarlenLayout` of ``params`` for ``tokens`` packed rows; static
+    ``params`` (a captured forward) give their device bounds as they are: no empty document,
+    padding included (``graph_shape.pad_to_shape``)."""
+    longest = static_max_len(params)
+    if longest is not None:
+        cu = params.cu_seqlens_q
+        if cu.dtype != torch.int32 or cu.device != device:
+            raise ValueError(
+                f"static packed_seq_params.cu_seqlens_q must be int32 on {device}, got "
+                f"{cu.dtype} on {cu.device}"
+            )
+        return VarlenLayout(cu=cu, max_len=longest, end=tokens)
     return cached_layout(
         params, f"_grpo_varlen_layout_{tokens}", device, lambda b: _layout(b, tokens, device)
     )

@@ -57,7 +57,15 @@ def run_model(model: torch.nn.Module, batch: PackedBatch, params: PackedSeqParam
     device = next(gpt.parameters()).device
     tokens = host_to_device(batch.tokens, device)[None]
     positions = host_to_device(batch.position_ids, device)[None]
-    params = _params_to(params, device)
+    return forward_tokens(model, tokens, positions, _params_to(params, device))
+
+
+def forward_tokens(
+    model: torch.nn.Module, tokens: Tensor, positions: Tensor, params: PackedSeqParams
+) -> Tensor:
+    """:func:`run_model` on device inputs: ``tokens``, ``positions`` ``[1, T]`` and their
+    packed-sequence ``params``."""
+    gpt = unwrap(model)
     if not gpt.post_process:
         return model(tokens, positions, None, packed_seq_params=params)
     with hidden_states_only(gpt):

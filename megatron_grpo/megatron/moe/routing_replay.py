@@ -123,7 +123,10 @@ class _RouteHook:
         have = target[:, 0] >= 0
         differ = (live.sort(dim=1).values != target.sort(dim=1).values).any(dim=1) & have
         new = torch.stack([differ.sum(), have.sum()]).to(torch.float64)
-        self.stats = new if self.stats is None else self.stats + new
+        if self.stats is None:
+            self.stats = new
+        else:  # in place: a captured forward adds to the same counts at every replay
+            self.stats.add_(new)
 
 
 def _in_backward() -> bool:
@@ -281,6 +284,23 @@ def set_replay_routes(model, routes: Tensor) -> None:
     routes = host_to_device(routes, device)
     for h in hooks:
         h.routes = routes[:, h.layer]
+
+
+def replay_stats_checkpoint(model, device: torch.device) -> Callable[[], None]:
+    """Give every router of ``model`` its mismatch counts on ``device`` (zeros where it has
+    none, allocated before a CUDA graph capture so the graph adds to them) and return what puts
+    them back as they are now (a captured forward's warm-up run must not count)."""
+    hooks = route_hooks(model)
+    for h in hooks:
+        if h.stats is None:
+            h.stats = torch.zeros(2, dtype=torch.float64, device=device)
+    saved = [h.stats.clone() for h in hooks]
+
+    def restore() -> None:
+        for h, s in zip(hooks, saved, strict=True):
+            h.stats.copy_(s)
+
+    return restore
 
 
 def replay_mismatch(model, reset: bool = True) -> Tensor:

@@ -68,6 +68,10 @@ from megatron_grpo.megatron.gpt import check_training_config, unwrap
 from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.megatron.moe.routing_replay import replay_routes, set_replay_routes
 from megatron_grpo.megatron.parallel import all_reduce_max, cuda_compat
+from megatron_grpo.megatron.step.logprob_graphs import (
+    graphed_logprob_passes,
+    plan_logprob_graphs,
+)
 from megatron_grpo.megatron.step.logprob_paths import LogprobPath, choose_path
 from megatron_grpo.ops.lm_head.options import LMHeadOptions, LMHeadRequest
 
@@ -154,6 +158,22 @@ class GRPOStep:
         self.loss_cfg, self.on_policy, self.layout = loss_cfg, on_policy, layout
         self.options: LMHeadOptions = opts
         self.path: LogprobPath = choose_path(loss_cfg, opts, on_policy)
+        # the no-grad passes replay CUDA graphs (:meth:`plan_logprob_graphs`); shapes warmed
+        self.logprob_graphs = False
+        self._graph_shapes_warmed: set = set()
+
+    def plan_logprob_graphs(
+        self, model: list[torch.nn.Module], requested: bool | None = None
+    ) -> str:
+        """Decide whether :meth:`compute_logprobs` replays CUDA graphs of ``model``'s forward
+        (:mod:`~megatron_grpo.megatron.step.logprob_graphs`; ``requested``:
+        ``training.logprob_cuda_graphs``, None = where they can run) and return the reason for
+        the start-up line. Every model the step's passes run must allow it (the policy and
+        the reference model share the decision)."""
+        layout = self.layout_of(unwrap(model[0]))
+        on, why = plan_logprob_graphs(model, layout, requested)
+        self.logprob_graphs = on
+        return why
 
     @classmethod
     def from_options(
@@ -277,7 +297,7 @@ class GRPOStep:
         merged = [merge_packed([batches[i] for i in g]) for g in groups]
         # forwards to match the group's count: the smallest batch again, its output dropped
         spare = min(batches, key=lambda b: b.num_tokens) if extra else None
-        out = self._logprob_passes(model, merged + [spare] * extra)
+        out = self._logprob_passes(model, merged + [spare] * extra, count_group)
         return [
             lp
             for g, m in zip(groups, out[: len(groups)], strict=True)
@@ -285,12 +305,25 @@ class GRPOStep:
         ]
 
     def _logprob_passes(
-        self, model: list[torch.nn.Module], batches: list[PackedBatch]
+        self,
+        model: list[torch.nn.Module],
+        batches: list[PackedBatch],
+        count_group: dist.ProcessGroup | None = None,
     ) -> list[Tensor]:
         for chunk in model:
             chunk.eval()
         replay = any(b.routes is not None for b in batches)
         try:
+            if self.logprob_graphs:
+                layout = self.layout_of(unwrap(model[0]))
+                return graphed_logprob_passes(
+                    model[0],
+                    batches,
+                    self.path.logprobs,
+                    layout,
+                    self._graph_shapes_warmed,
+                    count_group,
+                )
             with replay_routes(model) if replay else contextlib.nullcontext():
                 out = get_forward_backward_func()(
                     forward_step_func=self.logprob_step,

@@ -13,32 +13,18 @@ All graphs share one memory pool: only one runs at a time.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 
+from megatron_grpo.megatron.cuda_graphs import (  # noqa: F401 (the engine's names, kept)
+    ALLOC_CONF_VARS,
+    GraphCache,
+    expandable_segments,
+)
 from megatron_grpo.megatron.moe.local_dispatch import host_sync_reason
 from megatron_grpo.megatron.parallel import all_reduce_max
-
-# The allocator settings' environment variables (the second is torch >= 2.9's name).
-ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
-
-
-def expandable_segments() -> str | None:
-    """The variable that turns on the allocator's expandable segments (``NAME=value``), or None.
-
-    Decode graph capture never finished with them on (2 x H200, torch 2.11 + CUDA 13: the
-    first rollout of the dense twin stalled for minutes, and finished in seconds with them off
-    or with graphs off), so the engine does not capture graphs under them."""
-    for name in ALLOC_CONF_VARS:
-        value = os.environ.get(name, "")
-        for item in value.split(","):
-            key, _, setting = item.partition(":")
-            if key.strip() == "expandable_segments" and setting.strip().lower() == "true":
-                return f"{name}={value}"
-    return None
 
 
 def plan_graphs(model: torch.nn.Module, requested: bool | None, cuda: bool) -> tuple[bool, str]:
@@ -72,14 +58,9 @@ def graph_batch(rows: int, slots: int) -> int:
     return min(1 << (rows - 1).bit_length(), slots)
 
 
-class DecodeGraphs:
-    def __init__(self) -> None:
-        self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
-        self.captures = 0
-        # One warm-up stream for every capture: cuBLAS keeps a workspace per stream it ran on
-        # (tens of MiB each, never freed), so a new stream per capture would leave one each.
-        self.side: torch.cuda.Stream | None = None
+class DecodeGraphs(GraphCache):
+    """The engine's decode-step graphs (:class:`GraphCache`), re-captured only when every rank
+    whose collectives they hold agrees (:meth:`agree_recapture`)."""
 
     @staticmethod
     def agree_recapture(changed: bool, groups: Iterable[dist.ProcessGroup | None]) -> bool:
@@ -93,41 +74,3 @@ class DecodeGraphs:
             if group is not None:
                 changed = bool(all_reduce_max([int(changed)], group, torch.int64)[0])
         return changed
-
-    def run(
-        self, key: Hashable, step: Callable[[], None], checkpoint: Callable[[], Callable[[], None]]
-    ) -> None:
-        """Replay the graph of ``key``, capturing ``step`` (which writes static outputs) first;
-        ``checkpoint()`` saves the step's inputs before its warm-up run and returns what
-        restores them (called only when capturing)."""
-        graph = self.graphs.get(key)
-        if graph is None:
-            graph = self._capture(step, checkpoint)
-            self.graphs[key] = graph
-        graph.replay()
-
-    def _capture(
-        self, step: Callable[[], None], checkpoint: Callable[[], Callable[[], None]]
-    ) -> torch.cuda.CUDAGraph:
-        # Warm up on a side stream (cuBLAS workspaces, NCCL communicators), undo the step's
-        # advance of its inputs, then capture (capturing runs nothing). The warm-up's K/V writes
-        # are the replay's, at the same positions.
-        if self.side is None:
-            self.side = torch.cuda.Stream()
-        side = self.side
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            restore = checkpoint()
-            step()
-            restore()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            step()
-        self.captures += 1
-        return graph
-
-    def clear(self) -> None:
-        """Drop every graph and start a new pool (a pool dies with its last graph)."""
-        self.graphs.clear()
-        self.pool = torch.cuda.graph_pool_handle()

@@ -1,0 +1,134 @@
+"""Packed micro-batches padded to a few fixed shapes, so that a captured CUDA graph of a forward
+replays for every micro-batch of its shape.
+
+A graph replays fixed tensor sizes and kernel arguments: the token count ``T``, the number of
+documents (the length of ``cu_seqlens``) and the longest document (the attention's grid and
+the rotary table) are baked in when it is captured. :func:`graph_shape` rounds each up to a
+bucket (tokens to 1/16 of their power of two, documents and the longest document to a power
+of two) and :func:`pad_to_shape` fills a micro-batch up to it with padding documents: at least
+one token each (no empty document reaches a kernel), every one masked out of the loss. Each
+document still attends to itself only, so the real tokens' outputs are those of the unpadded
+micro-batch; the padding costs at most 1/16 more tokens and the routed experts see it as
+more tokens (dropless routing: no real token changes its experts).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_grpo.megatron.batch.packing import PackedBatch
+from megatron_grpo.megatron.parallel import all_reduce_max
+
+# tokens round up to a multiple of 2 ** (floor(log2 T) - TOKEN_STEPS_LOG2): at most 1/16 more
+TOKEN_STEPS_LOG2 = 4
+MIN_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class GraphShape:
+    """The fixed shape of a captured forward's micro-batch."""
+
+    tokens: int  # T: packed tokens
+    docs: int  # S: documents, padding documents included (``cu_seqlens`` holds S + 1)
+    max_len: int  # an upper bound of the longest document (the attention's and RoPE's)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def round_tokens(n: int, multiple: int = 1) -> int:
+    """``n`` rounded up to its token bucket, a multiple of ``multiple`` (the TP / SP multiple)."""
+    n = max(n, MIN_TOKENS)
+    step = 1 << max(n.bit_length() - 1 - TOKEN_STEPS_LOG2, 0)
+    step = step * multiple // math.gcd(step, multiple)
+    return -(-n // step) * step
+
+
+def _lengths(batch: PackedBatch) -> list[int]:
+    cu = batch.cu_seqlens.tolist()
+    return [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
+
+
+def docs_of(batch: PackedBatch) -> int:
+    """The document bucket of ``batch``: room for its documents and one padding document."""
+    return _pow2(batch.cu_seqlens.numel())  # S + 1 documents
+
+
+def tokens_of(batch: PackedBatch, docs: int, multiple: int = 1) -> int:
+    """The token bucket of ``batch`` padded to ``docs`` documents (each padding one >= 1 token)."""
+    return round_tokens(batch.num_tokens + docs - (batch.cu_seqlens.numel() - 1), multiple)
+
+
+def _padding_lengths(batch: PackedBatch, shape: GraphShape) -> list[int]:
+    """The padding documents' lengths: ``docs - S`` documents sharing ``tokens - T`` evenly."""
+    n = shape.docs - (batch.cu_seqlens.numel() - 1)
+    pad = shape.tokens - batch.num_tokens
+    if n < 1 or pad < n:
+        raise ValueError(
+            f"a micro-batch of {batch.num_tokens} tokens in {batch.cu_seqlens.numel() - 1} "
+            f"documents does not fit the graph shape {shape} (it needs at least one padding "
+            "document of one token or more)"
+        )
+    return [pad // n + (i < pad % n) for i in range(n)]
+
+
+def max_len_of(batch: PackedBatch, shape: GraphShape) -> int:
+    """The longest-document bucket of ``batch`` padded to ``shape`` (``tokens`` at most)."""
+    longest = max(_lengths(batch) + _padding_lengths(batch, shape))
+    return min(_pow2(longest), shape.tokens)
+
+
+def graph_shapes(
+    batches: Sequence[PackedBatch], multiple: int = 1, group: dist.ProcessGroup | None = None
+) -> list[GraphShape]:
+    """The shape each of ``batches`` is padded to. ``group``: ranks that run these forwards
+    as collectives with each other with batches of their own (MoE expert parallelism over DP):
+    their i-th forwards get one shape, the largest of theirs (three small all-reduces). Ranks
+    of one TP group hold the same batches, hence the same shapes, without it."""
+
+    def agree(values: list[int]) -> list[int]:
+        return values if group is None else all_reduce_max(values, group, torch.int64)
+
+    docs = agree([docs_of(b) for b in batches])
+    tokens = agree([tokens_of(b, d, multiple) for b, d in zip(batches, docs, strict=True)])
+    shapes = [GraphShape(t, d, t) for t, d in zip(tokens, docs, strict=True)]
+    lens = agree([max_len_of(b, s) for b, s in zip(batches, shapes, strict=True)])
+    return [GraphShape(s.tokens, s.docs, m) for s, m in zip(shapes, lens, strict=True)]
+
+
+def pad_to_shape(batch: PackedBatch, shape: GraphShape) -> PackedBatch:
+    """``batch`` with padding documents appended up to ``shape``: token 0, positions from 0 in
+    each, no loss (``loss_mask`` False, per-token values 0), live routing (``routes`` -1).
+    Its first ``batch.num_tokens`` positions are ``batch``'s."""
+    lens = _padding_lengths(batch, shape)
+    pad = sum(lens)
+    if max(_lengths(batch) + lens) > shape.max_len:
+        raise ValueError(f"a document of the micro-batch is longer than the graph shape {shape}")
+    sizes = torch.tensor(lens)
+    starts = sizes.cumsum(0) - sizes
+    fields = {
+        "tokens": torch.zeros(pad, dtype=batch.tokens.dtype),
+        "position_ids": torch.arange(pad) - torch.repeat_interleave(starts, sizes),
+        "targets": torch.zeros(pad, dtype=batch.targets.dtype),
+        "loss_mask": torch.zeros(pad, dtype=torch.bool),
+    }
+    out = {}
+    for name, tail in fields.items():
+        x = getattr(batch, name)
+        out[name] = torch.cat([x, tail.to(x.dtype)])
+    for name in ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs"):
+        x = getattr(batch, name)
+        out[name] = None if x is None else torch.cat([x, x.new_zeros(pad)])
+    if batch.routes is not None:
+        r = batch.routes
+        out["routes"] = torch.cat([r, r.new_full((pad, *r.shape[1:]), -1)])
+    cu = batch.cu_seqlens
+    tail = sizes.cumsum(0).to(cu.dtype) + cu[-1]
+    out["cu_seqlens"] = torch.cat([cu, tail])
+    return PackedBatch(**out)

@@ -1,0 +1,97 @@
+"""CUDA graphs shared by the engine's decode steps and the trainer's log-prob passes: a cache of
+captured graphs in one memory pool, and the allocator setting under which capture stalls.
+
+A graph replays a whole forward as one launch: the host's per-kernel and per-module cost is paid
+once, at capture. Inputs and outputs are static buffers owned by the caller; a step captured
+here must not sync with the host (no ``.item()``, no data-dependent shapes).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Hashable
+
+import torch
+
+# The allocator settings' environment variables (the second is torch >= 2.9's name).
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def expandable_segments() -> str | None:
+    """The variable that turns on the allocator's expandable segments (``NAME=value``), or None.
+
+    Decode graph capture never finished with them on (2 x H200, torch 2.11 + CUDA 13: the
+    first rollout of the dense twin stalled for minutes, and finished in seconds with them off
+    or with graphs off), so the engine does not capture graphs under them."""
+    for name in ALLOC_CONF_VARS:
+        value = os.environ.get(name, "")
+        for item in value.split(","):
+            key, _, setting = item.partition(":")
+            if key.strip() == "expandable_segments" and setting.strip().lower() == "true":
+                return f"{name}={value}"
+    return None
+
+
+def no_checkpoint() -> Callable[[], None]:
+    """A step whose warm-up changes nothing it reads: nothing to restore."""
+    return lambda: None
+
+
+class GraphCache:
+    """Captured graphs by key, all in one memory pool (only one runs at a time)."""
+
+    def __init__(self) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
+        self.captures = 0
+        self.replays = 0
+        # One warm-up stream for every capture: cuBLAS keeps a workspace per stream it ran on
+        # (tens of MiB each, never freed), so a new stream per capture would leave one each.
+        self.side: torch.cuda.Stream | None = None
+
+    def run(
+        self,
+        key: Hashable,
+        step: Callable[[], None],
+        checkpoint: Callable[[], Callable[[], None]] = no_checkpoint,
+        warm_up: bool = True,
+    ) -> None:
+        """Replay the graph of ``key``, capturing ``step`` (which writes static outputs) first;
+        ``checkpoint()`` saves what the step's warm-up run changes and returns what restores
+        it (called only when warming up). ``warm_up``: run the step eagerly before capturing
+        (lazy initialisation, compilation, autotuning: needed once per shape and process)."""
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self._capture(step, checkpoint, warm_up)
+            self.graphs[key] = graph
+        graph.replay()
+        self.replays += 1
+
+    def _capture(
+        self,
+        step: Callable[[], None],
+        checkpoint: Callable[[], Callable[[], None]],
+        warm_up: bool,
+    ) -> torch.cuda.CUDAGraph:
+        # Warm up on a side stream, undo the step's changes, then capture (capturing runs
+        # nothing). The engine's warm-up K/V writes are the replay's, at the same positions.
+        if warm_up:
+            if self.side is None:
+                self.side = torch.cuda.Stream()
+            side = self.side
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                restore = checkpoint()
+                step()
+                restore()
+            torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            step()
+        self.captures += 1
+        return graph
+
+    def clear(self) -> None:
+        """Drop every graph and start a new pool (a pool dies with its last graph)."""
+        self.graphs.clear()
+        self.pool = torch.cuda.graph_pool_handle()

@@ -1,0 +1,207 @@
+"""CUDA graphs of the no-grad log-prob passes: one captured forward per micro-batch shape.
+
+The old and reference log-prob passes of small and MoE models are bound by the host: a forward
+of a packed micro-batch issues the same module code and kernel launches at 1k tokens as at 32k,
+and at expert parallelism one rank's late launches stall its peers in every collective. A graph
+issues the whole decoder as one launch. Micro-batches are padded to a few shapes
+(:mod:`~megatron_grpo.megatron.batch.graph_shape`), so a pass of N micro-batches captures once
+per distinct shape and replays the rest; the LM head runs eagerly on the graph's hidden states
+(its row selection reads a count on the host) and the real tokens' log-probs are kept.
+
+Scope: one pipeline stage, no context parallelism, every attention on ``varlen_attn`` (the only
+packed path that reads its bounds on the device), MoE layers whose dispatch needs no host sync
+(the local dispatch, or the gathered one at EP > 1, as in the engine's decode graphs).
+:func:`plan_logprob_graphs` is the one decision (``training.logprob_cuda_graphs``: null = auto).
+
+Graphs live for one call of :meth:`GRPOStep.compute_logprobs`: their memory pool returns to the
+allocator before the rollout that follows, and a capture never outlives the parameter addresses
+it read (optimizer state and weights may move between steps). The eager warm-up a capture needs
+runs once per shape and process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core.packed_seq_params import PackedSeqParams
+from torch import Tensor
+
+from megatron_grpo.loss.segments import host_to_device
+from megatron_grpo.megatron.attention.packed import mark_static
+from megatron_grpo.megatron.attention.rope import PackedRopeSelfAttention, supports
+from megatron_grpo.megatron.attention.sdpa import SDPAttention
+from megatron_grpo.megatron.attention.varlen import varlen_unavailable
+from megatron_grpo.megatron.batch.graph_shape import GraphShape, graph_shapes, pad_to_shape
+from megatron_grpo.megatron.batch.packing import PackedBatch
+from megatron_grpo.megatron.batch.transport import forward_tokens, full_logprobs
+from megatron_grpo.megatron.cuda_graphs import GraphCache, expandable_segments, no_checkpoint
+from megatron_grpo.megatron.gpt import unwrap
+from megatron_grpo.megatron.layout import ParallelLayout
+from megatron_grpo.megatron.moe.ep_dispatch import no_host_sync
+from megatron_grpo.megatron.moe.local_dispatch import host_sync_reason
+from megatron_grpo.megatron.moe.routing_replay import (
+    replay_routes,
+    replay_stats_checkpoint,
+    set_replay_routes,
+)
+
+KNOB = "training.logprob_cuda_graphs"
+# the LM head's log-probs of a micro-batch: (gpt, hidden [T_local, H], targets, rows, layout)
+HeadLogprobs = Callable[..., Tensor]
+
+
+def _attention_unsupported(gpt: torch.nn.Module, dtype: torch.dtype) -> str | None:
+    rope = gpt.config.position_embedding_type == "rope"
+    for i, layer in enumerate(gpt.decoder.layers):
+        attn = getattr(layer, "self_attention", None)
+        core = getattr(attn, "core_attention", None)
+        if not isinstance(core, SDPAttention) or core.packed not in ("auto", "varlen"):
+            packed = getattr(core, "packed", type(core).__name__)
+            return f"layer {i}: packed attention {packed!r} (captured forwards run 'varlen')"
+        if rope and not (
+            isinstance(attn, PackedRopeSelfAttention)
+            and attn.packed_rope != "megatron"
+            and supports(gpt.config)
+        ):
+            return f"layer {i}: megatron-core's per-document RoPE (it reads bounds on the host)"
+        device = next(gpt.parameters()).device
+        heads, groups = core.config.num_attention_heads, core.config.num_query_groups
+        d = core.config.kv_channels
+        q = torch.empty(1, heads, d, dtype=dtype, device=device)
+        why = varlen_unavailable(q, q[:, : groups or heads], core.dropout_p)
+        if why:
+            return f"layer {i}: {why}"
+    return None
+
+
+def graphs_unsupported(chunks: list[torch.nn.Module], layout: ParallelLayout) -> str | None:
+    """Why the log-prob passes of ``chunks`` cannot run captured (None: they can)."""
+    if len(chunks) > 1 or layout.pp_size > 1:
+        return "pipeline parallelism (one captured forward holds the whole model)"
+    if layout.cp_size > 1:
+        return "context parallelism (its attention reads the bounds on the host)"
+    gpt = unwrap(chunks[0])
+    if next(gpt.parameters()).device.type != "cuda":
+        return "a model on the CPU"
+    expandable = expandable_segments()
+    if expandable:
+        return f"{expandable} (expandable segments: capture stalls)"
+    if gpt.config.num_moe_experts is not None:
+        why = host_sync_reason(gpt)
+        if why:
+            return f"MoE {why}"
+    dtype = torch.bfloat16 if gpt.config.bf16 else torch.float16 if gpt.config.fp16 else None
+    if dtype is None:
+        return "fp32 parameters (varlen_attn needs 16-bit inputs)"
+    return _attention_unsupported(gpt, dtype)
+
+
+def plan_logprob_graphs(
+    chunks: list[torch.nn.Module], layout: ParallelLayout, requested: bool | None
+) -> tuple[bool, str]:
+    """(whether the log-prob passes run captured, the start-up line's reason). ``requested``:
+    ``training.logprob_cuda_graphs`` (None = auto: where they can). An explicit request that
+    cannot be honoured is an error naming why."""
+    why = graphs_unsupported(chunks, layout)
+    if requested and why:
+        raise ValueError(f"{KNOB}=true cannot apply: {why}; set it to null (auto) or false")
+    if requested is False:
+        return False, f"off ({KNOB}=false)"
+    if why:
+        return False, f"off: {why}"
+    return True, "on: one captured forward per micro-batch shape"
+
+
+@dataclass
+class _Static:
+    """The static inputs and output of one shape's captured forward."""
+
+    tokens: Tensor  # [1, T] int64
+    positions: Tensor  # [1, T] int64
+    params: PackedSeqParams  # cu_seqlens [S + 1] int32, marked static
+    routes: Tensor | None  # [T, L, k] int64 (routing replay)
+    hidden: Tensor | None = None  # the last forward's output (the graph's, once captured)
+
+    @classmethod
+    def new(cls, shape: GraphShape, device: torch.device, routes: tuple[int, int] | None):
+        t = shape.tokens
+        cu = torch.zeros(shape.docs + 1, dtype=torch.int32, device=device)
+        params = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            max_seqlen_q=shape.max_len,
+            max_seqlen_kv=shape.max_len,
+        )
+        mark_static(params, shape.max_len)
+        long = dict(dtype=torch.long, device=device)
+        r = None if routes is None else torch.full((t, *routes), -1, **long)
+        return cls(torch.zeros(1, t, **long), torch.zeros(1, t, **long), params, r)
+
+    def load(self, batch: PackedBatch) -> None:
+        """Copy a padded micro-batch into the static inputs (no routes: live routing)."""
+        device = self.tokens.device
+        self.tokens[0].copy_(host_to_device(batch.tokens, device))
+        self.positions[0].copy_(host_to_device(batch.position_ids, device))
+        self.params.cu_seqlens_q.copy_(host_to_device(batch.cu_seqlens.to(torch.int32), device))
+        if self.routes is not None:
+            if batch.routes is None:
+                self.routes.fill_(-1)
+            else:
+                self.routes.copy_(host_to_device(batch.routes, device))
+
+    def forward(self, chunk: torch.nn.Module) -> None:
+        self.hidden = forward_tokens(chunk, self.tokens, self.positions, self.params)
+
+
+def _routes_shape(batches: list[PackedBatch]) -> tuple[int, int] | None:
+    shapes = {tuple(b.routes.shape[1:]) for b in batches if b.routes is not None}
+    if len(shapes) > 1:
+        raise ValueError(f"the micro-batches' routes differ in [L, k]: {sorted(shapes)}")
+    return shapes.pop() if shapes else None
+
+
+def graphed_logprob_passes(
+    chunk: torch.nn.Module,
+    batches: list[PackedBatch],
+    head: HeadLogprobs,
+    layout: ParallelLayout,
+    warmed: set,
+    count_group: dist.ProcessGroup | None = None,
+) -> list[Tensor]:
+    """Log-probs ``[T]`` (float32, CPU) of each of ``batches`` under ``chunk`` (in eval mode,
+    no grad), each forward replayed from the graph of its shape. ``head``: the step's LM-head
+    log-probs; ``warmed``: the shapes warmed up in this process (updated); ``count_group``: as
+    in :meth:`GRPOStep.compute_logprobs` (its ranks agree on each forward's shape)."""
+    gpt = unwrap(chunk)
+    device = next(gpt.parameters()).device
+    shapes = graph_shapes(batches, layout.token_multiple, count_group)
+    routes = _routes_shape(batches)
+    cache, statics, out = GraphCache(), {}, []
+    replay = replay_routes(chunk) if routes is not None else contextlib.nullcontext()
+    with no_host_sync(chunk), replay:
+        for batch, shape in zip(batches, shapes, strict=True):
+            padded = pad_to_shape(batch, shape)
+            static = statics.get(shape) or statics.setdefault(
+                shape, _Static.new(shape, device, routes)
+            )
+            static.load(padded)
+            checkpoint = no_checkpoint
+            if static.routes is not None:
+                set_replay_routes(chunk, static.routes)
+                if shape not in cache.graphs:  # counts allocated before capture, warm-up undone
+                    restore = replay_stats_checkpoint(chunk, device)
+                    checkpoint = lambda r=restore: r  # noqa: E731
+            key = (shape, routes)
+            cache.run(shape, lambda s=static: s.forward(chunk), checkpoint, key not in warmed)
+            warmed.add(key)
+            rows = host_to_device(padded.loss_mask, device)
+            targets = host_to_device(padded.targets, device)
+            logp = head(gpt, static.hidden, targets, rows, layout)
+            out.append(full_logprobs(logp[: batch.num_tokens], batch, layout))
+    cache.clear()
+    return out

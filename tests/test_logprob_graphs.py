@@ -1,0 +1,186 @@
+"""CUDA graphs of the no-grad log-prob passes (megatron/step/logprob_graphs.py): micro-batches
+padded to graph shapes keep their real tokens' log-probs (CPU, TP 2 + SP); a captured forward's
+static bounds are read on the device only; the decision and its errors; and on a GPU the
+replayed passes equal the eager ones (dense, and MoE with routing replay), replaying each shape
+with new inputs.
+
+    python -m pytest -q -m gpu tests/test_logprob_graphs.py   # 1 GPU
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from megatron_grpo.loss import GRPOLossConfig
+from megatron_grpo.megatron import GRPOStep, ParallelConfig
+from megatron_grpo.megatron.attention import choice
+from megatron_grpo.megatron.attention import packed as pa
+from megatron_grpo.megatron.attention import varlen as va
+from megatron_grpo.megatron.attention.rope import cu_positions, packed_positions
+from megatron_grpo.megatron.batch import graph_shape as gs
+from megatron_grpo.megatron.step import logprob_graphs as lg
+from tests.dist_utils import run_distributed
+from tests.megatron_utils import build_layout, make_sequences, pack, tiny_model
+
+
+def _batches(multiple: int = 1, n: int = 12, seed: int = 3):
+    seqs = make_sequences(n, seed=seed)
+    cuts = [(0, 3), (3, 1), (4, 5), (9, 3)]
+    return [pack(seqs[i : i + k], multiple) for i, k in cuts]
+
+
+def _lens(cu: torch.Tensor) -> list[int]:
+    return (cu[1:] - cu[:-1]).tolist()
+
+
+@pytest.mark.parametrize("multiple", [1, 2, 4])
+def test_padding_fills_the_shape_with_nonempty_masked_documents(multiple):
+    routes = torch.randint(0, 4, (1, 3, 2))
+    for batch in _batches(multiple):
+        batch = dataclasses.replace(batch, routes=routes.expand(batch.num_tokens, 3, 2).clone())
+        (shape,) = gs.graph_shapes([batch], multiple)
+        t, s = batch.num_tokens, batch.cu_seqlens.numel() - 1
+        assert shape.tokens % multiple == 0 and shape.tokens >= t + shape.docs - s
+        assert shape.tokens <= max(gs.MIN_TOKENS, t + shape.docs) * 17 // 16 + multiple
+        padded = gs.pad_to_shape(batch, shape)
+        padded.validate()
+        assert padded.num_tokens == shape.tokens and padded.cu_seqlens.numel() == shape.docs + 1
+        assert min(_lens(padded.cu_seqlens)) >= 1 and max(_lens(padded.cu_seqlens)) <= shape.max_len
+        for f in dataclasses.fields(batch):
+            x, y = getattr(batch, f.name), getattr(padded, f.name)
+            if f.name != "cu_seqlens" and x is not None:
+                assert torch.equal(y[:t], x), f.name
+        assert torch.equal(padded.cu_seqlens[: s + 1], batch.cu_seqlens)
+        assert not padded.loss_mask[t:].any() and bool((padded.routes[t:] == -1).all())
+        # positions restart in every padding document
+        starts = padded.cu_seqlens[s:-1].long()
+        assert torch.equal(padded.position_ids[starts], torch.zeros_like(starts))
+
+
+def test_larger_agreed_shapes_fit_and_too_small_ones_are_refused():
+    batch = _batches(2)[2]
+    (shape,) = gs.graph_shapes([batch], 2)
+    big = gs.GraphShape(shape.tokens * 2, shape.docs * 4, shape.tokens * 2)
+    padded = gs.pad_to_shape(batch, big)
+    assert padded.num_tokens == big.tokens and min(_lens(padded.cu_seqlens)) >= 1
+    with pytest.raises(ValueError, match="does not fit the graph shape"):
+        gs.pad_to_shape(batch, gs.GraphShape(batch.num_tokens, shape.docs, shape.max_len))
+    with pytest.raises(ValueError, match="longer than the graph shape"):
+        gs.pad_to_shape(batch, gs.GraphShape(shape.tokens, shape.docs, 2))
+
+
+def test_token_buckets_waste_at_most_a_sixteenth():
+    for n in [1, 127, 128, 129, 1000, 4095, 4097, 30001, 32768, 65537]:
+        for m in (1, 2, 8):
+            r = gs.round_tokens(n, m)
+            assert r >= n and r % m == 0 and r <= max(n, gs.MIN_TOKENS) * 17 // 16 + m, (n, m)
+
+
+def _static_params(bounds: list[int], max_len: int) -> PackedSeqParams:
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    pa.mark_static(params, max_len)
+    return params
+
+
+def test_static_bounds_are_read_on_the_device_only():
+    bounds = [0, 5, 6, 17, 20]
+    params = _static_params(bounds, 16)
+    layout = va.varlen_layout(params, 20, torch.device("cpu"))
+    assert layout.cu is params.cu_seqlens_q and (layout.max_len, layout.end) == (16, 20)
+    with pytest.raises(ValueError, match="reads them on the host"):
+        pa.document_layout(params, torch.device("cpu"))
+    q = torch.empty(20, 4, 8)
+    with pytest.raises(ValueError, match="runs 'varlen' only"):
+        choice.choose_packed_impl("auto", q, q[:, :2], 0.0, params)
+    with pytest.raises(ValueError, match="runs 'varlen' only; 'blocked'"):
+        choice.choose_packed_impl("blocked", q, q[:, :2], 0.0, params)
+    for tokens in (20, 23):
+        want = packed_positions(bounds, tokens)
+        assert torch.equal(cu_positions(params.cu_seqlens_q, tokens), want)
+
+
+def _padded_body(rank: int, world: int) -> None:
+    parallel = ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
+    chunks = build_layout(parallel, tiny_model())
+    step = GRPOStep(GRPOLossConfig(), vocab_size=tiny_model().vocab_size)
+    batches = _batches(multiple=2)
+    shapes = gs.graph_shapes(batches, 2)
+    want = step.compute_logprobs(chunks, batches)
+    padded = [gs.pad_to_shape(b, s) for b, s in zip(batches, shapes, strict=True)]
+    got = step.compute_logprobs(chunks, padded)
+    for i, (g, w, b) in enumerate(zip(got, want, batches, strict=True)):
+        torch.testing.assert_close(g[: b.num_tokens], w, rtol=0, atol=1e-6, msg=f"batch {i}")
+    assert step.plan_logprob_graphs(chunks) == "off: a model on the CPU"
+    with pytest.raises(ValueError, match="training.logprob_cuda_graphs=true cannot apply"):
+        step.plan_logprob_graphs(chunks, True)
+    assert step.plan_logprob_graphs(chunks, False).startswith("off (")
+    assert not step.logprob_graphs
+
+
+def test_padded_micro_batches_keep_their_logprobs_tp2_sp():
+    """The padding documents attend to themselves only: the real tokens' log-probs of a padded
+    micro-batch are the unpadded one's (fp32, eager, TP 2 + SP)."""
+    run_distributed(_padded_body, 2)
+
+
+# ---------------------------------------------------------------- GPU: replayed == eager
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _gpu_cfg(moe: bool):
+    extra = dict(num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=64) if moe else {}
+    if moe:
+        extra.update(moe_grouped_gemm=True, moe_enable_routing_replay=True)
+    return tiny_model(params_dtype="bfloat16", max_sequence_length=256, **extra)
+
+
+def _gpu_body(rank: int, world: int, moe: bool) -> None:
+    cfg = _gpu_cfg(moe)
+    chunks = build_layout(ParallelConfig(), cfg)
+    step = GRPOStep(GRPOLossConfig(), vocab_size=cfg.vocab_size)
+    batches = _batches(n=40, seed=5) + _batches(n=40, seed=6)  # shapes repeat, inputs differ
+    if moe:  # half the tokens replay routes (-1 rows: live routing)
+        for i, b in enumerate(batches):
+            r = torch.randint(0, 8, (b.num_tokens, 2, 2))
+            r[::2] = -1
+            batches[i] = dataclasses.replace(b, routes=r)
+    eager = step.compute_logprobs(chunks, batches)
+    shapes = gs.graph_shapes(batches)
+    padded = [gs.pad_to_shape(b, s) for b, s in zip(batches, shapes, strict=True)]
+    eager_padded = step.compute_logprobs(chunks, padded)
+    assert step.plan_logprob_graphs(chunks).startswith("on"), step.plan_logprob_graphs(chunks)
+    runs = []
+    real_run = lg.GraphCache.run
+
+    def counted(self, key, *args, **kw):
+        runs.append((key, key in self.graphs))
+        return real_run(self, key, *args, **kw)
+
+    lg.GraphCache.run = counted
+    try:
+        for _ in range(2):  # the second call captures again without warming up
+            got = step.compute_logprobs(chunks, batches)
+            for i, (g, w, p) in enumerate(zip(got, eager, eager_padded, strict=True)):
+                # the same kernels as the eager pass at the padded size; the unpadded pass's
+                # GEMMs may round differently
+                torch.testing.assert_close(g, p[: g.numel()], rtol=0, atol=1e-5, msg=f"{i}")
+                torch.testing.assert_close(g, w, rtol=0, atol=3e-2, msg=f"batch {i}")
+    finally:
+        lg.GraphCache.run = real_run
+    replays = sum(hit for _, hit in runs)
+    assert replays >= len(batches) // 2, runs  # shapes are shared: most forwards replay
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe_replay"])
+def test_gpu_replayed_logprob_passes_equal_eager(moe):
+    """1 GPU: each forward replayed from its shape's graph gives the eager pass's log-probs
+    (bf16 rounding at the padded size), with new inputs at every replay."""
+    run_distributed(_gpu_body, 1, moe, backend="nccl", timeout=300)
