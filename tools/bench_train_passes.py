@@ -43,7 +43,7 @@ trainer sets them), reference log-probs = old + noise (``--kl-coef`` uses them).
 micro-batch of every timed pass, as a trainer meets them (each pass brings the attention new
 bucket shapes; FLOPs and MFU are those of the first batches).
 
-``--rope`` (a comma list of ``ROPE[/LAYER[/BUCKETS[/ATTN[/QK]]]]``) is the model's
+``--rope`` (a comma list of ``ROPE[/LAYER[/BUCKETS[/ATTN[/QK[/GRAPHS]]]]]``) is the model's
 ``ModelConfig.layer_kernels`` (``LayerKernels(rope=ROPE, elementwise=LAYER,
 attention=BUCKETS, packed_attention=ATTN, qk_norm_rope=QK)``, what a recipe's
 ``model.layer_kernels`` sets): each variant is a model of its own, built with it and loaded with the first one's weights (GPU memory: one model per
@@ -54,7 +54,9 @@ per new shape), the default "plan_free" on flash / memory-efficient. ATTN is the
 attention path (auto, varlen, blocked, buckets; default auto), e.g.
 ``auto/auto/plan_free/buckets,auto/auto/plan_free/varlen`` for the length-bucketed SDPA against
 one varlen_attn call per layer (issue 42); QK "separate" against "fused" times the q / k norms
-and RoPE as four ops against one (``ops.layers.qk_norm_rope``). The comparison table gives
+and RoPE as four ops against one (``ops.layers.qk_norm_rope``); GRAPHS "eager" against
+"graphs" runs the log-prob pass without and with CUDA graphs (``training.logprob_cuda_graphs``;
+default auto: on where they run), e.g. ``auto/////eager,auto/////graphs``. The comparison table gives
 each variant's time over the first one's (after / before; < 1 is faster).
 
 Timing: ``--warmup`` iterations, then the median of ``--iters``, each between

@@ -18,6 +18,8 @@ from megatron_grpo.ops.kernels import CHOICES, LayerKernels
 
 IMPLS, LAYER_IMPLS, BUCKETS = CHOICES["rope"], CHOICES["impl"], CHOICES["attention"]
 PACKED, QK = CHOICES["packed_attention"], CHOICES["qk_norm_rope"]
+# the log-prob passes' CUDA graphs (training.logprob_cuda_graphs) by the variant's sixth field
+GRAPHS = {"": None, "auto": None, "eager": False, "graphs": True}
 
 
 def check_variants(variants: list[str]) -> None:
@@ -26,13 +28,20 @@ def check_variants(variants: list[str]) -> None:
 
     def known(variant: str) -> bool:
         parts = variant.split("/")
-        choices = (IMPLS, ("", *LAYER_IMPLS), ("", *BUCKETS), ("", *PACKED), ("", *QK))
-        return len(parts) <= 5 and all(p in c for p, c in zip(parts, choices, strict=False))
+        choices = (IMPLS, ("", *LAYER_IMPLS), ("", *BUCKETS), ("", *PACKED), ("", *QK), GRAPHS)
+        return len(parts) <= 6 and all(p in c for p, c in zip(parts, choices, strict=False))
 
     unknown = [r for r in variants if not known(r)]
     if unknown or not variants:
         raise SystemExit(f"--rope: {unknown or variants}: ROPE in {IMPLS}, LAYER in "
-                         f"{LAYER_IMPLS}, BUCKETS in {BUCKETS}, ATTN in {PACKED}, QK in {QK}")  # fmt: skip
+                         f"{LAYER_IMPLS}, BUCKETS in {BUCKETS}, ATTN in {PACKED}, QK in {QK}, "
+                         f"GRAPHS in {tuple(GRAPHS)}")  # fmt: skip
+
+
+def logprob_graphs(variant: str) -> bool | None:
+    """The sixth field of a variant as ``training.logprob_cuda_graphs``: "" / "auto" = None
+    (where they run), "eager" = False, "graphs" = True (an error where they cannot)."""
+    return GRAPHS[(variant.split("/") + [""] * 6)[5]]
 
 
 def layer_kernels(variant: str) -> LayerKernels:

@@ -15,7 +15,7 @@ from megatron_grpo.megatron import GRPOStep, unwrap
 
 from . import dist
 from .flops import matmul_params
-from .models import check_variants, variant_models
+from .models import check_variants, logprob_graphs, variant_models
 from .passes import Passes, run_row
 from .profiling import host_profile, run_profile
 from .report import (
@@ -42,6 +42,15 @@ def _model_info(gpt, cfg, decoder: int, head: int) -> dict:
     )  # fmt: skip
 
 
+def _step(args, cfg, chunks, variant: str) -> GRPOStep:
+    """The variant's step: the loss options of the flags, its log-prob passes' CUDA graphs."""
+    step = GRPOStep(GRPOLossConfig(kl_coef=args.kl_coef), vocab_size=cfg.vocab_size,
+                    logprob_path=args.logprob_path)  # fmt: skip
+    why = step.plan_logprob_graphs(chunks, logprob_graphs(variant))
+    print(f"{variant}: log-prob passes: CUDA graphs {why}", flush=True)
+    return step
+
+
 def run_model(args, dev, experts: str, out: Path, acc: tuple, info: dict, weights):
     """Build the model with ``experts`` (a fresh one per implementation; MoE models after the
     first load the first one's weights: the log-prob column then compares them), run every
@@ -52,10 +61,9 @@ def run_model(args, dev, experts: str, out: Path, acc: tuple, info: dict, weight
     gpt = unwrap(chunks[0])
     if weights is None and len(args.experts) > 1:
         weights = {k: v.cpu() if torch.is_tensor(v) else v for k, v in gpt.state_dict().items()}
-    step = GRPOStep(GRPOLossConfig(kl_coef=args.kl_coef), vocab_size=cfg.vocab_size,
-                    logprob_path=args.logprob_path)  # fmt: skip
     group = torch.distributed.group.WORLD if args.ep > 1 else None
-    variants = {r: Passes(step, c, args.logprob_merge, group) for r, (_, c) in models.items()}
+    variants = {r: Passes(_step(args, cfg, c, r), c, args.logprob_merge, group)
+                for r, (_, c) in models.items()}  # fmt: skip
     decoder, head = matmul_params(gpt, cfg.vocab_size)
     decoder *= args.tp_size  # every decoder GEMM weight is split over TP: the model's FLOPs
     info.setdefault("models", {})[experts] = _model_info(gpt, cfg, decoder, head)
@@ -71,7 +79,7 @@ def run_model(args, dev, experts: str, out: Path, acc: tuple, info: dict, weight
         prof += run_profile(variants, args, dev, out, experts)
     if args.host_profile:
         host_profile(variants, args, dev)
-    del variants, models, step, gpt, chunks
+    del variants, models, gpt, chunks
     gc.collect()
     _empty_cache(dev)
     return weights
