@@ -9,9 +9,12 @@ here must not sync with the host (no ``.item()``, no data-dependent shapes).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 
 import torch
+import torch.distributed as dist
+
+from megatron_grpo.megatron.parallel import all_reduce_max
 
 # The allocator settings' environment variables (the second is torch >= 2.9's name).
 ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
@@ -48,6 +51,23 @@ class GraphCache:
         # One warm-up stream for every capture: cuBLAS keeps a workspace per stream it ran on
         # (tens of MiB each, never freed), so a new stream per capture would leave one each.
         self.side: torch.cuda.Stream | None = None
+
+    @staticmethod
+    def agree_recapture(changed: bool, groups: Iterable[dist.ProcessGroup | None]) -> bool:
+        """Whether graphs are captured again, agreed over ``groups``: every group whose
+        collectives the graphs hold (TP, the expert group). Capture runs the step eagerly first, so
+        a rank re-capturing alone issues collectives its peers replay from a graph: they pair up
+        wrongly and hang (a TP2 x DP2 run hung in its third rollout when one rank's cache moved and
+        its TP peer's did not). Reduced group by group, which agrees across megatron-core's
+        orthogonal layouts (each rank's expert group meets the same TP groups as its TP peers')."""
+        for group in groups:
+            if group is not None:
+                changed = bool(all_reduce_max([int(changed)], group, torch.int64)[0])
+        return changed
+
+    def drop(self, key: Hashable) -> None:
+        """Forget the graph of ``key`` (its memory stays in the pool for later captures)."""
+        self.graphs.pop(key, None)
 
     def run(
         self,

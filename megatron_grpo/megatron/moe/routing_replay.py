@@ -311,8 +311,8 @@ def replay_mismatch(model, reset: bool = True) -> Tensor:
     for h in route_hooks(model):
         if h.stats is not None:
             total += h.stats.cpu()
-        if reset:
-            h.stats = None
+            if reset:  # in place: a captured forward keeps adding to this tensor
+                h.stats.zero_()
     return total
 
 

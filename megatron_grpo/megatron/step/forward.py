@@ -69,6 +69,7 @@ from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.megatron.moe.routing_replay import replay_routes, set_replay_routes
 from megatron_grpo.megatron.parallel import all_reduce_max, cuda_compat
 from megatron_grpo.megatron.step.logprob_graphs import (
+    LogprobGraphs,
     graphed_logprob_passes,
     plan_logprob_graphs,
 )
@@ -160,7 +161,7 @@ class GRPOStep:
         self.path: LogprobPath = choose_path(loss_cfg, opts, on_policy)
         # the no-grad passes replay CUDA graphs (:meth:`plan_logprob_graphs`); shapes warmed
         self.logprob_graphs = False
-        self._graph_shapes_warmed: set = set()
+        self.graphs = LogprobGraphs()  # kept across calls
 
     def plan_logprob_graphs(
         self, model: list[torch.nn.Module], requested: bool | None = None
@@ -173,6 +174,8 @@ class GRPOStep:
         layout = self.layout_of(unwrap(model[0]))
         on, why = plan_logprob_graphs(model, layout, requested)
         self.logprob_graphs = on
+        if not on:
+            self.graphs.clear()
         return why
 
     @classmethod
@@ -321,7 +324,7 @@ class GRPOStep:
                     batches,
                     self.path.logprobs,
                     layout,
-                    self._graph_shapes_warmed,
+                    self.graphs,
                     count_group,
                 )
             with replay_routes(model) if replay else contextlib.nullcontext():

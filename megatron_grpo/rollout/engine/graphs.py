@@ -13,10 +13,7 @@ All graphs share one memory pool: only one runs at a time.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
-import torch.distributed as dist
 
 from megatron_grpo.megatron.cuda_graphs import (  # noqa: F401 (the engine's names, kept)
     ALLOC_CONF_VARS,
@@ -24,7 +21,6 @@ from megatron_grpo.megatron.cuda_graphs import (  # noqa: F401 (the engine's nam
     expandable_segments,
 )
 from megatron_grpo.megatron.moe.local_dispatch import host_sync_reason
-from megatron_grpo.megatron.parallel import all_reduce_max
 
 
 def plan_graphs(model: torch.nn.Module, requested: bool | None, cuda: bool) -> tuple[bool, str]:
@@ -59,18 +55,5 @@ def graph_batch(rows: int, slots: int) -> int:
 
 
 class DecodeGraphs(GraphCache):
-    """The engine's decode-step graphs (:class:`GraphCache`), re-captured only when every rank
-    whose collectives they hold agrees (:meth:`agree_recapture`)."""
-
-    @staticmethod
-    def agree_recapture(changed: bool, groups: Iterable[dist.ProcessGroup | None]) -> bool:
-        """Whether the decode graphs are captured again, agreed over ``groups``: every group whose
-        collectives the graphs hold (TP, the expert group). Capture runs the step eagerly first, so
-        a rank re-capturing alone issues collectives its peers replay from a graph: they pair up
-        wrongly and hang (a TP2 x DP2 run hung in its third rollout when one rank's cache moved and
-        its TP peer's did not). Reduced group by group, which agrees across megatron-core's
-        orthogonal layouts (each rank's expert group meets the same TP groups as its TP peers')."""
-        for group in groups:
-            if group is not None:
-                changed = bool(all_reduce_max([int(changed)], group, torch.int64)[0])
-        return changed
+    """The engine's decode-step graphs (re-captured only when every rank whose collectives they
+    hold agrees: :meth:`GraphCache.agree_recapture`)."""
