@@ -170,8 +170,10 @@ def _routes_shape(batches: list[PackedBatch]) -> tuple[int, int] | None:
 
 
 def _addresses(chunk: torch.nn.Module) -> tuple[int, ...]:
-    """Where ``chunk``'s parameters and buffers live: a captured forward reads them there."""
-    return tuple(t.data_ptr() for t in (*chunk.parameters(), *chunk.buffers()))
+    """Where ``chunk``'s parameters and buffers live: a captured forward reads them there
+    (the module's: megatron-core's DDP wrapper has a ``buffers`` attribute of its own)."""
+    gpt = unwrap(chunk)
+    return tuple(t.data_ptr() for t in (*gpt.parameters(), *gpt.buffers()))
 
 
 class LogprobGraphs:
