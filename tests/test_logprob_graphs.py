@@ -119,6 +119,12 @@ def _padded_body(rank: int, world: int) -> None:
     with pytest.raises(ValueError, match="training.logprob_cuda_graphs=true cannot apply"):
         step.plan_logprob_graphs(chunks, True)
     assert step.plan_logprob_graphs(chunks, False).startswith("off (")
+    graphs = lg.LogprobGraphs()  # a moved parameter is seen (on the DDP-wrapped chunk)
+    graphs.check_model(chunks[0], [None])
+    before = graphs.addresses[id(chunks[0])]
+    w = next(chunks[0].parameters())
+    w.data = w.data.clone()
+    assert lg._addresses(chunks[0]) != before
     why = lg._attention_unsupported(unwrap(chunks[0]), torch.bfloat16)  # the layers' checks
     assert why == "layer 0: varlen_attn runs on CUDA only (tensors on cpu)", why
     assert not step.logprob_graphs
