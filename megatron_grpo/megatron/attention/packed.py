@@ -76,6 +76,16 @@ def mark_static(params: PackedSeqParams, max_len: int) -> None:
     params.__dict__[_STATIC] = int(max_len)
 
 
+def forget_forward_caches(params: PackedSeqParams) -> None:
+    """Drop what the forwards cached on ``params`` (layouts, RoPE tables; not its host bounds
+    or static mark): before a captured forward, so that the capture computes them from the
+    static bounds instead of baking in a warm-up's values."""
+    for name in [
+        k for k in params.__dict__ if k.startswith("_grpo_") and k not in (_HOST, _STATIC)
+    ]:
+        del params.__dict__[name]
+
+
 def static_max_len(params: PackedSeqParams | None) -> int | None:
     """The ``max_len`` of a :func:`mark_static` ``params`` (None: its bounds may be read)."""
     return None if params is None else params.__dict__.get(_STATIC)

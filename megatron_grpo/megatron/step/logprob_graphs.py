@@ -33,7 +33,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
 from megatron_grpo.loss.segments import host_to_device
-from megatron_grpo.megatron.attention.packed import mark_static
+from megatron_grpo.megatron.attention.packed import forget_forward_caches, mark_static
 from megatron_grpo.megatron.attention.rope import PackedRopeSelfAttention, supports
 from megatron_grpo.megatron.attention.sdpa import SDPAttention
 from megatron_grpo.megatron.attention.varlen import varlen_unavailable
@@ -159,6 +159,15 @@ class _Static:
                 self.routes.copy_(host_to_device(batch.routes, device))
 
     def forward(self, chunk: torch.nn.Module) -> None:
+        # Whatever a forward caches from its inputs must be computed inside the capture, not
+        # read from the warm-up's run: the RoPE tables cached on the params (the first GPU run
+        # replayed every micro-batch with its capture's positions), and megatron-core's rotary
+        # table, which an lru_cache would otherwise hold outside the graph's pool (and may free).
+        forget_forward_caches(self.params)
+        rotary = getattr(unwrap(chunk), "rotary_pos_emb", None)
+        clear = getattr(getattr(type(rotary), "forward", None), "cache_clear", None)
+        if clear is not None:
+            clear()
         self.hidden = forward_tokens(chunk, self.tokens, self.positions, self.params)
 
 
