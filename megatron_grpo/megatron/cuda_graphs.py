@@ -66,8 +66,11 @@ class GraphCache:
         return changed
 
     def drop(self, key: Hashable) -> None:
-        """Forget the graph of ``key`` (its memory stays in the pool for later captures)."""
+        """Forget the graph of ``key`` (its memory stays in the pool for later captures; with
+        the last graph gone the pool dies, and later captures get a new one)."""
         self.graphs.pop(key, None)
+        if not self.graphs:
+            self.pool = torch.cuda.graph_pool_handle()
 
     def run(
         self,
