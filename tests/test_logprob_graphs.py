@@ -22,6 +22,7 @@ from megatron_grpo.megatron.attention import packed as pa
 from megatron_grpo.megatron.attention import varlen as va
 from megatron_grpo.megatron.attention.rope import cu_positions, packed_positions
 from megatron_grpo.megatron.batch import graph_shape as gs
+from megatron_grpo.megatron.step import graph_plan as gp
 from megatron_grpo.megatron.step import logprob_graphs as lg
 from tests.dist_utils import run_distributed
 from tests.megatron_utils import build_layout, make_sequences, pack, tiny_model
@@ -121,14 +122,18 @@ def _padded_body(rank: int, world: int) -> None:
     assert step.plan_logprob_graphs(chunks) == "off: a model on the CPU"
     with pytest.raises(ValueError, match="training.logprob_cuda_graphs=true cannot apply"):
         step.plan_logprob_graphs(chunks, True)
-    assert step.plan_logprob_graphs(chunks, False).startswith("off (")
+    assert step.plan_logprob_graphs(chunks, False) == "off (training.logprob_cuda_graphs=false)"
     graphs = lg.LogprobGraphs()  # a moved parameter is seen (on the DDP-wrapped chunk)
     graphs.check_model(chunks[0], [None])
     before = graphs.addresses[id(chunks[0])]
     w = next(chunks[0].parameters())
     w.data = w.data.clone()
     assert lg._addresses(chunks[0]) != before
-    why = lg._attention_unsupported(unwrap(chunks[0]), torch.bfloat16)  # the layers' checks
+    gpt = unwrap(chunks[0])  # the auto estimate: the decoder's matmul weights against the host
+    weights = sum(p.numel() for p in gpt.decoder.parameters() if p.dim() == 2)
+    assert gp.active_matmul_params(gpt) == weights
+    assert gp.host_bound(gpt, 4096)[0] and not gp.host_bound(gpt, 10**9)[0]
+    why = gp._attention_unsupported(unwrap(chunks[0]), torch.bfloat16)  # the layers' checks
     assert why == "layer 0: varlen_attn runs on CUDA only (tensors on cpu)", why
     assert not step.logprob_graphs
 
@@ -165,7 +170,8 @@ def _gpu_body(rank: int, world: int, moe: bool) -> None:
     shapes = gs.graph_shapes(batches)
     padded = [gs.pad_to_shape(b, s) for b, s in zip(batches, shapes, strict=True)]
     eager_padded = step.compute_logprobs(chunks, padded)
-    assert step.plan_logprob_graphs(chunks).startswith("on"), step.plan_logprob_graphs(chunks)
+    auto = step.plan_logprob_graphs(chunks, None, 4096)
+    assert auto.startswith("on: a forward of 4096 tokens is host-bound"), auto
     runs = []
     real_run = lg.GraphCache.run
 

@@ -125,9 +125,12 @@ class TrainingConfig:
         logprob_cuda_graphs: the no-grad log-prob passes replay a captured CUDA graph of the
             decoder per micro-batch shape (``megatron/step/logprob_graphs.py``: micro-batches
             padded to a few shapes, captured once per shape and pass, the LM head eager; the
-            same log-probs up to the GEMMs' rounding at the padded size). null (default): where
-            they can run (one pipeline stage, no CP, 'varlen' attention, 16-bit, MoE without
-            host syncs), said at start-up with the reason; true: an error where they cannot.
+            same log-probs as eager on one H200). null (default): where they can run (one
+            pipeline stage, no CP, 'varlen' attention, 16-bit, MoE without host syncs), the
+            forward holds no collective (TP = EP = 1) and a forward of
+            ``logprob_pass_tokens`` is host-bound by an estimate (``megatron/step/
+            graph_plan.py``); said at start-up with the reason. true: on wherever they can run
+            (an error elsewhere); false: off.
         exit_signals: signals that stop the run cleanly (``train/stop.py``): every rank
             finishes the current step, saves a checkpoint (with ``checkpoint.dir``) and exits
             with code 3; a second signal exits at once. ``[]``: the signals' default actions.
@@ -413,6 +416,14 @@ class TrainConfig:
         if merge is not None and equal_tokens:  # the CPU default dispatcher (allgather)
             raise ValueError(_MERGE_NEEDS_ALLTOALL)
         return merge
+
+    @property
+    def logprob_pass_tokens(self) -> int:
+        """The most tokens a micro-batch of the log-prob passes holds: the merge size, else the
+        update's micro-batch (its token bound, or its samples at the longest rollout)."""
+        t, r = self.training, self.rollout
+        merge = self.logprob_merge_tokens or t.max_tokens_per_micro_batch
+        return merge or t.micro_batch_size * (r.max_prompt_length + r.max_response_length)
 
     def moe_forwards_need_equal_tokens(self, dispatcher: str | None) -> bool:
         """Whether every MoE forward is a collective over ranks with different batches (EP)

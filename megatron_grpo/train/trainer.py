@@ -183,7 +183,8 @@ class Trainer:
             on_policy=self.on_policy,
             layout=self.layout,
         )
-        graphs = self.step_fn.plan_logprob_graphs(self.model, t.logprob_cuda_graphs)
+        tokens = cfg.logprob_pass_tokens
+        graphs = self.step_fn.plan_logprob_graphs(self.model, t.logprob_cuda_graphs, tokens)
         say(f"log-prob passes: CUDA graphs {graphs}")
         self.replay = RoutingReplay.of(
             cfg.model.moe_enable_routing_replay,

@@ -40,7 +40,8 @@ def check_variants(variants: list[str]) -> None:
 
 def logprob_graphs(variant: str) -> bool | None:
     """The sixth field of a variant as ``training.logprob_cuda_graphs``: "" / "auto" = None
-    (where they run), "eager" = False, "graphs" = True (an error where they cannot)."""
+    (auto: where they run and the pass's micro-batch is host-bound), "eager" = False, "graphs"
+    = True (an error where they cannot)."""
     return GRAPHS[(variant.split("/") + [""] * 6)[5]]
 
 

@@ -46,7 +46,8 @@ def _step(args, cfg, chunks, variant: str) -> GRPOStep:
     """The variant's step: the loss options of the flags, its log-prob passes' CUDA graphs."""
     step = GRPOStep(GRPOLossConfig(kl_coef=args.kl_coef), vocab_size=cfg.vocab_size,
                     logprob_path=args.logprob_path)  # fmt: skip
-    why = step.plan_logprob_graphs(chunks, logprob_graphs(variant))
+    tokens = max(args.logprob_merge or 0, args.tokens)  # the passes' micro-batch, merged or not
+    why = step.plan_logprob_graphs(chunks, logprob_graphs(variant), tokens)
     print(f"{variant}: log-prob passes: CUDA graphs {why}", flush=True)
     return step
 

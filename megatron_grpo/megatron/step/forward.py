@@ -68,11 +68,8 @@ from megatron_grpo.megatron.gpt import check_training_config, unwrap
 from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.megatron.moe.routing_replay import replay_routes, set_replay_routes
 from megatron_grpo.megatron.parallel import all_reduce_max, cuda_compat
-from megatron_grpo.megatron.step.logprob_graphs import (
-    LogprobGraphs,
-    graphed_logprob_passes,
-    plan_logprob_graphs,
-)
+from megatron_grpo.megatron.step.graph_plan import plan_logprob_graphs
+from megatron_grpo.megatron.step.logprob_graphs import LogprobGraphs, graphed_logprob_passes
 from megatron_grpo.megatron.step.logprob_paths import LogprobPath, choose_path
 from megatron_grpo.ops.lm_head.options import LMHeadOptions, LMHeadRequest
 
@@ -164,15 +161,18 @@ class GRPOStep:
         self.graphs = LogprobGraphs()  # kept across calls
 
     def plan_logprob_graphs(
-        self, model: list[torch.nn.Module], requested: bool | None = None
+        self,
+        model: list[torch.nn.Module],
+        requested: bool | None = None,
+        tokens: int | None = None,
     ) -> str:
         """Decide whether :meth:`compute_logprobs` replays CUDA graphs of ``model``'s forward
-        (:mod:`~megatron_grpo.megatron.step.logprob_graphs`; ``requested``:
-        ``training.logprob_cuda_graphs``, None = where they can run) and return the reason for
-        the start-up line. Every model the step's passes run must allow it (the policy and
-        the reference model share the decision)."""
+        (:mod:`~megatron_grpo.megatron.step.graph_plan`; ``requested``:
+        ``training.logprob_cuda_graphs``, None = auto: where they run and a forward of the
+        passes' ``tokens`` per micro-batch is host-bound) and return the reason for the
+        start-up line. The policy and the reference model share the decision."""
         layout = self.layout_of(unwrap(model[0]))
-        on, why = plan_logprob_graphs(model, layout, requested)
+        on, why = plan_logprob_graphs(model, layout, requested, tokens)
         self.logprob_graphs = on
         if not on:
             self.graphs.clear()

@@ -11,7 +11,8 @@ per distinct shape and replays the rest; the LM head runs eagerly on the graph's
 Scope: one pipeline stage, no context parallelism, every attention on ``varlen_attn`` (the only
 packed path that reads its bounds on the device), MoE layers whose dispatch needs no host sync
 (the local dispatch, or the gathered one at EP > 1, as in the engine's decode graphs).
-:func:`plan_logprob_graphs` is the one decision (``training.logprob_cuda_graphs``: null = auto).
+:func:`~megatron_grpo.megatron.step.graph_plan.plan_logprob_graphs` is the one decision
+(``training.logprob_cuda_graphs``: null = auto, on where the forward is host-bound).
 
 Graphs are kept across steps (:class:`LogprobGraphs`, at most ``MAX_GRAPHS``): a capture costs
 about an eager forward's host time plus the graph's instantiation, so capturing in every call
@@ -34,90 +35,23 @@ from torch import Tensor
 
 from megatron_grpo.loss.segments import host_to_device
 from megatron_grpo.megatron.attention.packed import forget_forward_caches, mark_static
-from megatron_grpo.megatron.attention.rope import PackedRopeSelfAttention, supports
-from megatron_grpo.megatron.attention.sdpa import SDPAttention
-from megatron_grpo.megatron.attention.varlen import varlen_unavailable
 from megatron_grpo.megatron.batch.graph_shape import GraphShape, graph_shapes, pad_to_shape
 from megatron_grpo.megatron.batch.packing import PackedBatch
 from megatron_grpo.megatron.batch.transport import forward_tokens, full_logprobs
-from megatron_grpo.megatron.cuda_graphs import GraphCache, expandable_segments, no_checkpoint
+from megatron_grpo.megatron.cuda_graphs import GraphCache, no_checkpoint
 from megatron_grpo.megatron.gpt import unwrap
 from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.megatron.moe.ep_dispatch import no_host_sync
-from megatron_grpo.megatron.moe.local_dispatch import host_sync_reason
 from megatron_grpo.megatron.moe.routing_replay import (
     replay_routes,
     replay_stats_checkpoint,
     set_replay_routes,
 )
 
-KNOB = "training.logprob_cuda_graphs"
 # captured forwards kept per step (each holds its static inputs and hidden states)
 MAX_GRAPHS = 16
 # the LM head's log-probs of a micro-batch: (gpt, hidden [T_local, H], targets, rows, layout)
 HeadLogprobs = Callable[..., Tensor]
-
-
-def _attention_unsupported(gpt: torch.nn.Module, dtype: torch.dtype) -> str | None:
-    rope = getattr(gpt, "position_embedding_type", None) == "rope"
-    for i, layer in enumerate(gpt.decoder.layers):
-        attn = getattr(layer, "self_attention", None)
-        core = getattr(attn, "core_attention", None)
-        if not isinstance(core, SDPAttention) or core.packed not in ("auto", "varlen"):
-            packed = getattr(core, "packed", type(core).__name__)
-            return f"layer {i}: packed attention {packed!r} (captured forwards run 'varlen')"
-        if rope and not (
-            isinstance(attn, PackedRopeSelfAttention)
-            and attn.packed_rope != "megatron"
-            and supports(gpt.config)
-        ):
-            return f"layer {i}: megatron-core's per-document RoPE (it reads bounds on the host)"
-        device = next(gpt.parameters()).device
-        heads, groups = core.config.num_attention_heads, core.config.num_query_groups
-        d = core.config.kv_channels
-        q = torch.empty(1, heads, d, dtype=dtype, device=device)
-        why = varlen_unavailable(q, q[:, : groups or heads], core.dropout_p)
-        if why:
-            return f"layer {i}: {why}"
-    return None
-
-
-def graphs_unsupported(chunks: list[torch.nn.Module], layout: ParallelLayout) -> str | None:
-    """Why the log-prob passes of ``chunks`` cannot run captured (None: they can)."""
-    if len(chunks) > 1 or layout.pp_size > 1:
-        return "pipeline parallelism (one captured forward holds the whole model)"
-    if layout.cp_size > 1:
-        return "context parallelism (its attention reads the bounds on the host)"
-    gpt = unwrap(chunks[0])
-    if next(gpt.parameters()).device.type != "cuda":
-        return "a model on the CPU"
-    expandable = expandable_segments()
-    if expandable:
-        return f"{expandable} (expandable segments: capture stalls)"
-    if gpt.config.num_moe_experts is not None:
-        why = host_sync_reason(gpt)
-        if why:
-            return f"MoE {why}"
-    dtype = torch.bfloat16 if gpt.config.bf16 else torch.float16 if gpt.config.fp16 else None
-    if dtype is None:
-        return "fp32 parameters (varlen_attn needs 16-bit inputs)"
-    return _attention_unsupported(gpt, dtype)
-
-
-def plan_logprob_graphs(
-    chunks: list[torch.nn.Module], layout: ParallelLayout, requested: bool | None
-) -> tuple[bool, str]:
-    """(whether the log-prob passes run captured, the start-up line's reason). ``requested``:
-    ``training.logprob_cuda_graphs`` (None = auto: where they can). An explicit request that
-    cannot be honoured is an error naming why."""
-    why = graphs_unsupported(chunks, layout)
-    if requested and why:
-        raise ValueError(f"{KNOB}=true cannot apply: {why}; set it to null (auto) or false")
-    if requested is False:
-        return False, f"off ({KNOB}=false)"
-    if why:
-        return False, f"off: {why}"
-    return True, "on: one captured forward per micro-batch shape"
 
 
 @dataclass

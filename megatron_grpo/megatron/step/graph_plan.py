@@ -1,0 +1,130 @@
+"""Whether the no-grad log-prob passes replay CUDA graphs (:mod:`.logprob_graphs`): the one
+decision, ``training.logprob_cuda_graphs`` (null = auto).
+
+They can run where the forward never reads bounds or counts on the host: one pipeline stage, no
+context parallelism, every attention on ``varlen_attn``, MoE layers on a dispatch without host
+syncs, 16-bit weights, outside expandable segments. They pay where the forward is host-bound: a
+replay saves the host's time of a forward (megatron-core's module code and launches, about
+``HOST_MS_PER_LAYER`` a layer) and costs the padding to the graph's shape. One H200 (Intel
+Xeon host), the 0.6B shape's pass: 2.2-2.6x faster at 4k-token micro-batches, 0.80-0.96x at 32k
+ones (there the GEMMs take longer than the host). Auto compares the two: the forward's GEMM time
+at ``FORWARD_TFLOPS`` against the host's, per micro-batch of the pass; it leaves them off where
+the forward holds collectives (TP, EP > 1), which no GPU run has captured yet (``true`` does).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_grpo.megatron.attention.rope import PackedRopeSelfAttention, supports
+from megatron_grpo.megatron.attention.sdpa import SDPAttention
+from megatron_grpo.megatron.attention.varlen import varlen_unavailable
+from megatron_grpo.megatron.cuda_graphs import expandable_segments
+from megatron_grpo.megatron.gpt import unwrap
+from megatron_grpo.megatron.layout import ParallelLayout
+from megatron_grpo.megatron.moe.local_dispatch import host_sync_reason
+
+KNOB = "training.logprob_cuda_graphs"
+# A no-grad forward's host time per decoder layer: the 0.6B shape's 28 layers took 34 ms a
+# forward eager at 4k tokens on one H200's host (Intel Xeon), 15 ms replayed.
+HOST_MS_PER_LAYER = 1.2
+# The matmul rate a forward's GEMMs reach (bf16 on an H100 / H200: ~40% of the dense peak).
+FORWARD_TFLOPS = 400.0
+
+
+def _attention_unsupported(gpt: torch.nn.Module, dtype: torch.dtype) -> str | None:
+    rope = getattr(gpt, "position_embedding_type", None) == "rope"
+    for i, layer in enumerate(gpt.decoder.layers):
+        attn = getattr(layer, "self_attention", None)
+        core = getattr(attn, "core_attention", None)
+        if not isinstance(core, SDPAttention) or core.packed not in ("auto", "varlen"):
+            packed = getattr(core, "packed", type(core).__name__)
+            return f"layer {i}: packed attention {packed!r} (captured forwards run 'varlen')"
+        if rope and not (
+            isinstance(attn, PackedRopeSelfAttention)
+            and attn.packed_rope != "megatron"
+            and supports(gpt.config)
+        ):
+            return f"layer {i}: megatron-core's per-document RoPE (it reads bounds on the host)"
+        device = next(gpt.parameters()).device
+        heads, groups = core.config.num_attention_heads, core.config.num_query_groups
+        d = core.config.kv_channels
+        q = torch.empty(1, heads, d, dtype=dtype, device=device)
+        why = varlen_unavailable(q, q[:, : groups or heads], core.dropout_p)
+        if why:
+            return f"layer {i}: {why}"
+    return None
+
+
+def graphs_unsupported(chunks: list[torch.nn.Module], layout: ParallelLayout) -> str | None:
+    """Why the log-prob passes of ``chunks`` cannot run captured (None: they can)."""
+    if len(chunks) > 1 or layout.pp_size > 1:
+        return "pipeline parallelism (one captured forward holds the whole model)"
+    if layout.cp_size > 1:
+        return "context parallelism (its attention reads the bounds on the host)"
+    gpt = unwrap(chunks[0])
+    if next(gpt.parameters()).device.type != "cuda":
+        return "a model on the CPU"
+    expandable = expandable_segments()
+    if expandable:
+        return f"{expandable} (expandable segments: capture stalls)"
+    if gpt.config.num_moe_experts is not None:
+        why = host_sync_reason(gpt)
+        if why:
+            return f"MoE {why}"
+    dtype = torch.bfloat16 if gpt.config.bf16 else torch.float16 if gpt.config.fp16 else None
+    if dtype is None:
+        return "fp32 parameters (varlen_attn needs 16-bit inputs)"
+    return _attention_unsupported(gpt, dtype)
+
+
+def active_matmul_params(gpt: torch.nn.Module) -> float:
+    """The decoder's matmul weights one token meets on this rank: local (TP-sharded) weights,
+    the experts' scaled by top-k over the local experts (the tokens of the expert group spread
+    over them)."""
+    cfg, total = gpt.config, 0.0
+    local_experts = (cfg.num_moe_experts or 1) // max(cfg.expert_model_parallel_size, 1)
+    for name, p in gpt.decoder.named_parameters():
+        if p.dim() < 2:
+            continue
+        expert = cfg.num_moe_experts and ".experts." in name
+        total += p.numel() * (cfg.moe_router_topk / local_experts if expert else 1)
+    return total
+
+
+def host_bound(gpt: torch.nn.Module, tokens: int) -> tuple[bool, str]:
+    """Whether a forward of ``tokens`` packed tokens waits on the host: its GEMMs' estimated
+    time against ``HOST_MS_PER_LAYER`` per layer; the reason with both numbers."""
+    gemm_ms = 2 * active_matmul_params(gpt) * tokens / (FORWARD_TFLOPS * 1e9)
+    host_ms = HOST_MS_PER_LAYER * len(gpt.decoder.layers)
+    bound = gemm_ms < host_ms
+    return bound, (
+        f"a forward of {tokens} tokens is {'host' if bound else 'GPU'}-bound "
+        f"(~{gemm_ms:.1f} ms of GEMMs against ~{host_ms:.0f} ms of host time)"
+    )
+
+
+def plan_logprob_graphs(
+    chunks: list[torch.nn.Module],
+    layout: ParallelLayout,
+    requested: bool | None,
+    tokens: int | None = None,
+) -> tuple[bool, str]:
+    """(whether the log-prob passes run captured, the start-up line's reason). ``requested``:
+    ``training.logprob_cuda_graphs``: None = auto (where they run, the forward holds no
+    collective and a micro-batch of ``tokens`` is host-bound; unknown ``tokens``: off). An
+    explicit request that cannot be honoured is an error naming why."""
+    why = graphs_unsupported(chunks, layout)
+    if requested and why:
+        raise ValueError(f"{KNOB}=true cannot apply: {why}; set it to null (auto) or false")
+    if requested is not None:
+        return requested, f"{'on' if requested else 'off'} ({KNOB}={str(requested).lower()})"
+    if why:
+        return False, f"off: {why}"
+    gpt = unwrap(chunks[0])
+    if layout.tp_size > 1 or gpt.config.expert_model_parallel_size > 1:
+        return False, f"off under auto at TP / EP > 1 (collectives in the forward; {KNOB}=true)"
+    if tokens is None:
+        return False, "off under auto: the passes' micro-batch size is unknown"
+    bound, reason = host_bound(gpt, tokens)
+    return bound, f"{'on' if bound else 'off'}: {reason}"
