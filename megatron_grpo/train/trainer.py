@@ -183,9 +183,8 @@ class Trainer:
             on_policy=self.on_policy,
             layout=self.layout,
         )
-        tokens = cfg.logprob_pass_tokens
-        graphs = self.step_fn.plan_logprob_graphs(self.model, t.logprob_cuda_graphs, tokens)
-        say(f"log-prob passes: CUDA graphs {graphs}")
+        plan, tokens = self.step_fn.plan_logprob_graphs, cfg.logprob_pass_tokens
+        say(f"log-prob passes: CUDA graphs {plan(self.model, t.logprob_cuda_graphs, tokens)}")
         self.replay = RoutingReplay.of(
             cfg.model.moe_enable_routing_replay,
             self.model,
@@ -385,8 +384,7 @@ class Trainer:
         """MoE forwards are collectives (token dispatch over the expert tensor-and-model group;
         the global aux loss over all DP ranks), so every DP rank runs the same number of
         micro-batches; the allgather dispatcher and the gathered dispatch also need equal token
-        counts over the expert group (padding carries loss_mask False). Dense models: (None,
-        None), as before."""
+        counts over the expert group (padding carries loss_mask False). Dense: (None, None)."""
         if self.cfg.model.num_moe_experts is None:
             return None, None
         count = self.layout.dp_group if self.dp_size > 1 else None
@@ -403,16 +401,14 @@ class Trainer:
         ``old_logprobs`` stay None and the loss uses the update's own log-probs, detached."""
         flat = [mb for mini in mini_batches for mb in mini]
         merge = self.cfg.logprob_merge_tokens
-        # MoE: the ranks agree on the number of (merged) forwards, as on micro-batches
-        # (and, replaying graphs, on each forward's shape: theirs hold the same collectives)
+        # MoE: the ranks agree on the number of (merged) forwards, as on micro-batches (and,
+        # replaying graphs, on each forward's shape: theirs hold the same collectives)
         agree = merge is not None or self.step_fn.logprob_graphs
-        count_group = self._moe_groups()[0] if agree else None
-        old = ref = None
-        if not self.on_policy:
-            old = self.step_fn.compute_logprobs(self.model, flat, merge, count_group)
-        self.replay.after_logprob_pass(flat, self.step_fn.compute_logprobs)  # same weights
-        if self.ref_model is not None:
-            ref = self.step_fn.compute_logprobs(self.ref_model, flat, merge, count_group)
+        group = self._moe_groups()[0] if agree else None
+        run = self.step_fn.compute_logprobs
+        old = None if self.on_policy else run(self.model, flat, merge, group)
+        self.replay.after_logprob_pass(flat, run)  # same weights
+        ref = None if self.ref_model is None else run(self.ref_model, flat, merge, group)
         return attach_logprobs(mini_batches, old, ref)
 
     def update(self, mini_batches: list[list[PackedBatch]]) -> dict[str, float]:
