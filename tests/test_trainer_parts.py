@@ -48,6 +48,29 @@ def test_guard_names_the_nonfinite_inputs_loss_and_grads():
     assert NonFiniteGuard.loss_or_grads([report], [layer]).startswith("non-finite loss")
 
 
+def test_gradients_are_checked_per_ddp_buffer_in_pieces(monkeypatch):
+    """With megatron-core DDP's contiguous gradient buffers (dense and expert) the check reads
+    them, in pieces of CHECK_ELEMENTS, not each parameter; without them, each gradient."""
+    from types import SimpleNamespace
+
+    from megatron_grpo.train import nonfinite as nf
+
+    dense, expert = torch.zeros(10), torch.zeros(7)
+    chunk = torch.nn.Linear(2, 2)
+    chunk.weight.grad = torch.full((2, 2), float("nan"))  # not read while buffers exist
+    chunk.buffers = [SimpleNamespace(grad_data=dense)]  # DDP's attribute shadows Module.buffers
+    chunk.expert_parallel_buffers = [SimpleNamespace(grad_data=expert)]
+    monkeypatch.setattr(nf, "CHECK_ELEMENTS", 3)
+    found = nf._grad_tensors(chunk)
+    assert len(found) == 2 and found[0] is dense and found[1] is expert
+    assert not nf._grads_bad([chunk])
+    expert[6] = float("inf")  # the last, one-element piece of the expert buffer
+    assert nf._grads_bad([chunk])
+    plain = torch.nn.Linear(2, 2)
+    plain.weight.grad = torch.zeros(2, 2)  # no DDP: each parameter's gradient (bias has none)
+    assert len(nf._grad_tensors(plain)) == 1 and not nf._grads_bad([plain])
+
+
 def test_nonfinite_inputs_flags_each_field_at_loss_mask_positions_only():
     """One flag per field over all micro-batches; a non-finite value outside ``loss_mask`` (the
     last position of every sequence) is not one; a field absent from some micro-batches is
@@ -90,3 +113,25 @@ def test_logprobs_are_attached_to_new_micro_batches():
 def test_generation_routes_are_optional():
     out = Generation.of([[1, 2]], [[-0.5, -0.25]], None)
     assert (out.responses, out.logprobs, out.routes) == ([[1, 2]], [[-0.5, -0.25]], None)
+
+
+def _ddp_grads_body(rank: int, world: int) -> None:
+    from megatron_grpo.megatron import ParallelConfig
+    from megatron_grpo.train import nonfinite as nf
+    from tests.megatron_utils import build_layout, tiny_model
+
+    chunks = build_layout(ParallelConfig(), tiny_model(num_moe_experts=4, moe_router_topk=2))
+    found = nf._grad_tensors(chunks[0])  # megatron-core's buffers (at EP 1 one holds experts)
+    params = [p for p in chunks[0].parameters() if p.requires_grad]
+    assert 1 <= len(found) < len(params)
+    assert sum(g.numel() for g in found) >= sum(p.numel() for p in params)
+    assert not nf._grads_bad(chunks)
+    expert = next(p for n, p in chunks[0].named_parameters() if ".experts." in n)
+    expert.main_grad.view(-1)[-1] = float("nan")  # a view into the expert buffer
+    assert nf._grads_bad(chunks)
+
+
+def test_gradient_check_reads_megatron_ddp_buffers():
+    from tests.dist_utils import run_distributed
+
+    run_distributed(_ddp_grads_body, 1)
