@@ -129,6 +129,10 @@ def _ddp_grads_body(rank: int, world: int) -> None:
     expert = next(p for n, p in chunks[0].named_parameters() if ".experts." in n)
     expert.main_grad.view(-1)[-1] = float("nan")  # a view into the expert buffer
     assert nf._grads_bad(chunks)
+    expert.main_grad.zero_()
+    bias = next(p for n, p in chunks[0].named_parameters() if n.endswith("bias"))
+    bias.main_grad = torch.full_like(bias.main_grad, float("inf"))  # 0.19: a promoted main_grad
+    assert len(nf._grad_tensors(chunks[0])) == len(found) + 1 and nf._grads_bad(chunks)
 
 
 def test_gradient_check_reads_megatron_ddp_buffers():

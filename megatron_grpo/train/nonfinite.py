@@ -76,8 +76,9 @@ CHECK_ELEMENTS = 1 << 26
 
 def _grad_tensors(chunk: torch.nn.Module) -> list[torch.Tensor]:
     """``chunk``'s gradients as few large tensors: megatron-core DDP's contiguous gradient
-    buffers (dense and expert; every ``main_grad`` is a view into one) where it has them, else
-    each parameter's ``main_grad`` or ``grad``."""
+    buffers (dense and expert) and the ``main_grad`` s outside them (0.19 may promote some to
+    fp32 tensors of their own) where it has buffers, else each parameter's ``main_grad`` or
+    ``grad``."""
     buffers = [
         b.grad_data
         for name in ("buffers", "expert_parallel_buffers")
@@ -86,7 +87,10 @@ def _grad_tensors(chunk: torch.nn.Module) -> list[torch.Tensor]:
         if isinstance(getattr(b, "grad_data", None), torch.Tensor)
     ]
     if buffers:
-        return buffers
+        inside = {b.untyped_storage().data_ptr() for b in buffers}
+        mains = (getattr(p, "main_grad", None) for p in chunk.parameters())
+        extra = [g for g in mains if g is not None and g.untyped_storage().data_ptr() not in inside]
+        return buffers + extra
     grads = (getattr(p, "main_grad", None) for p in chunk.parameters())
     return [
         g if g is not None else p.grad
