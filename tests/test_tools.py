@@ -173,3 +173,17 @@ def test_bench_moe_sort_dry_run(tmp_path):
     assert "| 300 | 8 | 2 (4) | - | - | - | True |" in stdout, stdout
     rows = json.loads((tmp_path / "bench_moe_sort.json").read_text())["rows"]
     assert [r["pairs"] for r in rows] == [7, 300] and all(r["equal"] for r in rows)
+
+
+def test_bench_nonfinite_runs_on_cpu(capsys, monkeypatch):
+    """tools/bench_nonfinite.py: both paths of the gradient check agree (finite) and time."""
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import bench_nonfinite
+
+        argv = ["bench_nonfinite.py", "--elements", "5000", "--iters", "1", "--device", "cpu"]
+        monkeypatch.setattr(sys, "argv", argv)
+        bench_nonfinite.main()
+    finally:
+        sys.path.remove(str(TOOLS))
+    assert "225 parameters, 5,000 elements: per parameter" in capsys.readouterr().out
