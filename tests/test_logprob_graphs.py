@@ -218,3 +218,24 @@ def test_gpu_replayed_logprob_passes_equal_eager(moe):
     """1 GPU: each forward replayed from its shape's graph gives the eager pass's log-probs
     (bf16 rounding at the padded size), with new inputs at every replay."""
     run_distributed(_gpu_body, 1, moe, backend="nccl", timeout=300)
+
+
+def _agree_body(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    # each rank its own micro-batches (EP over DP): the i-th forwards get one shape, and each
+    # rank's batch still fits it
+    batches = _batches(multiple=2, n=12 + 20 * rank, seed=rank)
+    batches[rank] = gs.pad_to_shape(batches[rank], gs.GraphShape(1024, 64, 1024))  # a big one
+    mine = gs.graph_shapes(batches, 2)
+    agreed = gs.graph_shapes(batches, 2, dist.group.WORLD)
+    theirs = [None] * world
+    dist.all_gather_object(theirs, agreed)
+    assert all(t == agreed for t in theirs), theirs
+    for b, m, a in zip(batches, mine, agreed, strict=True):
+        assert a.tokens >= m.tokens and a.docs >= m.docs
+        assert gs.pad_to_shape(b, a).num_tokens == a.tokens  # fits (or raises)
+
+
+def test_ranks_agree_on_each_forwards_shape():
+    run_distributed(_agree_body, 2)
