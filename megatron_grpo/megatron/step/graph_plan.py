@@ -33,6 +33,7 @@ FORWARD_TFLOPS = 400.0
 
 
 def _attention_unsupported(gpt: torch.nn.Module, dtype: torch.dtype) -> str | None:
+    """Why a layer's attention cannot run captured in ``dtype`` (None: every layer's can)."""
     rope = getattr(gpt, "position_embedding_type", None) == "rope"
     for i, layer in enumerate(gpt.decoder.layers):
         attn = getattr(layer, "self_attention", None)
