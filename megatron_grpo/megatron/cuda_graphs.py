@@ -47,7 +47,6 @@ class GraphCache:
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
         self.captures = 0
-        self.replays = 0
         # One warm-up stream for every capture: cuBLAS keeps a workspace per stream it ran on
         # (tens of MiB each, never freed), so a new stream per capture would leave one each.
         self.side: torch.cuda.Stream | None = None
@@ -77,37 +76,33 @@ class GraphCache:
         key: Hashable,
         step: Callable[[], None],
         checkpoint: Callable[[], Callable[[], None]] = no_checkpoint,
-        warm_up: bool = True,
     ) -> None:
         """Replay the graph of ``key``, capturing ``step`` (which writes static outputs) first;
         ``checkpoint()`` saves what the step's warm-up run changes and returns what restores
-        it (called only when warming up). ``warm_up``: run the step eagerly before capturing
-        (lazy initialisation, compilation, autotuning: needed once per shape and process)."""
+        it (called only when capturing)."""
         graph = self.graphs.get(key)
         if graph is None:
-            graph = self._capture(step, checkpoint, warm_up)
+            graph = self._capture(step, checkpoint)
             self.graphs[key] = graph
         graph.replay()
-        self.replays += 1
 
     def _capture(
         self,
         step: Callable[[], None],
         checkpoint: Callable[[], Callable[[], None]],
-        warm_up: bool,
     ) -> torch.cuda.CUDAGraph:
-        # Warm up on a side stream, undo the step's changes, then capture (capturing runs
-        # nothing). The engine's warm-up K/V writes are the replay's, at the same positions.
-        if warm_up:
-            if self.side is None:
-                self.side = torch.cuda.Stream()
-            side = self.side
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                restore = checkpoint()
-                step()
-                restore()
-            torch.cuda.current_stream().wait_stream(side)
+        # Warm up on a side stream (lazy initialisation, compilation, autotuning), undo the
+        # step's changes, then capture (capturing runs nothing). The engine's warm-up K/V writes
+        # are the replay's, at the same positions.
+        if self.side is None:
+            self.side = torch.cuda.Stream()
+        side = self.side
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            restore = checkpoint()
+            step()
+            restore()
+        torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             step()

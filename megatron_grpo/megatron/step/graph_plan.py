@@ -34,6 +34,9 @@ FORWARD_TFLOPS = 400.0
 
 def _attention_unsupported(gpt: torch.nn.Module, dtype: torch.dtype) -> str | None:
     """Why a layer's attention cannot run captured in ``dtype`` (None: every layer's can)."""
+    cfg, device = gpt.config, next(gpt.parameters()).device
+    q = torch.empty(1, cfg.num_attention_heads, cfg.kv_channels, dtype=dtype, device=device)
+    kv = q[:, : cfg.num_query_groups or cfg.num_attention_heads]
     rope = getattr(gpt, "position_embedding_type", None) == "rope"
     for i, layer in enumerate(gpt.decoder.layers):
         attn = getattr(layer, "self_attention", None)
@@ -47,11 +50,7 @@ def _attention_unsupported(gpt: torch.nn.Module, dtype: torch.dtype) -> str | No
             and supports(gpt.config)
         ):
             return f"layer {i}: megatron-core's per-document RoPE (it reads bounds on the host)"
-        device = next(gpt.parameters()).device
-        heads, groups = core.config.num_attention_heads, core.config.num_query_groups
-        d = core.config.kv_channels
-        q = torch.empty(1, heads, d, dtype=dtype, device=device)
-        why = varlen_unavailable(q, q[:, : groups or heads], core.dropout_p)
+        why = varlen_unavailable(q, kv, core.dropout_p)
         if why:
             return f"layer {i}: {why}"
     return None
