@@ -23,6 +23,7 @@ from megatron_grpo.megatron.attention import varlen as va
 from megatron_grpo.megatron.attention.rope import cu_positions, packed_positions
 from megatron_grpo.megatron.batch import graph_shape as gs
 from megatron_grpo.megatron.step import graph_plan as gp
+from megatron_grpo.megatron.step import graph_store
 from megatron_grpo.megatron.step import logprob_graphs as lg
 from tests.dist_utils import run_distributed
 from tests.megatron_utils import build_layout, make_sequences, pack, tiny_model
@@ -128,7 +129,7 @@ def _padded_body(rank: int, world: int) -> None:
     before = graphs.addresses[id(chunks[0])]
     w = next(chunks[0].parameters())
     w.data = w.data.clone()
-    assert lg._addresses(chunks[0]) != before
+    assert graph_store.model_addresses(chunks[0]) != before
     gpt = unwrap(chunks[0])  # the auto estimate: the decoder's matmul weights against the host
     weights = sum(p.numel() for p in gpt.decoder.parameters() if p.dim() == 2)
     assert gp.active_matmul_params(gpt) == weights

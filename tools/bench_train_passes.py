@@ -55,8 +55,9 @@ attention path (auto, varlen, blocked, buckets; default auto), e.g.
 ``auto/auto/plan_free/buckets,auto/auto/plan_free/varlen`` for the length-bucketed SDPA against
 one varlen_attn call per layer (issue 42); QK "separate" against "fused" times the q / k norms
 and RoPE as four ops against one (``ops.layers.qk_norm_rope``); GRAPHS "eager" against
-"graphs" runs the log-prob pass without and with CUDA graphs (``training.logprob_cuda_graphs``;
-default auto: on where they run), e.g. ``auto/////eager,auto/////graphs``. The comparison table gives
+"graphs" runs the log-prob and fwd+bwd passes without and with CUDA graphs
+(``training.logprob_cuda_graphs`` and ``training.update_cuda_graphs``; default auto: on where
+they run and host-bound), e.g. ``auto/////eager,auto/////graphs``. The comparison table gives
 each variant's time over the first one's (after / before; < 1 is faster).
 
 Timing: ``--warmup`` iterations, then the median of ``--iters``, each between

@@ -82,18 +82,18 @@ class GraphCache:
         it (called only when capturing)."""
         graph = self.graphs.get(key)
         if graph is None:
-            graph = self._capture(step, checkpoint)
-            self.graphs[key] = graph
+            self.warm_up(step, checkpoint)
+            graph = self.graphs[key] = self.capture(step)
         graph.replay()
 
-    def _capture(
+    def warm_up(
         self,
         step: Callable[[], None],
-        checkpoint: Callable[[], Callable[[], None]],
-    ) -> torch.cuda.CUDAGraph:
-        # Warm up on a side stream (lazy initialisation, compilation, autotuning), undo the
-        # step's changes, then capture (capturing runs nothing). The engine's warm-up K/V writes
-        # are the replay's, at the same positions.
+        checkpoint: Callable[[], Callable[[], None]] = no_checkpoint,
+    ) -> None:
+        """Run ``step`` once on the side stream before its capture (lazy initialisation,
+        compilation, autotuning), its changes undone by ``checkpoint()``'s restore. The engine's
+        warm-up K/V writes are the replay's, at the same positions."""
         if self.side is None:
             self.side = torch.cuda.Stream()
         side = self.side
@@ -103,6 +103,9 @@ class GraphCache:
             step()
             restore()
         torch.cuda.current_stream().wait_stream(side)
+
+    def capture(self, step: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        """A graph of ``step`` in the cache's pool (capturing runs nothing; warm up first)."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             step()

@@ -124,6 +124,12 @@ class TrainingConfig:
             ``logprob_pass_tokens`` is host-bound by an estimate (``megatron/step/
             graph_plan.py``); said at start-up with the reason. true: on wherever they can run
             (an error elsewhere); false: off.
+        update_cuda_graphs: the update's forward and backward replay captured CUDA graphs per
+            micro-batch shape (``megatron/step/update_graphs.py``: the gradients handed to
+            megatron-core's DDP as eager ones; the LM head and loss eager). null (default), true
+            and false as ``logprob_cuda_graphs``, for a micro-batch of ``update_pass_tokens``;
+            they also need no activation recompute, dropout, MoE aux / z losses or
+            ``overlap_param_gather``.
         exit_signals: signals that stop the run cleanly (``train/stop.py``): every rank
             finishes the current step, saves a checkpoint (with ``checkpoint.dir``) and exits
             with code 3; a second signal exits at once. ``[]``: the signals' default actions.
@@ -146,6 +152,7 @@ class TrainingConfig:
     max_tokens_per_micro_batch: int | None = None
     logprob_max_tokens_per_micro_batch: int | Literal["auto"] | None = "auto"
     logprob_cuda_graphs: bool | None = None
+    update_cuda_graphs: bool | None = None
     advantage_estimator: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
     use_reference_model: bool = False
     max_consecutive_nonfinite_skips: int = 3

@@ -1,5 +1,5 @@
-"""How large the micro-batches of the no-grad log-prob passes are, from a recipe: the merge
-size ``training.logprob_max_tokens_per_micro_batch`` resolves to, the tokens a pass's
+"""How large the micro-batches of the no-grad log-prob passes and the update are, from a recipe:
+the merge size ``training.logprob_max_tokens_per_micro_batch`` resolves to, the tokens a pass's
 micro-batch holds at most, and the MoE layouts under which merging is refused. A mixin of
 :class:`~megatron_grpo.train.config.TrainConfig` (its ``model``, ``parallel``, ``training``
 and ``rollout`` sections); as light to import as the config."""
@@ -40,9 +40,15 @@ class LogprobPassSizes:
     def logprob_pass_tokens(self) -> int:
         """The most tokens a micro-batch of the log-prob passes holds: the merge size, else the
         update's micro-batch (its token bound, or its samples at the longest rollout)."""
+        return self.logprob_merge_tokens or self.update_pass_tokens
+
+    @property
+    def update_pass_tokens(self) -> int:
+        """The most tokens an update micro-batch holds: its token bound, or its samples at the
+        longest rollout."""
         t, r = self.training, self.rollout
-        merge = self.logprob_merge_tokens or t.max_tokens_per_micro_batch
-        return merge or t.micro_batch_size * (r.max_prompt_length + r.max_response_length)
+        bound = t.max_tokens_per_micro_batch
+        return bound or t.micro_batch_size * (r.max_prompt_length + r.max_response_length)
 
     def moe_forwards_need_equal_tokens(self, dispatcher: str | None) -> bool:
         """Whether every MoE forward is a collective over ranks with different batches (EP)

@@ -185,6 +185,8 @@ class Trainer:
         )
         plan, tokens = self.step_fn.plan_logprob_graphs, cfg.logprob_pass_tokens
         say(f"log-prob passes: CUDA graphs {plan(self.model, t.logprob_cuda_graphs, tokens)}")
+        plan, tokens = self.step_fn.plan_update_graphs, cfg.update_pass_tokens
+        say(f"update passes: CUDA graphs {plan(self.model, t.update_cuda_graphs, tokens)}")
         self.replay = RoutingReplay.of(
             cfg.model.moe_enable_routing_replay,
             self.model,
@@ -193,10 +195,6 @@ class Trainer:
             log_ratio_clamp=cfg.loss.log_ratio_clamp,
             dp_group=self.layout.dp_group,
         )
-
-    def _start_outputs(self) -> None:
-        if (line := start_outputs(self.cfg, to_dict(self.cfg), self.start_step)) is not None:
-            self.monitor.message(line)
 
     def _setup_models(self) -> None:
         self._resolve_recompute()
@@ -487,6 +485,7 @@ class Trainer:
     # ------------------------------------------------------------------ helpers
     def _forward_backward(self, micro_batches: list[PackedBatch]) -> list[dict[str, Any]]:
         model = self.model if len(self.model) > 1 else self.model[0]
+        self.step_fn.prepare_update(self.model, micro_batches, self._moe_groups()[0])
         with self.replay.scope():  # the whole schedule: recomputes in backward replay too
             out = get_forward_backward_func()(
                 forward_step_func=self.step_fn.forward_step,

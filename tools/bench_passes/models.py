@@ -18,7 +18,7 @@ from megatron_grpo.ops.kernels import CHOICES, LayerKernels
 
 IMPLS, LAYER_IMPLS, BUCKETS = CHOICES["rope"], CHOICES["impl"], CHOICES["attention"]
 PACKED, QK = CHOICES["packed_attention"], CHOICES["qk_norm_rope"]
-# the log-prob passes' CUDA graphs (training.logprob_cuda_graphs) by the variant's sixth field
+# the passes' CUDA graphs (training.logprob_cuda_graphs and update_cuda_graphs) by the sixth field
 GRAPHS = {"": None, "auto": None, "eager": False, "graphs": True}
 
 
@@ -39,7 +39,8 @@ def check_variants(variants: list[str]) -> None:
 
 
 def logprob_graphs(variant: str) -> bool | None:
-    """The sixth field of a variant as ``training.logprob_cuda_graphs``: "" / "auto" = None
+    """The sixth field of a variant as ``training.logprob_cuda_graphs`` and
+    ``training.update_cuda_graphs`` (both passes): "" / "auto" = None
     (auto: where they run and the pass's micro-batch is host-bound), "eager" = False, "graphs"
     = True (an error where they cannot)."""
     return GRAPHS[(variant.split("/") + [""] * 6)[5]]

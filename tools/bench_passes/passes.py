@@ -30,6 +30,7 @@ class Passes:
             c.zero_grad_buffer()
 
     def train(self, batches: list[PackedBatch]) -> list[dict]:
+        self.step.prepare_update(self.chunks, batches, self.count_group)
         return get_forward_backward_func()(
             forward_step_func=self.step.forward_step,
             data_iterator=iter(batches),

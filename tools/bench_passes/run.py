@@ -43,12 +43,14 @@ def _model_info(gpt, cfg, decoder: int, head: int) -> dict:
 
 
 def _step(args, cfg, chunks, variant: str) -> GRPOStep:
-    """The variant's step: the loss options of the flags, its log-prob passes' CUDA graphs."""
+    """The variant's step: the loss options of the flags, its passes' CUDA graphs."""
     step = GRPOStep(GRPOLossConfig(kl_coef=args.kl_coef), vocab_size=cfg.vocab_size,
                     logprob_path=args.logprob_path)  # fmt: skip
     tokens = max(args.logprob_merge or 0, args.tokens)  # the passes' micro-batch, merged or not
     why = step.plan_logprob_graphs(chunks, logprob_graphs(variant), tokens)
     print(f"{variant}: log-prob passes: CUDA graphs {why}", flush=True)
+    why = step.plan_update_graphs(chunks, logprob_graphs(variant), args.tokens)
+    print(f"{variant}: fwd+bwd passes: CUDA graphs {why}", flush=True)
     return step
 
 

@@ -44,6 +44,7 @@ inside ``with replay_routes(chunks):`` (so recomputes in backward find their rou
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Callable, Iterator
 from functools import partial
 
@@ -56,6 +57,7 @@ from torch import Tensor
 from megatron_grpo.loss import GRPOLossConfig, LossInputs, local_denominator
 from megatron_grpo.loss.metrics import MeanMetric
 from megatron_grpo.loss.segments import host_to_device
+from megatron_grpo.megatron.batch.graph_shape import GraphShape, graph_shapes, pad_to_shape
 from megatron_grpo.megatron.batch.merge import (
     match_count,
     merge_groups,
@@ -68,9 +70,11 @@ from megatron_grpo.megatron.gpt import check_training_config, unwrap
 from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.megatron.moe.routing_replay import replay_routes, set_replay_routes
 from megatron_grpo.megatron.parallel import all_reduce_max, cuda_compat
-from megatron_grpo.megatron.step.graph_plan import plan_logprob_graphs
+from megatron_grpo.megatron.step.graph_plan import plan_logprob_graphs, plan_update_graphs
+from megatron_grpo.megatron.step.graph_store import routes_shape
 from megatron_grpo.megatron.step.logprob_graphs import LogprobGraphs, graphed_logprob_passes
 from megatron_grpo.megatron.step.logprob_paths import LogprobPath, choose_path
+from megatron_grpo.megatron.step.update_graphs import UpdateGraphs
 from megatron_grpo.ops.lm_head.options import LMHeadOptions, LMHeadRequest
 
 
@@ -159,6 +163,12 @@ class GRPOStep:
         # the no-grad passes replay CUDA graphs (:meth:`plan_logprob_graphs`); shapes warmed
         self.logprob_graphs = False
         self.graphs = LogprobGraphs()  # kept across calls
+        # the update's passes replay CUDA graphs (:meth:`plan_update_graphs`): each schedule's
+        # micro-batch shapes, in order (:meth:`prepare_update`)
+        self.update_graphs = False
+        self.update_store = UpdateGraphs()  # kept across steps
+        self._shapes: deque[GraphShape] = deque()
+        self._routes: tuple[int, int] | None = None
 
     def plan_logprob_graphs(
         self,
@@ -177,6 +187,43 @@ class GRPOStep:
         if not on:
             self.graphs.clear()
         return why
+
+    def plan_update_graphs(
+        self,
+        model: list[torch.nn.Module],
+        requested: bool | None = None,
+        tokens: int | None = None,
+    ) -> str:
+        """:meth:`plan_logprob_graphs` for the update's forward and backward
+        (:mod:`~megatron_grpo.megatron.step.update_graphs`; ``requested``:
+        ``training.update_cuda_graphs``). With them on, call :meth:`prepare_update` before
+        each training schedule."""
+        layout = self.layout_of(unwrap(model[0]))
+        on, why = plan_update_graphs(model, layout, requested, tokens)
+        self.update_graphs = on
+        if not on:
+            self.update_store.clear()
+        return why
+
+    def prepare_update(
+        self,
+        model: list[torch.nn.Module] | torch.nn.Module,
+        micro_batches: list[PackedBatch],
+        count_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        """Before a training schedule over ``micro_batches`` with update graphs on: the graph
+        shape of each (agreed over ``count_group`` as in :meth:`compute_logprobs`: their
+        graphs hold the same collectives) and whether ``model``'s weights moved since its
+        captures (agreed over TP and ``count_group``). A no-op with them off."""
+        if not self.update_graphs:
+            return
+        chunk = model[0] if isinstance(model, list) else model
+        layout = self.layout_of(unwrap(chunk))
+        for b in micro_batches:
+            b.validate()
+        self._shapes = deque(graph_shapes(micro_batches, layout.token_multiple, count_group))
+        self._routes = routes_shape(micro_batches)
+        self.update_store.check_model(chunk, [layout.tp_group, count_group])
 
     @classmethod
     def from_options(
@@ -211,7 +258,21 @@ class GRPOStep:
 
         Checks the model's config first (:func:`check_training_config`)."""
         check_training_config(model)
+        if self.update_graphs:
+            return self._graphed_forward(data_iterator, model)
         return self._forward(data_iterator, model, self.loss_func)
+
+    def _graphed_forward(self, data_iterator, model):
+        batch: PackedBatch = next(data_iterator)
+        if not self._shapes:
+            raise RuntimeError(
+                "GRPOStep.update_graphs is on: call prepare_update(model, micro_batches) "
+                "before each training schedule"
+            )
+        shape = self._shapes.popleft()
+        padded = pad_to_shape(batch, shape)  # padding documents: loss_mask False
+        hidden = self.update_store.forward(model, padded, shape, self._routes)
+        return hidden, partial(self.loss_func, padded, unwrap(model))
 
     def logprob_step(self, data_iterator: Iterator[PackedBatch], model: torch.nn.Module):
         """No-grad ``forward_step_func``: the loss function reports ``{"logprobs": [T_local]}``

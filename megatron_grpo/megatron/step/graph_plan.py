@@ -1,5 +1,6 @@
-"""Whether the no-grad log-prob passes replay CUDA graphs (:mod:`.logprob_graphs`): the one
-decision, ``training.logprob_cuda_graphs`` (null = auto).
+"""Whether the no-grad log-prob passes (:mod:`.logprob_graphs`) and the update's passes
+(:mod:`.update_graphs`) replay CUDA graphs: the one decision of each,
+``training.logprob_cuda_graphs`` and ``training.update_cuda_graphs`` (null = auto).
 
 They can run where the forward never reads bounds or counts on the host: one pipeline stage, no
 context parallelism, every attention on ``varlen_attn``, MoE layers on a dispatch without host
@@ -25,6 +26,7 @@ from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.megatron.moe.local_dispatch import host_sync_reason
 
 KNOB = "training.logprob_cuda_graphs"
+UPDATE_KNOB = "training.update_cuda_graphs"
 # A no-grad forward's host time per decoder layer: the 0.6B shape's 28 layers took 34 ms a
 # forward eager at 4k tokens on one H200's host (Intel Xeon), 15 ms replayed.
 HOST_MS_PER_LAYER = 1.2
@@ -104,6 +106,27 @@ def host_bound(gpt: torch.nn.Module, tokens: int) -> tuple[bool, str]:
     )
 
 
+def update_graphs_unsupported(chunks: list[torch.nn.Module], layout: ParallelLayout) -> str | None:
+    """Why the update's forward and backward of ``chunks`` cannot run captured (None: they
+    can): the log-prob passes' limits, and what a captured backward cannot replay."""
+    return graphs_unsupported(chunks, layout) or backward_unsupported(chunks[0])
+
+
+def backward_unsupported(chunk: torch.nn.Module) -> str | None:
+    """What in ``chunk``'s training forward a replayed graph would get wrong (None: nothing)."""
+    cfg = unwrap(chunk).config
+    if cfg.recompute_granularity is not None:
+        return f"activation recompute (recompute_granularity={cfg.recompute_granularity!r})"
+    if cfg.hidden_dropout > 0 or cfg.attention_dropout > 0:
+        return "dropout (a replay would draw the capture's random numbers)"
+    if cfg.num_moe_experts and (cfg.moe_aux_loss_coeff or cfg.moe_z_loss_coeff):
+        return "MoE aux / z losses (the padding tokens would join them)"
+    ddp = getattr(chunk, "ddp_config", None)
+    if getattr(ddp, "overlap_param_gather", False):
+        return "overlap_param_gather (its forward pre-hooks wait for each module's gather)"
+    return None
+
+
 def plan_logprob_graphs(
     chunks: list[torch.nn.Module],
     layout: ParallelLayout,
@@ -115,15 +138,32 @@ def plan_logprob_graphs(
     collective and a micro-batch of ``tokens`` is host-bound; unknown ``tokens``: off). An
     explicit request that cannot be honoured is an error naming why."""
     why = graphs_unsupported(chunks, layout)
+    return _plan(KNOB, why, chunks, layout, requested, tokens)
+
+
+def plan_update_graphs(
+    chunks: list[torch.nn.Module],
+    layout: ParallelLayout,
+    requested: bool | None,
+    tokens: int | None = None,
+) -> tuple[bool, str]:
+    """:func:`plan_logprob_graphs` for the update's passes (``training.update_cuda_graphs``).
+    Auto uses the forward's estimate: a backward's GEMMs and host time are both about twice the
+    forward's, so a host-bound forward has a host-bound backward."""
+    why = update_graphs_unsupported(chunks, layout)
+    return _plan(UPDATE_KNOB, why, chunks, layout, requested, tokens)
+
+
+def _plan(knob, why, chunks, layout, requested, tokens) -> tuple[bool, str]:
     if requested and why:
-        raise ValueError(f"{KNOB}=true cannot apply: {why}; set it to null (auto) or false")
+        raise ValueError(f"{knob}=true cannot apply: {why}; set it to null (auto) or false")
     if requested is not None:
-        return requested, f"{'on' if requested else 'off'} ({KNOB}={str(requested).lower()})"
+        return requested, f"{'on' if requested else 'off'} ({knob}={str(requested).lower()})"
     if why:
         return False, f"off: {why}"
     gpt = unwrap(chunks[0])
     if layout.tp_size > 1 or gpt.config.expert_model_parallel_size > 1:
-        return False, f"off under auto at TP / EP > 1 (collectives in the forward; {KNOB}=true)"
+        return False, f"off under auto at TP / EP > 1 (collectives in the forward; {knob}=true)"
     if tokens is None:
         return False, "off under auto: the passes' micro-batch size is unknown"
     bound, reason = host_bound(gpt, tokens)

@@ -1,0 +1,140 @@
+"""CUDA graphs of the update's forward and backward: two captured graphs per micro-batch shape.
+
+The update's passes wait on the host as the log-prob passes do (:mod:`.logprob_graphs`), and
+the backward twice as long. Each micro-batch is padded to a graph shape
+(:mod:`~megatron_grpo.megatron.batch.graph_shape`); its decoder forward replays one graph and,
+when autograd reaches it, its backward another, as ``torch.cuda.make_graphed_callables`` does:
+the backward graph computes the parameters' gradients (``torch.autograd.grad`` of the captured
+forward) into static buffers, and :class:`_Replay` hands them to autograd, so megatron-core's
+DDP hooks accumulate them into ``main_grad`` and start their reductions eagerly, as for any
+gradient. The LM head and the loss run eagerly on the static hidden states (the padding
+documents carry no loss: ``loss_mask`` False).
+
+Graphs of every shape share one memory pool: a forward's saved activations are freed after its
+backward's capture, so another shape's capture reuses them. That is safe only because each
+replayed forward is followed by its own backward before the next forward (megatron-core's
+schedule at one pipeline stage: forward, backward, micro-batch by micro-batch). The
+parameters' gradients are written to one set of buffers per model (one 16-bit copy of the
+trained parameters) shared by every shape. Scope as the log-prob graphs', and no activation
+recompute, dropout, MoE aux / z losses or overlapped parameter gathers
+(:func:`~megatron_grpo.megatron.step.graph_plan.update_graphs_unsupported`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from megatron_grpo.megatron.batch.graph_shape import GraphShape
+from megatron_grpo.megatron.batch.packing import PackedBatch
+from megatron_grpo.megatron.cuda_graphs import no_checkpoint
+from megatron_grpo.megatron.gpt import unwrap
+from megatron_grpo.megatron.moe.ep_dispatch import no_host_sync
+from megatron_grpo.megatron.moe.routing_replay import replay_stats_checkpoint, set_replay_routes
+from megatron_grpo.megatron.step.graph_store import MAX_GRAPHS, GraphStore, StaticBatch
+
+
+class _Replay(torch.autograd.Function):
+    """The captured forward of ``key`` on ``params`` (autograd's edges to them); its backward
+    replays the captured backward and returns the parameters' gradients."""
+
+    @staticmethod
+    def forward(ctx, graphs: UpdateGraphs, key: tuple, *params: Tensor) -> Tensor:
+        graphs.cache.graphs[(*key, "forward")].replay()
+        ctx.graphs, ctx.key = graphs, key
+        return graphs.statics[key].hidden.detach()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        graphs, key = ctx.graphs, ctx.key
+        graphs.grad_in[key].copy_(grad)
+        graphs.cache.graphs[(*key, "backward")].replay()
+        buffers, used = graphs.grads[key[0]], graphs.used[key]
+        out = [b.detach() if u else None for b, u in zip(buffers, used, strict=True)]
+        return None, None, *out
+
+
+def trained_params(chunk: torch.nn.Module) -> list[Tensor]:
+    """The parameters of ``chunk``'s model that take gradients, in a fixed order."""
+    return [p for p in unwrap(chunk).parameters() if p.requires_grad]
+
+
+class UpdateGraphs(GraphStore):
+    """The captured forwards and backwards of the update's micro-batch shapes, kept across
+    steps (the optimizer updates the weights in place), per model (:class:`GraphStore`)."""
+
+    def __init__(self, limit: int = MAX_GRAPHS) -> None:
+        super().__init__(limit)
+        self.grad_in: dict[tuple, Tensor] = {}  # the hidden states' gradient [T_local, H]
+        self.used: dict[tuple, tuple[bool, ...]] = {}  # the parameters each backward writes
+        self.grads: dict[int, list[Tensor | None]] = {}  # per model: shared gradient buffers
+
+    def clear(self) -> None:
+        super().clear()
+        self.grad_in.clear()
+        self.used.clear()
+        self.grads.clear()
+
+    def _evict(self, key: tuple) -> None:
+        self.statics.pop(key)
+        self.grad_in.pop(key, None)
+        self.used.pop(key, None)
+        for part in ("forward", "backward"):
+            self.cache.drop((*key, part))
+
+    def forward(
+        self, chunk: torch.nn.Module, padded: PackedBatch, shape: GraphShape, routes
+    ) -> Tensor:
+        """The hidden states ``[T_local, H]`` of ``padded`` (a micro-batch padded to ``shape``)
+        under ``chunk``, from the graph of its shape (captured first if new), connected to
+        the parameters by autograd. Routing replay: inside an active ``replay_routes`` block."""
+        params = trained_params(chunk)
+        device = params[0].device
+        key, static = self.static(chunk, shape, routes, device)
+        static.load(padded)
+        if static.routes is not None:
+            set_replay_routes(chunk, static.routes)
+        if key not in self.used:
+            self._capture(chunk, key, static, params)
+        return _Replay.apply(self, key, *params)
+
+    def _capture(self, chunk, key: tuple, static: StaticBatch, params: list[Tensor]) -> None:
+        cache = self.cache
+        checkpoint = no_checkpoint
+        if static.routes is not None:  # counts allocated before capture, warm-up undone
+            restore = replay_stats_checkpoint(chunk, params[0].device)
+            checkpoint = lambda: restore  # noqa: E731
+
+        def warm_up() -> None:
+            static.forward(chunk)
+            grads = torch.autograd.grad(
+                static.hidden, params, torch.zeros_like(static.hidden), allow_unused=True
+            )
+            self._allocate(chunk, params, grads)
+
+        with no_host_sync(chunk), torch.enable_grad():
+            cache.warm_up(warm_up, checkpoint)
+            cache.graphs[(*key, "forward")] = cache.capture(lambda: static.forward(chunk))
+            hidden = static.hidden
+            grad_in = torch.zeros_like(hidden)
+            buffers = self.grads[id(chunk)]
+            used: list[bool] = []
+
+            def backward() -> None:
+                grads = torch.autograd.grad(hidden, params, grad_in, allow_unused=True)
+                for buffer, g in zip(buffers, grads, strict=True):
+                    used.append(g is not None)
+                    if g is not None:
+                        buffer.copy_(g)
+
+            cache.graphs[(*key, "backward")] = cache.capture(backward)
+        # the captured autograd graph goes (its activations' memory is the pool's)
+        static.hidden = hidden.detach()
+        self.grad_in[key], self.used[key] = grad_in, tuple(used)
+
+    def _allocate(self, chunk, params: list[Tensor], grads) -> None:
+        """The shared gradient buffers of ``chunk``: one per parameter a backward reaches."""
+        buffers = self.grads.setdefault(id(chunk), [None] * len(params))
+        for i, (p, g) in enumerate(zip(params, grads, strict=True)):
+            if g is not None and buffers[i] is None:
+                buffers[i] = torch.empty_like(p)

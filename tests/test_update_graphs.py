@@ -1,0 +1,242 @@
+"""CUDA graphs of the update's forward and backward (megatron/step/update_graphs.py): micro-batches
+padded to graph shapes train as the unpadded ones (gradients, loss and metrics: CPU, dense
+TP 2 + SP with token and GSPO losses, MoE with routing replay), through GRPOStep's graphed path
+with each replay replaced by the eager forward of its padded micro-batch; the decision and its
+errors; and on a GPU the replayed passes' gradients equal the eager ones, replaying each shape
+with new inputs and capturing again after a parameter moved.
+
+    python -m pytest -q -m gpu tests/test_update_graphs.py   # 1 GPU
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_grpo.loss import GRPOLossConfig
+from megatron_grpo.loss.metrics import reduce_metrics
+from megatron_grpo.megatron import GRPOStep, ParallelConfig, unwrap
+from megatron_grpo.megatron.batch.transport import prepare_batch, run_model
+from megatron_grpo.megatron.moe.routing_replay import replay_routes, set_replay_routes
+from megatron_grpo.megatron.step import graph_plan as gp
+from megatron_grpo.megatron.step import update_graphs as ug
+from megatron_grpo.train.config import TrainConfig
+from tests.dist_utils import run_distributed
+from tests.megatron_utils import (
+    assert_close,
+    build_layout,
+    gather_full_grads,
+    make_sequences,
+    pack,
+    tiny_model,
+    train_grads,
+)
+
+GSPO = GRPOLossConfig(
+    ratio_level="sequence", loss_agg="seq_mean_token_mean", clip_eps_low=3e-4, clip_eps_high=4e-4
+)
+MOE = dict(num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=64, moe_grouped_gemm=True)
+
+
+def _batches(multiple: int = 1, n: int = 12, seed: int = 3, routes: bool = False):
+    seqs = make_sequences(n, seed=seed)
+    cuts = [(0, 3), (3, 1), (4, 5), (9, 3)]
+    out = [pack(seqs[i : i + k], multiple) for i, k in cuts]
+    if routes:  # half the tokens replay routes (-1 rows: live routing)
+        g = torch.Generator().manual_seed(seed)
+        for i, b in enumerate(out):
+            r = torch.randint(0, 8, (b.num_tokens, 2, 2), generator=g)
+            r[::2] = -1
+            out[i] = dataclasses.replace(b, routes=r)
+    return out
+
+
+def _eager_graphs(step: GRPOStep, shapes: list) -> None:
+    """Turn GRPOStep's graphed path on with each replay replaced by the eager forward of the
+    padded micro-batch (what a graph of its shape replays), recording the shapes."""
+
+    def forward(chunk, padded, shape, routes):
+        assert padded.num_tokens == shape.tokens and padded.cu_seqlens.numel() == shape.docs + 1
+        shapes.append(shape)
+        gpt = unwrap(chunk)
+        if padded.routes is not None:
+            set_replay_routes(chunk, padded.routes)
+        return run_model(chunk, *prepare_batch(padded, step.layout_of(gpt)))
+
+    step.update_store.forward = forward
+    step.update_graphs = True
+
+
+def _train_both(chunks, cfg, step, batches, replay: bool = False):
+    """(gradients, metrics) of the eager step, then of the padded (graphed) path."""
+    out = []
+    for graphed in (False, True):
+        if graphed:
+            shapes = []
+            _eager_graphs(step, shapes)
+            step.prepare_update(chunks, batches)
+        with replay_routes(chunks) if replay else contextlib.nullcontext():
+            reports = train_grads(chunks, step, batches)
+        out.append((gather_full_grads(chunks, cfg), reduce_metrics(reports)))
+    assert len(shapes) == len(batches) and not step._shapes
+    assert any(s.tokens > b.num_tokens for s, b in zip(shapes, batches, strict=True))
+    step.update_graphs = False
+    return out
+
+
+def _check_equal(tag: str, eager, graphed) -> None:
+    (want, want_m), (got, got_m) = eager, graphed
+    assert got.keys() == want.keys()
+    for name in want:
+        assert_close(f"{tag} {name}", got[name], want[name], tol=1e-5)
+    assert got_m.keys() == want_m.keys(), (tag, got_m.keys() ^ want_m.keys())
+    for k in want_m:
+        assert abs(got_m[k] - want_m[k]) <= 1e-5 * max(1.0, abs(want_m[k])), (tag, k)
+
+
+def _dense_body(rank: int, world: int) -> None:
+    parallel = ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
+    cfg = tiny_model()
+    chunks = build_layout(parallel, cfg)
+    for tag, loss in (("token", GRPOLossConfig()), ("gspo", GSPO)):
+        step = GRPOStep(loss, vocab_size=cfg.vocab_size)
+        _check_equal(tag, *_train_both(chunks, cfg, step, _batches(multiple=2)))
+    step.update_graphs = True  # no shapes prepared: a clear error, not a silent eager pass
+    with pytest.raises(RuntimeError, match="call prepare_update"):
+        train_grads(chunks, step, _batches(multiple=2))
+
+
+def test_padded_micro_batches_train_as_unpadded_tp2_sp():
+    """The padding documents carry no loss and attend to themselves only: a step over padded
+    micro-batches has the unpadded step's gradients, loss and metrics (fp32, TP 2 + SP; token
+    ratios and GSPO's sequence ratios)."""
+    run_distributed(_dense_body, 2)
+
+
+def _moe_body(rank: int, world: int) -> None:
+    cfg = tiny_model(**MOE, moe_enable_routing_replay=True)
+    chunks = build_layout(ParallelConfig(), cfg)
+    step = GRPOStep(GSPO, vocab_size=cfg.vocab_size)
+    both = _train_both(chunks, cfg, step, _batches(routes=True), replay=True)
+    _check_equal("moe", *both)
+
+
+def test_padded_moe_micro_batches_train_as_unpadded_with_routing_replay():
+    """MoE (dropless, live routing for the padding tokens, replayed routes for half the real
+    ones): the real tokens keep their experts, so the step is the unpadded one's."""
+    run_distributed(_moe_body, 1)
+
+
+def _plan_body(rank: int, world: int) -> None:
+    cfg = tiny_model(**MOE)
+    chunks = build_layout(ParallelConfig(), cfg)
+    step = GRPOStep(GRPOLossConfig(), vocab_size=cfg.vocab_size)
+    assert step.plan_update_graphs(chunks) == "off: a model on the CPU"
+    with pytest.raises(ValueError, match="training.update_cuda_graphs=true cannot apply"):
+        step.plan_update_graphs(chunks, True)
+    assert step.plan_update_graphs(chunks, False) == "off (training.update_cuda_graphs=false)"
+    assert not step.update_graphs
+    step.prepare_update(chunks, _batches())  # off: nothing to prepare
+    assert not step._shapes
+    config = unwrap(chunks[0]).config
+    assert gp.backward_unsupported(chunks[0]) is None
+    changes = {
+        "recompute_granularity": ("full", "activation recompute"),
+        "hidden_dropout": (0.1, "dropout"),
+        "moe_aux_loss_coeff": (0.01, "MoE aux / z losses"),
+        "moe_z_loss_coeff": (0.001, "MoE aux / z losses"),
+    }
+    for name, (value, why) in changes.items():
+        before = getattr(config, name)
+        setattr(config, name, value)
+        try:
+            assert gp.backward_unsupported(chunks[0]).startswith(why), name
+        finally:
+            setattr(config, name, before)
+    ddp = getattr(chunks[0], "ddp_config", None)
+    chunks[0].ddp_config = SimpleNamespace(overlap_param_gather=True)
+    try:
+        assert gp.backward_unsupported(chunks[0]).startswith("overlap_param_gather")
+    finally:
+        chunks[0].ddp_config = ddp
+    assert len(ug.trained_params(chunks[0])) == len(list(unwrap(chunks[0]).parameters()))
+
+
+def test_update_graph_plan_and_its_errors():
+    run_distributed(_plan_body, 1)
+
+
+def test_update_pass_tokens():
+    cfg = TrainConfig()
+    t = cfg.training
+    assert cfg.update_pass_tokens == t.micro_batch_size * (
+        cfg.rollout.max_prompt_length + cfg.rollout.max_response_length
+    )
+    t.micro_batch_size, t.max_tokens_per_micro_batch = None, 4096
+    assert cfg.update_pass_tokens == 4096
+
+
+# ---------------------------------------------------------------- GPU: replayed == eager
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _gpu_body(rank: int, world: int, moe: bool) -> None:
+    extra = dict(MOE, moe_enable_routing_replay=True) if moe else {}
+    cfg = tiny_model(params_dtype="bfloat16", max_sequence_length=256, **extra)
+    chunks = build_layout(ParallelConfig(), cfg)
+    step = GRPOStep(GSPO, vocab_size=cfg.vocab_size)
+    padded = GRPOStep(GSPO, vocab_size=cfg.vocab_size)  # eager, on the padded micro-batches
+    _eager_graphs(padded, [])
+    first = _batches(n=40, seed=5, routes=moe)
+    second = _batches(n=40, seed=6, routes=moe)  # the same shapes, other inputs
+
+    def run(batches, how: str):
+        s = padded if how == "padded" else step
+        if how != "padded":
+            step.plan_update_graphs(chunks, how == "graphs")
+        s.prepare_update(chunks, batches)
+        with replay_routes(chunks) if moe else contextlib.nullcontext():
+            reports = train_grads(chunks, s, batches)
+        return gather_full_grads(chunks, cfg), reduce_metrics(reports)
+
+    def check(tag: str, batches) -> None:
+        eager, graphed = run(batches, "eager"), run(batches, "graphs")
+        _check_close(tag, run(batches, "padded"), graphed, 1e-3)  # same kernels, same sizes
+        _check_close(tag, eager, graphed, 2e-2)  # the unpadded GEMMs may round differently
+
+    captures = []
+    for tag, batches in (("first", first), ("second", second), ("first again", first)):
+        check(tag, batches)
+        captures.append(step.update_store.cache.captures)
+    print("captures", captures, flush=True)
+    assert captures[0] > 0 and captures[1] == captures[0] == captures[2], captures
+    w = next(chunks[0].parameters())
+    w.data = w.data.clone()  # moved: its graphs read the old address
+    check("after a parameter moved", first)
+    assert step.update_store.cache.captures == 2 * captures[0]
+
+
+def _check_close(tag: str, want_run, got_run, tol: float) -> None:
+    """Gradients within ``tol`` of each one's scale, metrics within ``tol`` relative (bf16)."""
+    (want, want_m), (got, got_m) = want_run, got_run
+    worst = max(float((got[n] - want[n]).abs().max() / (want[n].abs().max() + 1e-12)) for n in want)
+    print(tag, f"tol {tol}: worst relative gradient difference {worst:.3e}", flush=True)
+    for name in want:
+        assert_close(f"{tag} {name}", got[name], want[name], tol=tol)
+    for k in want_m:
+        assert abs(got_m[k] - want_m[k]) <= tol * max(1.0, abs(want_m[k])), (tag, k)
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe_replay"])
+def test_gpu_replayed_update_equals_eager(moe):
+    """1 GPU: each micro-batch's forward and backward replayed from its shape's graphs give the
+    eager step's gradients and metrics; shapes captured once and replayed with new inputs; a
+    moved parameter captures them again."""
+    run_distributed(_gpu_body, 1, moe, backend="nccl", timeout=300)
