@@ -22,6 +22,7 @@ from megatron_grpo.megatron.attention import packed as pa
 from megatron_grpo.megatron.attention import varlen as va
 from megatron_grpo.megatron.attention.rope import cu_positions, packed_positions
 from megatron_grpo.megatron.batch import graph_shape as gs
+from megatron_grpo.megatron.cuda_graphs import GraphCache
 from megatron_grpo.megatron.step import graph_plan as gp
 from megatron_grpo.megatron.step import graph_store
 from megatron_grpo.megatron.step import logprob_graphs as lg
@@ -174,7 +175,7 @@ def _gpu_body(rank: int, world: int, moe: bool) -> None:
     auto = step.plan_logprob_graphs(chunks, None, 4096)
     assert auto.startswith("on: a forward of 4096 tokens is host-bound"), auto
     runs = []
-    real_run = lg.GraphCache.run
+    real_run = GraphCache.run
 
     def counted(self, key, *args, **kw):
         runs.append(key in self.graphs)
@@ -195,7 +196,7 @@ def _gpu_body(rank: int, world: int, moe: bool) -> None:
             )
             torch.testing.assert_close(g, w, rtol=0, atol=3e-2, msg=f"{tag} {i}: {diffs[i]}")
 
-    lg.GraphCache.run = counted
+    GraphCache.run = counted
     try:
         check("first call")
         first = list(runs)
@@ -209,7 +210,7 @@ def _gpu_body(rank: int, world: int, moe: bool) -> None:
         check("after a parameter moved")
         assert runs.count(False) == first.count(False), runs
     finally:
-        lg.GraphCache.run = real_run
+        GraphCache.run = real_run
 
 
 @needs_gpu

@@ -166,6 +166,40 @@ def _plan_body(rank: int, world: int) -> None:
     assert len(ug.trained_params(chunks[0])) == len(list(unwrap(chunks[0]).parameters()))
 
 
+def _shadow_body(rank: int, world: int) -> None:
+    cfg = tiny_model()
+    chunks = build_layout(ParallelConfig(), cfg)
+    gpt, params = unwrap(chunks[0]), ug.trained_params(chunks[0])
+    batch = _batches()[0]
+
+    def loss() -> torch.Tensor:
+        return run_model(chunks[0], *prepare_batch(batch, step.layout_of(gpt))).square().sum()
+
+    step = GRPOStep(GRPOLossConfig(), vocab_size=cfg.vocab_size)
+    want = torch.autograd.grad(loss(), params, allow_unused=True)
+    with ug.shadow_params(chunks[0], params) as leaves:
+        assert all(m.weight is not p for m in gpt.modules() for p in params if hasattr(m, "weight"))
+        out = loss()
+    assert [p for p in gpt.parameters()] == params  # restored, the same objects
+    for p, leaf in zip(params, leaves, strict=True):
+        assert leaf.data_ptr() == p.data_ptr() and leaf is not p and leaf.requires_grad
+        assert getattr(leaf, "tensor_model_parallel", None) == getattr(
+            p, "tensor_model_parallel", None
+        )
+    got = torch.autograd.grad(out, leaves, allow_unused=True)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert (g is None) == (w is None), i
+        if w is not None:
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert all(p.grad is None for p in params)  # nothing reached the real parameters
+
+
+def test_shadow_params_share_storage_and_take_the_gradients():
+    """The capture's stand-in leaves: the parameters' storage and attributes, the same
+    gradients, the modules' own parameters back afterwards."""
+    run_distributed(_shadow_body, 1)
+
+
 def test_update_graph_plan_and_its_errors():
     run_distributed(_plan_body, 1)
 

@@ -22,6 +22,9 @@ recompute, dropout, MoE aux / z losses or overlapped parameter gathers
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor
 
@@ -57,6 +60,35 @@ class _Replay(torch.autograd.Function):
 def trained_params(chunk: torch.nn.Module) -> list[Tensor]:
     """The parameters of ``chunk``'s model that take gradients, in a fixed order."""
     return [p for p in unwrap(chunk).parameters() if p.requires_grad]
+
+
+@contextlib.contextmanager
+def shadow_params(chunk: torch.nn.Module, params: list[Tensor]) -> Iterator[list[Tensor]]:
+    """While active, ``chunk``'s modules hold new leaf parameters in place of ``params``: the
+    same storage (a graph captured with them reads the parameters), autograd nodes of their own.
+    A parameter's gradient accumulator belongs to the stream current at its creation, and
+    megatron-core's DDP creates and keeps them on the default stream, which a capture may not
+    make wait ("operation would make the legacy stream depend on a capturing blocking
+    stream"); the shadows' are created inside the capture. Yields them in ``params``' order."""
+    shadows = {}
+    for p in params:
+        leaf = torch.nn.Parameter(p.detach(), requires_grad=True)
+        # megatron-core's attributes (TP, SP, expert flags), not the tensor's own (hooks)
+        leaf.__dict__.update({k: v for k, v in p.__dict__.items() if not k.startswith("_")})
+        shadows[id(p)] = leaf
+    slots = [
+        (module, name, p)
+        for module in unwrap(chunk).modules()
+        for name, p in module._parameters.items()
+        if p is not None and id(p) in shadows
+    ]
+    for module, name, p in slots:
+        module._parameters[name] = shadows[id(p)]
+    try:
+        yield [shadows[id(p)] for p in params]
+    finally:
+        for module, name, p in slots:
+            module._parameters[name] = p
 
 
 class UpdateGraphs(GraphStore):
@@ -106,22 +138,26 @@ class UpdateGraphs(GraphStore):
             checkpoint = lambda: restore  # noqa: E731
 
         def warm_up() -> None:
-            static.forward(chunk)
+            with shadow_params(chunk, params) as leaves:
+                static.forward(chunk)
             grads = torch.autograd.grad(
-                static.hidden, params, torch.zeros_like(static.hidden), allow_unused=True
+                static.hidden, leaves, torch.zeros_like(static.hidden), allow_unused=True
             )
             self._allocate(chunk, params, grads)
 
         with no_host_sync(chunk), torch.enable_grad():
             cache.warm_up(warm_up, checkpoint)
-            cache.graphs[(*key, "forward")] = cache.capture(lambda: static.forward(chunk))
-            hidden = static.hidden
-            grad_in = torch.zeros_like(hidden)
-            buffers = self.grads[id(chunk)]
+            with shadow_params(chunk, params) as leaves:
+                cache.graphs[(*key, "forward")] = cache.capture(lambda: static.forward(chunk))
+            hidden, buffers = static.hidden, self.grads[id(chunk)]
+            grad_in: list[Tensor] = []
             used: list[bool] = []
 
             def backward() -> None:
-                grads = torch.autograd.grad(hidden, params, grad_in, allow_unused=True)
+                grad_in.append(
+                    torch.empty_like(hidden)
+                )  # in the pool, as torch's graphed callables
+                grads = torch.autograd.grad(hidden, leaves, grad_in[0], allow_unused=True)
                 for buffer, g in zip(buffers, grads, strict=True):
                     used.append(g is not None)
                     if g is not None:
@@ -130,7 +166,7 @@ class UpdateGraphs(GraphStore):
             cache.graphs[(*key, "backward")] = cache.capture(backward)
         # the captured autograd graph goes (its activations' memory is the pool's)
         static.hidden = hidden.detach()
-        self.grad_in[key], self.used[key] = grad_in, tuple(used)
+        self.grad_in[key], self.used[key] = grad_in[0], tuple(used)
 
     def _allocate(self, chunk, params: list[Tensor], grads) -> None:
         """The shared gradient buffers of ``chunk``: one per parameter a backward reaches."""
