@@ -223,19 +223,23 @@ def _gpu_body(rank: int, world: int, moe: bool) -> None:
     extra = dict(MOE, moe_enable_routing_replay=True) if moe else {}
     cfg = tiny_model(params_dtype="bfloat16", max_sequence_length=256, **extra)
     chunks = build_layout(ParallelConfig(), cfg)
-    step = GRPOStep(GSPO, vocab_size=cfg.vocab_size)
-    padded = GRPOStep(GSPO, vocab_size=cfg.vocab_size)  # eager, on the padded micro-batches
-    _eager_graphs(padded, [])
+    steps = {
+        how: GRPOStep(GSPO, vocab_size=cfg.vocab_size) for how in ("eager", "padded", "graphs")
+    }
+    _eager_graphs(steps["padded"], [])  # eager, on the padded micro-batches
+    assert (
+        steps["graphs"]
+        .plan_update_graphs(chunks, None, 4096)
+        .startswith("on: a forward and backward of 4096 tokens is host-bound")
+    )
+    store = steps["graphs"].update_store
     first = _batches(n=40, seed=5, routes=moe)
     second = _batches(n=40, seed=6, routes=moe)  # the same shapes, other inputs
 
     def run(batches, how: str):
-        s = padded if how == "padded" else step
-        if how != "padded":
-            step.plan_update_graphs(chunks, how == "graphs")
-        s.prepare_update(chunks, batches)
+        steps[how].prepare_update(chunks, batches)
         with replay_routes(chunks) if moe else contextlib.nullcontext():
-            reports = train_grads(chunks, s, batches)
+            reports = train_grads(chunks, steps[how], batches)
         return gather_full_grads(chunks, cfg), reduce_metrics(reports)
 
     def check(tag: str, batches) -> None:
@@ -246,13 +250,15 @@ def _gpu_body(rank: int, world: int, moe: bool) -> None:
     captures = []
     for tag, batches in (("first", first), ("second", second), ("first again", first)):
         check(tag, batches)
-        captures.append(step.update_store.cache.captures)
+        captures.append(store.cache.captures)
     print("captures", captures, flush=True)
+    # two graphs a shape, captured once: kept across steps
     assert captures[0] > 0 and captures[1] == captures[0] == captures[2], captures
+    assert captures[0] == 2 * len(store.statics), (captures, len(store.statics))
     w = next(chunks[0].parameters())
     w.data = w.data.clone()  # moved: its graphs read the old address
     check("after a parameter moved", first)
-    assert step.update_store.cache.captures == 2 * captures[0]
+    assert store.cache.captures == 2 * captures[0], store.cache.captures
 
 
 def _check_close(tag: str, want_run, got_run, tol: float) -> None:

@@ -8,9 +8,10 @@ syncs, 16-bit weights, outside expandable segments. They pay where the forward i
 replay saves the host's time of a forward (megatron-core's module code and launches, about
 ``HOST_MS_PER_LAYER`` a layer) and costs the padding to the graph's shape. One H200 (Intel
 Xeon host), the 0.6B shape's pass: 2.2-2.6x faster at 4k-token micro-batches, 0.80-0.96x at 32k
-ones (there the GEMMs take longer than the host). Auto compares the two: the forward's GEMM time
-at ``FORWARD_TFLOPS`` against the host's, per micro-batch of the pass; it leaves them off where
-the forward holds collectives (TP, EP > 1), which no GPU run has captured yet (``true`` does).
+ones (there the GEMMs take longer than the host); its fwd+bwd 2.8-3.2x at 4k, 1.5-1.9x at 8k.
+Auto compares the two: the pass's GEMM time at ``FORWARD_TFLOPS`` (fwd+bwd: three times the
+forward's) against the host's, per micro-batch; it leaves them off where the forward holds
+collectives (TP, EP > 1), which no GPU run has captured yet (``true`` does).
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ UPDATE_KNOB = "training.update_cuda_graphs"
 # A no-grad forward's host time per decoder layer: the 0.6B shape's 28 layers took 34 ms a
 # forward eager at 4k tokens on one H200's host (Intel Xeon), 15 ms replayed.
 HOST_MS_PER_LAYER = 1.2
+# A forward and backward's: the same shape's fwd+bwd took 131-150 ms a 4k micro-batch eager,
+# 46-47 ms replayed (8k: 112-166 ms and 85 ms); 4.0 puts the crossover near 16k tokens, where
+# the replayed passes' GPU time reaches the eager host time.
+UPDATE_HOST_MS_PER_LAYER = 4.0
 # The matmul rate a forward's GEMMs reach (bf16 on an H100 / H200: ~40% of the dense peak).
 FORWARD_TFLOPS = 400.0
 
@@ -94,14 +99,18 @@ def active_matmul_params(gpt: torch.nn.Module) -> float:
     return total
 
 
-def host_bound(gpt: torch.nn.Module, tokens: int) -> tuple[bool, str]:
-    """Whether a forward of ``tokens`` packed tokens waits on the host: its GEMMs' estimated
-    time against ``HOST_MS_PER_LAYER`` per layer; the reason with both numbers."""
-    gemm_ms = 2 * active_matmul_params(gpt) * tokens / (FORWARD_TFLOPS * 1e9)
-    host_ms = HOST_MS_PER_LAYER * len(gpt.decoder.layers)
+def host_bound(gpt: torch.nn.Module, tokens: int, backward: bool = False) -> tuple[bool, str]:
+    """Whether a forward (``backward``: a forward and backward) of ``tokens`` packed tokens
+    waits on the host: its GEMMs' estimated time against ``HOST_MS_PER_LAYER``
+    (``UPDATE_HOST_MS_PER_LAYER``) per layer; the reason with both numbers."""
+    passes = 3 if backward else 1
+    gemm_ms = passes * 2 * active_matmul_params(gpt) * tokens / (FORWARD_TFLOPS * 1e9)
+    per_layer = UPDATE_HOST_MS_PER_LAYER if backward else HOST_MS_PER_LAYER
+    host_ms = per_layer * len(gpt.decoder.layers)
     bound = gemm_ms < host_ms
+    what = "forward and backward" if backward else "forward"
     return bound, (
-        f"a forward of {tokens} tokens is {'host' if bound else 'GPU'}-bound "
+        f"a {what} of {tokens} tokens is {'host' if bound else 'GPU'}-bound "
         f"(~{gemm_ms:.1f} ms of GEMMs against ~{host_ms:.0f} ms of host time)"
     )
 
@@ -147,14 +156,13 @@ def plan_update_graphs(
     requested: bool | None,
     tokens: int | None = None,
 ) -> tuple[bool, str]:
-    """:func:`plan_logprob_graphs` for the update's passes (``training.update_cuda_graphs``).
-    Auto uses the forward's estimate: a backward's GEMMs and host time are both about twice the
-    forward's, so a host-bound forward has a host-bound backward."""
+    """:func:`plan_logprob_graphs` for the update's passes (``training.update_cuda_graphs``),
+    auto by the forward and backward's estimate."""
     why = update_graphs_unsupported(chunks, layout)
-    return _plan(UPDATE_KNOB, why, chunks, layout, requested, tokens)
+    return _plan(UPDATE_KNOB, why, chunks, layout, requested, tokens, backward=True)
 
 
-def _plan(knob, why, chunks, layout, requested, tokens) -> tuple[bool, str]:
+def _plan(knob, why, chunks, layout, requested, tokens, backward=False) -> tuple[bool, str]:
     if requested and why:
         raise ValueError(f"{knob}=true cannot apply: {why}; set it to null (auto) or false")
     if requested is not None:
@@ -166,5 +174,5 @@ def _plan(knob, why, chunks, layout, requested, tokens) -> tuple[bool, str]:
         return False, f"off under auto at TP / EP > 1 (collectives in the forward; {knob}=true)"
     if tokens is None:
         return False, "off under auto: the passes' micro-batch size is unknown"
-    bound, reason = host_bound(gpt, tokens)
+    bound, reason = host_bound(gpt, tokens, backward)
     return bound, f"{'on' if bound else 'off'}: {reason}"
