@@ -73,7 +73,8 @@ def resources(kernel) -> Resources:
 def hopper_specs() -> list[KernelSpec]:
     """The LM head's GPU launches at their default configs (bf16 operands), and the fused
     q / k norm + RoPE kernels (their q / k branches must give one pointer type)."""
-    return _head_gemm_specs() + _split_specs() + _logits_grad_specs() + _qk_norm_rope_specs()
+    specs = _head_gemm_specs() + _split_specs() + _logits_grad_specs()
+    return specs + _qk_norm_rope_specs() + _rope_specs()
 
 
 def _head_gemm_specs() -> list[KernelSpec]:
@@ -192,6 +193,25 @@ def _qk_norm_rope_specs() -> list[KernelSpec]:
             {**shape, "INTERLEAVED": i},
         )  # fmt: skip
         for name, k, sig in (("fwd", 0, fwd), ("bwd", 1, bwd))
+        for i in (False, True)
+    ]
+
+
+def _rope_specs() -> list[KernelSpec]:
+    rope = importlib.import_module(".rope", __package__)
+
+    sig = {"x_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "out_ptr": "*bf16",
+           **dict.fromkeys(("T", "stride_xt", "stride_xh", "stride_ot", "stride_oh",
+                            "stride_c"), "i32")}  # fmt: skip
+    shape = dict(ROT=128, D=128, BLOCK_T=rope.BLOCK_T, BLOCK_D=128)
+    return [
+        KernelSpec(
+            f"rope {'bwd' if b else 'fwd'}{' interleaved' * i}",
+            lambda: rope._build(False),
+            sig,
+            {**shape, "INTERLEAVED": i, "BACKWARD": b},
+        )  # fmt: skip
+        for b in (False, True)
         for i in (False, True)
     ]
 

@@ -28,6 +28,7 @@ import torch
 
 from ._rounding import round_to
 from ._runtime import check_device, interpret_mode, num_sms, require_triton
+from .rope import rotation_partner
 
 try:
     import triton
@@ -38,20 +39,6 @@ except ImportError:  # the launchers raise a clear error on use
 
 BLOCK_T = 16
 _STRIDES = ("sq_t", "sq_h", "sk_t", "sk_h", "gq_t", "gq_h", "gk_t", "gk_h")
-
-
-def _partner_of(cols, ROT: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """``(p(i), first(i))``: the rotation partner of each feature and whether it is negated."""
-    if INTERLEAVED:
-        partner = cols ^ 1
-        first = (cols % 2) == 0
-    else:
-        partner = tl.where(cols < ROT // 2, cols + ROT // 2, cols - ROT // 2)
-        first = cols < ROT // 2
-    return partner, first
-
-
-_partner = triton.jit(_partner_of) if triton is not None else None
 
 
 def _fwd_kernel(
@@ -74,7 +61,7 @@ def _fwd_kernel(
         o_row = ko_ptr + (r64 * NK + (h - NQ)) * D
         r_ptr = rk_ptr + rows.to(tl.int64) * NK + (h - NQ)
     cols = tl.arange(0, BLOCK_D)
-    partner, first = _partner(cols, ROT, INTERLEAVED)
+    partner, first = rotation_partner(cols, ROT, INTERLEAVED)
     ok_row = (rows < T)[:, None]
     ok = ok_row & (cols < D)[None, :]
     rot = (cols < ROT)[None, :]
@@ -115,7 +102,7 @@ def _bwd_kernel(
         w_ptr, heads, d_base = wk_ptr, h * 0 + NK, dk_ptr + hh * D
         r_base = rk_ptr + hh
     cols = tl.arange(0, BLOCK_D)
-    partner, first = _partner(cols, ROT, INTERLEAVED)
+    partner, first = rotation_partner(cols, ROT, INTERLEAVED)
     col_ok = (cols < D)[None, :]
     rot = (cols < ROT)[None, :]
     sign = tl.where(first, 1.0, -1.0)[None, :]  # the partner's sign, negated

@@ -31,6 +31,22 @@ except ImportError:  # the launcher raises a clear error on use
 BLOCK_T = 16
 
 
+def _partner_of(cols, ROT: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """``(p(i), first(i))``: the rotation partner of each feature and whether it is negated
+    (the first half's / even features'). Shared with ``kernels.qk_norm_rope``."""
+    if INTERLEAVED:
+        partner = cols ^ 1
+        first = (cols % 2) == 0
+    else:
+        partner = tl.where(cols < ROT // 2, cols + ROT // 2, cols - ROT // 2)
+        first = cols < ROT // 2
+    return partner, first
+
+
+# a Triton function (kernels call it): a plain Python helper runs in the interpreter only
+rotation_partner = triton.jit(_partner_of) if triton is not None else None
+
+
 def _rope_kernel(
     x_ptr, cos_ptr, sin_ptr, out_ptr, T, stride_xt, stride_xh, stride_ot, stride_oh, stride_c,
     ROT: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -42,12 +58,7 @@ def _rope_kernel(
     rows64 = rows.to(tl.int64)[:, None]
     ok_row = (rows < T)[:, None]
     rot = (cols < ROT)[None, :]
-    if INTERLEAVED:
-        partner = cols ^ 1
-        first = (cols % 2) == 0
-    else:
-        partner = tl.where(cols < ROT // 2, cols + ROT // 2, cols - ROT // 2)
-        first = cols < ROT // 2
+    partner, first = rotation_partner(cols, ROT, INTERLEAVED)
     dtype = out_ptr.dtype.element_ty
     x_row = x_ptr + rows64 * stride_xt + head * stride_xh
     x = tl.load(x_row + cols[None, :], mask=ok_row & (cols < D)[None, :], other=0.0)
