@@ -164,6 +164,25 @@ def _plan_body(rank: int, world: int) -> None:
     finally:
         chunks[0].ddp_config = ddp
     assert len(ug.trained_params(chunks[0])) == len(list(unwrap(chunks[0]).parameters()))
+    share, held = gp.buffer_share(chunks[0])
+    assert share == float("inf") and held.endswith(" GiB")  # no GPU memory to share
+    # auto's memory rule, the GPU-only checks patched: buffers over the share keep them off
+    layout = step.layout_of(unwrap(chunks[0]))
+    unsupported, shares = gp.update_graphs_unsupported, gp.buffer_share
+    try:
+        gp.update_graphs_unsupported = lambda chunks, layout: None
+        gp.buffer_share = lambda chunk: (0.2, "28.0 GiB")
+        on, line = gp.plan_update_graphs(chunks, layout, None, 128)
+        assert not on and "would hold 28.0 GiB (20% of the GPU's memory" in line, line
+        on, line = gp.plan_update_graphs(chunks, layout, True, 128)
+        assert on and line.endswith("=true); 28.0 GiB of gradient buffers"), line
+        gp.buffer_share = lambda chunk: (0.01, "1.4 GiB")
+        on, line = gp.plan_update_graphs(chunks, layout, None, 128)
+        assert on and line.startswith("on: a forward and backward of 128 tokens"), line
+        on, line = gp.plan_update_graphs(chunks, layout, None, 10**9)
+        assert not on and "GPU-bound" in line, line
+    finally:
+        gp.update_graphs_unsupported, gp.buffer_share = unsupported, shares
 
 
 def _shadow_body(rank: int, world: int) -> None:
