@@ -157,32 +157,38 @@ def _plan_body(rank: int, world: int) -> None:
             assert gp.backward_unsupported(chunks[0]).startswith(why), name
         finally:
             setattr(config, name, before)
-    ddp = getattr(chunks[0], "ddp_config", None)
-    chunks[0].ddp_config = SimpleNamespace(overlap_param_gather=True)
+    ddp = chunks[0].ddp_config
     try:
-        assert gp.backward_unsupported(chunks[0]).startswith("overlap_param_gather")
+        for grad, param, why in (
+            (True, False, "overlap_grad_reduce"),
+            (False, True, "overlap_param"),
+        ):
+            chunks[0].ddp_config = SimpleNamespace(
+                overlap_grad_reduce=grad, overlap_param_gather=param
+            )
+            assert gp.backward_unsupported(chunks[0]).startswith(why), why
     finally:
         chunks[0].ddp_config = ddp
+    no_ddp = "a model without megatron-core's DDP gradient buffers"
+    assert gp.backward_unsupported(unwrap(chunks[0])).startswith(no_ddp)
     assert len(ug.trained_params(chunks[0])) == len(list(unwrap(chunks[0]).parameters()))
-    share, held = gp.buffer_share(chunks[0])
-    assert share == float("inf") and held.endswith(" GiB")  # no GPU memory to share
-    # auto's memory rule, the GPU-only checks patched: buffers over the share keep them off
+    # auto's estimate, the GPU-only checks patched
     layout = step.layout_of(unwrap(chunks[0]))
-    unsupported, shares = gp.update_graphs_unsupported, gp.buffer_share
+    unsupported = gp.update_graphs_unsupported
     try:
         gp.update_graphs_unsupported = lambda chunks, layout: None
-        gp.buffer_share = lambda chunk: (0.2, "28.0 GiB")
-        on, line = gp.plan_update_graphs(chunks, layout, None, 128)
-        assert not on and "would hold 28.0 GiB (20% of the GPU's memory" in line, line
-        on, line = gp.plan_update_graphs(chunks, layout, True, 128)
-        assert on and line.endswith("=true); 28.0 GiB of gradient buffers"), line
-        gp.buffer_share = lambda chunk: (0.01, "1.4 GiB")
         on, line = gp.plan_update_graphs(chunks, layout, None, 128)
         assert on and line.startswith("on: a forward and backward of 128 tokens"), line
         on, line = gp.plan_update_graphs(chunks, layout, None, 10**9)
         assert not on and "GPU-bound" in line, line
     finally:
-        gp.update_graphs_unsupported, gp.buffer_share = unsupported, shares
+        gp.update_graphs_unsupported = unsupported
+    # the backward graphs write main_grad: a gradient buffer that moved (offload) is seen
+    store = ug.UpdateGraphs()
+    before = store.addresses_of(chunks[0])
+    first = ug.trained_params(chunks[0])[0]
+    first.main_grad = first.main_grad.clone()
+    assert store.addresses_of(chunks[0]) != before
 
 
 def _shadow_body(rank: int, world: int) -> None:

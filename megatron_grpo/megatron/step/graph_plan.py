@@ -35,8 +35,6 @@ HOST_MS_PER_LAYER = 1.2
 # 46-47 ms replayed (8k: 112-166 ms and 85 ms); 4.0 puts the crossover near 16k tokens, where
 # the replayed passes' GPU time reaches the eager host time.
 UPDATE_HOST_MS_PER_LAYER = 4.0
-# The most of a GPU's memory auto lets the update graphs' gradient buffers take.
-UPDATE_BUFFER_SHARE = 0.05
 # The matmul rate a forward's GEMMs reach (bf16 on an H100 / H200: ~40% of the dense peak).
 FORWARD_TFLOPS = 400.0
 
@@ -133,6 +131,12 @@ def backward_unsupported(chunk: torch.nn.Module) -> str | None:
     if cfg.num_moe_experts and (cfg.moe_aux_loss_coeff or cfg.moe_z_loss_coeff):
         return "MoE aux / z losses (the padding tokens would join them)"
     ddp = getattr(chunk, "ddp_config", None)
+    if ddp is None or any(
+        getattr(p, "main_grad", None) is None for p in unwrap(chunk).parameters() if p.requires_grad
+    ):
+        return "a model without megatron-core's DDP gradient buffers (main_grad)"
+    if ddp.overlap_grad_reduce:
+        return "overlap_grad_reduce (its hooks start each bucket's reduction as gradients arrive)"
     if getattr(ddp, "overlap_param_gather", False):
         return "overlap_param_gather (its forward pre-hooks wait for each module's gather)"
     return None
@@ -159,30 +163,9 @@ def plan_update_graphs(
     tokens: int | None = None,
 ) -> tuple[bool, str]:
     """:func:`plan_logprob_graphs` for the update's passes (``training.update_cuda_graphs``),
-    auto by the forward and backward's estimate and only where their gradient buffers (a 16-bit
-    copy of the trained parameters) take at most ``UPDATE_BUFFER_SHARE`` of the GPU's memory
-    (a small-active, large-total MoE can be host-bound). The line says what they hold."""
+    auto by the forward and backward's estimate."""
     why = update_graphs_unsupported(chunks, layout)
-    on, line = _plan(UPDATE_KNOB, why, chunks, layout, requested, tokens, backward=True)
-    if why:
-        return on, line
-    share, held = buffer_share(chunks[0])
-    if on and requested is None and share > UPDATE_BUFFER_SHARE:
-        return False, (
-            f"off under auto: the graphs' gradient buffers would hold {held} "
-            f"({share:.0%} of the GPU's memory; {UPDATE_KNOB}=true)"
-        )
-    return on, f"{line}; {held} of gradient buffers" if on else line
-
-
-def buffer_share(chunk: torch.nn.Module) -> tuple[float, str]:
-    """The update graphs' gradient buffers of ``chunk``: (their share of its GPU's memory,
-    their size in GiB as text). Upper bound: every trained parameter."""
-    params = [p for p in unwrap(chunk).parameters() if p.requires_grad]
-    held = sum(p.numel() * p.element_size() for p in params)
-    device = params[0].device
-    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
-    return (held / total if total else float("inf")), f"{held / 2**30:.1f} GiB"
+    return _plan(UPDATE_KNOB, why, chunks, layout, requested, tokens, backward=True)
 
 
 def _plan(knob, why, chunks, layout, requested, tokens, backward=False) -> tuple[bool, str]:

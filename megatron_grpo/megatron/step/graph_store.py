@@ -111,12 +111,16 @@ class GraphStore:
 
     def check_model(self, chunk: torch.nn.Module, groups: list) -> None:
         """Drop ``chunk``'s graphs if its parameters or buffers moved on any rank of ``groups``."""
-        now = model_addresses(chunk)
+        now = self.addresses_of(chunk)
         moved = self.addresses.get(id(chunk), now) != now
         if GraphCache.agree_recapture(moved, groups):
             for key in [k for k in self.statics if k[0] == id(chunk)]:
                 self._evict(key)
         self.addresses[id(chunk)] = now
+
+    def addresses_of(self, chunk: torch.nn.Module) -> tuple[int, ...]:
+        """Where ``chunk``'s graphs read (and write): its parameters and buffers."""
+        return model_addresses(chunk)
 
     def static(self, chunk, shape: GraphShape, routes, device) -> tuple[tuple, StaticBatch]:
         """The key and static buffers of ``chunk``'s forward of ``shape`` (made if new)."""

@@ -1,22 +1,25 @@
 """CUDA graphs of the update's forward and backward: two captured graphs per micro-batch shape.
 
-The update's passes wait on the host as the log-prob passes do (:mod:`.logprob_graphs`), and
-the backward twice as long. Each micro-batch is padded to a graph shape
+The update's passes wait on the host as the log-prob passes do (:mod:`.logprob_graphs`), the
+backward longer than the forward. Each micro-batch is padded to a graph shape
 (:mod:`~megatron_grpo.megatron.batch.graph_shape`); its decoder forward replays one graph and,
-when autograd reaches it, its backward another, as ``torch.cuda.make_graphed_callables`` does:
-the backward graph computes the parameters' gradients (``torch.autograd.grad`` of the captured
-forward) into static buffers, and :class:`_Replay` hands them to autograd, so megatron-core's
-DDP hooks accumulate them into ``main_grad`` and start their reductions eagerly, as for any
-gradient. The LM head and the loss run eagerly on the static hidden states (the padding
-documents carry no loss: ``loss_mask`` False).
+when autograd reaches it, its backward another (:class:`_Replay`, as
+``torch.cuda.make_graphed_callables`` pairs them). The backward graph computes the parameters'
+gradients (``torch.autograd.grad`` of the captured forward) and adds them to megatron-core's DDP
+gradient buffers (``main_grad``) itself, which is what DDP's hook does for an eager gradient
+when it does not overlap the reduction: no gradient copy of the parameters is held, none is
+handed to autograd. The LM head and the loss run eagerly on the static hidden states (the
+padding documents carry no loss: ``loss_mask`` False); their gradients reach DDP's hooks as
+usual.
 
 Graphs of every shape share one memory pool: a forward's saved activations are freed after its
 backward's capture, so another shape's capture reuses them. That is safe only because each
 replayed forward is followed by its own backward before the next forward (megatron-core's
-schedule at one pipeline stage: forward, backward, micro-batch by micro-batch). The
-parameters' gradients are written to one set of buffers per model (one 16-bit copy of the
-trained parameters) shared by every shape. Scope as the log-prob graphs', and no activation
-recompute, dropout, MoE aux / z losses or overlapped parameter gathers
+schedule at one pipeline stage: forward, backward, micro-batch by micro-batch). A model whose
+parameters, buffers or gradient buffers moved (``training.offload_during_rollout`` frees the
+gradient buffers during rollout) is captured again. Scope as the log-prob graphs', a model
+wrapped in megatron-core's DDP without ``overlap_grad_reduce``, and no activation recompute,
+dropout, MoE aux / z losses or overlapped parameter gathers
 (:func:`~megatron_grpo.megatron.step.graph_plan.update_graphs_unsupported`).
 """
 
@@ -38,13 +41,14 @@ from megatron_grpo.megatron.step.graph_store import MAX_GRAPHS, GraphStore, Stat
 
 
 class _Replay(torch.autograd.Function):
-    """The captured forward of ``key`` on ``params`` (autograd's edges to them); its backward
-    replays the captured backward and returns the parameters' gradients."""
+    """The captured forward of ``key`` on ``params`` (autograd's edges to them, so that the
+    loss's gradient reaches :meth:`backward`); its backward replays the captured backward, which
+    adds the parameters' gradients to their ``main_grad`` (none returned to autograd)."""
 
     @staticmethod
     def forward(ctx, graphs: UpdateGraphs, key: tuple, *params: Tensor) -> Tensor:
         graphs.cache.graphs[(*key, "forward")].replay()
-        ctx.graphs, ctx.key = graphs, key
+        ctx.graphs, ctx.key, ctx.count = graphs, key, len(params)
         return graphs.statics[key].hidden.detach()
 
     @staticmethod
@@ -52,9 +56,7 @@ class _Replay(torch.autograd.Function):
         graphs, key = ctx.graphs, ctx.key
         graphs.grad_in[key].copy_(grad)
         graphs.cache.graphs[(*key, "backward")].replay()
-        buffers, used = graphs.grads[key[0]], graphs.used[key]
-        out = [b.detach() if u else None for b, u in zip(buffers, used, strict=True)]
-        return None, None, *out
+        return None, None, *([None] * ctx.count)
 
 
 def trained_params(chunk: torch.nn.Module) -> list[Tensor]:
@@ -98,21 +100,21 @@ class UpdateGraphs(GraphStore):
     def __init__(self, limit: int = MAX_GRAPHS) -> None:
         super().__init__(limit)
         self.grad_in: dict[tuple, Tensor] = {}  # the hidden states' gradient [T_local, H]
-        self.used: dict[tuple, tuple[bool, ...]] = {}  # the parameters each backward writes
-        self.grads: dict[int, list[Tensor | None]] = {}  # per model: shared gradient buffers
 
     def clear(self) -> None:
         super().clear()
         self.grad_in.clear()
-        self.used.clear()
-        self.grads.clear()
 
     def _evict(self, key: tuple) -> None:
         self.statics.pop(key)
         self.grad_in.pop(key, None)
-        self.used.pop(key, None)
         for part in ("forward", "backward"):
             self.cache.drop((*key, part))
+
+    def addresses_of(self, chunk: torch.nn.Module) -> tuple[int, ...]:
+        """Where the graphs read and write: the parameters, buffers and gradient buffers."""
+        grads = (p.main_grad.data_ptr() for p in trained_params(chunk))
+        return (*super().addresses_of(chunk), *grads)
 
     def forward(
         self, chunk: torch.nn.Module, padded: PackedBatch, shape: GraphShape, routes
@@ -126,7 +128,7 @@ class UpdateGraphs(GraphStore):
         static.load(padded)
         if static.routes is not None:
             set_replay_routes(chunk, static.routes)
-        if key not in self.used:
+        if key not in self.grad_in:
             self._capture(chunk, key, static, params)
         return _Replay.apply(self, key, *params)
 
@@ -140,37 +142,26 @@ class UpdateGraphs(GraphStore):
         def warm_up() -> None:
             with shadow_params(chunk, params) as leaves:
                 static.forward(chunk)
-            grads = torch.autograd.grad(
-                static.hidden, leaves, torch.zeros_like(static.hidden), allow_unused=True
-            )
-            self._allocate(chunk, params, grads)
+            zeros = torch.zeros_like(static.hidden)
+            torch.autograd.grad(static.hidden, leaves, zeros, allow_unused=True)
 
         with no_host_sync(chunk), torch.enable_grad():
             cache.warm_up(warm_up, checkpoint)
             with shadow_params(chunk, params) as leaves:
                 cache.graphs[(*key, "forward")] = cache.capture(lambda: static.forward(chunk))
-            hidden, buffers = static.hidden, self.grads[id(chunk)]
+            hidden = static.hidden
             grad_in: list[Tensor] = []
-            used: list[bool] = []
 
             def backward() -> None:
                 grad_in.append(
                     torch.empty_like(hidden)
                 )  # in the pool, as torch's graphed callables
                 grads = torch.autograd.grad(hidden, leaves, grad_in[0], allow_unused=True)
-                for buffer, g in zip(buffers, grads, strict=True):
-                    used.append(g is not None)
-                    if g is not None:
-                        buffer.copy_(g)
+                for p, g in zip(params, grads, strict=True):
+                    if g is not None:  # DDP's hook without overlap: main_grad += grad
+                        p.main_grad.add_(g)
 
             cache.graphs[(*key, "backward")] = cache.capture(backward)
         # the captured autograd graph goes (its activations' memory is the pool's)
         static.hidden = hidden.detach()
-        self.grad_in[key], self.used[key] = grad_in[0], tuple(used)
-
-    def _allocate(self, chunk, params: list[Tensor], grads) -> None:
-        """The shared gradient buffers of ``chunk``: one per parameter a backward reaches."""
-        buffers = self.grads.setdefault(id(chunk), [None] * len(params))
-        for i, (p, g) in enumerate(zip(params, grads, strict=True)):
-            if g is not None and buffers[i] is None:
-                buffers[i] = torch.empty_like(p)
+        self.grad_in[key] = grad_in[0]
