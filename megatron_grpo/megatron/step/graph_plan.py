@@ -8,7 +8,7 @@ syncs, 16-bit weights, outside expandable segments. They pay where the forward i
 replay saves the host's time of a forward (megatron-core's module code and launches, about
 ``HOST_MS_PER_LAYER`` a layer) and costs the padding to the graph's shape. One H200 (Intel
 Xeon host), the 0.6B shape's pass: 2.2-2.6x faster at 4k-token micro-batches, 0.80-0.96x at 32k
-ones (there the GEMMs take longer than the host); its fwd+bwd 2.8-3.2x at 4k, 1.5-1.9x at 8k.
+ones (there the GEMMs take longer than the host); its fwd+bwd 2.8-3.4x at 4k, 1.25-1.95x at 8k.
 Auto compares the two: the pass's GEMM time at ``FORWARD_TFLOPS`` (fwd+bwd: three times the
 forward's) against the host's, per micro-batch; it leaves them off where the forward holds
 collectives (TP, EP > 1), which no GPU run has captured yet (``true`` does).
