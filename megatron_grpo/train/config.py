@@ -125,11 +125,11 @@ class TrainingConfig:
             graph_plan.py``); said at start-up with the reason. true: on wherever they can run
             (an error elsewhere); false: off.
         update_cuda_graphs: the update's forward and backward replay captured CUDA graphs per
-            micro-batch shape (``megatron/step/update_graphs.py``: the gradients handed to
-            megatron-core's DDP as eager ones; the LM head and loss eager). null (default), true
-            and false as ``logprob_cuda_graphs``, for a micro-batch of ``update_pass_tokens``;
-            they also need no activation recompute, dropout, MoE aux / z losses or
-            ``overlap_param_gather``.
+            micro-batch shape (``megatron/step/update_graphs.py``: the backward graph adds the
+            gradients to megatron-core's DDP ``main_grad``; the LM head and loss eager). null
+            (default), true and false as ``logprob_cuda_graphs``, for a micro-batch of
+            ``update_pass_tokens``; they also need ``parallel.overlap_grad_reduce`` false and
+            no activation recompute, dropout or MoE aux / z losses.
         exit_signals: signals that stop the run cleanly (``train/stop.py``): every rank
             finishes the current step, saves a checkpoint (with ``checkpoint.dir``) and exits
             with code 3; a second signal exits at once. ``[]``: the signals' default actions.

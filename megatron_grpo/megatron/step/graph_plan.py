@@ -168,7 +168,16 @@ def plan_update_graphs(
     return _plan(UPDATE_KNOB, why, chunks, layout, requested, tokens, backward=True)
 
 
-def _plan(knob, why, chunks, layout, requested, tokens, backward=False) -> tuple[bool, str]:
+def _plan(
+    knob: str,
+    why: str | None,
+    chunks: list[torch.nn.Module],
+    layout: ParallelLayout,
+    requested: bool | None,
+    tokens: int | None,
+    backward: bool = False,
+) -> tuple[bool, str]:
+    """The decision of ``knob`` given why the graphs cannot run (``why``) and the request."""
     if requested and why:
         raise ValueError(f"{knob}=true cannot apply: {why}; set it to null (auto) or false")
     if requested is not None:

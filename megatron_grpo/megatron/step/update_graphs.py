@@ -153,9 +153,8 @@ class UpdateGraphs(GraphStore):
             grad_in: list[Tensor] = []
 
             def backward() -> None:
-                grad_in.append(
-                    torch.empty_like(hidden)
-                )  # in the pool, as torch's graphed callables
+                # the hidden states' gradient lives in the pool, as torch's graphed callables'
+                grad_in.append(torch.empty_like(hidden))
                 grads = torch.autograd.grad(hidden, leaves, grad_in[0], allow_unused=True)
                 for p, g in zip(params, grads, strict=True):
                     if g is not None:  # DDP's hook without overlap: main_grad += grad
