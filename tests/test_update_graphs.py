@@ -20,6 +20,7 @@ import torch
 from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.loss.metrics import reduce_metrics
 from megatron_grpo.megatron import GRPOStep, ParallelConfig, unwrap
+from megatron_grpo.megatron.batch import graph_shape as gs
 from megatron_grpo.megatron.batch.transport import prepare_batch, run_model
 from megatron_grpo.megatron.moe.routing_replay import replay_routes, set_replay_routes
 from megatron_grpo.megatron.step import graph_plan as gp
@@ -189,6 +190,32 @@ def _plan_body(rank: int, world: int) -> None:
     first = ug.trained_params(chunks[0])[0]
     first.main_grad = first.main_grad.clone()
     assert store.addresses_of(chunks[0]) != before
+
+
+def _agree_body(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    cfg = tiny_model()
+    chunks = build_layout(ParallelConfig(), cfg)  # DP 2: each rank its own micro-batches
+    step = GRPOStep(GRPOLossConfig(), vocab_size=cfg.vocab_size)
+    step.update_graphs = True  # as EP over DP would, without a GPU to capture on
+    batches = _batches(n=12 + 20 * rank, seed=rank)
+    big = gs.GraphShape(1024, 64, 1024)  # each rank one large micro-batch, at its own index
+    batches[rank] = gs.pad_to_shape(batches[rank], big)
+    step.prepare_update(chunks, batches, dist.group.WORLD)
+    shapes = list(step._shapes)
+    theirs = [None] * world
+    dist.all_gather_object(theirs, shapes)
+    assert all(t == shapes for t in theirs), theirs  # the i-th forwards share one shape
+    assert shapes[0].tokens >= 1024 and shapes[1].tokens >= 1024, shapes
+    for b, s in zip(batches, shapes, strict=True):
+        assert s.tokens >= b.num_tokens and s.docs >= b.cu_seqlens.numel()
+
+
+def test_ranks_agree_on_each_update_forwards_shape():
+    """``prepare_update(count_group=...)``: ranks whose forwards are collectives with each other
+    (MoE EP over DP) replay graphs of the same shape for each micro-batch (gloo, 2 ranks)."""
+    run_distributed(_agree_body, 2)
 
 
 def _shadow_body(rank: int, world: int) -> None:
