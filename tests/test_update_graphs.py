@@ -271,8 +271,9 @@ def test_update_pass_tokens():
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _gpu_body(rank: int, world: int, moe: bool) -> None:
+def _gpu_body(rank: int, world: int, moe: bool, tied: bool = False) -> None:
     extra = dict(MOE, moe_enable_routing_replay=True) if moe else {}
+    extra["share_embeddings_and_output_weights"] = tied  # tied: graph and LM head both add
     cfg = tiny_model(params_dtype="bfloat16", max_sequence_length=256, **extra)
     chunks = build_layout(ParallelConfig(), cfg)
     steps = {
@@ -326,9 +327,11 @@ def _check_close(tag: str, want_run, got_run, tol: float) -> None:
 
 @needs_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe_replay"])
-def test_gpu_replayed_update_equals_eager(moe):
+@pytest.mark.parametrize(
+    "moe,tied", [(False, False), (True, False), (False, True)], ids=["dense", "moe_replay", "tied"]
+)
+def test_gpu_replayed_update_equals_eager(moe, tied):
     """1 GPU: each micro-batch's forward and backward replayed from its shape's graphs give the
     eager step's gradients and metrics; shapes captured once and replayed with new inputs; a
     moved parameter captures them again."""
-    run_distributed(_gpu_body, 1, moe, backend="nccl", timeout=300)
+    run_distributed(_gpu_body, 1, moe, tied, backend="nccl", timeout=300)
