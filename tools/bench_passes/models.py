@@ -38,7 +38,7 @@ def check_variants(variants: list[str]) -> None:
                          f"GRAPHS in {tuple(GRAPHS)}")  # fmt: skip
 
 
-def logprob_graphs(variant: str) -> bool | None:
+def graphs_requested(variant: str) -> bool | None:
     """The sixth field of a variant as ``training.logprob_cuda_graphs`` and
     ``training.update_cuda_graphs`` (both passes): "" / "auto" = None
     (auto: where they run and the pass's micro-batch is host-bound), "eager" = False, "graphs"

@@ -15,7 +15,7 @@ from megatron_grpo.megatron import GRPOStep, unwrap
 
 from . import dist
 from .flops import matmul_params
-from .models import check_variants, logprob_graphs, variant_models
+from .models import check_variants, graphs_requested, variant_models
 from .passes import Passes, run_row
 from .profiling import host_profile, run_profile
 from .report import (
@@ -47,9 +47,10 @@ def _step(args, cfg, chunks, variant: str) -> GRPOStep:
     step = GRPOStep(GRPOLossConfig(kl_coef=args.kl_coef), vocab_size=cfg.vocab_size,
                     logprob_path=args.logprob_path)  # fmt: skip
     tokens = max(args.logprob_merge or 0, args.tokens)  # the passes' micro-batch, merged or not
-    why = step.plan_logprob_graphs(chunks, logprob_graphs(variant), tokens)
+    requested = graphs_requested(variant)  # both passes
+    why = step.plan_logprob_graphs(chunks, requested, tokens)
     print(f"{variant}: log-prob passes: CUDA graphs {why}", flush=True)
-    why = step.plan_update_graphs(chunks, logprob_graphs(variant), args.tokens)
+    why = step.plan_update_graphs(chunks, requested, args.tokens)
     print(f"{variant}: fwd+bwd passes: CUDA graphs {why}", flush=True)
     return step
 
