@@ -110,10 +110,14 @@ def _measured_switch(chunks, optimizer) -> None:
     said: list[str] = []
     check = _Shortfalls(-1.0, 3 * 2**29)
     offload = RolloutOffload(chunks, optimizer, False, check, said.append)
+    offload.on_enable = lambda: said.append(f"re-planned, enabled={offload.enabled}")
     with offload.during_rollout(0):
         assert offload._moved == [] and not offload.enabled
     with offload.during_rollout(1):
         assert offload.enabled and offload._moved
+    # what depends on the decision hears of it once (the trainer: the update graphs)
+    assert said[1:] == ["re-planned, enabled=True"], said
+    said.pop()
     assert said == [RolloutOffload.check_line(1, 3 * 2**29)] and "1.50 GiB" in said[0]
     assert "on from step 2" in said[0]
     with offload.during_rollout(2):

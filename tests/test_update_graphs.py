@@ -1,9 +1,11 @@
 """CUDA graphs of the update's forward and backward (megatron/step/update_graphs.py): micro-batches
 padded to graph shapes train as the unpadded ones (gradients, loss and metrics: CPU, dense
 TP 2 + SP with token and GSPO losses, MoE with routing replay), through GRPOStep's graphed path
-with each replay replaced by the eager forward of its padded micro-batch; the decision and its
-errors; and on a GPU the replayed passes' gradients equal the eager ones, replaying each shape
-with new inputs and capturing again after a parameter moved.
+with each replay replaced by the eager forward of its padded micro-batch; UpdateGraphs' own
+capture, replay and hand-off to DDP with CPU stand-ins for the graphs (DP 2, overlapped
+reduction, tied embedding); the decision and its errors; and on a GPU the replayed passes'
+gradients equal the eager ones, replaying each shape with new inputs and capturing again after
+a parameter moved.
 
     python -m pytest -q -m gpu tests/test_update_graphs.py   # 1 GPU
 """
@@ -24,6 +26,7 @@ from megatron_grpo.megatron.batch import graph_shape as gs
 from megatron_grpo.megatron.batch.transport import prepare_batch, run_model
 from megatron_grpo.megatron.moe.routing_replay import replay_routes, set_replay_routes
 from megatron_grpo.megatron.step import graph_plan as gp
+from megatron_grpo.megatron.step import graph_store
 from megatron_grpo.megatron.step import update_graphs as ug
 from megatron_grpo.train.config import TrainConfig
 from tests.dist_utils import run_distributed
@@ -160,14 +163,12 @@ def _plan_body(rank: int, world: int) -> None:
             setattr(config, name, before)
     ddp = chunks[0].ddp_config
     try:
-        for grad, param, why in (
-            (True, False, "overlap_grad_reduce"),
-            (False, True, "overlap_param"),
-        ):
+        for grad, param, why in ((True, False, None), (False, True, "overlap_param")):
             chunks[0].ddp_config = SimpleNamespace(
                 overlap_grad_reduce=grad, overlap_param_gather=param
             )
-            assert gp.backward_unsupported(chunks[0]).startswith(why), why
+            got = gp.backward_unsupported(chunks[0])
+            assert got is None if why is None else got.startswith(why), (why, got)
     finally:
         chunks[0].ddp_config = ddp
     no_ddp = "a model without megatron-core's DDP gradient buffers"
@@ -182,6 +183,12 @@ def _plan_body(rank: int, world: int) -> None:
         assert on and line.startswith("on: a forward and backward of 128 tokens"), line
         on, line = gp.plan_update_graphs(chunks, layout, None, 10**9)
         assert not on and "GPU-bound" in line, line
+        # offload moves the gradient buffers: auto off, true on and said
+        on, line = gp.plan_update_graphs(chunks, layout, None, 128, grads_move=True)
+        assert not on and line == f"off under auto: {gp.MOVING_GRADS}", line
+        on, line = gp.plan_update_graphs(chunks, layout, True, 128, grads_move=True)
+        assert on and line.endswith(f"; {gp.MOVING_GRADS}"), line
+        assert gp.plan_update_graphs(chunks, layout, False, 128, True)[0] is False
     finally:
         gp.update_graphs_unsupported = unsupported
     # the backward graphs write main_grad: a gradient buffer that moved (offload) is seen
@@ -268,14 +275,92 @@ def test_update_pass_tokens():
 
 # ---------------------------------------------------------------- GPU: replayed == eager
 
+
+class _Rerun:
+    """A "graph" on the CPU: :meth:`replay` runs its captured Python again."""
+
+    def __init__(self, step) -> None:
+        self.step = step
+
+    def replay(self) -> None:
+        with torch.enable_grad():  # _Replay's forward runs under no_grad, as autograd's do
+            self.step()
+
+
+class _RerunCache:
+    """:class:`GraphCache`'s interface on the CPU: a capture runs its step once (its writes to
+    ``grads`` undone) and keeps it to run again at each replay, so UpdateGraphs' own capture, replay and hand-off to DDP run
+    in CI (a GPU's graph replays the kernels that Python launched)."""
+
+    def __init__(self, grads: list[torch.Tensor]) -> None:
+        self.graphs, self.captures, self.grads = {}, 0, grads
+
+    def warm_up(self, step, checkpoint) -> None:
+        restore = checkpoint()
+        step()
+        restore()
+
+    def capture(self, step) -> _Rerun:
+        before = [g.clone() for g in self.grads]
+        step()  # a capture runs nothing on the GPU: its writes to main_grad are undone
+        for g, b in zip(self.grads, before, strict=True):
+            g.copy_(b)
+        self.captures += 1
+        return _Rerun(step)
+
+    def drop(self, key) -> None:
+        self.graphs.pop(key, None)
+
+
+def _rerun_body(rank: int, world: int, tied: bool, overlap: bool) -> None:
+    # the static bounds stay readable on the host: the captured forwards' 'varlen' attention
+    # runs on CUDA only, and a rerun reads the bounds each time
+    graph_store.mark_static = lambda params, max_len: None
+    cfg = tiny_model(share_embeddings_and_output_weights=tied)
+    chunks = build_layout(ParallelConfig(overlap_grad_reduce=overlap), cfg)  # DP 2
+    if overlap:  # one bucket: its reduction starts once every parameter was marked ready
+        assert len(chunks[0].bucket_groups) == 1
+    eager = GRPOStep(GSPO, vocab_size=cfg.vocab_size)
+    graphed = GRPOStep(GSPO, vocab_size=cfg.vocab_size)
+    graphed.update_store.cache = _RerunCache([p.main_grad for p in ug.trained_params(chunks[0])])
+    graphed.update_graphs = True
+    # DDP's first step counts each parameter's hooks, later ones start a bucket's reduction
+    # when its count is reached: three steps, the graphs captured in the first
+    for seed in (3, 4, 3):
+        batches = _batches(n=12, seed=seed + 10 * rank)
+        reports = train_grads(chunks, eager, batches)
+        want = (gather_full_grads(chunks, cfg), reduce_metrics(reports))
+        graphed.prepare_update(chunks, batches)
+        reports = train_grads(chunks, graphed, batches)
+        _check_equal(
+            f"seed {seed}", want, (gather_full_grads(chunks, cfg), reduce_metrics(reports))
+        )
+    store = graphed.update_store
+    assert store.cache.captures == 2 * len(store.statics) > 0
+    shared = {len(b.shared) for b in store.backwards.values()}
+    assert shared == {1 if tied else 0}, shared  # the tied embedding: hooks after the replay
+
+
+@pytest.mark.parametrize(
+    "tied,overlap", [(False, False), (False, True), (True, True)], ids=["plain", "overlap", "tied"]
+)
+def test_update_graph_replays_hand_their_gradients_to_ddp(tied, overlap):
+    """UpdateGraphs' capture and replay with CPU stand-ins for the graphs (each replay reruns the
+    captured Python): the gradients the backward graph adds to main_grad and DDP's reduction of
+    them over DP 2 (gloo) equal the eager step's, for three steps; with overlap_grad_reduce
+    (the replay marks its parameters ready in DDP's buckets) and a tied embedding (its hook,
+    after the replay, adds the LM head's part)."""
+    run_distributed(_rerun_body, 2, tied, overlap)
+
+
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _gpu_body(rank: int, world: int, moe: bool, tied: bool = False) -> None:
+def _gpu_body(rank: int, world: int, moe: bool, tied: bool, overlap: bool) -> None:
     extra = dict(MOE, moe_enable_routing_replay=True) if moe else {}
     extra["share_embeddings_and_output_weights"] = tied  # tied: graph and LM head both add
     cfg = tiny_model(params_dtype="bfloat16", max_sequence_length=256, **extra)
-    chunks = build_layout(ParallelConfig(), cfg)
+    chunks = build_layout(ParallelConfig(overlap_grad_reduce=overlap), cfg)
     steps = {
         how: GRPOStep(GSPO, vocab_size=cfg.vocab_size) for how in ("eager", "padded", "graphs")
     }
@@ -328,10 +413,13 @@ def _check_close(tag: str, want_run, got_run, tol: float) -> None:
 @needs_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "moe,tied", [(False, False), (True, False), (False, True)], ids=["dense", "moe_replay", "tied"]
+    "moe,tied,overlap",
+    [(False, False, False), (True, False, False), (False, True, True)],
+    ids=["dense", "moe_replay", "tied_overlap"],
 )
-def test_gpu_replayed_update_equals_eager(moe, tied):
+def test_gpu_replayed_update_equals_eager(moe, tied, overlap):
     """1 GPU: each micro-batch's forward and backward replayed from its shape's graphs give the
     eager step's gradients and metrics; shapes captured once and replayed with new inputs; a
-    moved parameter captures them again."""
-    run_distributed(_gpu_body, 1, moe, tied, backend="nccl", timeout=300)
+    moved parameter captures them again. A tied embedding with overlap_grad_reduce: the graph
+    and the LM head both add to its main_grad, and DDP's bucket starts after both."""
+    run_distributed(_gpu_body, 1, moe, tied, overlap, backend="nccl", timeout=300)

@@ -128,8 +128,9 @@ class TrainingConfig:
             micro-batch shape (``megatron/step/update_graphs.py``: the backward graph adds the
             gradients to megatron-core's DDP ``main_grad``; the LM head and loss eager). null
             (default), true and false as ``logprob_cuda_graphs``, for a micro-batch of
-            ``update_pass_tokens``; they also need ``parallel.overlap_grad_reduce`` false and
-            no activation recompute, dropout or MoE aux / z losses.
+            ``update_pass_tokens``; they also need no activation recompute, dropout or MoE
+            aux / z losses. Auto leaves them off when ``offload_during_rollout`` is on (it
+            moves the gradient buffers, so each step would capture again).
         exit_signals: signals that stop the run cleanly (``train/stop.py``): every rank
             finishes the current step, saves a checkpoint (with ``checkpoint.dir``) and exits
             with code 3; a second signal exits at once. ``[]``: the signals' default actions.

@@ -60,7 +60,7 @@ class RolloutOffload:
     """``with offload.during_rollout(step): ...``: moves out, runs the block, moves back;
     ``seconds``: the last round trip's wall time (``perf/offload_seconds``). ``check``: ``auto``
     left off by the plan, measured again before each rollout until it turns on (``say``: the
-    line that says so)."""
+    line that says so; ``on_enable``: called then, for what depends on the decision)."""
 
     def __init__(
         self,
@@ -73,6 +73,7 @@ class RolloutOffload:
         self.chunks, self.optimizer, self.enabled = chunks, optimizer, enabled
         self.check, self.say = (None if enabled else check), say
         self.seconds = 0.0
+        self.on_enable: Callable[[], None] | None = None
         self._moved: list[_Moved] = []
         self._host: dict[tuple[int, int], torch.Tensor] = {}  # (slot, nbytes) -> pinned buffer
 
@@ -84,6 +85,8 @@ class RolloutOffload:
             if short > 0:
                 self.enabled, self.check = True, None
                 self.say(self.check_line(step, short))
+                if self.on_enable is not None:
+                    self.on_enable()
         if not self.enabled:
             yield
             return

@@ -143,6 +143,7 @@ class Trainer:
         offload, line = offload_decision(self.cfg, policy, self.layout)
         check = measured_check(self.cfg, policy, self.layout)
         self.offload = RolloutOffload(self.model, self.optimizer, offload, check, say)
+        self.offload.on_enable = self._plan_update_graphs
         say(line)
 
     def _open_rollouts(self, task: Task | None) -> RolloutPlan:
@@ -185,8 +186,7 @@ class Trainer:
         )
         plan, tokens = self.step_fn.plan_logprob_graphs, cfg.logprob_pass_tokens
         say(f"log-prob passes: CUDA graphs {plan(self.model, t.logprob_cuda_graphs, tokens)}")
-        plan, tokens = self.step_fn.plan_update_graphs, cfg.update_pass_tokens
-        say(f"update passes: CUDA graphs {plan(self.model, t.update_cuda_graphs, tokens)}")
+        self._plan_update_graphs()
         self.replay = RoutingReplay.of(
             cfg.model.moe_enable_routing_replay,
             self.model,
@@ -195,6 +195,15 @@ class Trainer:
             log_ratio_clamp=cfg.loss.log_ratio_clamp,
             dp_group=self.layout.dp_group,
         )
+
+    def _plan_update_graphs(self) -> None:
+        """At start-up, and again when offload's measured check turns it on (it moves the
+        gradient buffers the update's backward graphs add to)."""
+        t, plan = self.cfg.training, self.step_fn.plan_update_graphs
+        line = plan(
+            self.model, t.update_cuda_graphs, self.cfg.update_pass_tokens, self.offload.enabled
+        )
+        say(f"update passes: CUDA graphs {line}")
 
     def _setup_models(self) -> None:
         self._resolve_recompute()
@@ -269,13 +278,11 @@ class Trainer:
             return
         saved = state.get("rank_state") or {}
         if not partial.restore(saved.get("partial"), int(state["step"])):
-            if torch.distributed.get_rank() == 0:
-                print(
-                    "resume: rollout.partial starts with no requests in flight (the checkpoint "
-                    "holds none for this world size: a run without partial rollouts, or another "
-                    "number of ranks)",
-                    flush=True,
-                )
+            say(
+                "resume: rollout.partial starts with no requests in flight (the checkpoint holds "
+                "none for this world size: a run without partial rollouts, or another number of "
+                "ranks)"
+            )
 
     def _claim_run_dirs(self, resume: bool, overwrite: bool) -> None:
         """The run's directories, the resumed checkpoint's layout (before the slow model build)
@@ -463,16 +470,8 @@ class Trainer:
             rank_state = None if partial is None else {"partial": partial.state_dict()}
             if separate is not None:
                 rank_state = {"separate": separate.state_dict(step)}
-            path = ckpt.save_checkpoint(
-                cfg.dir,
-                step,
-                self.model,
-                self.optimizer,
-                self.scheduler,
-                state,
-                cfg.keep_last,
-                rank_state,
-            )
+            parts = (self.model, self.optimizer, self.scheduler)
+            path = ckpt.save_checkpoint(cfg.dir, step, *parts, state, cfg.keep_last, rank_state)
             self._saved_step = step
             if stop is None:
                 self.monitor.message(f"saved checkpoint {path} (step {step})")

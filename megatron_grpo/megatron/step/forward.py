@@ -193,13 +193,15 @@ class GRPOStep:
         model: list[torch.nn.Module],
         requested: bool | None = None,
         tokens: int | None = None,
+        grads_move: bool = False,
     ) -> str:
         """:meth:`plan_logprob_graphs` for the update's forward and backward
         (:mod:`~megatron_grpo.megatron.step.update_graphs`; ``requested``:
-        ``training.update_cuda_graphs``). With them on, call :meth:`prepare_update` before
-        each training schedule."""
+        ``training.update_cuda_graphs``; ``grads_move``: the gradient buffers move between
+        steps, e.g. offloaded during rollout). With them on, call :meth:`prepare_update`
+        before each training schedule."""
         layout = self.layout_of(unwrap(model[0]))
-        on, why = plan_update_graphs(model, layout, requested, tokens)
+        on, why = plan_update_graphs(model, layout, requested, tokens, grads_move)
         self.update_graphs = on
         if not on:
             self.update_store.clear()

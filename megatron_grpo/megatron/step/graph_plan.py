@@ -35,6 +35,10 @@ HOST_MS_PER_LAYER = 1.2
 # 46-47 ms replayed (8k: 112-166 ms and 85 ms); 4.0 puts the crossover near 16k tokens, where
 # the replayed passes' GPU time reaches the eager host time.
 UPDATE_HOST_MS_PER_LAYER = 4.0
+MOVING_GRADS = (
+    "training.offload_during_rollout frees the gradient buffers the backward graphs add to, "
+    "so they are captured again every step"
+)
 # The matmul rate a forward's GEMMs reach (bf16 on an H100 / H200: ~40% of the dense peak).
 FORWARD_TFLOPS = 400.0
 
@@ -135,8 +139,6 @@ def backward_unsupported(chunk: torch.nn.Module) -> str | None:
         getattr(p, "main_grad", None) is None for p in unwrap(chunk).parameters() if p.requires_grad
     ):
         return "a model without megatron-core's DDP gradient buffers (main_grad)"
-    if ddp.overlap_grad_reduce:
-        return "overlap_grad_reduce (its hooks start each bucket's reduction as gradients arrive)"
     if getattr(ddp, "overlap_param_gather", False):
         return "overlap_param_gather (its forward pre-hooks wait for each module's gather)"
     return None
@@ -161,11 +163,18 @@ def plan_update_graphs(
     layout: ParallelLayout,
     requested: bool | None,
     tokens: int | None = None,
+    grads_move: bool = False,
 ) -> tuple[bool, str]:
     """:func:`plan_logprob_graphs` for the update's passes (``training.update_cuda_graphs``),
-    auto by the forward and backward's estimate."""
+    auto by the forward and backward's estimate. ``grads_move``: the gradient buffers move
+    between steps (``training.offload_during_rollout`` on), so the graphs, which add to them,
+    would be captured again every step (a capture costs about two eager passes of its shape):
+    off under auto; ``true`` keeps them and says so."""
     why = update_graphs_unsupported(chunks, layout)
-    return _plan(UPDATE_KNOB, why, chunks, layout, requested, tokens, backward=True)
+    if grads_move and requested is None and why is None:
+        return False, f"off under auto: {MOVING_GRADS}"
+    on, line = _plan(UPDATE_KNOB, why, chunks, layout, requested, tokens, backward=True)
+    return on, f"{line}; {MOVING_GRADS}" if on and grads_move else line
 
 
 def _plan(
