@@ -24,6 +24,8 @@ from megatron_grpo.loss.metrics import reduce_metrics
 from megatron_grpo.megatron import GRPOStep, ParallelConfig, unwrap
 from megatron_grpo.megatron.batch import graph_shape as gs
 from megatron_grpo.megatron.batch.transport import prepare_batch, run_model
+from megatron_grpo.megatron.moe import ep_dispatch
+from megatron_grpo.megatron.moe.ep_dispatch import no_host_sync
 from megatron_grpo.megatron.moe.routing_replay import replay_routes, set_replay_routes
 from megatron_grpo.megatron.step import graph_plan as gp
 from megatron_grpo.megatron.step import graph_store
@@ -277,13 +279,15 @@ def test_update_pass_tokens():
 
 
 class _Rerun:
-    """A "graph" on the CPU: :meth:`replay` runs its captured Python again."""
+    """A "graph" on the CPU: :meth:`replay` runs its captured Python again, as captured (MoE
+    layers on the dispatch without host syncs)."""
 
-    def __init__(self, step) -> None:
-        self.step = step
+    def __init__(self, step, chunk) -> None:
+        self.step, self.chunk = step, chunk
 
     def replay(self) -> None:
-        with torch.enable_grad():  # _Replay's forward runs under no_grad, as autograd's do
+        # _Replay's forward runs under no_grad, as autograd Functions' forwards do
+        with torch.enable_grad(), no_host_sync(self.chunk):
             self.step()
 
 
@@ -292,8 +296,9 @@ class _RerunCache:
     ``grads`` undone) and keeps it to run again at each replay, so UpdateGraphs' own capture, replay and hand-off to DDP run
     in CI (a GPU's graph replays the kernels that Python launched)."""
 
-    def __init__(self, grads: list[torch.Tensor]) -> None:
-        self.graphs, self.captures, self.grads = {}, 0, grads
+    def __init__(self, chunk) -> None:
+        self.graphs, self.captures, self.chunk = {}, 0, chunk
+        self.grads = [p.main_grad for p in ug.trained_params(chunk)]
 
     def warm_up(self, step, checkpoint) -> None:
         restore = checkpoint()
@@ -306,51 +311,76 @@ class _RerunCache:
         for g, b in zip(self.grads, before, strict=True):
             g.copy_(b)
         self.captures += 1
-        return _Rerun(step)
+        return _Rerun(step, self.chunk)
 
     def drop(self, key) -> None:
         self.graphs.pop(key, None)
 
 
-def _rerun_body(rank: int, world: int, tied: bool, overlap: bool) -> None:
+# layout -> (parallel settings, model settings); each on 2 gloo ranks
+RERUN = {
+    "dp2": ({}, {}),
+    "dp2_overlap": (dict(overlap_grad_reduce=True), {}),
+    "dp2_tied_overlap": (
+        dict(overlap_grad_reduce=True),
+        dict(share_embeddings_and_output_weights=True),
+    ),
+    "tp2_sp": (dict(tensor_model_parallel_size=2, sequence_parallel=True), {}),
+    "ep2": (dict(expert_model_parallel_size=2), dict(MOE, moe_token_dispatcher_type="alltoall")),
+}
+
+
+def _rerun_body(rank: int, world: int, layout: str) -> None:
+    import torch.distributed as dist
+
+    from tests.ep_utils import cpu_alltoall
+
     # the static bounds stay readable on the host: the captured forwards' 'varlen' attention
     # runs on CUDA only, and a rerun reads the bounds each time
     graph_store.mark_static = lambda params, max_len: None
-    cfg = tiny_model(share_embeddings_and_output_weights=tied)
-    chunks = build_layout(ParallelConfig(overlap_grad_reduce=overlap), cfg)  # DP 2
-    if overlap:  # one bucket: its reduction starts once every parameter was marked ready
+    cpu_alltoall()  # the eager step's dispatcher at EP 2 (the graphs': the gathered one)
+    parallel, model = RERUN[layout]
+    cfg = tiny_model(**model)
+    chunks = build_layout(ParallelConfig(**parallel), cfg)
+    if "overlap" in layout:  # one bucket: its reduction starts once each parameter is ready
         assert len(chunks[0].bucket_groups) == 1
+    tp = layout.startswith("tp")
     eager = GRPOStep(GSPO, vocab_size=cfg.vocab_size)
     graphed = GRPOStep(GSPO, vocab_size=cfg.vocab_size)
-    graphed.update_store.cache = _RerunCache([p.main_grad for p in ug.trained_params(chunks[0])])
+    graphed.update_store.cache = _RerunCache(chunks[0])
     graphed.update_graphs = True
+    chosen = []  # EP 2: the dispatch of each MoE layer's forward
+    choose = ep_dispatch.choose_dispatch
+    ep_dispatch.choose_dispatch = lambda *a: chosen.append(choose(*a)) or chosen[-1]
     # DDP's first step counts each parameter's hooks, later ones start a bucket's reduction
     # when its count is reached: three steps, the graphs captured in the first
     for seed in (3, 4, 3):
-        batches = _batches(n=12, seed=seed + 10 * rank)
+        batches = _batches(multiple=2 if tp else 1, seed=seed + (0 if tp else 10 * rank))
+        chosen.clear()
         reports = train_grads(chunks, eager, batches)
+        assert set(chosen) == ({"megatron"} if layout == "ep2" else set()), set(chosen)
         want = (gather_full_grads(chunks, cfg), reduce_metrics(reports))
-        graphed.prepare_update(chunks, batches)
+        graphed.prepare_update(chunks, batches, dist.group.WORLD)  # EP: one shape per forward
+        chosen.clear()
         reports = train_grads(chunks, graphed, batches)
-        _check_equal(
-            f"seed {seed}", want, (gather_full_grads(chunks, cfg), reduce_metrics(reports))
-        )
+        got = (gather_full_grads(chunks, cfg), reduce_metrics(reports))
+        assert set(chosen) == ({"gathered"} if layout == "ep2" else set()), set(chosen)
+        _check_equal(f"{layout} seed {seed}", want, got)
     store = graphed.update_store
     assert store.cache.captures == 2 * len(store.statics) > 0
     shared = {len(b.shared) for b in store.backwards.values()}
-    assert shared == {1 if tied else 0}, shared  # the tied embedding: hooks after the replay
+    assert shared == {1 if "tied" in layout else 0}, shared  # tied: its hook after the replay
 
 
-@pytest.mark.parametrize(
-    "tied,overlap", [(False, False), (False, True), (True, True)], ids=["plain", "overlap", "tied"]
-)
-def test_update_graph_replays_hand_their_gradients_to_ddp(tied, overlap):
+@pytest.mark.parametrize("layout", list(RERUN))
+def test_update_graph_replays_hand_their_gradients_to_ddp(layout):
     """UpdateGraphs' capture and replay with CPU stand-ins for the graphs (each replay reruns the
-    captured Python): the gradients the backward graph adds to main_grad and DDP's reduction of
-    them over DP 2 (gloo) equal the eager step's, for three steps; with overlap_grad_reduce
-    (the replay marks its parameters ready in DDP's buckets) and a tied embedding (its hook,
-    after the replay, adds the LM head's part)."""
-    run_distributed(_rerun_body, 2, tied, overlap)
+    captured Python): the gradients the backward graph adds to main_grad, reduced by DDP, equal
+    the eager step's for three steps (2 gloo ranks). With overlap_grad_reduce (the replay marks
+    its parameters ready in DDP's buckets), a tied embedding (its hook, after the replay, adds
+    the LM head's part), TP 2 + SP, and EP 2 (the graphs' gathered dispatch against the eager
+    step's all-to-all; the ranks agree on each forward's shape)."""
+    run_distributed(_rerun_body, 2, layout)
 
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
