@@ -27,6 +27,7 @@ from megatron_grpo.megatron.step import graph_plan as gp
 from megatron_grpo.megatron.step import graph_store
 from megatron_grpo.megatron.step import logprob_graphs as lg
 from tests.dist_utils import run_distributed
+from tests.graph_utils import LAYOUTS, RerunCache, count_dispatches, rerun_graphs
 from tests.megatron_utils import build_layout, make_sequences, pack, tiny_model
 
 
@@ -144,6 +145,47 @@ def test_padded_micro_batches_keep_their_logprobs_tp2_sp():
     """The padding documents attend to themselves only: the real tokens' log-probs of a padded
     micro-batch are the unpadded one's (fp32, eager, TP 2 + SP)."""
     run_distributed(_padded_body, 2)
+
+
+def _rerun_body(rank: int, world: int, layout: str) -> None:
+    import torch.distributed as dist
+
+    from tests.ep_utils import cpu_alltoall
+
+    rerun_graphs()
+    cpu_alltoall()  # the eager passes' dispatcher at EP 2 (the graphs': the gathered one)
+    parallel, model = LAYOUTS[layout]
+    cfg = tiny_model(**model)
+    chunks = build_layout(ParallelConfig(**parallel), cfg)
+    step = GRPOStep(GRPOLossConfig(), vocab_size=cfg.vocab_size)
+    ep = layout == "ep2"
+    # EP ranks bring their own micro-batches, rank 1 two more (its peer runs a spare forward)
+    batches = _batches(multiple=1 if ep else 2, seed=rank if ep else 0)
+    batches += _batches(seed=7)[:2] if ep and rank else []
+    group = dist.group.WORLD if ep else None
+    chosen = count_dispatches()
+    for max_tokens in (None, 48):
+        want = step.compute_logprobs(chunks, batches, max_tokens, group)
+        assert set(chosen) == ({"megatron"} if ep else set()), set(chosen)
+        step.logprob_graphs, step.graphs.cache = True, RerunCache(chunks[0])
+        chosen.clear()
+        got = step.compute_logprobs(chunks, batches, max_tokens, group)
+        assert set(chosen) == ({"gathered"} if ep else set()), set(chosen)
+        assert step.graphs.cache.captures == len(step.graphs.cache.graphs) > 0
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-5, msg=f"{layout} {max_tokens} {i}")
+        step.logprob_graphs, step.graphs = False, lg.LogprobGraphs()
+        chosen.clear()
+
+
+@pytest.mark.parametrize("layout", ["tp2_sp", "ep2"])
+def test_replayed_logprob_passes_equal_eager_on_cpu_stand_ins(layout):
+    """The graphed log-prob passes' own Python (shapes agreed over the EP ranks, static inputs,
+    capture and replay) with CPU stand-ins for the graphs (each replay reruns the captured
+    forward) equal the eager passes, unmerged and merged: TP 2 + SP, and EP 2 with the
+    gathered dispatch against the eager all-to-all, the ranks bringing different numbers of
+    micro-batches (2 gloo ranks)."""
+    run_distributed(_rerun_body, 2, layout)
 
 
 # ---------------------------------------------------------------- GPU: replayed == eager

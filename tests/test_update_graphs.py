@@ -24,14 +24,12 @@ from megatron_grpo.loss.metrics import reduce_metrics
 from megatron_grpo.megatron import GRPOStep, ParallelConfig, unwrap
 from megatron_grpo.megatron.batch import graph_shape as gs
 from megatron_grpo.megatron.batch.transport import prepare_batch, run_model
-from megatron_grpo.megatron.moe import ep_dispatch
-from megatron_grpo.megatron.moe.ep_dispatch import no_host_sync
 from megatron_grpo.megatron.moe.routing_replay import replay_routes, set_replay_routes
 from megatron_grpo.megatron.step import graph_plan as gp
-from megatron_grpo.megatron.step import graph_store
 from megatron_grpo.megatron.step import update_graphs as ug
 from megatron_grpo.train.config import TrainConfig
 from tests.dist_utils import run_distributed
+from tests.graph_utils import LAYOUTS, MOE, RerunCache, count_dispatches, rerun_graphs
 from tests.megatron_utils import (
     assert_close,
     build_layout,
@@ -45,7 +43,6 @@ from tests.megatron_utils import (
 GSPO = GRPOLossConfig(
     ratio_level="sequence", loss_agg="seq_mean_token_mean", clip_eps_low=3e-4, clip_eps_high=4e-4
 )
-MOE = dict(num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=64, moe_grouped_gemm=True)
 
 
 def _batches(multiple: int = 1, n: int = 12, seed: int = 3, routes: bool = False):
@@ -278,68 +275,14 @@ def test_update_pass_tokens():
 # ---------------------------------------------------------------- GPU: replayed == eager
 
 
-class _Rerun:
-    """A "graph" on the CPU: :meth:`replay` runs its captured Python again, as captured (MoE
-    layers on the dispatch without host syncs)."""
-
-    def __init__(self, step, chunk) -> None:
-        self.step, self.chunk = step, chunk
-
-    def replay(self) -> None:
-        # _Replay's forward runs under no_grad, as autograd Functions' forwards do
-        with torch.enable_grad(), no_host_sync(self.chunk):
-            self.step()
-
-
-class _RerunCache:
-    """:class:`GraphCache`'s interface on the CPU: a capture runs its step once (its writes to
-    ``grads`` undone) and keeps it to run again at each replay, so UpdateGraphs' own capture, replay and hand-off to DDP run
-    in CI (a GPU's graph replays the kernels that Python launched)."""
-
-    def __init__(self, chunk) -> None:
-        self.graphs, self.captures, self.chunk = {}, 0, chunk
-        self.grads = [p.main_grad for p in ug.trained_params(chunk)]
-
-    def warm_up(self, step, checkpoint) -> None:
-        restore = checkpoint()
-        step()
-        restore()
-
-    def capture(self, step) -> _Rerun:
-        before = [g.clone() for g in self.grads]
-        step()  # a capture runs nothing on the GPU: its writes to main_grad are undone
-        for g, b in zip(self.grads, before, strict=True):
-            g.copy_(b)
-        self.captures += 1
-        return _Rerun(step, self.chunk)
-
-    def drop(self, key) -> None:
-        self.graphs.pop(key, None)
-
-
-# layout -> (parallel settings, model settings); each on 2 gloo ranks
-RERUN = {
-    "dp2": ({}, {}),
-    "dp2_overlap": (dict(overlap_grad_reduce=True), {}),
-    "dp2_tied_overlap": (
-        dict(overlap_grad_reduce=True),
-        dict(share_embeddings_and_output_weights=True),
-    ),
-    "tp2_sp": (dict(tensor_model_parallel_size=2, sequence_parallel=True), {}),
-    "ep2": (dict(expert_model_parallel_size=2), dict(MOE, moe_token_dispatcher_type="alltoall")),
-}
-
-
 def _rerun_body(rank: int, world: int, layout: str) -> None:
     import torch.distributed as dist
 
     from tests.ep_utils import cpu_alltoall
 
-    # the static bounds stay readable on the host: the captured forwards' 'varlen' attention
-    # runs on CUDA only, and a rerun reads the bounds each time
-    graph_store.mark_static = lambda params, max_len: None
+    rerun_graphs()
     cpu_alltoall()  # the eager step's dispatcher at EP 2 (the graphs': the gathered one)
-    parallel, model = RERUN[layout]
+    parallel, model = LAYOUTS[layout]
     cfg = tiny_model(**model)
     chunks = build_layout(ParallelConfig(**parallel), cfg)
     if "overlap" in layout:  # one bucket: its reduction starts once each parameter is ready
@@ -347,11 +290,9 @@ def _rerun_body(rank: int, world: int, layout: str) -> None:
     tp = layout.startswith("tp")
     eager = GRPOStep(GSPO, vocab_size=cfg.vocab_size)
     graphed = GRPOStep(GSPO, vocab_size=cfg.vocab_size)
-    graphed.update_store.cache = _RerunCache(chunks[0])
+    graphed.update_store.cache = RerunCache(chunks[0])
     graphed.update_graphs = True
-    chosen = []  # EP 2: the dispatch of each MoE layer's forward
-    choose = ep_dispatch.choose_dispatch
-    ep_dispatch.choose_dispatch = lambda *a: chosen.append(choose(*a)) or chosen[-1]
+    chosen = count_dispatches()
     # DDP's first step counts each parameter's hooks, later ones start a bucket's reduction
     # when its count is reached: three steps, the graphs captured in the first
     for seed in (3, 4, 3):
@@ -372,7 +313,7 @@ def _rerun_body(rank: int, world: int, layout: str) -> None:
     assert shared == {1 if "tied" in layout else 0}, shared  # tied: its hook after the replay
 
 
-@pytest.mark.parametrize("layout", list(RERUN))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_update_graph_replays_hand_their_gradients_to_ddp(layout):
     """UpdateGraphs' capture and replay with CPU stand-ins for the graphs (each replay reruns the
     captured Python): the gradients the backward graph adds to main_grad, reduced by DDP, equal

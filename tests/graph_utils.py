@@ -1,0 +1,84 @@
+"""CPU stand-ins for CUDA graphs: the graph stores' own capture, replay and bookkeeping run in CI
+with each "graph" rerunning the Python it captured (a GPU's graph replays the kernels that
+Python launched), as captured: the same grad mode, MoE layers on the dispatch without host
+syncs. ``rerun_graphs()`` also keeps the static bounds readable on the host: the captured
+forwards' 'varlen' attention runs on CUDA only, and a rerun reads the bounds each time."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_grpo.megatron.moe.ep_dispatch import no_host_sync
+from megatron_grpo.megatron.step import graph_store
+
+# layout -> (ParallelConfig settings, model settings) of the rerun tests, each on 2 gloo ranks
+MOE = dict(num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=64, moe_grouped_gemm=True)
+LAYOUTS = {
+    "dp2": ({}, {}),
+    "dp2_overlap": (dict(overlap_grad_reduce=True), {}),
+    "dp2_tied_overlap": (
+        dict(overlap_grad_reduce=True),
+        dict(share_embeddings_and_output_weights=True),
+    ),
+    "tp2_sp": (dict(tensor_model_parallel_size=2, sequence_parallel=True), {}),
+    "ep2": (dict(expert_model_parallel_size=2), dict(MOE, moe_token_dispatcher_type="alltoall")),
+}
+
+
+class Rerun:
+    """A "graph": :meth:`replay` runs its captured step again, as captured."""
+
+    def __init__(self, step, chunk, grad: bool) -> None:
+        self.step, self.chunk, self.grad = step, chunk, grad
+
+    def replay(self) -> None:
+        # an autograd Function's forward runs under no_grad; the capture may not have
+        with torch.set_grad_enabled(self.grad), no_host_sync(self.chunk):
+            self.step()
+
+
+class RerunCache:
+    """:class:`~megatron_grpo.megatron.cuda_graphs.GraphCache`'s interface: a capture runs its
+    step once (its writes to the model's ``main_grad`` undone: a capture runs nothing) and
+    keeps it for the replays."""
+
+    def __init__(self, chunk: torch.nn.Module) -> None:
+        self.graphs, self.captures, self.chunk = {}, 0, chunk
+        self.grads = [p.main_grad for p in chunk.parameters() if hasattr(p, "main_grad")]
+
+    def warm_up(self, step, checkpoint) -> None:
+        restore = checkpoint()
+        step()
+        restore()
+
+    def capture(self, step) -> Rerun:
+        before = [g.clone() for g in self.grads]
+        step()
+        for g, b in zip(self.grads, before, strict=True):
+            g.copy_(b)
+        self.captures += 1
+        return Rerun(step, self.chunk, torch.is_grad_enabled())
+
+    def run(self, key, step, checkpoint) -> None:
+        if key not in self.graphs:
+            self.warm_up(step, checkpoint)
+            self.graphs[key] = self.capture(step)
+        self.graphs[key].replay()
+
+    def drop(self, key) -> None:
+        self.graphs.pop(key, None)
+
+
+def rerun_graphs() -> None:
+    """In a spawned test process: static bounds stay on the host (see the module docstring)."""
+    graph_store.mark_static = lambda params, max_len: None
+
+
+def count_dispatches() -> list[str]:
+    """Record the dispatch each MoE layer's forward takes ("gathered" / "megatron")."""
+    from megatron_grpo.megatron.moe import ep_dispatch
+
+    chosen: list[str] = []
+    choose = ep_dispatch.choose_dispatch
+    ep_dispatch.choose_dispatch = lambda *a: chosen.append(choose(*a)) or chosen[-1]
+    return chosen
