@@ -1,9 +1,11 @@
-"""The ring TP linear layers (``tp_overlap: ring``) equal megatron-core's ColumnParallelLinear /
-RowParallelLinear: outputs, returned biases, input / weight / bias gradients, at TP 2 and 4,
-sequence parallelism on and off, odd per-rank token counts and odd feature sizes; fp32 tightly,
-bf16 within twice megatron-core's own bf16 error against a float64 run of megatron-core's layers.
-One spawn per TP size, the cases looped inside. A tiny GPT built with ``ring`` and with ``off``
-at TP 2 + SP gives the same log-probs, loss and gradients.
+"""The overlapped TP linear layers (``tp_overlap: ring`` and ``symm``) equal megatron-core's
+ColumnParallelLinear / RowParallelLinear: outputs, returned biases, input / weight / bias
+gradients, at TP 2 and 4, sequence parallelism on and off, odd per-rank token counts and odd
+feature sizes; fp32 tightly, bf16 within twice megatron-core's own bf16 error against a float64
+run of megatron-core's layers. One spawn per TP size, the cases looped inside (on the CPU the
+symmetric-memory kind runs its ops' definitions over gloo). A tiny GPT built with each kind and
+with ``off`` at TP 2 + SP gives the same log-probs, loss and gradients. On GPUs: the same cases
+over NCCL (2 GPUs), and the symmetric-memory ops on one GPU.
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 
 from megatron_grpo.loss import GRPOLossConfig, reduce_metrics
 from megatron_grpo.megatron import GRPOStep, ParallelConfig, initialize_parallel, unwrap
+from megatron_grpo.megatron.model import tp_overlap
 from megatron_grpo.megatron.model.tp_overlap import (
     RingColumnParallelLinear,
     RingRowParallelLinear,
+    SymmColumnParallelLinear,
+    SymmRowParallelLinear,
     resolve_tp_overlap,
     tp_linear_classes,
 )
@@ -35,8 +40,9 @@ from tests.megatron_utils import (
 )
 
 DEVICE = ["cpu"]  # "cuda" in the NCCL run
-LAYERS = {"column": (ColumnParallelLinear, RingColumnParallelLinear),
-          "row": (RowParallelLinear, RingRowParallelLinear)}  # fmt: skip
+LAYERS = {"column": ColumnParallelLinear, "row": RowParallelLinear}
+KINDS = {"ring": {"column": RingColumnParallelLinear, "row": RingRowParallelLinear},
+         "symm": {"column": SymmColumnParallelLinear, "row": SymmRowParallelLinear}}  # fmt: skip
 
 
 def _config(tp: int, sp: bool, dtype: torch.dtype) -> ModelParallelConfig:
@@ -109,10 +115,10 @@ def _err(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got.double() - want.double()).abs().max().item()
 
 
-def _case(kind: str, tp: int, sp: bool, dtype, opts: dict, seed: int) -> None:
+def _case(kind: str, tp: int, sp: bool, dtype, opts: dict, seed: int, overlap: str) -> None:
     shape = (opts["s_per_rank"] * tp, opts["b"], opts["h"], opts["o"])
     full, x = _inputs(kind, tp, sp, shape, seed)
-    base, ring = LAYERS[kind]
+    base, ring = LAYERS[kind], KINDS[overlap][kind]
     no_grad = opts.get("no_grad", False)
     runs = {}
     for name, cls, dt in (("truth", base, torch.float64), ("megatron", base, dtype),
@@ -127,7 +133,7 @@ def _case(kind: str, tp: int, sp: bool, dtype, opts: dict, seed: int) -> None:
         # megatron-core's frozen-weight column path gives its bias no gradient
         frozen_column = opts.get("frozen") and kind == "column"
         want_keys |= {"d_bias"} if opts["bias"] and not frozen_column else set()
-    label = f"{kind} tp={tp} sp={sp} {dtype} {opts}"
+    label = f"{overlap} {kind} tp={tp} sp={sp} {dtype} {opts}"
     assert set(runs["ring"]) == set(runs["megatron"]) == want_keys, label
     for key, got in runs["ring"].items():
         want, truth = runs["megatron"][key], runs["truth"][key]
@@ -157,28 +163,64 @@ CASES = [  # (kind, options): odd per-rank token counts and odd feature sizes
 def _layers_body(rank: int, world: int, device: str = "cpu") -> None:
     DEVICE[0] = device
     initialize_parallel(ParallelConfig(tensor_model_parallel_size=world), seed=1)
-    for i, (kind, opts) in enumerate(CASES):
-        opts = {**opts, "h": opts["h"] * (world if kind == "row" else 1)}
-        opts["o"] *= world if kind == "column" else 1
-        for sp in (True, False):
-            _case(kind, world, sp, torch.float32, opts, seed=10 * i)
-        if opts.get("bf16"):
-            _case(kind, world, True, torch.bfloat16, opts, seed=10 * i + 5)
+    for overlap in KINDS:
+        for i, (kind, opts) in enumerate(CASES):
+            opts = {**opts, "h": opts["h"] * (world if kind == "row" else 1)}
+            opts["o"] *= world if kind == "column" else 1
+            for sp in (True, False):
+                _case(kind, world, sp, torch.float32, opts, 10 * i, overlap)
+            if opts.get("bf16"):
+                _case(kind, world, True, torch.bfloat16, opts, 10 * i + 5, overlap)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-def test_ring_layers_equal_megatron(tp):
+def test_overlap_layers_equal_megatron(tp):
     run_distributed(_layers_body, tp)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_ring_layers_equal_megatron_nccl():
-    """2 GPUs, NCCL (the P2P ring on device): the same cases as over gloo.
+def test_overlap_layers_equal_megatron_nccl():
+    """2 GPUs, NCCL (the P2P ring and the symmetric-memory ops on device): the same cases as
+    over gloo.
 
     python -m pytest -q -m gpu tests/test_tp_overlap.py
     """
     run_distributed(_layers_body, 2, "cuda", backend="nccl")
+
+
+def _symm_one_gpu_body(rank: int, world: int) -> None:
+    from megatron_grpo.ops.layers.symm_linear import (
+        symm_allgather_linear,
+        symm_linear_reduce_scatter,
+    )
+
+    group = torch.distributed.new_group([0])
+    g = torch.Generator().manual_seed(3)
+    x, w, b = (
+        torch.randn(*s, generator=g).cuda().bfloat16() for s in ((12, 2, 64), (48, 64), (48,))
+    )
+    w2 = torch.randn(32, 48, generator=g).cuda().bfloat16()
+    for p in (x, w, b, w2):
+        p.requires_grad_(True)
+    y = symm_linear_reduce_scatter(symm_allgather_linear(x, w, b, group), w2, group)
+    want = (x.double() @ w.double().t() + b.double()) @ w2.double().t()
+    torch.testing.assert_close(y.double(), want, rtol=2e-2, atol=2e-2)
+    seed = torch.randn(y.shape, generator=g).cuda().bfloat16()
+    grads = torch.autograd.grad(y, (x, w, b, w2), seed)
+    ref = [t.detach().double().requires_grad_(True) for t in (x, w, b, w2)]
+    want = torch.autograd.grad(((ref[0] @ ref[1].t() + ref[2]) @ ref[3].t()), ref, seed.double())
+    for name, got, exp in zip(("x", "w", "b", "w2"), grads, want, strict=True):
+        scale = exp.abs().max().item()
+        assert (got.double() - exp).abs().max().item() <= 2e-2 * scale, name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_symm_ops_run_on_one_gpu():
+    """1 GPU: torch's symmetric-memory fused ops as the symm layers call them (a TP group of
+    one: the calls, shapes and gradients on this torch; the overlap needs 2+ GPUs)."""
+    run_distributed(_symm_one_gpu_body, 1, backend="nccl")
 
 
 def _model_run(choice: str, params: dict | None):
@@ -202,17 +244,17 @@ def _model_run(choice: str, params: dict | None):
     return logp, loss, grads, gpt
 
 
-def _model_body(rank: int, world: int) -> None:
+def _model_body(rank: int, world: int, overlap: str) -> None:
     logp, loss, grads, gpt = _model_run("off", None)
     params = {n: p.detach().clone() for n, p in gpt.named_parameters()}
-    ring_logp, ring_loss, ring_grads, ring_gpt = _model_run("ring", params)
+    ring_logp, ring_loss, ring_grads, ring_gpt = _model_run(overlap, params)
     layer = ring_gpt.decoder.layers[0]
     linears = (layer.self_attention.linear_qkv, layer.self_attention.linear_proj,
                layer.mlp.linear_fc1, layer.mlp.linear_fc2)  # fmt: skip
-    assert [type(m) for m in linears] == [RingColumnParallelLinear, RingRowParallelLinear] * 2
-    assert all(m._ring is not None for m in linears), "the ring never ran"
+    assert [type(m) for m in linears] == [KINDS[overlap]["column"], KINDS[overlap]["row"]] * 2
+    assert all(m._comm is not None for m in linears), "the overlap never ran"
     assert type(gpt.decoder.layers[0].mlp.linear_fc1) is ColumnParallelLinear
-    assert unsupported(ring_gpt, tp_size=2) == "", "the fused decode step refuses ring layers"
+    assert unsupported(ring_gpt, tp_size=2) == "", "the fused decode step refuses the layers"
     for got, want in zip(ring_logp, logp, strict=True):
         assert_close("logprobs", got, want)
     assert_close("loss", torch.tensor(ring_loss), torch.tensor(loss))
@@ -221,8 +263,9 @@ def _model_body(rank: int, world: int) -> None:
         assert_close(f"grad {name}", g, grads[name], tol=5e-5)
 
 
-def test_tiny_model_ring_equals_off_tp2_sp():
-    run_distributed(_model_body, 2)
+@pytest.mark.parametrize("overlap", list(KINDS))
+def test_tiny_model_overlap_equals_off_tp2_sp(overlap):
+    run_distributed(_model_body, 2, overlap)
 
 
 def test_auto_resolves_to_ring_only_with_sp_on_cuda():
@@ -232,30 +275,43 @@ def test_auto_resolves_to_ring_only_with_sp_on_cuda():
     assert resolve_tp_overlap("auto", True, 1, "cuda") == "off"
     assert resolve_tp_overlap("ring", False, 1, "cpu") == "ring"  # explicit: megatron's without SP
     assert resolve_tp_overlap("off", True, 8, "cuda") == "off"
+    assert resolve_tp_overlap("symm", True, 2, "cpu") == "symm"
+    ahead = dict(tp_overlap.MEASURED_AHEAD)
+    try:  # once a kind is measured ahead, auto takes it where it has something to hide
+        tp_overlap.MEASURED_AHEAD.update(ring=True, symm=True)
+        assert resolve_tp_overlap("auto", True, 4, "cuda") == "symm"
+        assert resolve_tp_overlap("auto", True, 4, "cpu") == "off"
+        tp_overlap.MEASURED_AHEAD.update(symm=False)
+        assert resolve_tp_overlap("auto", True, 4, "cuda") == "ring"
+    finally:
+        tp_overlap.MEASURED_AHEAD.update(ahead)
 
 
 def test_bad_choices_name_the_field():
     with pytest.raises(ValueError, match=r"tp_overlap must be one of .*did you mean 'ring'"):
         LayerKernels(tp_overlap="rng")
     with pytest.raises(ValueError, match="model.layer_kernels.tp_overlap"):
-        resolve_tp_overlap("symm", True, 2, "cuda")
+        resolve_tp_overlap("async", True, 2, "cuda")
     cfg = _config(2, True, torch.float32)
     with pytest.raises(ValueError, match="model.layer_kernels.tp_overlap='ring' is the portable"):
         tp_linear_classes("ring", cfg, use_te=True)
     assert tp_linear_classes("auto", cfg, use_te=True) == (ColumnParallelLinear, RowParallelLinear)
     assert tp_linear_classes("ring", cfg) == (RingColumnParallelLinear, RingRowParallelLinear)
+    assert tp_linear_classes("symm", cfg) == (SymmColumnParallelLinear, SymmRowParallelLinear)
     assert tp_linear_classes("off", cfg) == (ColumnParallelLinear, RowParallelLinear)
 
 
-def test_ring_refuses_gradient_accumulation_fusion():
+@pytest.mark.parametrize("overlap", list(KINDS))
+def test_overlap_refuses_gradient_accumulation_fusion(overlap):
     cfg = _config(2, True, torch.float32)
     cfg.gradient_accumulation_fusion = True
-    with pytest.raises(ValueError, match="config.gradient_accumulation_fusion=True"):
-        RingColumnParallelLinear(4, 4, config=cfg, init_method=lambda w: None)
+    with pytest.raises(ValueError, match=f"tp_overlap='{overlap}'.*gradient_accumulation_fusion"):
+        KINDS[overlap]["row"](4, 4, config=cfg, init_method=lambda w: None, bias=False,
+                              input_is_parallel=True, skip_bias_add=False)  # fmt: skip
 
 
 def test_bench_tp_overlap_dry_run(tmp_path):
-    """tools/bench_tp_overlap.py at TP 2 over gloo: both choices timed, the ring equal to off."""
+    """tools/bench_tp_overlap.py at TP 2 over gloo: every choice timed, each kind equal to off."""
     import json
 
     from tests.test_tools import run_tool
@@ -263,5 +319,7 @@ def test_bench_tp_overlap_dry_run(tmp_path):
     args = ["--tokens", "6", "--hidden", "9", "--ffn", "6", "--qkv", "10", "--proj", "6"]
     run_tool("bench_tp_overlap.py", *args, "--iters", "1", "--warmup", "0", out=tmp_path, nproc=2)
     (row,) = json.loads((tmp_path / "bench_tp_overlap_tp2.json").read_text())["rows"]
-    assert row["tokens"] == 6 and row["off"]["train_ms"] > 0 and row["ring"]["logprob_ms"] > 0
-    assert row["ring_vs_off"] < 2**-7, row  # bf16: two summands in another order at most
+    assert row["tokens"] == 6 and row["off"]["train_ms"] > 0
+    for kind in ("ring", "symm"):
+        assert row[kind]["logprob_ms"] > 0 and row[f"speedup_{kind}_train"] > 0, row
+        assert row[f"{kind}_vs_off"] < 2**-7, row  # bf16: two summands in another order at most

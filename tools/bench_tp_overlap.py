@@ -1,11 +1,12 @@
-"""The ring TP linear layers (``model.layer_kernels.tp_overlap: ring``) against megatron-core's
-(``off``) at TP = the torchrun world size with sequence parallelism (issue 42).
+"""The overlapped TP linear layers (``model.layer_kernels.tp_overlap``: ``ring`` and ``symm``)
+against megatron-core's (``off``) at TP = the torchrun world size with sequence parallelism
+(issue 42).
 
 One decoder layer's four TP linears of a model shape (``linear_qkv``, ``linear_proj``,
 ``linear_fc1``, ``linear_fc2``: column, row, column, row), chained as in the layer, in bf16:
 the no-grad forward (the log-prob pass) and forward + backward (training), ms per layer, for
-``off`` and ``ring`` built with the same weights, and the ring's largest deviation from ``off``
-(relative to the output's scale). Writes ``OUT/bench_tp_overlap_tpN.json``.
+each choice built with the same weights (``--choices``), and each kind's largest deviation from
+``off`` (relative to the output's scale). Writes ``OUT/bench_tp_overlap_tpN.json``.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 CUDA_DEVICE_MAX_CONNECTIONS=1 \\
       python -m torch.distributed.run --standalone --nproc-per-node 4 \\
@@ -36,7 +37,7 @@ from megatron.core.model_parallel_config import ModelParallelConfig  # noqa: E40
 from megatron_grpo.megatron import ParallelConfig, initialize_parallel  # noqa: E402
 from megatron_grpo.megatron.model.tp_overlap import tp_linear_classes  # noqa: E402
 
-CHOICES = ("off", "ring")
+CHOICES = ("off", "ring", "symm")
 
 
 def _args(argv=None) -> argparse.Namespace:
@@ -47,6 +48,7 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--ffn", type=int, default=12288)
     p.add_argument("--qkv", type=int, default=6144, help="q + k + v output features")
     p.add_argument("--proj", type=int, default=4096, help="attention output features (heads x d)")
+    p.add_argument("--choices", default=",".join(CHOICES[1:]), help="kinds to time next to off")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", type=Path, default=Path("gpu_out/tp_overlap"))
@@ -99,11 +101,11 @@ def _time(fn, a: argparse.Namespace, device) -> float:
 
 
 def _row(a, tokens: int, tp: int, dtype, device) -> dict:
-    """Both choices at ``tokens``: ms of the no-grad forward and of forward + backward."""
+    """Every choice at ``tokens``: ms of the no-grad forward and of forward + backward."""
     g = torch.Generator().manual_seed(7 + dist.get_rank())
     x = torch.randn(tokens // tp, 1, a.hidden, generator=g).to(device, dtype)
     row, outs = dict(tokens=tokens), {}
-    for choice in CHOICES:
+    for choice in _choices(a):
         layers = _layers(choice, a, tp, dtype, device)
         with torch.no_grad():
             outs[choice] = _forward(layers, x).float()
@@ -115,10 +117,19 @@ def _row(a, tokens: int, tp: int, dtype, device) -> dict:
 
         row[choice] = dict(logprob_ms=logprob, train_ms=_time(train, a, device))
     scale = outs["off"].abs().max().item() + 1e-12
-    row["ring_vs_off"] = (outs["ring"] - outs["off"]).abs().max().item() / scale
-    for p in ("logprob_ms", "train_ms"):
-        row[f"speedup_{p[:-3]}"] = row["off"][p] / row["ring"][p]
+    for kind in _choices(a)[1:]:
+        row[f"{kind}_vs_off"] = (outs[kind] - outs["off"]).abs().max().item() / scale
+        for p in ("logprob_ms", "train_ms"):
+            row[f"speedup_{kind}_{p[:-3]}"] = row["off"][p] / row[kind][p]
     return row
+
+
+def _choices(a) -> list[str]:
+    kinds = [c for c in a.choices.split(",") if c]
+    bad = [c for c in kinds if c not in CHOICES[1:]]
+    if bad:
+        raise SystemExit(f"--choices: {bad} not among {CHOICES[1:]}")
+    return ["off", *kinds]
 
 
 def main(argv=None) -> int:
@@ -133,13 +144,15 @@ def main(argv=None) -> int:
     rows = [_row(a, int(t), tp, dtype, device) for t in a.tokens.split(",")]
     if dist.get_rank() == 0:
         print(f"TP {tp} + SP, bf16, layer hidden={a.hidden} ffn={a.ffn} qkv={a.qkv}")
-        print(f"{'tokens':>8} {'off fwd':>9} {'ring fwd':>9} {'off f+b':>9} {'ring f+b':>9} "
-              f"{'x fwd':>6} {'x f+b':>6} {'dev':>8}")  # fmt: skip
+        print(f"{'tokens':>8} {'choice':>6} {'fwd ms':>9} {'f+b ms':>9} {'x fwd':>6} {'x f+b':>6} "
+              f"{'dev':>8}")  # fmt: skip
         for r in rows:
-            print(f"{r['tokens']:>8} {r['off']['logprob_ms']:>9.3f} {r['ring']['logprob_ms']:>9.3f}"
-                  f" {r['off']['train_ms']:>9.3f} {r['ring']['train_ms']:>9.3f}"
-                  f" {r['speedup_logprob']:>6.2f} {r['speedup_train']:>6.2f}"
-                  f" {r['ring_vs_off']:>8.1e}")  # fmt: skip
+            for c in _choices(a):
+                t, x = r[c], ("-", "-", "-") if c == "off" else (
+                    f"{r[f'speedup_{c}_logprob']:.2f}", f"{r[f'speedup_{c}_train']:.2f}",
+                    f"{r[f'{c}_vs_off']:.1e}")  # fmt: skip
+                print(f"{r['tokens']:>8} {c:>6} {t['logprob_ms']:>9.3f} {t['train_ms']:>9.3f} "
+                      f"{x[0]:>6} {x[1]:>6} {x[2]:>8}")  # fmt: skip
         a.out.mkdir(parents=True, exist_ok=True)
         path = a.out / f"bench_tp_overlap_tp{tp}.json"
         path.write_text(json.dumps(dict(tp=tp, args={k: str(v) for k, v in vars(a).items()},

@@ -63,8 +63,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     # shards where the sampling allows (untruncated, greedy), else the gathered logits
     "tp_sampling": ("auto", "gathered", "vocab_parallel"),
     # the sequence-parallel linear layers' collectives (megatron/model/tp_overlap.py): "ring" =
-    # chunked collective-matmul, "off" = megatron-core's layers; "auto": resolve_tp_overlap
-    "tp_overlap": ("auto", "off", "ring"),
+    # chunked collective-matmul over NCCL P2P, "symm" = torch's symmetric-memory fused ops,
+    # "off" = megatron-core's layers; "auto": resolve_tp_overlap
+    "tp_overlap": ("auto", "off", "ring", "symm"),
     # the fused decode step's TP all-reduce (rollout/engine/tp_all_reduce.py): one-shot /
     # two-shot over symmetric memory up to a size; "auto": the tiers measured ahead of NCCL
     "tp_all_reduce": ("auto", "nccl", "one_shot", "two_shot"),
@@ -134,10 +135,11 @@ class LayerKernels:
         moe_sort: how the MoE dispatches sort (token, slot) pairs by expert: ``moe_sort``
             names (``ops.layers.sort_keys.resolve_moe_sort``).
         tp_overlap: the TP linear layers' sequence-parallel all-gather / reduce-scatter:
-            ``tp_overlap`` names ("ring": overlapped with the GEMMs chunk by chunk, applies where
-            SP is on; without SP the layers are megatron-core's; "auto": megatron-core's until
-            the ring is measured ahead on GPU, ``tp_overlap.resolve_tp_overlap``). The portable
-            spec's; Transformer Engine's spec takes only "auto".
+            ``tp_overlap`` names ("ring" / "symm": overlapped with the GEMMs chunk by chunk,
+            over NCCL P2P / torch's symmetric memory, where SP is on; without SP the layers are
+            megatron-core's; "auto": megatron-core's until a kind is measured ahead on GPU,
+            ``tp_overlap.resolve_tp_overlap``). The portable spec's; Transformer Engine's spec
+            takes only "auto".
         qk_norm_rope: whether packed RoPE and the q / k RMSNorms before it run as one op
             (``ops.layers.qk_norm_rope``): ``qk_norm_rope`` names ("auto": fused where the norms'
             and RoPE's kernels both resolve to Triton, ``attention.rope.fuses_qk_norm``).

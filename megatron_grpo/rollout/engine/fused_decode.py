@@ -36,7 +36,10 @@ from torch import Tensor
 
 from megatron_grpo.megatron.attention.rope import PackedRopeSelfAttention
 from megatron_grpo.megatron.model.layers import Norm, SwiGLUMLP
-from megatron_grpo.megatron.model.tp_overlap import RingColumnParallelLinear, RingRowParallelLinear
+from megatron_grpo.megatron.model.tp_overlap import (
+    OverlapColumnParallelLinear,
+    OverlapRowParallelLinear,
+)
 from megatron_grpo.ops.kernels import check_choice, resolve_impl, triton_runs_on
 from megatron_grpo.ops.layers import decode as decode_ops
 from megatron_grpo.ops.layers.decode import DecodeKernels
@@ -130,9 +133,14 @@ def unsupported(model: torch.nn.Module, tp_size: int) -> str:
     return ""
 
 
-# megatron-core's local TP linears; the ring ones are those layers (SP is off in generation)
-_COLUMN = (ColumnParallelLinear, RingColumnParallelLinear)
-_ROW = (RowParallelLinear, RingRowParallelLinear)
+# megatron-core's local TP linears; the overlap ones are those layers (SP is off in generation)
+_COLUMN = (ColumnParallelLinear, OverlapColumnParallelLinear)
+_ROW = (RowParallelLinear, OverlapRowParallelLinear)
+
+
+def _exactly(layer: torch.nn.Module, kinds: tuple[type, type]) -> bool:
+    """``layer`` is megatron-core's linear (not another subclass) or one of our overlap ones."""
+    return type(layer) is kinds[0] or isinstance(layer, kinds[1])
 
 
 def _is_rms(norm: torch.nn.Module) -> bool:
@@ -148,7 +156,7 @@ def _layer_unsupported(layer: torch.nn.Module) -> str:
         return f"{type(layer).__name__} / {type(attn).__name__} is not the portable GPT layer"
     if not (_is_rms(layer.input_layernorm) and _is_rms(layer.pre_mlp_layernorm)):
         return "its norms are not the portable RMSNorm (Transformer Engine fuses them)"
-    if type(attn.linear_qkv) not in _COLUMN or type(attn.linear_proj) not in _ROW:
+    if not _exactly(attn.linear_qkv, _COLUMN) or not _exactly(attn.linear_proj, _ROW):
         return "its attention linears are not megatron-core's local ones"
     for qk in (attn.q_layernorm, attn.k_layernorm):
         if not (_is_rms(qk) or type(qk) is IdentityOp):
@@ -157,7 +165,7 @@ def _layer_unsupported(layer: torch.nn.Module) -> str:
         return "only one of q/k is normed"
     if _is_moe(mlp):
         pass  # the MoE block runs as its module
-    elif type(mlp) not in (MLP, SwiGLUMLP) or type(mlp.linear_fc1) not in _COLUMN:
+    elif type(mlp) not in (MLP, SwiGLUMLP) or not _exactly(mlp.linear_fc1, _COLUMN):
         return "its MLP is not megatron-core's local MLP"
     if type(getattr(layer, "cross_attention", IdentityOp)) is not IdentityOp:
         return "cross attention"
