@@ -66,9 +66,14 @@ def test_variants_and_batches_layout():
     with pytest.raises(SystemExit, match="--rope"):
         check_variants(["auto/auto/plan_free/auto/extra"])
     k = layer_kernels("megatron//exact")
-    assert (k.rope, k.elementwise, k.attention, k.packed_attention) == (
-        "megatron", "auto", "exact", "auto",
+    assert (k.rope, k.elementwise, k.attention, k.packed_attention, k.tp_overlap) == (
+        "megatron", "auto", "exact", "auto", "auto",
     )  # fmt: skip
+    check_variants(["auto/////graphs/symm", "auto//////ring"])  # GRAPHS, then TPO
+    assert layer_kernels("auto/////graphs/symm").tp_overlap == "symm"
+    for bad in ("auto//////async", "auto//////off/extra"):
+        with pytest.raises(SystemExit, match="TPO in"):
+            check_variants([bad])
     assert doc_lens(96, 256, torch.Generator()) == [96, 96, 64]
     lens = doc_lens("10-20", 256, torch.Generator().manual_seed(0))
     assert sum(lens) == 256 and all(10 <= n <= 20 for n in lens[:-1])

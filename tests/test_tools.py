@@ -128,18 +128,21 @@ def test_bench_train_passes_dry_run(tmp_path):
 
 def test_bench_train_passes_tp_dry_run(tmp_path):
     """--tp 2 under torchrun (gloo, SP on): one row per rope variant, MFU per GPU of the TP
-    group, the packed attention path as the variant's 4th part; rank 0 writes the report."""
+    group, the packed attention path as the variant's 4th part and the SP linears'
+    collectives (symmetric memory's ops, their definitions on the CPU) as its 7th; rank 0 writes
+    the report."""
+    variant = "auto/auto/plan_free/blocked///symm"
     stdout = run_tool(
         "bench_train_passes.py", "--tiny", "--tp", "2", "--doc-lens", "32", "--micro-batches",
-        "1", "--warmup", "0", "--rope", "auto/auto/plan_free/blocked", out=tmp_path, nproc=2,
+        "1", "--warmup", "0", "--rope", variant, out=tmp_path, nproc=2,
     )  # fmt: skip
     result = json.loads((tmp_path / "results.json").read_text())
     assert result["tp"] == 2 and result["world_size"] == 2
     (row,) = result["rows"]
-    assert row["rope"] == "auto/auto/plan_free/blocked" and row["loss"] is not None
+    assert row["rope"] == variant and row["loss"] is not None
     flops, train = row["flops"]["total"], row["train"]
     assert abs(train["mfu"] - 3 * flops / (train["ms"] / 1e3) / (989e12 * 2)) < 1e-9 * train["mfu"]
-    assert stdout.count("| 32 | 8 | auto/auto/plan_free/blocked |") == 1  # rank 0 prints
+    assert stdout.count(f"| 32 | 8 | {variant} |") == 1  # rank 0 prints
 
 
 def test_bench_tp_comparison_table(capsys):

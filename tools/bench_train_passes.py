@@ -43,9 +43,9 @@ trainer sets them), reference log-probs = old + noise (``--kl-coef`` uses them).
 micro-batch of every timed pass, as a trainer meets them (each pass brings the attention new
 bucket shapes; FLOPs and MFU are those of the first batches).
 
-``--rope`` (a comma list of ``ROPE[/LAYER[/BUCKETS[/ATTN[/QK[/GRAPHS]]]]]``) is the model's
-``ModelConfig.layer_kernels`` (``LayerKernels(rope=ROPE, elementwise=LAYER,
-attention=BUCKETS, packed_attention=ATTN, qk_norm_rope=QK)``, what a recipe's
+``--rope`` (a comma list of ``ROPE[/LAYER[/BUCKETS[/ATTN[/QK[/GRAPHS[/TPO]]]]]]``) is the
+model's ``ModelConfig.layer_kernels`` (``LayerKernels(rope=ROPE, elementwise=LAYER,
+attention=BUCKETS, packed_attention=ATTN, qk_norm_rope=QK, tp_overlap=TPO)``, what a recipe's
 ``model.layer_kernels`` sets): each variant is a model of its own, built with it and loaded with the first one's weights (GPU memory: one model per
 variant), the rows of one L back to back: "megatron" is
 megatron-core's per-document loop (the "before"), "auto" / "torch" / "triton" our packed RoPE;
@@ -57,7 +57,10 @@ one varlen_attn call per layer (issue 42); QK "separate" against "fused" times t
 and RoPE as four ops against one (``ops.layers.qk_norm_rope``); GRAPHS "eager" against
 "graphs" runs the log-prob and fwd+bwd passes without and with CUDA graphs
 (``training.logprob_cuda_graphs`` and ``training.update_cuda_graphs``; default auto: on where
-they run and host-bound), e.g. ``auto/////eager,auto/////graphs``. The comparison table gives
+they run and host-bound), e.g. ``auto/////eager,auto/////graphs``; TPO "off" against "ring" or
+"symm" times the SP linear layers' collectives overlapped with their GEMMs at ``--tp`` > 1
+(``model.layer_kernels.tp_overlap``), e.g. ``auto//////off,auto//////symm``. The comparison
+table gives
 each variant's time over the first one's (after / before; < 1 is faster).
 
 Timing: ``--warmup`` iterations, then the median of ``--iters``, each between

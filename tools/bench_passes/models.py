@@ -1,5 +1,6 @@
 """The benchmarked models: the trainer's builder (TP ``--tp``, SP when > 1, EP ``--ep``),
-one model per ``--rope`` variant ``ROPE[/LAYER[/BUCKETS[/ATTN]]]``, all with the same weights."""
+one model per ``--rope`` variant ``ROPE[/LAYER[/BUCKETS[/ATTN[/QK[/GRAPHS[/TPO]]]]]]``, all with
+the same weights."""
 
 from __future__ import annotations
 
@@ -17,25 +18,27 @@ from megatron_grpo.megatron.attention.rope import PackedRopeSelfAttention
 from megatron_grpo.ops.kernels import CHOICES, LayerKernels
 
 IMPLS, LAYER_IMPLS, BUCKETS = CHOICES["rope"], CHOICES["impl"], CHOICES["attention"]
-PACKED, QK = CHOICES["packed_attention"], CHOICES["qk_norm_rope"]
+PACKED, QK, TPO = CHOICES["packed_attention"], CHOICES["qk_norm_rope"], CHOICES["tp_overlap"]
 # the passes' CUDA graphs (training.logprob_cuda_graphs and update_cuda_graphs) by the sixth field
 GRAPHS = {"": None, "auto": None, "eager": False, "graphs": True}
 
 
 def check_variants(variants: list[str]) -> None:
-    """Exit naming the ``--rope`` variants that are not ``ROPE[/LAYER[/BUCKETS[/ATTN[/QK]]]]`` of
-    the kernels' choices (or none given)."""
+    """Exit naming the ``--rope`` variants that are not
+    ``ROPE[/LAYER[/BUCKETS[/ATTN[/QK[/GRAPHS[/TPO]]]]]]`` of the kernels' choices (or none
+    given)."""
 
     def known(variant: str) -> bool:
         parts = variant.split("/")
-        choices = (IMPLS, ("", *LAYER_IMPLS), ("", *BUCKETS), ("", *PACKED), ("", *QK), GRAPHS)
-        return len(parts) <= 6 and all(p in c for p, c in zip(parts, choices, strict=False))
+        choices = (IMPLS, ("", *LAYER_IMPLS), ("", *BUCKETS), ("", *PACKED), ("", *QK), GRAPHS,
+                   ("", *TPO))  # fmt: skip
+        return len(parts) <= 7 and all(p in c for p, c in zip(parts, choices, strict=False))
 
     unknown = [r for r in variants if not known(r)]
     if unknown or not variants:
         raise SystemExit(f"--rope: {unknown or variants}: ROPE in {IMPLS}, LAYER in "
                          f"{LAYER_IMPLS}, BUCKETS in {BUCKETS}, ATTN in {PACKED}, QK in {QK}, "
-                         f"GRAPHS in {tuple(GRAPHS)}")  # fmt: skip
+                         f"GRAPHS in {tuple(GRAPHS)}, TPO in {TPO}")  # fmt: skip
 
 
 def graphs_requested(variant: str) -> bool | None:
@@ -47,13 +50,16 @@ def graphs_requested(variant: str) -> bool | None:
 
 
 def layer_kernels(variant: str) -> LayerKernels:
-    """A ``ROPE[/LAYER[/BUCKETS[/ATTN[/QK]]]]`` variant as the model's kernels: the packed RoPE
-    impl, the layers' element-wise kernels (default "auto"), how the bucketed attention runs
-    documents of mixed lengths (default "plan_free"), the packed attention path (default "auto")
-    and whether the q / k norms fuse with RoPE (``qk_norm_rope``, default "auto")."""
-    rope, layer, buckets, attn, qk = (variant.split("/") + ["", "", "", ""])[:5]
+    """A ``ROPE[/LAYER[/BUCKETS[/ATTN[/QK[/GRAPHS[/TPO]]]]]]`` variant as the model's kernels:
+    the packed RoPE impl, the layers' element-wise kernels (default "auto"), how the bucketed
+    attention runs documents of mixed lengths (default "plan_free"), the packed attention path
+    (default "auto"), whether the q / k norms fuse with RoPE (``qk_norm_rope``, default
+    "auto") and the SP linear layers' collectives (``tp_overlap``, default "auto"; GRAPHS is
+    read by :func:`graphs_requested`)."""
+    rope, layer, buckets, attn, qk, _, tpo = (variant.split("/") + [""] * 6)[:7]
     return LayerKernels(elementwise=layer or "auto", rope=rope, attention=buckets or "plan_free",
-                        packed_attention=attn or "auto", qk_norm_rope=qk or "auto")  # fmt: skip
+                        packed_attention=attn or "auto", qk_norm_rope=qk or "auto",
+                        tp_overlap=tpo or "auto")  # fmt: skip
 
 
 def build(args, dev: torch.device, experts: str, kernels: LayerKernels):
