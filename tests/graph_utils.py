@@ -1,10 +1,13 @@
 """CPU stand-ins for CUDA graphs: the graph stores' own capture, replay and bookkeeping run in CI
 with each "graph" rerunning the Python it captured (a GPU's graph replays the kernels that
 Python launched), as captured: the same grad mode, MoE layers on the dispatch without host
-syncs. ``rerun_graphs()`` also keeps the static bounds readable on the host: the captured
+syncs, and none of DDP's forward pre-hooks (with ``overlap_param_gather`` they gather the
+parameters module by module: a replay never runs them, a capture records no gather). ``rerun_graphs()`` also keeps the static bounds readable on the host: the captured
 forwards' 'varlen' attention runs on CUDA only, and a rerun reads the bounds each time."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -25,6 +28,19 @@ LAYOUTS = {
 }
 
 
+@contextlib.contextmanager
+def without_param_hooks(chunk):
+    """megatron-core DDP's forward pre-hooks (``overlap_param_gather``) off meanwhile."""
+    hooked = getattr(chunk, "use_forward_hook", False)
+    if hooked:
+        chunk.disable_forward_pre_hook(param_sync=False)
+    try:
+        yield
+    finally:
+        if hooked:
+            chunk.enable_forward_pre_hook()
+
+
 class Rerun:
     """A "graph": :meth:`replay` runs its captured step again, as captured."""
 
@@ -33,7 +49,8 @@ class Rerun:
 
     def replay(self) -> None:
         # an autograd Function's forward runs under no_grad; the capture may not have
-        with torch.set_grad_enabled(self.grad), no_host_sync(self.chunk):
+        grad = torch.set_grad_enabled(self.grad)
+        with grad, no_host_sync(self.chunk), without_param_hooks(self.chunk):
             self.step()
 
 
@@ -53,7 +70,8 @@ class RerunCache:
 
     def capture(self, step) -> Rerun:
         before = [g.clone() for g in self.grads]
-        step()
+        with without_param_hooks(self.chunk):
+            step()
         for g, b in zip(self.grads, before, strict=True):
             g.copy_(b)
         self.captures += 1

@@ -125,6 +125,7 @@ def build_model(
     *,
     wrap_ddp: bool = True,
     use_distributed_optimizer: bool = False,
+    overlap_param_gather: bool = False,
     transformer_config: TransformerConfig | None = None,
 ) -> list[torch.nn.Module]:
     """Build this rank's model chunks after :func:`initialize_parallel`.
@@ -136,6 +137,9 @@ def build_model(
             with ``finalize_model_grads`` / Megatron optimizers; frozen reference models and
             converters pass False).
         use_distributed_optimizer: forwarded to the DDP config (ZeRO-1 style buffers).
+        overlap_param_gather: forwarded to the DDP config (with the distributed optimizer: the
+            updated parameters gathered by forward pre-hooks, module by module, overlapping
+            the forward; the CUDA-graphed passes wait for all of them first).
         transformer_config: a prebuilt TransformerConfig to use instead of
             ``to_transformer_config(model_cfg, parallel_cfg)`` (for extra Megatron fields).
 
@@ -164,6 +168,7 @@ def build_model(
         grad_reduce_in_fp32=parallel_cfg.grad_reduce_in_fp32,
         overlap_grad_reduce=parallel_cfg.overlap_grad_reduce,
         use_distributed_optimizer=use_distributed_optimizer,
+        overlap_param_gather=overlap_param_gather,
     )
     chunks = [
         # Bucketing only for the first chunk, as Megatron-LM does for VPP.

@@ -216,7 +216,8 @@ class GRPOStep:
         """Before a training schedule over ``micro_batches`` with update graphs on: the graph
         shape of each (agreed over ``count_group`` as in :meth:`compute_logprobs`: their
         graphs hold the same collectives) and whether ``model``'s weights moved since its
-        captures (agreed over TP and ``count_group``). A no-op with them off."""
+        captures (agreed over TP and ``count_group``); the parameters' overlapped all-gathers
+        waited for (the replays run no DDP hooks). A no-op with them off."""
         if not self.update_graphs:
             return
         chunk = model[0] if isinstance(model, list) else model
@@ -225,7 +226,7 @@ class GRPOStep:
             b.validate()
         self._shapes = deque(graph_shapes(micro_batches, layout.token_multiple, count_group))
         self._routes = routes_shape(micro_batches)
-        self.update_store.check_model(chunk, [layout.tp_group, count_group])
+        self.update_store.before_replays(chunk, [layout.tp_group, count_group])
 
     @classmethod
     def from_options(

@@ -139,8 +139,6 @@ def backward_unsupported(chunk: torch.nn.Module) -> str | None:
         getattr(p, "main_grad", None) is None for p in unwrap(chunk).parameters() if p.requires_grad
     ):
         return "a model without megatron-core's DDP gradient buffers (main_grad)"
-    if getattr(ddp, "overlap_param_gather", False):
-        return "overlap_param_gather (its forward pre-hooks wait for each module's gather)"
     return None
 
 

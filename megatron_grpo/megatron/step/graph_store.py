@@ -84,6 +84,19 @@ def routes_shape(batches: list[PackedBatch]) -> tuple[int, int] | None:
     return shapes.pop() if shapes else None
 
 
+def finish_param_gathers(chunk: torch.nn.Module) -> None:
+    """Wait for megatron-core's overlapped parameter all-gathers of ``chunk`` (the distributed
+    optimizer with ``overlap_param_gather`` leaves its updated shards to be gathered by DDP's
+    forward pre-hooks, module by module), starting those not started: a replayed graph runs
+    no hooks and would read the parameters of the step before. A no-op without them."""
+    ddp = getattr(chunk, "ddp_config", None)
+    if ddp is None or not getattr(ddp, "overlap_param_gather", False):
+        return
+    groups = [*chunk.bucket_groups, *getattr(chunk, "expert_parallel_bucket_groups", [])]
+    for group in groups:  # each waited for in turn; none starts the next (all are here)
+        group.finish_param_sync(skip_next_bucket_dispatch=True)
+
+
 def model_addresses(chunk: torch.nn.Module) -> tuple[int, ...]:
     """Where ``chunk``'s parameters and buffers live: a captured forward reads them there
     (the module's: megatron-core's DDP wrapper has a ``buffers`` attribute of its own)."""
@@ -108,6 +121,12 @@ class GraphStore:
         self.statics.clear()
         self.addresses.clear()
         self.cache = None
+
+    def before_replays(self, chunk: torch.nn.Module, groups: list) -> None:
+        """Before a pass replays ``chunk``'s graphs: its parameters gathered
+        (:func:`finish_param_gathers`), its graphs dropped if it moved (:meth:`check_model`)."""
+        finish_param_gathers(chunk)
+        self.check_model(chunk, groups)
 
     def check_model(self, chunk: torch.nn.Module, groups: list) -> None:
         """Drop ``chunk``'s graphs if its parameters or buffers moved on any rank of ``groups``."""

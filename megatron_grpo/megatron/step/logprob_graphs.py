@@ -91,7 +91,7 @@ def graphed_logprob_passes(
         b.validate()
     shapes = graph_shapes(batches, layout.token_multiple, count_group)
     routes = routes_shape(batches)
-    graphs.check_model(chunk, [layout.tp_group, count_group])
+    graphs.before_replays(chunk, [layout.tp_group, count_group])
     out = []
     replay = replay_routes(chunk) if routes is not None else contextlib.nullcontext()
     with no_host_sync(chunk), replay:

@@ -21,8 +21,10 @@ replayed forward is followed by its own backward before the next forward (megatr
 schedule at one pipeline stage: forward, backward, micro-batch by micro-batch). A model whose
 parameters, buffers or gradient buffers moved (``training.offload_during_rollout`` frees the
 gradient buffers during rollout) is captured again. Scope as the log-prob graphs', a model
-wrapped in megatron-core's DDP, and no activation recompute, dropout, MoE aux / z losses or
-overlapped parameter gathers (:func:`~megatron_grpo.megatron.step.graph_plan.update_graphs_unsupported`).
+wrapped in megatron-core's DDP, and no activation recompute, dropout or MoE aux / z losses
+(:func:`~megatron_grpo.megatron.step.graph_plan.update_graphs_unsupported`). With the distributed
+optimizer's ``overlap_param_gather`` the parameters are gathered before the schedule's replays
+(:func:`~megatron_grpo.megatron.step.graph_store.finish_param_gathers`), not module by module.
 """
 
 from __future__ import annotations
