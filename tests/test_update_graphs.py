@@ -215,11 +215,15 @@ def _agree_body(rank: int, world: int) -> None:
     assert shapes[0].tokens >= 1024 and shapes[1].tokens >= 1024, shapes
     for b, s in zip(batches, shapes, strict=True):
         assert s.tokens >= b.num_tokens and s.docs >= b.cu_seqlens.numel()
+    # a rank with another number of micro-batches: a clear error on every rank, not a hang
+    with pytest.raises(ValueError, match="bring 4 to 5 micro-batches"):
+        step.prepare_update(chunks, batches + batches[:1] * rank, dist.group.WORLD)
 
 
 def test_ranks_agree_on_each_update_forwards_shape():
     """``prepare_update(count_group=...)``: ranks whose forwards are collectives with each other
-    (MoE EP over DP) replay graphs of the same shape for each micro-batch (gloo, 2 ranks)."""
+    (MoE EP over DP) replay graphs of the same shape for each micro-batch, and ranks with
+    different micro-batch counts get an error (gloo, 2 ranks)."""
     run_distributed(_agree_body, 2)
 
 

@@ -95,6 +95,13 @@ def graph_shapes(
     def agree(values: list[int]) -> list[int]:
         return values if group is None else all_reduce_max(values, group, torch.int64)
 
+    most, fewest = agree([len(batches), -len(batches)])
+    if most != -fewest:  # else the ranks would agree on lists of different lengths: a hang
+        raise ValueError(
+            f"graph_shapes: the ranks of the group bring {-fewest} to {most} micro-batches; "
+            "their i-th forwards are collectives with each other, so each must run as many "
+            "(the trainer's make_mini_batches(count_group=...) splits to the group's count)"
+        )
     docs = agree([docs_of(b) for b in batches])
     tokens = agree([tokens_of(b, d, multiple) for b, d in zip(batches, docs, strict=True)])
     shapes = [GraphShape(t, d, t) for t, d in zip(tokens, docs, strict=True)]
