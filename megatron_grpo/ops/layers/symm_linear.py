@@ -45,12 +45,16 @@ class SymmGroup:
         self._enabled = False
 
     def enable(self) -> None:
+        """Before torch 2.11 the fused ops need the group enabled; later releases mark the call
+        deprecated (not needed) and warn."""
         if self._enabled:
             return
         from torch.distributed import _symmetric_memory as symm_mem
 
-        if not symm_mem.is_symm_mem_enabled_for_group(self.name):
-            symm_mem.enable_symm_mem_for_group(self.name)
+        enable = symm_mem.enable_symm_mem_for_group
+        needed = getattr(enable, "__deprecated__", None) is None
+        if needed and not symm_mem.is_symm_mem_enabled_for_group(self.name):
+            enable(self.name)
         self._enabled = True
 
 
