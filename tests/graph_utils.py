@@ -92,6 +92,21 @@ def rerun_graphs() -> None:
     graph_store.mark_static = lambda params, max_len: None
 
 
+def rerun_model(layout: str):
+    """(model config, chunks) of one of ``LAYOUTS`` in a spawned rerun test, the process set
+    up (:func:`rerun_graphs`; at EP 2 the eager passes' all-to-all on the CPU, the graphs
+    taking the gathered dispatch)."""
+    from megatron_grpo.megatron import ParallelConfig
+    from tests.ep_utils import cpu_alltoall
+    from tests.megatron_utils import build_layout, tiny_model
+
+    rerun_graphs()
+    cpu_alltoall()
+    parallel, model = LAYOUTS[layout]
+    cfg = tiny_model(**model)
+    return cfg, build_layout(ParallelConfig(**parallel), cfg)
+
+
 def count_dispatches() -> list[str]:
     """Record the dispatch each MoE layer's forward takes ("gathered" / "megatron")."""
     from megatron_grpo.megatron.moe import ep_dispatch

@@ -27,7 +27,7 @@ from megatron_grpo.megatron.step import graph_plan as gp
 from megatron_grpo.megatron.step import graph_store
 from megatron_grpo.megatron.step import logprob_graphs as lg
 from tests.dist_utils import run_distributed
-from tests.graph_utils import LAYOUTS, RerunCache, count_dispatches, rerun_graphs
+from tests.graph_utils import RerunCache, count_dispatches, rerun_model
 from tests.megatron_utils import build_layout, make_sequences, pack, tiny_model
 
 
@@ -150,13 +150,7 @@ def test_padded_micro_batches_keep_their_logprobs_tp2_sp():
 def _rerun_body(rank: int, world: int, layout: str) -> None:
     import torch.distributed as dist
 
-    from tests.ep_utils import cpu_alltoall
-
-    rerun_graphs()
-    cpu_alltoall()  # the eager passes' dispatcher at EP 2 (the graphs': the gathered one)
-    parallel, model = LAYOUTS[layout]
-    cfg = tiny_model(**model)
-    chunks = build_layout(ParallelConfig(**parallel), cfg)
+    cfg, chunks = rerun_model(layout)
     step = GRPOStep(GRPOLossConfig(), vocab_size=cfg.vocab_size)
     ep = layout == "ep2"
     # EP ranks bring their own micro-batches, rank 1 two more (its peer runs a spare forward)

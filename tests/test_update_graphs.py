@@ -29,7 +29,7 @@ from megatron_grpo.megatron.step import graph_plan as gp
 from megatron_grpo.megatron.step import update_graphs as ug
 from megatron_grpo.train.config import TrainConfig
 from tests.dist_utils import run_distributed
-from tests.graph_utils import LAYOUTS, MOE, RerunCache, count_dispatches, rerun_graphs
+from tests.graph_utils import LAYOUTS, MOE, RerunCache, count_dispatches, rerun_graphs, rerun_model
 from tests.megatron_utils import (
     assert_close,
     build_layout,
@@ -281,13 +281,7 @@ def test_update_pass_tokens():
 def _rerun_body(rank: int, world: int, layout: str) -> None:
     import torch.distributed as dist
 
-    from tests.ep_utils import cpu_alltoall
-
-    rerun_graphs()
-    cpu_alltoall()  # the eager step's dispatcher at EP 2 (the graphs': the gathered one)
-    parallel, model = LAYOUTS[layout]
-    cfg = tiny_model(**model)
-    chunks = build_layout(ParallelConfig(**parallel), cfg)
+    cfg, chunks = rerun_model(layout)
     if "overlap" in layout:  # one bucket: its reduction starts once each parameter is ready
         assert len(chunks[0].bucket_groups) == 1
     tp = layout.startswith("tp")
