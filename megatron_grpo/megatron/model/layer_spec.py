@@ -19,7 +19,7 @@ its torch norms (``WrappedTorchNorm``) refuse sequence parallelism. The portable
 
 Linear layers, MLP and MoE (router, aux loss, token dispatcher, ``SequentialMLP`` experts) are
 megatron-core's own modules (the attention and dense MLP linears as
-:mod:`~megatron_grpo.megatron.model.tp_overlap`'s subclasses where ``tp_overlap`` is ring: their
+:mod:`~megatron_grpo.megatron.model.tp_overlap`'s subclasses where ``tp_overlap`` is ring / symm: their
 sequence-parallel collectives overlapped with the GEMMs); the dense MLP's SwiGLU
 (:class:`~.layers.SwiGLUMLP`) and RMSNorm run as one kernel each way on GPU. Checkpoint keys match the TE spec (``sharded_state_dict_keys_map``),
 so a torch_dist checkpoint moves between the two specs.
