@@ -2,8 +2,9 @@
 with each "graph" rerunning the Python it captured (a GPU's graph replays the kernels that
 Python launched), as captured: the same grad mode, MoE layers on the dispatch without host
 syncs, and none of DDP's forward pre-hooks (with ``overlap_param_gather`` they gather the
-parameters module by module: a replay never runs them, a capture records no gather). ``rerun_graphs()`` also keeps the static bounds readable on the host: the captured
-forwards' 'varlen' attention runs on CUDA only, and a rerun reads the bounds each time."""
+parameters module by module: a replay never runs them, a capture records no gather).
+``rerun_graphs()`` also keeps the static bounds readable on the host: the captured forwards'
+'varlen' attention runs on CUDA only, and a rerun reads the bounds each time."""
 
 from __future__ import annotations
 

@@ -80,8 +80,8 @@ def resolve_tp_overlap(choice: str, sequence_parallel: bool, tp_size: int, devic
 
 def tp_linear_classes(choice: str, config, use_te: bool = False) -> tuple[type, type]:
     """(column, row) linear classes of the spec for ``choice``: megatron-core's for ``off``,
-    the overlap layers of the kind for ``ring`` / ``symm``. ``use_te``: Transformer Engine's spec, where only ``auto``
-    (TE's own layers) is valid."""
+    the overlap layers of the kind for ``ring`` / ``symm``. ``use_te``: Transformer Engine's
+    spec, where only ``auto`` (TE's own layers) is valid."""
     if use_te:
         if check_choice("tp_overlap", choice, FIELD) != "auto":
             raise ValueError(
@@ -218,10 +218,8 @@ class SymmColumnParallelLinear(OverlapColumnParallelLinear):
 
 
 class SymmRowParallelLinear(OverlapRowParallelLinear):
-    """``tp_overlap: symm``: :func:`~megatron_grpo.ops.layers.symm_linear.symm_linear_reduce_scatter`."""
+    """``tp_overlap: symm``: :func:`~megatron_grpo.ops.layers.symm_linear.
+    symm_linear_reduce_scatter`."""
 
-    KIND, HANDLE, LINEAR_REDUCE_SCATTER = (
-        "symm",
-        SymmGroup,
-        staticmethod(symm_linear_reduce_scatter),
-    )
+    KIND, HANDLE = "symm", SymmGroup
+    LINEAR_REDUCE_SCATTER = staticmethod(symm_linear_reduce_scatter)
