@@ -218,8 +218,8 @@ class SymmColumnParallelLinear(OverlapColumnParallelLinear):
 
 
 class SymmRowParallelLinear(OverlapRowParallelLinear):
-    """``tp_overlap: symm``: :func:`~megatron_grpo.ops.layers.symm_linear.
-    symm_linear_reduce_scatter`."""
+    """``tp_overlap: symm``: :mod:`megatron_grpo.ops.layers.symm_linear`'s linear
+    reduce-scatter."""
 
     KIND, HANDLE = "symm", SymmGroup
     LINEAR_REDUCE_SCATTER = staticmethod(symm_linear_reduce_scatter)
