@@ -5,8 +5,9 @@ against megatron-core's (``off``) at TP = the torchrun world size with sequence 
 One decoder layer's four TP linears of a model shape (``linear_qkv``, ``linear_proj``,
 ``linear_fc1``, ``linear_fc2``: column, row, column, row), chained as in the layer, in bf16:
 the no-grad forward (the log-prob pass) and forward + backward (training), ms per layer, for
-each choice built with the same weights (``--choices``), and each kind's largest deviation from
-``off`` (relative to the output's scale). Writes ``OUT/bench_tp_overlap_tpN.json``.
+each choice built with the same weights (``--choices``), each kind's largest deviation from
+``off`` (relative to the output's scale) and, on GPUs, the fwd+bwd passes' peak memory. Writes
+``OUT/bench_tp_overlap_tpN.json``.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 CUDA_DEVICE_MAX_CONNECTIONS=1 \\
       python -m torch.distributed.run --standalone --nproc-per-node 4 \\
@@ -115,7 +116,11 @@ def _row(a, tokens: int, tp: int, dtype, device) -> dict:
             xg = x.detach().requires_grad_(True)
             _forward(layers, xg).sum().backward()
 
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         row[choice] = dict(logprob_ms=logprob, train_ms=_time(train, a, device))
+        if device.type == "cuda":  # the timed fwd+bwd passes' peak (weights and inputs included)
+            row[choice]["train_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     scale = outs["off"].abs().max().item() + 1e-12
     for kind in _choices(a)[1:]:
         row[f"{kind}_vs_off"] = (outs[kind] - outs["off"]).abs().max().item() / scale
@@ -145,14 +150,15 @@ def main(argv=None) -> int:
     if dist.get_rank() == 0:
         print(f"TP {tp} + SP, bf16, layer hidden={a.hidden} ffn={a.ffn} qkv={a.qkv}")
         print(f"{'tokens':>8} {'choice':>6} {'fwd ms':>9} {'f+b ms':>9} {'x fwd':>6} {'x f+b':>6} "
-              f"{'dev':>8}")  # fmt: skip
+              f"{'dev':>8} {'f+b GiB':>8}")  # fmt: skip
         for r in rows:
             for c in _choices(a):
                 t, x = r[c], ("-", "-", "-") if c == "off" else (
                     f"{r[f'speedup_{c}_logprob']:.2f}", f"{r[f'speedup_{c}_train']:.2f}",
                     f"{r[f'{c}_vs_off']:.1e}")  # fmt: skip
+                peak = f"{t['train_peak_gib']:.2f}" if "train_peak_gib" in t else "-"
                 print(f"{r['tokens']:>8} {c:>6} {t['logprob_ms']:>9.3f} {t['train_ms']:>9.3f} "
-                      f"{x[0]:>6} {x[1]:>6} {x[2]:>8}")  # fmt: skip
+                      f"{x[0]:>6} {x[1]:>6} {x[2]:>8} {peak:>8}")  # fmt: skip
         a.out.mkdir(parents=True, exist_ok=True)
         path = a.out / f"bench_tp_overlap_tp{tp}.json"
         path.write_text(json.dumps(dict(tp=tp, args={k: str(v) for k, v in vars(a).items()},
