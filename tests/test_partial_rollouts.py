@@ -117,6 +117,51 @@ def test_tp2_and_dp2_ranks_agree_on_carried_requests(tmp_path, tp):
     run_distributed(_agree_body, 2, tmp_path, tp)
 
 
+def _replica_body(rank: int, world: int, tmp: Path) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from megatron_grpo.rollout.partial import partial_source
+    from megatron_grpo.rollout.replica import ReplicaEngine
+
+    on = ("rollout.partial.enabled=true", "rollout.partial.over_provision=1.0",
+          "rollout.colocated.weights=replica")  # fmt: skip
+    trainer, whole = _train(tmp, "whole", "training.steps=4", *on, tp=2)
+    source = partial_source(trainer.source)
+    assert isinstance(source.inner.engine, ReplicaEngine)
+    assert (source.stream, source.streams) == (rank, 2)
+    held = [g.index for g in source.groups]
+    gathered = [None] * world
+    dist.all_gather_object(gathered, held)
+    assert not set(gathered[0]) & set(gathered[1]), gathered  # each stream its own requests
+    draws = [None] * world  # and its own random numbers: the streams' generators differ
+    dist.all_gather_object(draws, torch.rand(4, generator=source._generator(5, 0)))
+    assert not torch.equal(draws[0], draws[1])
+    for index in held:  # this stream's share of each round's prompts (2 of the 4)
+        assert index % 4 in ((0, 1) if rank == 0 else (2, 3)), (rank, held)
+    assert any(h["rollout/partial_carried"] > 0 for h in whole)
+    assert any(h["rollout/offpolicy_token_frac"] > 0 for h in whole)
+    # a resume in the middle of carried requests continues each stream as the whole run did
+    ckpt = f"checkpoint.dir={tmp / 'ckpt'}"
+    _, first = _train(tmp, "cut", "training.steps=2", ckpt, *on, tp=2)
+    assert first[-1]["rollout/partial_carried"] > 0
+    _, rest = _train(tmp, "cut", "training.steps=4", ckpt, *on, resume=True, tp=2)
+    for a, b in zip(whole[2:], rest, strict=True):
+        for key in (*_LOSS_KEYS, "rollout/partial_carried", "rollout/offpolicy_token_frac"):
+            if key in a:
+                assert a[key] == b[key], key
+    if rank == 0:
+        assert _rollouts(tmp, "whole") == _rollouts(tmp, "cut")
+
+
+@pytest.mark.slow
+def test_replica_streams_carry_requests_and_resume_exactly(tmp_path):
+    """rollout.colocated.weights: replica with partial rollouts, TP 2 (gloo): each rank keeps
+    its own stream of requests in flight, the step's batch is both streams' finished groups,
+    and a resume mid-carry equals the uninterrupted run."""
+    run_distributed(_replica_body, 2, tmp_path, timeout=600)
+
+
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [

@@ -116,7 +116,6 @@ def test_share_covers_the_samples_in_order(n, size):
 @pytest.mark.parametrize(
     "overrides,needs",
     [
-        (["rollout.partial.enabled=true"], "partial.enabled: false"),
         (["rollout.engine.kind=recompute"], "engine.kind: kv_cache"),
         (["rollout.input_path=/tmp/x.jsonl"], "source: generate"),
         (

@@ -363,12 +363,11 @@ class RolloutConfig:
 
     def _check_replica(self) -> None:
         """``colocated.weights: replica``: generated rollouts from the KV-cached engine, on the
-        trainer's ranks, within one call (a paused request would stay on its rank)."""
+        trainer's ranks (partial rollouts: each rank a stream of its own, ``rollout/partial.py``)."""
         needs = {
             "placement: colocated": self.placement == "colocated",
             "source: generate": self.source == "generate",
             "engine.kind: kv_cache": self.engine.kind == "kv_cache",
-            "partial.enabled: false": not self.partial.enabled,
         }
         for what, ok in needs.items():
             if not ok:

@@ -18,6 +18,13 @@ Determinism (``--resume`` exact): rank ``d``'s ``c``-th prompt is prompt
 prompts when nothing is carried); requests admitted in round ``r`` of step ``s`` draw their
 uniforms from the synchronous run's generator of ``(seed, s, d, r)``; the groups in flight are
 saved with each checkpoint (:meth:`state_dict`).
+
+On replicas (``rollout.colocated.weights: replica``) each rank ``t`` of a TP group is a stream
+of its own: it keeps its share ``[lo, hi)`` of the DP rank's ``n`` prompts of each round
+(``rollout.replica.share``: its ``c``-th prompt is ``(c // k) * num_prompts + d * n + lo + c %
+k``, ``k = hi - lo``) in flight on its own replica, ends its generation when its share of the
+step's groups finished, and the TP group's finished groups, gathered in prompt order, are every
+rank's batch. Its uniforms come from a generator seeded by ``(seed, s, d, r)`` and the stream.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from megatron_grpo.rollout.batch import RolloutBatch
 from megatron_grpo.rollout.config import RolloutConfig
 from megatron_grpo.rollout.context import RolloutContext
 from megatron_grpo.rollout.engine.requests import Request
+from megatron_grpo.rollout.replica import share
 from megatron_grpo.rollout.source import GeneratedRollouts, engine_metrics
 from megatron_grpo.rollout.tasks import Prompt
 
@@ -78,7 +86,17 @@ class PartialRollouts:
             raise ValueError("rollout.partial.enabled needs rollout.engine.kind: kv_cache")
         self.inner, self.cfg, self.partial = inner, cfg, cfg.partial
         self.record_routes = ctx.record_routes
-        self.dp_rank, self.per_rank = layout.dp_rank, cfg.num_prompts // layout.dp_size
+        self.dp_rank, self.per_dp = layout.dp_rank, cfg.num_prompts // layout.dp_size
+        # replicas: this rank's stream of its TP group (else every rank of the group the same)
+        self.stream, self.streams = getattr(inner.engine, "stream", (0, 1))
+        if self.per_dp < self.streams:
+            raise ValueError(
+                f"rollout.partial on replicas: rollout.num_prompts / DP = {self.per_dp} prompts "
+                f"per DP rank cannot feed the {self.streams} streams of a TP group (one each at "
+                "least): raise rollout.num_prompts"
+            )
+        self.lo, hi = share(self.per_dp, self.stream, self.streams)
+        self.per_rank = hi - self.lo  # this stream's groups of a step
         self.extra = math.ceil(self.per_rank * self.partial.over_provision)
         self.groups: list[Group] = []  # in flight, oldest first
         self.position = 0  # prompts of this rank's stream admitted so far
@@ -89,10 +107,14 @@ class PartialRollouts:
         return dict(self._metrics)
 
     def next(self, step: int, round: int = 0, count: int | None = None) -> RolloutBatch:
-        need = self.per_rank if count is None else count
+        """``count``: finished groups of the DP rank (default: its share of a step)."""
+        need = self.per_rank
+        if count is not None:  # this stream's share of the DP rank's count
+            lo, hi = share(count, self.stream, self.streams)
+            need = hi - lo
         self._admit(step, round, need + self.extra)
         self._generate(step, need)
-        chosen = self._take(need)
+        chosen = self._gathered(self._take(need))
         batch = self._score(chosen)
         carried, dropped = self._carry(step)
         self._agree()
@@ -109,7 +131,7 @@ class PartialRollouts:
         if new == 0:
             return
         g, m = self.cfg.group_size, self.inner.params.max_new_tokens
-        uniforms = torch.rand(new * g, m, generator=self.inner.generator(step, round))
+        uniforms = torch.rand(new * g, m, generator=self._generator(step, round))
         for j in range(new):
             index = self._prompt_index(self.position)
             [prompt] = self.inner.task.prompts(index, 1)
@@ -119,9 +141,18 @@ class PartialRollouts:
             self.groups.append(Group(index, self.position, prompt, reqs))
             self.position += 1
 
+    def _generator(self, step: int, round: int) -> torch.Generator:
+        """The synchronous run's generator of ``(seed, step, dp_rank, round)``; on replicas one
+        seeded from its first draw and this stream, so the streams draw independent numbers."""
+        base = self.inner.generator(step, round)
+        if self.streams == 1:
+            return base
+        seed = int(torch.randint(2**62, (1,), generator=base)) + self.stream
+        return torch.Generator().manual_seed(seed)
+
     def _prompt_index(self, c: int) -> int:
-        n = self.per_rank
-        return (c // n) * self.cfg.num_prompts + self.dp_rank * n + c % n
+        k = self.per_rank  # this stream's prompts of a round (all the DP rank's: n)
+        return (c // k) * self.cfg.num_prompts + self.dp_rank * self.per_dp + self.lo + c % k
 
     def _check_prompt(self, prompt: Prompt) -> None:
         limit = self.cfg.max_prompt_length
@@ -164,6 +195,15 @@ class PartialRollouts:
         self.groups = [g for g in self.groups if id(g) not in taken]
         return ready
 
+    def _gathered(self, groups: list[Group]) -> list[Group]:
+        """On replicas: the finished groups of every stream of the TP group, in prompt order
+        (every rank's batch); else ``groups``."""
+        if self.streams == 1:
+            return groups
+        parts: list = [None] * self.streams
+        dist.all_gather_object(parts, groups, group=self.mp_group)
+        return sorted((g for part in parts for g in part), key=lambda g: g.index)
+
     def _score(self, groups: list[Group]) -> RolloutBatch:
         """The finished groups scored (only now: every member is complete)."""
         size = self.cfg.group_size
@@ -195,9 +235,10 @@ class PartialRollouts:
 
     def _agree(self) -> None:
         """Every rank of a model replica holds the same requests (TP ranks sample the same
-        tokens); checked by a fingerprint of what continues, so a divergence fails loudly."""
+        tokens); checked by a fingerprint of what continues, so a divergence fails loudly. On
+        replicas each rank holds its own stream's: nothing to check."""
         group = self.mp_group
-        if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        if self.streams > 1 or not dist.is_initialized() or dist.get_world_size(group) == 1:
             return
         fp = float(sum((g.index % 1000003 + 1) * (g.tokens() + 1) for g in self.groups) % 2**50)
         hi, neg_lo = all_reduce_max([fp, -fp], group)
@@ -208,7 +249,9 @@ class PartialRollouts:
             )
 
     def _count(self, carried: int, dropped: int) -> dict[str, float]:
-        c, d = all_reduce_sum([float(carried), float(dropped)], self.dp_group)
+        """Over DP, and over the streams of a TP group on replicas (each its own requests)."""
+        group = None if self.streams > 1 else self.dp_group  # replicas: PP = CP = 1, the world
+        c, d = all_reduce_sum([float(carried), float(dropped)], group)
         return {"rollout/partial_carried": c, "rollout/partial_dropped": d}
 
     # ------------------------------------------------------------------ checkpoint
@@ -218,6 +261,7 @@ class PartialRollouts:
         return {
             "position": self.position,
             "dp_rank": self.dp_rank,
+            "stream": (self.stream, self.streams),
             "groups": [
                 {"index": g.index, "order": g.order, "requests": [r.state() for r in g.requests]}
                 for g in self.groups
@@ -227,6 +271,9 @@ class PartialRollouts:
     def load_state_dict(self, state: dict) -> None:
         if state["dp_rank"] != self.dp_rank:
             raise ValueError(f"partial state of DP rank {state['dp_rank']} on rank {self.dp_rank}")
+        stream = tuple(state.get("stream", (0, 1)))
+        if stream != (self.stream, self.streams):
+            raise ValueError(f"partial state of stream {stream} on {(self.stream, self.streams)}")
         self.position = state["position"]
         self.groups = []
         for g in state["groups"]:

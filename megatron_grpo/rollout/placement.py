@@ -96,8 +96,10 @@ class ColocatedConfig:
             ``rollout/replica.py``). It costs one copy of the model per GPU: for models that
             fit on one GPU beside the training state (the copy's bytes are in the start-up
             line). At TP = EP = 1 each rank holds the whole trained model already: the engine
-            decodes on it, with no copy (the start-up line says so). Needs ``source: generate``, ``engine.kind: kv_cache``, no partial rollouts,
-            pipeline and context parallelism 1, megatron-core >= 0.15 and the portable spec.
+            decodes on it, with no copy (the start-up line says so). Needs ``source:
+            generate``, ``engine.kind: kv_cache``, pipeline and context parallelism 1,
+            megatron-core >= 0.15 and the portable spec. With partial rollouts each rank of a
+            TP group keeps a stream of its own in flight (``rollout/partial.py``).
     """
 
     weights: Literal["shared", "replica"] = "shared"

@@ -13,9 +13,15 @@ engine does. Each sample draws the uniform numbers it would draw in a single eng
 the tokens are the ones one engine over all samples would sample (up to the rounding of other
 batch shapes). The cost: one copy of the model per GPU (in the model dtype), refreshed each
 call.
+
+Partial rollouts (``rollout.partial``) run on it as streams: each rank of the TP group keeps its
+own share of the DP rank's groups in flight and runs them with :meth:`ReplicaEngine.run_requests`
+on its replica (``rollout.partial``'s module docstring).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -24,6 +30,7 @@ from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.megatron.model.replica import build_replica
 from megatron_grpo.rollout.engine import Generation, KVCacheEngine, SamplingParams
 from megatron_grpo.rollout.engine.options import EngineOptions
+from megatron_grpo.rollout.engine.requests import Request
 from megatron_grpo.rollout.weight_sync.replica_copy import ReplicaCopy
 
 
@@ -88,6 +95,31 @@ class ReplicaEngine:
             f"on a TP=EP=1 replica per rank ({nbytes / 2**30:.2f} GiB), "
             f"{self.layout.tp_size} rank(s) of each TP group sharing its samples"
         )
+
+    @property
+    def stream(self) -> tuple[int, int]:
+        """(this rank's stream, the streams of its TP group): the samples each rank generates
+        on its own replica."""
+        return self.layout.tp_rank, self.layout.tp_size
+
+    @torch.no_grad()
+    def run_requests(
+        self,
+        requests: list[Request],
+        params: SamplingParams,
+        version: int,
+        stop: Callable[[torch.Tensor], bool] | None = None,
+        keep_kv: bool = False,
+        record_routes: bool = False,
+        check_every: int | None = None,
+    ) -> None:
+        """:meth:`KVCacheEngine.run_requests` of this rank's own ``requests`` (its stream's:
+        no collective) on its replica, refreshed from the trained shards first."""
+        seconds = self.copier.copy()
+        self.engine.run_requests(
+            requests, params, version, stop, keep_kv, record_routes, check_every
+        )
+        self.stats = {**self.engine.stats, "replica_copy_seconds": seconds}
 
     @torch.no_grad()
     def generate(
