@@ -41,7 +41,7 @@ from megatron_grpo.rollout.batch import RolloutBatch
 from megatron_grpo.rollout.config import RolloutConfig
 from megatron_grpo.rollout.context import RolloutContext
 from megatron_grpo.rollout.engine.requests import Request
-from megatron_grpo.rollout.replica import share
+from megatron_grpo.rollout.replica import ReplicaEngine, share
 from megatron_grpo.rollout.source import GeneratedRollouts, engine_metrics
 from megatron_grpo.rollout.tasks import Prompt
 
@@ -88,7 +88,8 @@ class PartialRollouts:
         self.record_routes = ctx.record_routes
         self.dp_rank, self.per_dp = layout.dp_rank, cfg.num_prompts // layout.dp_size
         # replicas: this rank's stream of its TP group (else every rank of the group the same)
-        self.stream, self.streams = getattr(inner.engine, "stream", (0, 1))
+        replica = isinstance(inner.engine, ReplicaEngine)
+        self.stream, self.streams = inner.engine.stream if replica else (0, 1)
         if self.per_dp < self.streams:
             raise ValueError(
                 f"rollout.partial on replicas: rollout.num_prompts / DP = {self.per_dp} prompts "
