@@ -10,8 +10,10 @@
 #                                   # for megatron-core's SequentialMLP before it), STEPS each
 #   bash tools/gpu_e2e.sh moe_twin  # the MoE twin (2 GPUs): toy task + 4k synthetic rollouts
 #   bash tools/gpu_e2e.sh moe_ep    # the MoE twin at EP1 (1 GPU), EP2 TP2+SP (2), EP4 TP1 and
-#                                   # TP2+SP (4 GPUs): step split, generation tokens/s, ratios
-#                                   # to EP1 (moe_ep.md; MOE_EP_LAYOUTS
+#                                   # TP2+SP (4 GPUs), EP2 and EP4 TP1 again with the log-prob
+#                                   # and update passes on CUDA graphs (the "g" rows): step
+#                                   # split, generation tokens/s, ratios to EP1 (moe_ep.md;
+#                                   # MOE_EP_LAYOUTS
 #                                   # "tag:gpus:tp:sp[:dispatch[:micro-batch tokens[:settings
 #                                   # ]]] ..."; MOE_EP_PROFILE_STEP=5: that step profiled
 #                                   # on every rank and left out of the means, device-time tables
@@ -243,7 +245,9 @@ moe_ep() {
     local common=(--set training.steps="$STEPS" --set training.mini_batches_per_step=1
         --set rollout.reverse_digits.num_digits=128 --set rollout.max_prompt_length=132
         --set rollout.max_response_length=129)
-    local layouts="ep1:1:1:false ep2_tp2sp:2:2:true:gathered ep4_tp1:4:1:false ep4_tp2sp:4:2:true"
+    local graphs=training.update_cuda_graphs=true,training.logprob_cuda_graphs=true
+    local layouts="ep1:1:1:false ep2_tp2sp:2:2:true:gathered ep2g_tp2sp:2:2:true:gathered::$graphs
+        ep4_tp1:4:1:false ep4g_tp1:4:1:false:gathered::$graphs ep4_tp2sp:4:2:true"
     layouts=${MOE_EP_LAYOUTS:-$layouts}
     for spec in $layouts; do
         # tag:gpus:tp:sp[:dispatch[:mb[:engine]]]: dispatch = model.layer_kernels.moe_dispatch
