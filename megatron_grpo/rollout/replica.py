@@ -113,8 +113,10 @@ class ReplicaEngine:
         record_routes: bool = False,
         check_every: int | None = None,
     ) -> None:
-        """:meth:`KVCacheEngine.run_requests` of this rank's own ``requests`` (its stream's:
-        no collective) on its replica, refreshed from the trained shards first."""
+        """:meth:`KVCacheEngine.run_requests` of this rank's own ``requests`` (its stream's) on
+        its replica, refreshed from the trained shards first: the refresh is a collective over
+        the TP and expert groups (every rank calls this once per rollout call), the decode
+        steps hold none."""
         seconds = self.copier.copy()
         self.engine.run_requests(
             requests, params, version, stop, keep_kv, record_routes, check_every

@@ -69,10 +69,12 @@ def _chunk(t: Tensor, c: int, size: int) -> Tensor:
     return t[c * n : (c + 1) * n]
 
 
-def _check_sequence(x: Tensor, ring: Ring, what: str) -> None:
-    if x.shape[0] % ring.size:
+def check_sequence(x: Tensor, size: int, what: str) -> None:
+    """``x [s, ...]``: ``s`` a multiple of the TP ``size`` (sequence parallelism's rule), else an
+    error naming ``what`` (shared with :mod:`.symm_linear`)."""
+    if x.shape[0] % size:
         raise ValueError(
-            f"{what}: sequence length {x.shape[0]} is not a multiple of the TP size {ring.size} "
+            f"{what}: sequence length {x.shape[0]} is not a multiple of the TP size {size} "
             "(sequence parallelism splits the sequence evenly)"
         )
 
@@ -142,8 +144,9 @@ def _gather_dgrad(d_y_local: Tensor, weight: Tensor, ring: Ring, keep: bool):
     return d_x, full
 
 
-def _weight_grad(d_y: Tensor, x: Tensor) -> Tensor:
-    """``d_y [..., n]``, ``x [..., k]`` -> ``[n, k]``: one GEMM over every row."""
+def weight_grad(d_y: Tensor, x: Tensor) -> Tensor:
+    """``d_y [..., n]``, ``x [..., k]`` -> ``[n, k]``: one GEMM over every row (shared with
+    :mod:`.symm_linear`)."""
     return d_y.reshape(-1, d_y.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
 
 
@@ -169,7 +172,7 @@ class _AllGatherLinear(torch.autograd.Function):
             gathered = [full]
         # d_x = reduce_scatter(d_out @ weight): weight.t() of [h, o_l] is weight's transpose
         d_x = _matmul_reduce_scatter(d_out, weight.t(), ring, gathered)
-        d_w = _weight_grad(d_out, gathered[0]) if need_w else None
+        d_w = weight_grad(d_out, gathered[0]) if need_w else None
         d_b = d_out.reshape(-1, d_out.shape[-1]).sum(0) if ctx.has_bias else None
         return d_x, d_w, d_b, None
 
@@ -188,7 +191,7 @@ class _LinearReduceScatter(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         need_w = ctx.needs_input_grad[1]
         d_x, d_y = _gather_dgrad(d_out.contiguous(), weight, ctx.ring, keep=need_w)
-        d_w = _weight_grad(d_y, x) if need_w else None
+        d_w = weight_grad(d_y, x) if need_w else None
         return d_x, d_w, None
 
 
@@ -220,5 +223,5 @@ def linear_reduce_scatter(x: Tensor, weight: Tensor, group: dist.ProcessGroup | 
         ``[s_l, b, o]`` this rank's sequence chunk of the sum over the TP ranks.
     """
     ring = group if isinstance(group, Ring) else Ring(group)
-    _check_sequence(x, ring, "linear_reduce_scatter input")
+    check_sequence(x, ring.size, "linear_reduce_scatter input")
     return _LinearReduceScatter.apply(x.contiguous(), weight, ring)

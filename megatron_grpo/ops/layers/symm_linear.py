@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatron_grpo.ops.layers.ring_linear import check_sequence, weight_grad
+
 __all__ = ["SymmGroup", "symm_allgather_linear", "symm_linear_reduce_scatter"]
 
 
@@ -97,19 +99,6 @@ def _matmul_reduce_scatter(a: Tensor, b: Tensor, group: SymmGroup) -> Tensor:
     return torch.ops.symm_mem.fused_matmul_reduce_scatter(a.contiguous(), b, "sum", 0, group.name)
 
 
-def _check_sequence(x: Tensor, group: SymmGroup, what: str) -> None:
-    if x.shape[0] % group.size:
-        raise ValueError(
-            f"{what}: sequence length {x.shape[0]} is not a multiple of the TP size "
-            f"{group.size} (sequence parallelism splits the sequence evenly)"
-        )
-
-
-def _weight_grad(d_y: Tensor, x: Tensor) -> Tensor:
-    """``d_y [..., n]``, ``x [..., k]`` -> ``[n, k]``: one GEMM over every row."""
-    return d_y.reshape(-1, d_y.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
-
-
 class _SymmAllGatherLinear(torch.autograd.Function):
     """See :func:`symm_allgather_linear`."""
 
@@ -133,7 +122,7 @@ class _SymmAllGatherLinear(torch.autograd.Function):
         d_w = None
         if need_w:
             work.wait()
-            d_w = _weight_grad(d_out, gathered)
+            d_w = weight_grad(d_out, gathered)
         d_b = d_out.reshape(-1, d_out.shape[-1]).sum(0) if ctx.has_bias else None
         return d_x, d_w, d_b, None
 
@@ -152,7 +141,7 @@ class _SymmLinearReduceScatter(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         need_w = ctx.needs_input_grad[1]
         d_y, d_x = _all_gather_matmul(d_out.contiguous(), weight, ctx.group, return_a=need_w)
-        d_w = _weight_grad(d_y, x) if need_w else None
+        d_w = weight_grad(d_y, x) if need_w else None
         return d_x, d_w, None
 
 
@@ -186,5 +175,5 @@ def symm_linear_reduce_scatter(
         ``[s_l, b, o]`` this rank's sequence chunk of the sum over the TP ranks.
     """
     group = group if isinstance(group, SymmGroup) else SymmGroup(group)
-    _check_sequence(x, group, "symm_linear_reduce_scatter input")
+    check_sequence(x, group.size, "symm_linear_reduce_scatter input")
     return _SymmLinearReduceScatter.apply(x.contiguous(), weight, group)
