@@ -71,12 +71,15 @@ def _state_bytes(trainer) -> int:
 
 
 def _gpu_body(rank: int, world: int, tmp: Path) -> None:
+    from megatron_grpo.rollout.engine import memory_release
     from megatron_grpo.train.config import load_train_config
 
     probe = _probe()
     recipe, sets = probe.PRESETS["twin"]
     sets = [*sets, "rollout.num_prompts=16", "training.steps=2", "checkpoint.dir=null"]
     sets += ["training.offload_during_rollout=false", f"logging.dir={tmp}"]
+    # the update on CUDA graphs (4k micro-batches): their pools stay held across steps
+    sets += ["training.max_tokens_per_micro_batch=4096", "training.update_cuda_graphs=true"]
     rows: list[dict] = []
     holder: dict = {}
 
@@ -115,11 +118,22 @@ def _gpu_body(rank: int, world: int, tmp: Path) -> None:
     # and the allocator holds no freed blocks of step 1 (the old cache's segment) at sizing
     held = second["reserved"] - second["allocated"] - (second["pools"] - first["pools"])
     assert held < 512 * 2**20, held / 2**30
+    # what the graphs' pools hold goes back to the driver once they are dropped (the trainer
+    # drops them before a rollout whose cache lacks room); the engine's decode graphs stay
+    pools = second["pools"] - first["pools"]
+    assert pools > 2**30, pools / 2**30  # 9.28 GiB in one H200 run
+    torch.cuda.synchronize()
+    before = torch.cuda.mem_get_info()[0]
+    assert trainer.step_fn.drop_graphs() > 0
+    memory_release.release(torch.device("cuda"))
+    freed = torch.cuda.mem_get_info()[0] - before
+    assert freed > pools - 256 * 2**20, (freed / 2**30, pools / 2**30)
 
 
 @pytest.mark.gpu
 def test_memory_before_rollout_grows_by_the_optimizer_state_only(tmp_path):
-    """One GPU: the dense twin (TP 1), 128 samples of up to 1027 tokens, 2 steps."""
+    """One GPU: the dense twin (TP 1), 128 samples of up to 1027 tokens, 2 steps, the update
+    on CUDA graphs."""
     if torch.cuda.device_count() < 1:
         pytest.skip("needs 1 GPU")
     run_distributed(_gpu_body, 1, tmp_path, backend="nccl")

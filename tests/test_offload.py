@@ -109,7 +109,7 @@ def _measured_switch(chunks, optimizer) -> None:
 
     said: list[str] = []
     check = _Shortfalls(-1.0, 3 * 2**29)
-    offload = RolloutOffload(chunks, optimizer, False, check, said.append)
+    offload = RolloutOffload(chunks, optimizer, False, check, said.append, pending=True)
     offload.on_enable = lambda: said.append(f"re-planned, enabled={offload.enabled}")
     with offload.during_rollout(0):
         assert offload._moved == [] and not offload.enabled
@@ -123,8 +123,55 @@ def _measured_switch(chunks, optimizer) -> None:
     with offload.during_rollout(2):
         assert offload._moved
     assert check.calls == 2 and offload._moved == []
-    forced = RolloutOffload(chunks, optimizer, True, _Shortfalls(), said.append)
-    assert forced.check is None  # already on: nothing to measure
+    forced = RolloutOffload(chunks, optimizer, True, _Shortfalls(), said.append, pending=True)
+    with forced.during_rollout(0):  # already on, no graphs: nothing to measure
+        assert forced._moved
+    assert not forced.pending and forced.check.calls == 0
+    _graphs_yield(chunks, optimizer)
+
+
+def _graphs_yield(chunks, optimizer) -> None:
+    """Where the cache lacks room, the training passes' graphs are dropped first (under any
+    setting, said once), and ``auto`` turns offload on only if it still lacks room after."""
+    from megatron_grpo.train.offload import RolloutOffload
+
+    gib = 2**30
+    said: list[str] = []
+    drops: list[int] = []
+
+    def drop() -> int:  # what GRPOStep.drop_graphs returns: how many it held
+        drops.append(1)
+        return 3
+
+    # ``false``: never offloads; the graphs yield at each rollout that lacks room
+    check = _Shortfalls(2 * gib, gib / 2, -1.0, gib, -1.0)
+    off = RolloutOffload(chunks, optimizer, False, check, said.append)
+    off.drop_graphs = drop
+    for step in range(3):
+        with off.during_rollout(step):
+            assert not off.enabled and off._moved == []
+    assert check.calls == 5 and len(drops) == 2 and off.graph_drops == 2
+    assert said == [RolloutOffload.drop_line(0, 2 * gib, gib / 2)], said
+    assert "lack 2.00 GiB" in said[0] and "still 0.50 GiB short" in said[0]
+    # ``auto``: the drop suffices at step 1; at step 2 it does not, so offload turns on, with
+    # the shortfall left after the drop; once on, measured after the moves (room: no drop)
+    said.clear()
+    check = _Shortfalls(gib, -1.0, gib, gib / 4, -1.0, -1.0)
+    auto = RolloutOffload(chunks, optimizer, False, check, said.append, pending=True)
+    auto.drop_graphs = drop
+    with auto.during_rollout(0):
+        assert not auto.enabled
+    with auto.during_rollout(1):
+        assert auto.enabled and auto._moved
+    with auto.during_rollout(2):
+        assert auto._moved
+    assert said[1:] == [RolloutOffload.check_line(1, gib / 4)], said
+    assert check.calls == 6 and len(drops) == 4
+    # ``false`` without graphs to drop: nothing measured
+    bare = RolloutOffload(chunks, optimizer, False, _Shortfalls(), said.append)
+    with bare.during_rollout(0):
+        pass
+    assert bare.check.calls == 0
 
 
 def _round_trip_body(rank: int, world: int) -> None:
@@ -219,7 +266,8 @@ def _auto(rank: int, world: int) -> None:
         on, line = off.decide(cfg, policy, layout)
         assert on and "auto: on" in line and "GiB" in line
         _measured(cfg, policy, layout, need, mp)
-    assert off.measured_check(forced, policy, layout) is None  # true: nothing to measure
+        # measured under any setting: the training passes' graphs yield to the cache
+        assert off.measured_check(forced, policy, layout).need == need
     assert off.measured_check(cfg, policy, layout) is None  # CPU: memory does not decide
 
 
@@ -234,7 +282,18 @@ def _measured(cfg, policy, layout, need: float, mp: pytest.MonkeyPatch) -> None:
     cuda = torch.device("cuda")  # a name only: the memory queries are faked
     assert check.short(torch.device("cpu")) == 0.0  # no device memory: nothing lacks
     total, cached = 2**32, 2**20  # the allocator's unused cache counts as free
-    mp.setattr(torch.cuda, "memory_reserved", lambda *a: cached)
+    pool = [  # but not what CUDA-graph pools hold unused (only their graphs can take it)
+        dict(device=0, segment_pool_id=(0, 0), total_size=2**21, allocated_size=2**20),
+        dict(device=0, segment_pool_id=(1, 7), total_size=2**24, allocated_size=2**22),
+        dict(device=1, segment_pool_id=(1, 3), total_size=2**26, allocated_size=0),
+    ]
+    mp.setattr(torch.cuda, "memory_snapshot", lambda *a, **k: pool)
+    mp.setattr(torch.cuda, "current_device", lambda: 0)
+    cuda0 = torch.device("cuda", 0)
+    from megatron_grpo.rollout.engine.memory_release import graph_pool_unused
+
+    assert graph_pool_unused(cuda0) == 2**24 - 2**22 and graph_pool_unused(cuda) == 2**24 - 2**22
+    mp.setattr(torch.cuda, "memory_reserved", lambda *a: cached + 2**24 - 2**22)
     for lacks in (-(2**20), 2**25):
         free = int(need + check.fixed - lacks - check.fraction * total + total) - cached
         mp.setattr(torch.cuda, "mem_get_info", lambda *a, free=free: (free, total))

@@ -58,9 +58,15 @@ def _bytes_view(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
 
 class RolloutOffload:
     """``with offload.during_rollout(step): ...``: moves out, runs the block, moves back;
-    ``seconds``: the last round trip's wall time (``perf/offload_seconds``). ``check``: ``auto``
-    left off by the plan, measured again before each rollout until it turns on (``say``: the
-    line that says so; ``on_enable``: called then, for what depends on the decision)."""
+    ``seconds``: the last round trip's wall time (``perf/offload_seconds``).
+
+    ``check``: the KV cache's room for a step's samples, measured before each rollout (None:
+    memory does not decide). Where it lacks room, the training passes' CUDA graphs go first
+    (``drop_graphs``, e.g. :meth:`GRPOStep.drop_graphs`, returns how many it dropped; their
+    pools are memory nothing else can use, and they cost only a capture at the next pass);
+    then, under ``auto`` (``pending``: left off by the plan), offload turns on for the rest of
+    the run (``say``: the line that says so; ``on_enable``: called then, for what depends on
+    the decision)."""
 
     def __init__(
         self,
@@ -69,36 +75,69 @@ class RolloutOffload:
         enabled: bool,
         check: MeasuredCheck | None = None,
         say: Callable[[str], None] = print,
+        pending: bool = False,
     ) -> None:
         self.chunks, self.optimizer, self.enabled = chunks, optimizer, enabled
-        self.check, self.say = (None if enabled else check), say
+        self.check, self.say = check, say
+        self.pending = pending and not enabled and check is not None
         self.seconds = 0.0
         self.on_enable: Callable[[], None] | None = None
+        self.drop_graphs: Callable[[], int] | None = None
+        self.graph_drops = 0  # rollouts before which the graphs were dropped
         self._moved: list[_Moved] = []
         self._host: dict[tuple[int, int], torch.Tensor] = {}  # (slot, nbytes) -> pinned buffer
 
     @contextlib.contextmanager
     def during_rollout(self, step: int = 0) -> Iterator[None]:
-        """``step``: 0-based, for the line of a measured switch."""
-        if self.check is not None:
-            short = self.check.short(self._device())
-            if short > 0:
-                self.enabled, self.check = True, None
-                self.say(self.check_line(step, short))
-                if self.on_enable is not None:
-                    self.on_enable()
+        """``step``: 0-based, for the lines of a measured switch."""
+        short = 0.0 if self.enabled else self._make_room(step)
+        if short > 0 and self.pending:
+            self.enabled, self.pending = True, False
+            self.say(self.check_line(step, short))
+            if self.on_enable is not None:
+                self.on_enable()
         if not self.enabled:
             yield
             return
         start = time.perf_counter()
         self.offload()
         self.seconds = time.perf_counter() - start
+        self._make_room(step)  # what the moves left short
         try:
             yield
         finally:
             start = time.perf_counter()
             self.reload()
             self.seconds += time.perf_counter() - start
+
+    def _make_room(self, step: int) -> float:
+        """The bytes the step's cache would lack now on the rank that lacks most (0: nothing
+        measured), after dropping the training passes' graphs if it lacked any. A collective
+        where measured: every rank takes the same branches."""
+        if self.check is None or (self.drop_graphs is None and not self.pending):
+            return 0.0
+        device = self._device()
+        short = self.check.short(device)
+        if short <= 0 or self.drop_graphs is None:
+            return short
+        dropped = self.drop_graphs()
+        memory_release.release(device)
+        after = self.check.short(device)
+        if dropped:
+            self.graph_drops += 1
+            if self.graph_drops == 1:
+                self.say(self.drop_line(step, short, after))
+        return after
+
+    @staticmethod
+    def drop_line(step: int, short: float, after: float) -> str:
+        still = f"still {after / GIB:.2f} GiB short" if after > 0 else "room for all"
+        return (
+            f"before the rollout of step {step + 1} the KV cache would lack {short / GIB:.2f} "
+            f"GiB for the step's samples: the training passes' CUDA graphs were dropped with "
+            f"their memory pools ({still}); they are captured again at the next passes, and "
+            "dropped again before each rollout that lacks room"
+        )
 
     @staticmethod
     def check_line(step: int, short: float) -> str:
@@ -242,8 +281,9 @@ class MeasuredCheck:
 def measured_check(
     cfg: TrainConfig, policy: torch.nn.Module, layout: ParallelLayout
 ) -> MeasuredCheck | None:
-    """The per-rollout check of ``auto`` (None: not ``auto``, or memory does not decide)."""
-    if cfg.training.offload_during_rollout != "auto" or _auto_off(cfg, policy):
+    """The per-rollout check of the cache's room (None: memory does not decide its size), for
+    ``auto`` and for the graphs that yield to the cache under any setting."""
+    if _auto_off(cfg, policy):
         return None
     need, fixed, _ = _cache_need(cfg, policy, layout)
     return MeasuredCheck(need, fixed, cfg.rollout.engine.kv_cache_fraction)

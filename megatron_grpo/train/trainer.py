@@ -139,10 +139,12 @@ class Trainer:
 
     def _setup_offload(self, policy: torch.nn.Module) -> None:
         """``training.offload_during_rollout``: decided from the plan, said in one line; ``auto``
-        left off is measured again before each rollout."""
+        left off is measured again before each rollout. Where the KV cache would lack room,
+        the training passes' CUDA graphs give theirs first, under any setting."""
         offload, line = offload_decision(self.cfg, policy, self.layout)
         check = measured_check(self.cfg, policy, self.layout)
-        self.offload = RolloutOffload(self.model, self.optimizer, offload, check, say)
+        auto = self.cfg.training.offload_during_rollout == "auto"
+        self.offload = RolloutOffload(self.model, self.optimizer, offload, check, say, auto)
         self.offload.on_enable = self._plan_update_graphs
         say(line)
 
@@ -184,6 +186,7 @@ class Trainer:
             on_policy=self.on_policy,
             layout=self.layout,
         )
+        self.offload.drop_graphs = self.step_fn.drop_graphs  # they yield to the KV cache
         plan, tokens = self.step_fn.plan_logprob_graphs, cfg.logprob_pass_tokens
         say(f"log-prob passes: CUDA graphs {plan(self.model, t.logprob_cuda_graphs, tokens)}")
         self._plan_update_graphs()

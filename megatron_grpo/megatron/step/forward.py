@@ -207,6 +207,15 @@ class GRPOStep:
             self.update_store.clear()
         return why
 
+    def drop_graphs(self) -> int:
+        """Drop every captured graph of the log-prob and update passes, and with them their
+        memory pools (the trainer: before a rollout whose KV cache needs the room); the next
+        passes capture again. Returns how many were held."""
+        held = len(self.graphs.statics) + len(self.update_store.statics)
+        self.graphs.clear()
+        self.update_store.clear()
+        return held
+
     def prepare_update(
         self,
         model: list[torch.nn.Module] | torch.nn.Module,

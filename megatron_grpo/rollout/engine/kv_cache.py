@@ -144,12 +144,14 @@ def _output_rows(model: torch.nn.Module) -> int:
 def device_memory(device: torch.device, cached: bool = True) -> tuple[int, int] | None:
     """``(free, total)`` bytes of ``device``, or None off CUDA. ``free``: what a new tensor can
     take: the driver's free memory plus, with ``cached``, what PyTorch's caching allocator holds
-    unused (reserved - allocated; a large tensor needs it in one piece)."""
+    unused (reserved - allocated; a large tensor needs it in one piece) outside CUDA-graph pools
+    (:func:`~memory_release.graph_pool_unused`: no tensor of ours can take those)."""
     if device.type != "cuda":
         return None
     free, total = torch.cuda.mem_get_info(device)
     if cached:
-        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        free += unused - memory_release.graph_pool_unused(device)
     return free, total
 
 

@@ -31,3 +31,20 @@ def release(device: torch.device, dropped: weakref.ref | None = None) -> bool:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return gone
+
+
+def graph_pool_unused(device: torch.device) -> int:
+    """Bytes the CUDA-graph memory pools of ``device`` hold without a live tensor (0 off CUDA).
+    PyTorch counts them in ``memory_reserved - memory_allocated``, yet only their graphs'
+    captures can use them and :func:`release` keeps them while a graph lives: the training
+    passes' graphs held 9.28 GiB across steps in one H200 run (the dense twin, 4k-token update
+    micro-batches)."""
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    unused = 0
+    for segment in torch.cuda.memory_snapshot():
+        pool = tuple(segment.get("segment_pool_id", (0, 0)))
+        if segment.get("device", index) == index and pool != (0, 0):
+            unused += segment["total_size"] - segment["allocated_size"]
+    return unused
