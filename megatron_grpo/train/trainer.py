@@ -138,9 +138,8 @@ class Trainer:
             self.monitor.message(line)
 
     def _setup_offload(self, policy: torch.nn.Module) -> None:
-        """``training.offload_during_rollout``: decided from the plan, said in one line; ``auto``
-        left off is measured again before each rollout. Where the KV cache would lack room,
-        the training passes' CUDA graphs give theirs first, under any setting."""
+        """``training.offload_during_rollout``: decided from the plan, said in one line; the
+        cache's room measured before each rollout (graphs yield first; then ``auto``)."""
         offload, line = offload_decision(self.cfg, policy, self.layout)
         check = measured_check(self.cfg, policy, self.layout)
         auto = self.cfg.training.offload_during_rollout == "auto"
