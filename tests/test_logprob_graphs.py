@@ -166,9 +166,13 @@ def _rerun_body(rank: int, world: int, layout: str) -> None:
         got = step.compute_logprobs(chunks, batches, max_tokens, group)
         assert set(chosen) == ({"gathered"} if ep else set()), set(chosen)
         assert step.graphs.cache.captures == len(step.graphs.cache.graphs) > 0
+        # the step's captures, counted across the store's clears; the update graphs' are off
+        captured = float(step.graphs.cache.captures)
+        assert step.graph_metrics() == {"perf/logprob_graph_captures": captured}
         for i, (g, w) in enumerate(zip(got, want, strict=True)):
             torch.testing.assert_close(g, w, rtol=0, atol=1e-5, msg=f"{layout} {max_tokens} {i}")
-        step.logprob_graphs, step.graphs = False, lg.LogprobGraphs()
+        step.logprob_graphs = False
+        step.graphs.clear()
         chosen.clear()
 
 

@@ -290,6 +290,7 @@ def _rerun_body(rank: int, world: int, layout: str) -> None:
     graphed.update_store.cache = RerunCache(chunks[0])
     graphed.update_graphs = True
     chosen = count_dispatches()
+    captures = []  # each step's perf/ metrics of the graphs
     # DDP's first step counts each parameter's hooks, later ones start a bucket's reduction
     # when its count is reached: three steps, the graphs captured in the first
     for seed in (3, 4, 3):
@@ -304,10 +305,18 @@ def _rerun_body(rank: int, world: int, layout: str) -> None:
         got = (gather_full_grads(chunks, cfg), reduce_metrics(reports))
         assert set(chosen) == ({"gathered"} if layout == "ep2" else set()), set(chosen)
         _check_equal(f"{layout} seed {seed}", want, got)
+        captures.append(graphed.graph_metrics())
     store = graphed.update_store
     assert store.cache.captures == 2 * len(store.statics) > 0
+    # the metric counts each step's captures (forward and backward); seed 3 again: none new
+    counts = [m.pop("perf/update_graph_captures") for m in captures]
+    assert counts[0] > 0 and counts[2] == 0 and sum(counts) == store.captures, counts
+    assert captures == [{}] * 3  # the log-prob graphs are off: no key of theirs
     shared = {len(b.shared) for b in store.backwards.values()}
     assert shared == {1 if "tied" in layout else 0}, shared  # tied: its hook after the replay
+    # dropped (for the KV cache): nothing held, the count kept
+    assert graphed.drop_graphs() == sum(counts) // 2  # shapes held
+    assert not store.statics and store.cache is None and store.captures == sum(counts)
 
 
 def _param_gather_body(rank: int, world: int) -> None:

@@ -138,8 +138,7 @@ class Trainer:
             self.monitor.message(line)
 
     def _setup_offload(self, policy: torch.nn.Module) -> None:
-        """``training.offload_during_rollout``: decided from the plan, said in one line; the
-        cache's room measured before each rollout (graphs yield first; then ``auto``)."""
+        """``training.offload_during_rollout`` decided from the plan, said in one line."""
         offload, line = offload_decision(self.cfg, policy, self.layout)
         check = measured_check(self.cfg, policy, self.layout)
         auto = self.cfg.training.offload_during_rollout == "auto"
@@ -449,9 +448,10 @@ class Trainer:
         self, batch: RolloutBatch, stages: dict[str, float], step: int
     ) -> dict[str, float]:
         """Rewards, lengths, stage seconds and throughputs (``step_metrics``); the off-policy
-        share of partial rollouts' tokens."""
+        share of partial rollouts' tokens; the step's CUDA-graph captures of the passes."""
         extras = self.cfg.rollout.input_path is None  # rollout files carry no reward extras
         metrics = sm.rollout_metrics(batch, stages, self.source, self.layout, extras)
+        metrics |= self.step_fn.graph_metrics()
         return metrics | offpolicy_metrics(batch, step, self.layout.dp_group)
 
     def maybe_save(self, step: int, stop: str | None = None) -> None:

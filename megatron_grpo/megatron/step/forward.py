@@ -167,6 +167,7 @@ class GRPOStep:
         # micro-batch shapes, in order (:meth:`prepare_update`)
         self.update_graphs = False
         self.update_store = UpdateGraphs()  # kept across steps
+        self._captures = (0, 0)  # (log-prob, update) at the last :meth:`graph_metrics`
         self._shapes: deque[GraphShape] = deque()
         self._routes: tuple[int, int] | None = None
 
@@ -206,6 +207,18 @@ class GRPOStep:
         if not on:
             self.update_store.clear()
         return why
+
+    def graph_metrics(self) -> dict[str, float]:
+        """Graphs captured since the last call by each kind that is on:
+        ``perf/logprob_graph_captures``, ``perf/update_graph_captures`` (an update shape is two:
+        forward and backward). A steady run captures none; captures in every step mean more
+        shapes than ``graph_store.MAX_GRAPHS``, or graphs dropped for the KV cache."""
+        now = (self.graphs.captures, self.update_store.captures)
+        new = [a - b for a, b in zip(now, self._captures, strict=True)]
+        self._captures = now
+        on = (self.logprob_graphs, self.update_graphs)
+        kinds = zip(("logprob", "update"), on, new, strict=True)
+        return {f"perf/{kind}_graph_captures": float(n) for kind, yes, n in kinds if yes}
 
     def drop_graphs(self) -> int:
         """Drop every captured graph of the log-prob and update passes, and with them their

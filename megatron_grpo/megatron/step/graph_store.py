@@ -116,8 +116,15 @@ class GraphStore:
         self.cache: GraphCache | None = None
         self.statics: OrderedDict[tuple, StaticBatch] = OrderedDict()
         self.addresses: dict[int, tuple[int, ...]] = {}
+        self._captured = 0  # by the caches :meth:`clear` dropped
+
+    @property
+    def captures(self) -> int:
+        """Graphs captured so far, across :meth:`clear`."""
+        return self._captured + (0 if self.cache is None else self.cache.captures)
 
     def clear(self) -> None:
+        self._captured = self.captures
         self.statics.clear()
         self.addresses.clear()
         self.cache = None
