@@ -22,6 +22,7 @@ from megatron_grpo.megatron.attention import packed as pa
 from megatron_grpo.megatron.attention import varlen as va
 from megatron_grpo.megatron.attention.rope import cu_positions, packed_positions
 from megatron_grpo.megatron.batch import graph_shape as gs
+from megatron_grpo.megatron.batch.packing import pack_sequences
 from megatron_grpo.megatron.cuda_graphs import GraphCache
 from megatron_grpo.megatron.step import graph_plan as gp
 from megatron_grpo.megatron.step import graph_store
@@ -82,6 +83,32 @@ def test_token_buckets_waste_at_most_a_sixteenth():
         for m in (1, 2, 8):
             r = gs.round_tokens(n, m)
             assert r >= n and r % m == 0 and r <= max(n, gs.MIN_TOKENS) * 17 // 16 + m, (n, m)
+
+
+def test_mixed_lengths_take_at_most_max_shapes_and_each_batch_fits():
+    """Micro-batches of mixed lengths whose own buckets give many shapes: at most ``most``
+    (more documents, coarser token buckets, one shape at the end), each at least the batch's
+    own bucket and fitting it; within the budget, the batches' own buckets unchanged."""
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(24):
+        docs = int(torch.randint(1, 9, (1,), generator=g))
+        lens = torch.randint(20, 600, (docs,), generator=g).tolist()
+        seqs = [torch.randint(0, 50, (n,), generator=g) for n in lens]
+        masks = [torch.arange(n) >= 1 for n in lens]
+        batches.append(pack_sequences(seqs, masks, pad_to_multiple_of=2))
+    own = gs.graph_shapes(batches, 2, most=len(batches))
+    assert len(set(own)) > gs.MAX_SHAPES
+    for most in (gs.MAX_SHAPES, 2, 1):
+        shapes = gs.graph_shapes(batches, 2, most=most)
+        assert len(set(shapes)) <= most, (most, set(shapes))
+        for b, s, o in zip(batches, shapes, own, strict=True):
+            assert s.tokens >= o.tokens and s.docs >= o.docs and s.tokens % 2 == 0
+            padded = gs.pad_to_shape(b, s)
+            assert padded.num_tokens == s.tokens and max(_lens(padded.cu_seqlens)) <= s.max_len
+    assert len(set(shapes)) == 1 and shapes[0].tokens == max(s.tokens for s in shapes)
+    few = batches[:2]
+    assert gs.graph_shapes(few, 2) == own[:2]  # within the budget: each batch's own
 
 
 def _static_params(bounds: list[int], max_len: int) -> PackedSeqParams:
@@ -277,6 +304,12 @@ def _agree_body(rank: int, world: int) -> None:
     for b, m, a in zip(batches, mine, agreed, strict=True):
         assert a.tokens >= m.tokens and a.docs >= m.docs
         assert gs.pad_to_shape(b, a).num_tokens == a.tokens  # fits (or raises)
+    # beyond the budget the ranks still agree (the coarser choices follow agreed values)
+    one = gs.graph_shapes(batches, 2, dist.group.WORLD, most=1)
+    dist.all_gather_object(theirs, one)
+    assert all(t == one for t in theirs) and len(set(one)) == 1, theirs
+    for b, s in zip(batches, one, strict=True):
+        assert gs.pad_to_shape(b, s).num_tokens == s.tokens
 
 
 def test_ranks_agree_on_each_forwards_shape():
