@@ -201,9 +201,8 @@ class Trainer:
         """At start-up, and again when offload's measured check turns it on (it moves the
         gradient buffers the update's backward graphs add to)."""
         t, plan = self.cfg.training, self.step_fn.plan_update_graphs
-        line = plan(
-            self.model, t.update_cuda_graphs, self.cfg.update_pass_tokens, self.offload.enabled
-        )
+        tokens, moves = self.cfg.update_pass_tokens, self.offload.enabled
+        line = plan(self.model, t.update_cuda_graphs, tokens, moves, t.mini_batches_per_step)
         say(f"update passes: CUDA graphs {line}")
 
     def _setup_models(self) -> None:

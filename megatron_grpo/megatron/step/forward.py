@@ -71,7 +71,7 @@ from megatron_grpo.megatron.layout import ParallelLayout
 from megatron_grpo.megatron.moe.routing_replay import replay_routes, set_replay_routes
 from megatron_grpo.megatron.parallel import all_reduce_max, cuda_compat
 from megatron_grpo.megatron.step.graph_plan import plan_logprob_graphs, plan_update_graphs
-from megatron_grpo.megatron.step.graph_store import routes_shape
+from megatron_grpo.megatron.step.graph_store import routes_shape, shape_budget
 from megatron_grpo.megatron.step.logprob_graphs import LogprobGraphs, graphed_logprob_passes
 from megatron_grpo.megatron.step.logprob_paths import LogprobPath, choose_path
 from megatron_grpo.megatron.step.update_graphs import UpdateGraphs
@@ -168,6 +168,7 @@ class GRPOStep:
         self.update_graphs = False
         self.update_store = UpdateGraphs()  # kept across steps
         self._captures = (0, 0)  # (log-prob, update) at the last :meth:`graph_metrics`
+        self._update_shapes = shape_budget(1)  # shapes a schedule may take
         self._shapes: deque[GraphShape] = deque()
         self._routes: tuple[int, int] | None = None
 
@@ -195,12 +196,16 @@ class GRPOStep:
         requested: bool | None = None,
         tokens: int | None = None,
         grads_move: bool = False,
+        schedules: int = 1,
     ) -> str:
         """:meth:`plan_logprob_graphs` for the update's forward and backward
         (:mod:`~megatron_grpo.megatron.step.update_graphs`; ``requested``:
         ``training.update_cuda_graphs``; ``grads_move``: the gradient buffers move between
-        steps, e.g. offloaded during rollout). With them on, call :meth:`prepare_update`
-        before each training schedule."""
+        steps, e.g. offloaded during rollout; ``schedules``: training schedules a step, e.g.
+        ``training.mini_batches_per_step``, whose shapes share the store:
+        :func:`~.graph_store.shape_budget`). With them on, call :meth:`prepare_update` before
+        each training schedule."""
+        self._update_shapes = shape_budget(schedules)
         layout = self.layout_of(unwrap(model[0]))
         on, why = plan_update_graphs(model, layout, requested, tokens, grads_move)
         self.update_graphs = on
@@ -246,7 +251,10 @@ class GRPOStep:
         layout = self.layout_of(unwrap(chunk))
         for b in micro_batches:
             b.validate()
-        self._shapes = deque(graph_shapes(micro_batches, layout.token_multiple, count_group))
+        shapes = graph_shapes(
+            micro_batches, layout.token_multiple, count_group, self._update_shapes
+        )
+        self._shapes = deque(shapes)
         self._routes = routes_shape(micro_batches)
         self.update_store.before_replays(chunk, [layout.tp_group, count_group])
 

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from megatron_grpo.loss.segments import host_to_device
 from megatron_grpo.megatron.attention.packed import forget_forward_caches, mark_static
-from megatron_grpo.megatron.batch.graph_shape import GraphShape
+from megatron_grpo.megatron.batch.graph_shape import MAX_SHAPES, GraphShape
 from megatron_grpo.megatron.batch.packing import PackedBatch
 from megatron_grpo.megatron.batch.transport import forward_tokens
 from megatron_grpo.megatron.cuda_graphs import GraphCache
@@ -23,6 +23,13 @@ from megatron_grpo.megatron.gpt import unwrap
 
 # captured shapes kept per store (each holds its static inputs and hidden states)
 MAX_GRAPHS = 16
+
+
+def shape_budget(calls: int) -> int:
+    """Shapes each of a step's ``calls`` (e.g. update schedules) may take so that the step's
+    shapes fit one store: ``MAX_SHAPES`` at most, fewer past ``MAX_GRAPHS / MAX_SHAPES`` calls
+    (more would capture every shape again in every step)."""
+    return max(1, min(MAX_SHAPES, MAX_GRAPHS // max(calls, 1)))
 
 
 @dataclass
