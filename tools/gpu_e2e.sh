@@ -309,7 +309,9 @@ for run in sorted(work.glob("moe_ep_*_fused"), key=lambda p: p.stat().st_mtime):
              **{k: mean(f"perf/{k}_seconds") for k in keys},
              tps=mean("perf/tokens_per_s"), gen=mean("perf/generation_tokens_per_s"),
              last=steps[-1].get("perf/tokens_per_s") if steps else None,
-             captures=[int(s.get("rollout/graph_captures", 0)) for s in steps])
+             captures=[int(s.get("rollout/graph_captures", 0)) for s in steps],
+             trained=[int(s.get("perf/logprob_graph_captures", 0)
+                          + s.get("perf/update_graph_captures", 0)) for s in steps])
     rows.append(r)
     if ep == 1:
         bases.setdefault(mb, r)
@@ -317,11 +319,12 @@ fmt = lambda v, p=2: "n/a" if v is None else f"{v:.{p}f}"
 def ratio(r, k):  # to the EP1 row of the same micro-batch size
     b = bases.get(r["mb"])
     return "n/a" if not (b and b[k] and r[k]) else f"{r[k] / b[k]:.2f}x"
-lines = ["| layout | micro-batch tokens | steps (after warm-up) | decode graph captures | step s "
-         "| rollout s | log-prob s | update s | step tok/s | vs EP1 | last step tok/s | vs EP1 "
-         "| generation tok/s | vs EP1 |", "|---" * 14 + "|"]
+lines = ["| layout | micro-batch tokens | steps (after warm-up) | decode graph captures "
+         "| log-prob + update graph captures | step s | rollout s | log-prob s | update s "
+         "| step tok/s | vs EP1 | last step tok/s | vs EP1 | generation tok/s | vs EP1 |",
+         "|---" * 15 + "|"]
 for r in rows:
-    lines.append(f"| {r['tag']} | {r['mb']} | {r['steps']} | {r['captures']} | "
+    lines.append(f"| {r['tag']} | {r['mb']} | {r['steps']} | {r['captures']} | {r['trained']} | "
                  + " | ".join(fmt(r[k]) for k in keys)
                  + f" | {fmt(r['tps'], 0)} | {ratio(r, 'tps')} | {fmt(r['last'], 0)} | "
                  + f"{ratio(r, 'last')} | {fmt(r['gen'], 0)} | {ratio(r, 'gen')} |")
