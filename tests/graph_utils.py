@@ -12,6 +12,7 @@ import contextlib
 
 import torch
 
+from megatron_grpo.megatron.batch.packing import PackedBatch, pack_sequences
 from megatron_grpo.megatron.moe.ep_dispatch import no_host_sync
 from megatron_grpo.megatron.step import graph_store
 
@@ -116,3 +117,17 @@ def count_dispatches() -> list[str]:
     choose = ep_dispatch.choose_dispatch
     ep_dispatch.choose_dispatch = lambda *a: chosen.append(choose(*a)) or chosen[-1]
     return chosen
+
+
+def mixed_batches(n: int, max_len: int, seed: int, multiple: int = 1) -> list[PackedBatch]:
+    """``n`` packed micro-batches of 1-8 documents of 4..``max_len`` tokens each: mixed
+    lengths, whose own graph-shape buckets are many."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        docs = int(torch.randint(1, 9, (1,), generator=g))
+        lens = torch.randint(4, max_len, (docs,), generator=g).tolist()
+        seqs = [torch.randint(0, 50, (k,), generator=g) for k in lens]
+        masks = [torch.arange(k) >= 1 for k in lens]
+        out.append(pack_sequences(seqs, masks, pad_to_multiple_of=multiple))
+    return out

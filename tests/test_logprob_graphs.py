@@ -22,13 +22,12 @@ from megatron_grpo.megatron.attention import packed as pa
 from megatron_grpo.megatron.attention import varlen as va
 from megatron_grpo.megatron.attention.rope import cu_positions, packed_positions
 from megatron_grpo.megatron.batch import graph_shape as gs
-from megatron_grpo.megatron.batch.packing import pack_sequences
 from megatron_grpo.megatron.cuda_graphs import GraphCache
 from megatron_grpo.megatron.step import graph_plan as gp
 from megatron_grpo.megatron.step import graph_store
 from megatron_grpo.megatron.step import logprob_graphs as lg
 from tests.dist_utils import run_distributed
-from tests.graph_utils import RerunCache, count_dispatches, rerun_model
+from tests.graph_utils import RerunCache, count_dispatches, mixed_batches, rerun_model
 from tests.megatron_utils import build_layout, make_sequences, pack, tiny_model
 
 
@@ -89,14 +88,7 @@ def test_mixed_lengths_take_at_most_max_shapes_and_each_batch_fits():
     """Micro-batches of mixed lengths whose own buckets give many shapes: at most ``most``
     (more documents, coarser token buckets, one shape at the end), each at least the batch's
     own bucket and fitting it; within the budget, the batches' own buckets unchanged."""
-    g = torch.Generator().manual_seed(0)
-    batches = []
-    for _ in range(24):
-        docs = int(torch.randint(1, 9, (1,), generator=g))
-        lens = torch.randint(20, 600, (docs,), generator=g).tolist()
-        seqs = [torch.randint(0, 50, (n,), generator=g) for n in lens]
-        masks = [torch.arange(n) >= 1 for n in lens]
-        batches.append(pack_sequences(seqs, masks, pad_to_multiple_of=2))
+    batches = mixed_batches(24, 600, seed=0, multiple=2)
     own = gs.graph_shapes(batches, 2, most=len(batches))
     assert len(set(own)) > gs.MAX_SHAPES
     for most in (gs.MAX_SHAPES, 2, 1):

@@ -23,7 +23,6 @@ from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.loss.metrics import reduce_metrics
 from megatron_grpo.megatron import GRPOStep, ParallelConfig, unwrap
 from megatron_grpo.megatron.batch import graph_shape as gs
-from megatron_grpo.megatron.batch.packing import pack_sequences
 from megatron_grpo.megatron.batch.transport import prepare_batch, run_model
 from megatron_grpo.megatron.moe.routing_replay import replay_routes, set_replay_routes
 from megatron_grpo.megatron.step import graph_plan as gp
@@ -31,7 +30,15 @@ from megatron_grpo.megatron.step import graph_store as gstore
 from megatron_grpo.megatron.step import update_graphs as ug
 from megatron_grpo.train.config import TrainConfig
 from tests.dist_utils import run_distributed
-from tests.graph_utils import LAYOUTS, MOE, RerunCache, count_dispatches, rerun_graphs, rerun_model
+from tests.graph_utils import (
+    LAYOUTS,
+    MOE,
+    RerunCache,
+    count_dispatches,
+    mixed_batches,
+    rerun_graphs,
+    rerun_model,
+)
 from tests.megatron_utils import (
     assert_close,
     build_layout,
@@ -204,12 +211,7 @@ def _shape_budget(step: GRPOStep, chunks) -> None:
     """A step's schedules share one store: past MAX_GRAPHS / MAX_SHAPES of them each takes
     fewer shapes, so that a step's shapes fit (else each would be captured again each step)."""
     assert [gstore.shape_budget(n) for n in (1, 4, 5, 8, 16, 40)] == [4, 4, 3, 2, 1, 1]
-    g = torch.Generator().manual_seed(1)
-    mixed = []
-    for docs in [1, 2, 3, 5, 8, 2, 7, 4, 6, 1, 3, 8]:
-        lens = torch.randint(4, 90, (docs,), generator=g).tolist()
-        seqs = [torch.randint(0, 50, (n,), generator=g) for n in lens]
-        mixed.append(pack_sequences(seqs, [torch.arange(n) >= 1 for n in lens]))
+    mixed = mixed_batches(12, 90, seed=1)
     assert len(set(gs.graph_shapes(mixed, most=len(mixed)))) > 4
     for schedules, most in ((1, 4), (8, 2), (16, 1)):
         step.plan_update_graphs(chunks, False, schedules=schedules)
