@@ -29,6 +29,11 @@ PRESETS = {  # Qwen3 shapes
                  kv_channels=128, ffn_hidden_size=3072, share_embeddings_and_output_weights=True),
     "8b": dict(num_layers=36, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
                kv_channels=128, ffn_hidden_size=12288),
+    # one TP 4 rank's share of the 8B shape, on one GPU: its GEMMs, attention and K/V bytes
+    # without the all-reduces (what a step's compute costs, split in halves or not)
+    "8b-tp4-rank": dict(num_layers=36, hidden_size=4096, num_attention_heads=8,
+                        num_query_groups=2, kv_channels=128, ffn_hidden_size=3072,
+                        vocab_size=151936 // 4),
 }  # fmt: skip
 HBM_TBPS = {"H200": 4.8, "H100": 3.35}
 
@@ -46,8 +51,10 @@ def parse() -> argparse.Namespace:
         "--modes", default="graphs,graphs-modules,eager",
         help="comma list of graphs | eager, each optionally -fused | -modules (the decode path) "
         "and then -sdpa | -triton (the decode attention), and @gathered | @vocab_parallel (how "
-        "TP > 1 draws the next token, rollout.engine.tp_sampling), and /nccl | /one_shot (the "
-        "fused step's TP all-reduce, rollout.engine.tp_all_reduce); default: the engine's auto",
+        "TP > 1 draws the next token, rollout.engine.tp_sampling), /nccl | /one_shot (the "
+        "fused step's TP all-reduce, rollout.engine.tp_all_reduce) and +off | +halves "
+        "(rollout.engine.decode_overlap; at TP 1 +halves forces the split, its cost alone); "
+        "default: the engine's auto",
     )  # fmt: skip
     p.add_argument("--eager-new-tokens", type=int, default=None, help="shorter eager run")
     p.add_argument("--no-hf", action="store_true", help="skip HF transformers generate")
@@ -62,10 +69,12 @@ def build(args: argparse.Namespace):
     from megatron_grpo.megatron.parallel import initialize_parallel
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    shape = dict(PRESETS[args.preset])
     cfg = ModelConfig(
-        vocab_size=args.vocab, max_sequence_length=args.prompt_len + args.new_tokens + 256,
+        vocab_size=shape.pop("vocab_size", args.vocab),
+        max_sequence_length=args.prompt_len + args.new_tokens + 256,
         layernorm_epsilon=1e-6, qk_layernorm=True, rotary_base=1000000,
-        params_dtype="bfloat16", transformer_impl="local", **PRESETS[args.preset],
+        params_dtype="bfloat16", transformer_impl="local", **shape,
     )  # fmt: skip
     parallel = ParallelConfig(tensor_model_parallel_size=world)
     initialize_parallel(parallel, seed=0)
@@ -88,9 +97,13 @@ def roofline(model, cfg, args, tbps: float) -> float:
 def engine_options(args, mode: str):
     """``graphs`` / ``eager`` with an optional ``-fused`` / ``-modules`` decode path, ``-sdpa`` /
     ``-triton`` attention, ``@gathered`` / ``@vocab_parallel`` sampling at TP > 1 and
-    ``/nccl`` / ``/one_shot`` for the fused step's TP all-reduce."""
+    ``/nccl`` / ``/one_shot`` for the fused step's TP all-reduce, ``+off`` / ``+halves`` for
+    ``decode_overlap`` (off at TP 1: :func:`make_engine` forces the split there)."""
     from megatron_grpo.rollout import EngineOptions
 
+    mode, _, overlap = mode.partition("+")
+    if overlap and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        overlap = "off"
     mode, _, reduce = mode.partition("/")
     mode, _, sampling = mode.partition("@")
     graphs, _, rest = mode.partition("-")
@@ -103,11 +116,27 @@ def engine_options(args, mode: str):
         cuda_graphs=graphs == "graphs",
         decode_path=path or "auto", decode_attention=attention or "auto",
         tp_sampling=sampling or "auto", tp_all_reduce=reduce or "auto",
+        decode_overlap=overlap or "auto",
     )  # fmt: skip
 
 
+def make_engine(model, options, mode: str):
+    """The engine of ``mode``; ``+halves`` at TP 1 (no sum to overlap: an error for a recipe)
+    splits every step anyway, to time what the halves cost without the overlap."""
+    import dataclasses
+
+    from megatron_grpo.rollout import KVCacheEngine
+    from megatron_grpo.rollout.engine import decode_overlap
+
+    engine = KVCacheEngine(model, options)
+    if mode.endswith("+halves") and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        rows = decode_overlap.EXPLICIT_ROWS
+        engine.decode = dataclasses.replace(engine.decode, overlap_rows=rows)
+    return engine
+
+
 def run_ours(model, cfg, args, mode: str, new_tokens: int) -> dict:
-    from megatron_grpo.rollout import KVCacheEngine, SamplingParams
+    from megatron_grpo.rollout import SamplingParams
 
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, cfg.vocab_size, (args.prompts, args.prompt_len), generator=g)
@@ -115,7 +144,7 @@ def run_ours(model, cfg, args, mode: str, new_tokens: int) -> dict:
         temperature=1.0, top_p=1.0, max_new_tokens=new_tokens, eos_id=0,
         vocab_size=cfg.vocab_size, ignore_eos=True,
     )  # fmt: skip
-    engine = KVCacheEngine(model, engine_options(args, mode))
+    engine = make_engine(model, engine_options(args, mode), mode)
     result = {"decode": str(engine.decode)}
     for label in ("cold", "warm"):  # cold: includes graph captures; warm: graphs reused
         torch.cuda.synchronize()
@@ -144,7 +173,7 @@ def profile(model, cfg, args) -> str:
 
     from torch.profiler import ProfilerActivity, profile
 
-    from megatron_grpo.rollout import KVCacheEngine, SamplingParams
+    from megatron_grpo.rollout import SamplingParams
 
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, cfg.vocab_size, (args.prompts, 760), generator=g).tolist()
@@ -152,7 +181,7 @@ def profile(model, cfg, args) -> str:
                             vocab_size=cfg.vocab_size, ignore_eos=True)  # fmt: skip
     options = engine_options(args, args.profile)
     options = dataclasses.replace(options, max_prefill_tokens=args.prompts * 760, keep_cache=True)
-    engine = KVCacheEngine(model, options)
+    engine = make_engine(model, options, args.profile)
     engine.generate(prompts, params, g)  # warm-up (and graph captures)
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
     launch = engine._launch

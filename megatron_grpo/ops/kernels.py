@@ -69,6 +69,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     # the fused decode step's TP all-reduce (rollout/engine/tp_all_reduce.py): one-shot /
     # two-shot over symmetric memory up to a size; "auto": the tiers measured ahead of NCCL
     "tp_all_reduce": ("auto", "nccl", "one_shot", "two_shot"),
+    # the fused decode step in two halves whose TP all-reduces overlap the other half's work
+    # (rollout/engine/decode_overlap.py); "auto": from the row counts measured ahead
+    "decode_overlap": ("auto", "off", "halves"),
     # where the engine's KV cache lives (rollout/engine/fixed_address.py): "fixed_address" =
     # one reserved range, mapped per call, so decode graphs stay valid; "auto": with graphs
     "kv_cache_memory": ("auto", "fixed_address", "allocator"),

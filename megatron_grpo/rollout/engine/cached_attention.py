@@ -68,18 +68,23 @@ class CachedAttention(torch.nn.Module):
         return decode_attention(q, kc, vc, c, self.scale).reshape(1, b, n_q * d)
 
 
-def decode_attention(q: Tensor, kc: Tensor, vc: Tensor, cache: KVCache, scale: float) -> Tensor:
+def decode_attention(
+    q: Tensor, kc: Tensor, vc: Tensor, cache: KVCache, scale: float, rows: slice | None = None
+) -> Tensor:
     """One decode step's attention: ``q [b, n_kv, groups, d]`` (the query heads of each KV head
     as its query length) against row i's cached keys ``kc/vc[i, :, :pos_i + 1]`` ->
     ``[b, n_kv * groups * d]``: ``cache.attention`` "triton" reads exactly each row's keys
     (``kernels.decode_attention``, split-K); "sdpa" reads the ``ctx`` bucket under the step's
-    mask (cuDNN on GPU)."""
+    mask (cuDNN on GPU). ``rows``: the step's rows these are (``kc/vc`` start at its first;
+    None: all from row 0), whose positions and mask rows apply."""
     b, ctx = q.size(0), cache.ctx
+    rows = slice(None) if rows is None else rows
     if cache.attention == "triton":
-        out = triton_kernels.decode_attention(q.contiguous(), kc, vc, cache.write_pos, ctx, scale)
+        pos = cache.write_pos[rows]
+        out = triton_kernels.decode_attention(q.contiguous(), kc, vc, pos, ctx, scale)
         return out.reshape(b, -1)
     with _decode_backends(q.device):
-        out = sdpa(q, kc[:b, :, :ctx], vc[:b, :, :ctx], mask=cache.mask, scale=scale)
+        out = sdpa(q, kc[:b, :, :ctx], vc[:b, :, :ctx], mask=cache.mask[rows], scale=scale)
     return out.reshape(b, -1)
 
 

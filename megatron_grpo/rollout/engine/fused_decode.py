@@ -22,7 +22,8 @@ head per rank; anything else decodes through the modules, and the plan says why.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -44,8 +45,15 @@ from megatron_grpo.ops.kernels import check_choice, resolve_impl, triton_runs_on
 from megatron_grpo.ops.layers import decode as decode_ops
 from megatron_grpo.ops.layers.decode import DecodeKernels
 from megatron_grpo.rollout.engine.cached_attention import decode_attention, softmax_scale
+from megatron_grpo.rollout.engine.decode_overlap import HalvesReduce, plan_overlap
+from megatron_grpo.rollout.engine.decode_overlap import describe as describe_overlap
+from megatron_grpo.rollout.engine.graphs import plan_graphs
 from megatron_grpo.rollout.engine.kv_cache import KVCache
-from megatron_grpo.rollout.engine.tp_all_reduce import TPAllReduce, describe
+from megatron_grpo.rollout.engine.tp_all_reduce import TPAllReduce, describe, reduce_tiers
+
+if TYPE_CHECKING:
+    from megatron_grpo.megatron.layout import ParallelLayout
+    from megatron_grpo.rollout.engine.options import EngineOptions
 
 PATHS = ("auto", "fused", "modules")
 
@@ -58,7 +66,9 @@ class DecodePlan:
     context bucket), and why the modules path was taken (``reason``; empty for the fused path).
     ``graphs``: decode steps replay CUDA graphs (``graphs.plan_graphs``; ``graphs_off``: why
     not, where auto would). ``all_reduce``: the fused step's TP all-reduce tiers
-    (``tp_all_reduce.reduce_tiers``; empty: NCCL). ``str(plan)`` is the engine's start-up line."""
+    (``tp_all_reduce.reduce_tiers``; empty: NCCL). ``overlap_rows``: steps of this many rows or
+    more run in two overlapped halves (``decode_overlap.plan_overlap``; 0: never). ``str(plan)``
+    is the engine's start-up line."""
 
     path: str
     impl: str
@@ -68,11 +78,12 @@ class DecodePlan:
     graphs: bool = False
     graphs_off: str = ""
     all_reduce: tuple[tuple[int, str], ...] = ()
+    overlap_rows: int = 0
 
     def __str__(self) -> str:
         where = f"{self.path}/{self.impl}" if self.path == "fused" else f"modules ({self.reason})"
         reduce = f", TP all-reduce {describe(self.all_reduce)}" if self.all_reduce else ""
-        return f"{where}, {self.attention} attention{reduce}"
+        return f"{where}, {self.attention} attention{reduce}{describe_overlap(self.overlap_rows)}"
 
 
 def plan_decode(
@@ -102,6 +113,20 @@ def plan_decode(
     if path == "modules" or reason:
         return DecodePlan("modules", impl, kernels, reason or "chosen", attention)
     return DecodePlan("fused", impl, kernels, "", attention)
+
+
+def engine_plan(
+    model: torch.nn.Module, options: EngineOptions, layout: ParallelLayout, device: torch.device
+) -> DecodePlan:
+    """Every decode decision of an engine built with ``options`` for ``layout``: the path and
+    kernels (:func:`plan_decode`), graphs, the TP all-reduce tiers and the halves' rows."""
+    o, tp = options, layout.tp_size
+    plan = plan_decode(model, tp, o.decode_path, o.decode_impl, o.decode_attention)
+    use, off = plan_graphs(model, o.cuda_graphs, device.type == "cuda")
+    reduce = reduce_tiers(o.tp_all_reduce, layout.tp_group, device, plan.path)
+    moe = plan.path == "fused" and has_moe(model)
+    rows = plan_overlap(o.decode_overlap, tp, plan.path, moe)
+    return replace(plan, graphs=use, graphs_off=off, all_reduce=reduce, overlap_rows=rows)
 
 
 def unsupported(model: torch.nn.Module, tp_size: int) -> str:
@@ -172,6 +197,11 @@ def _layer_unsupported(layer: torch.nn.Module) -> str:
     return ""
 
 
+def has_moe(model: torch.nn.Module) -> bool:
+    """Whether any of ``model``'s layers is an MoE layer."""
+    return any(_is_moe(layer.mlp) for layer in model.decoder.layers)
+
+
 def _is_moe(mlp: torch.nn.Module) -> bool:
     return hasattr(mlp, "router")  # megatron-core's MoELayer and ours built on it
 
@@ -226,10 +256,11 @@ class FusedDecoder:
         model: torch.nn.Module,
         kernels: DecodeKernels,
         tp_group: dist.ProcessGroup | None,
-        reduce: TPAllReduce | None = None,
+        reduce: TPAllReduce | HalvesReduce | None = None,
     ) -> None:
         """``tp_group``: the layout's (None without TP). ``reduce``: the row-parallel outputs'
-        sum over TP (None: NCCL's alone, ``TPAllReduce(tp_group, ())``)."""
+        sum over TP (None: NCCL's alone, ``TPAllReduce(tp_group, ())``); a
+        :class:`HalvesReduce` with rows splits steps into two overlapped halves."""
         self.model = model
         self.add_norm, self.qkv_rope = kernels.add_rms_norm, kernels.qkv_rope_cache
         self.swiglu = kernels.swiglu
@@ -241,7 +272,11 @@ class FusedDecoder:
         )
         self.layers = [_Layer.of(layer) for layer in model.decoder.layers]
         self.final = _norm(model.decoder.final_layernorm)
-        self.reduce = reduce or TPAllReduce(tp_group, (), next(model.parameters()).device)
+        device = next(model.parameters()).device
+        reduce = reduce or TPAllReduce(tp_group, (), device)
+        self.reduce = (
+            reduce if isinstance(reduce, HalvesReduce) else HalvesReduce((reduce,), 0, device)
+        )
         self.scale = softmax_scale(model)
 
     def __call__(
@@ -251,34 +286,54 @@ class FusedDecoder:
         cache: KVCache,
         rope: tuple[Tensor, Tensor] | None,
     ) -> Tensor:
-        """Tokens ``ids [b]`` at positions ``pos [b]`` (row i = cache slot i, mask planned)."""
+        """Tokens ``ids [b]`` at positions ``pos [b]`` (row i = cache slot i, mask planned).
+        Each layer runs per half: its attention, then its MLP; a half's TP sum is waited for
+        only when that half needs it (:mod:`decode_overlap`)."""
         emb = self.model.embedding(input_ids=ids[:, None], position_ids=pos[:, None])[0]
         res, x = self.add_norm(emb.contiguous(), *self.layers[0].norm1)
         rope_args = None if rope is None else (*rope, cache.rotary_interleaved)
-        for i, layer in enumerate(self.layers):
-            k_cache, v_cache = cache.kv[i, 0], cache.kv[i, 1]
-            q = self.qkv_rope(
-                F.linear(x, *layer.qkv),
-                self.groups,
-                self.per_group,
-                pos,
-                k_cache,
-                v_cache,
-                layer.qk_norm,
-                rope_args,
-            )
-            att = decode_attention(q, k_cache, v_cache, cache, self.scale)
-            out = self.reduce(F.linear(att, layer.proj[0]))  # partial sums; bias added after
-            res, x = self.add_norm(out, *layer.norm2, residual=res, bias=layer.proj[1])
-            out, bias = self._mlp(x, layer)
-            nxt = self.layers[i + 1].norm1 if i + 1 < len(self.layers) else self.final
-            res, x = self.add_norm(out, *nxt, residual=res, bias=bias)
-        return x
+        step = (cache, pos, rope_args)
+        halves = self.reduce.halves(ids.size(0))
+        state = [(res[rows], x[rows]) for rows in halves]
+        after: list[tuple] = [()] * len(halves)  # the norm + bias that ends each half's sum
+        for i in range(len(self.layers)):
+            for stage in (self._attention, self._mlp):
+                for j, rows in enumerate(halves):
+                    state[j] = self._land(j, state[j], after[j])
+                    after[j] = stage(j, rows, state[j][1], i, step)
+        state = [self._land(j, state[j], after[j]) for j in range(len(halves))]
+        return state[0][1] if len(state) == 1 else torch.cat([x for _, x in state])
 
-    def _mlp(self, x: Tensor, layer: _Layer) -> tuple[Tensor, Tensor | None]:
-        """The MLP of normed ``x [b, H]``: its output summed over TP (and EP) and its bias."""
+    def _land(self, j: int, state: tuple[Tensor, Tensor], after: tuple) -> tuple[Tensor, Tensor]:
+        """Half ``j``'s residual and normed input once its pending sum (if any) is added."""
+        if not after:
+            return state
+        norm, bias = after
+        return self.add_norm(self.reduce.wait(j), *norm, residual=state[0], bias=bias)
+
+    def _attention(self, j: int, rows: slice, x: Tensor, i: int, step: tuple) -> tuple:
+        """Launch half ``j``'s (rows ``rows``, normed ``x``) attention output sum in layer
+        ``i``; returns what ends it (norm2, the projection's bias)."""
+        cache, pos, rope_args = step
+        layer = self.layers[i]
+        k_cache, v_cache = cache.kv[i, 0, rows], cache.kv[i, 1, rows]
+        qkv = F.linear(x, *layer.qkv)
+        q = self.qkv_rope(
+            qkv, self.groups, self.per_group, pos[rows], k_cache, v_cache, layer.qk_norm, rope_args
+        )
+        att = decode_attention(q, k_cache, v_cache, cache, self.scale, rows)
+        self.reduce.launch(j, F.linear(att, layer.proj[0]))  # partial sums; bias added after
+        return layer.norm2, layer.proj[1]
+
+    def _mlp(self, j: int, rows: slice, x: Tensor, i: int, step: tuple) -> tuple:
+        """Launch half ``j``'s MLP output sum over TP in layer ``i`` (an MoE module's is
+        already summed over TP and EP); returns what ends it (the next norm, the MLP's bias)."""
+        layer = self.layers[i]
+        nxt = self.layers[i + 1].norm1 if i + 1 < len(self.layers) else self.final
         if layer.moe is not None:  # [s=1, b, H] through the module, already summed
             out, bias = layer.moe(x[None])
-            return out[0], bias
+            self.reduce.ready(j, out[0])
+            return nxt, bias
         hidden = self.swiglu(F.linear(x, layer.fc1[0]), layer.fc1[1])
-        return self.reduce(F.linear(hidden, layer.fc2[0])), layer.fc2[1]
+        self.reduce.launch(j, F.linear(hidden, layer.fc2[0]))
+        return nxt, layer.fc2[1]

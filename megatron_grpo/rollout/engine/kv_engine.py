@@ -28,7 +28,6 @@ sequence), then runs decode steps: one token per unfinished sequence, attending 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import time
 import warnings
@@ -46,13 +45,13 @@ from megatron_grpo.rollout.engine import kv_cache as kvc
 from megatron_grpo.rollout.engine import memory_release
 from megatron_grpo.rollout.engine import model_io as io
 from megatron_grpo.rollout.engine.cached_attention import attached
-from megatron_grpo.rollout.engine.graphs import DecodeGraphs, graph_batch, plan_graphs
+from megatron_grpo.rollout.engine.decode_overlap import HalvesReduce
+from megatron_grpo.rollout.engine.graphs import DecodeGraphs, graph_batch
 from megatron_grpo.rollout.engine.options import EngineOptions
 from megatron_grpo.rollout.engine.params import SamplingParams
 from megatron_grpo.rollout.engine.requests import Request, restore_kv, start_run, write_back
 from megatron_grpo.rollout.engine.routes import RouteLog, recording
 from megatron_grpo.rollout.engine.run_state import Generation, Launched, Run
-from megatron_grpo.rollout.engine.tp_all_reduce import TPAllReduce, reduce_tiers
 from megatron_grpo.rollout.engine.tp_sampling import next_tokens
 
 
@@ -78,19 +77,15 @@ class KVCacheEngine:
         self.layout = layout
         self.options = o = options or EngineOptions()
         device = io.model_device(model)
-        plan = fd.plan_decode(
-            model, self.layout.tp_size, o.decode_path, o.decode_impl, o.decode_attention
-        )
-        use, off = plan_graphs(model, o.cuda_graphs, device.type == "cuda")
-        reduce = reduce_tiers(o.tp_all_reduce, self.layout.tp_group, device, plan.path)
-        self.decode = dataclasses.replace(plan, graphs=use, graphs_off=off, all_reduce=reduce)
+        self.decode = plan = fd.engine_plan(model, o, self.layout, device)
+        use = plan.graphs
         self.graphs = DecodeGraphs() if use else None
         # (hidden [b, H], uniforms [b], params) -> tokens, log-probs [b], the same on TP ranks
         kw = dict(layout=self.layout, choice=o.tp_sampling, rows_kernel=plan.kernels.sample_rows)
         self._next_tokens = functools.partial(next_tokens, model, **kw)
         self.sizer = kvc.CacheSizer(model, o, self.layout, max_context, use)
         self._fused: fd.FusedDecoder | None = None
-        self._all_reduce: TPAllReduce | None = None  # built at the first call (a TP collective)
+        self._all_reduce: HalvesReduce | None = None  # built at the first call (a collective)
         self.cache: kvc.KVCache | None = None
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self._static_key: tuple | None = None
@@ -235,7 +230,10 @@ class KVCacheEngine:
             return
         if self.decode.path == "fused":
             tp = self.layout.tp_group
-            self._all_reduce = self._all_reduce or TPAllReduce(tp, self.decode.all_reduce, device)
+            d = self.decode
+            self._all_reduce = self._all_reduce or HalvesReduce.build(
+                tp, d.all_reduce, d.overlap_rows, device
+            )
             self._fused = fd.FusedDecoder(self.model, self.decode.kernels, tp, self._all_reduce)
         self._meta = torch.zeros(4, cache.slots, dtype=torch.long, device=device)
         self._u = torch.zeros(cache.slots, dtype=torch.float32, device=device)

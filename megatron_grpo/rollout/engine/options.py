@@ -50,6 +50,11 @@ class EngineOptions:
             "nccl", "one_shot" / "two_shot" (symmetric memory: one kernel reads every TP
             rank's partial sum over NVLink, up to ``tp_all_reduce.SYMM_MAX_BYTES``, NCCL above;
             CUDA, one host) or "auto" (the size tiers measured ahead of NCCL, else NCCL).
+        decode_overlap: the fused TP decode step in two halves of its rows, each half's TP
+            all-reduces overlapping the other half's GEMMs and attention on a second stream
+            (``engine.decode_overlap``): "halves" (every step of 2 rows or more; the fused
+            path, TP > 1, dense layers), "off", or "auto" (the TP sizes and row counts
+            measured ahead of one batch, ``decode_overlap.MEASURED_AHEAD``, else off).
         kv_cache_memory: where the KV cache lives (``fixed_address.plan_kv_cache_memory``):
             "fixed_address" (an address range reserved once, backed by memory only during a
             call: the memory is returned between calls, as with the allocator, but the
@@ -76,6 +81,7 @@ class EngineOptions:
     decode_attention: Literal["auto", "triton", "sdpa"] = "auto"
     tp_sampling: Literal["auto", "gathered", "vocab_parallel"] = "auto"
     tp_all_reduce: Literal["auto", "nccl", "one_shot", "two_shot"] = "auto"
+    decode_overlap: Literal["auto", "off", "halves"] = "auto"
     kv_cache_memory: Literal["auto", "fixed_address", "allocator"] = "auto"
     ep_decode_steps: int = 16
 
@@ -88,6 +94,7 @@ class EngineOptions:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
         check_choice("tp_sampling", self.tp_sampling, "rollout.engine.tp_sampling")
         check_choice("tp_all_reduce", self.tp_all_reduce, "rollout.engine.tp_all_reduce")
+        check_choice("decode_overlap", self.decode_overlap, "rollout.engine.decode_overlap")
         check_choice("kv_cache_memory", self.kv_cache_memory, "rollout.engine.kv_cache_memory")
         for name in ("max_prefill_tokens", "context_bucket", "ep_decode_steps"):
             if getattr(self, name) <= 0:
