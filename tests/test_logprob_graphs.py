@@ -10,6 +10,7 @@ with new inputs.
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -158,6 +159,37 @@ def _padded_body(rank: int, world: int) -> None:
     why = gp._attention_unsupported(unwrap(chunks[0]), torch.bfloat16)  # the layers' checks
     assert why == "layer 0: varlen_attn runs on CUDA only (tensors on cpu)", why
     assert not step.logprob_graphs
+    gpt.config.hidden_dropout = 0.1  # the trainer's captures skip the RNG tracker's forks
+    try:
+        assert gp.graphs_unsupported(chunks, SimpleNamespace(pp_size=1, cp_size=1)) == (
+            "hidden_dropout=0.1 (megatron-core's RNG tracker)"
+        )
+    finally:
+        gpt.config.hidden_dropout = 0.0
+
+
+def test_captures_skip_the_rng_trackers_forks():
+    """Inside a capture megatron-core's (not graph-safe) RNG tracker forks to nothing; a fork
+    outside, or a graph-safe tracker's, is the tracker's own (here: an unknown state's error)."""
+    from megatron.core import tensor_parallel
+
+    from megatron_grpo.megatron.cuda_graphs import rng_forks_skipped
+
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    with pytest.raises(Exception, match="cuda rng state no-such-state is not added"):
+        with tracker.fork("no-such-state"):
+            pass
+    with rng_forks_skipped():
+        with tracker.fork("no-such-state"):  # skipped: no state swapped, none needed
+            pass
+    assert "fork" not in vars(tracker)  # the class's method again
+    tracker.use_cudagraphable_rng = True
+    try:
+        with rng_forks_skipped(), pytest.raises(Exception, match="is not added"):
+            with tracker.fork("no-such-state"):
+                pass
+    finally:
+        tracker.use_cudagraphable_rng = False
 
 
 def test_padded_micro_batches_keep_their_logprobs_tp2_sp():

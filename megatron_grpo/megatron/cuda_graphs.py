@@ -8,8 +8,9 @@ here must not sync with the host (no ``.item()``, no data-dependent shapes).
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,30 @@ def expandable_segments() -> str | None:
             if key.strip() == "expandable_segments" and setting.strip().lower() == "true":
                 return f"{name}={value}"
     return None
+
+
+@contextlib.contextmanager
+def rng_forks_skipped() -> Iterator[None]:
+    """megatron-core's RNG tracker forks become no-ops inside the block.
+
+    Its forward forks to the TP (or expert) RNG state around sequence-parallel regions and the
+    experts; the default tracker swaps states by re-seeding the generator, which a capture
+    refuses ("set_current_seed can be called during stream capture only if new seed is the
+    same", the MoE twin at TP 2 + SP, 2 x H200). Nothing captured draws from those states:
+    decode runs in eval mode, and the trainer's graphs refuse models with hidden dropout
+    (``step.graph_plan``; attention dropout: varlen's check), so the swaps are skipped. A
+    graph-safe tracker is left as it is."""
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    if getattr(tracker, "use_cudagraphable_rng", False):
+        yield
+        return
+    tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        del tracker.fork  # the class's method again
 
 
 def no_checkpoint() -> Callable[[], None]:
@@ -107,7 +132,7 @@ class GraphCache:
     def capture(self, step: Callable[[], None]) -> torch.cuda.CUDAGraph:
         """A graph of ``step`` in the cache's pool (capturing runs nothing; warm up first)."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool), rng_forks_skipped():
             step()
         self.captures += 1
         return graph

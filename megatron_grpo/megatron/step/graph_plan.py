@@ -74,6 +74,8 @@ def graphs_unsupported(chunks: list[torch.nn.Module], layout: ParallelLayout) ->
     if layout.cp_size > 1:
         return "context parallelism (its attention reads the bounds on the host)"
     gpt = unwrap(chunks[0])
+    if gpt.config.hidden_dropout > 0:  # captures skip the RNG tracker's forks (cuda_graphs)
+        return f"hidden_dropout={gpt.config.hidden_dropout} (megatron-core's RNG tracker)"
     if next(gpt.parameters()).device.type != "cuda":
         return "a model on the CPU"
     expandable = expandable_segments()
