@@ -338,3 +338,21 @@ def _agree_body(rank: int, world: int) -> None:
 
 def test_ranks_agree_on_each_forwards_shape():
     run_distributed(_agree_body, 2)
+
+
+def test_auto_captures_at_ep_and_leaves_dense_tp_eager(monkeypatch):
+    """Auto at EP > 1: on (the expert group's ranks wait on each other's host; measured);
+    dense TP > 1: off (not measured); an explicit choice or a reason why not wins either way."""
+    moe = SimpleNamespace(config=SimpleNamespace(expert_model_parallel_size=2))
+    dense = SimpleNamespace(config=SimpleNamespace(expert_model_parallel_size=1))
+    tp2 = SimpleNamespace(tp_size=2)
+    monkeypatch.setattr(gp, "unwrap", lambda chunk: chunk)  # stand-ins for the models
+    on, line = gp._plan(gp.KNOB, None, [moe], tp2, None, None)
+    assert on and line == f"on under auto at EP > 1: {gp.EP_RANKS_WAIT}"
+    on, line = gp._plan(gp.UPDATE_KNOB, None, [dense], tp2, None, 4096, backward=True)
+    assert not on and line.startswith("off under auto at TP > 1")
+    assert gp._plan(gp.KNOB, None, [moe], tp2, False, None) == (
+        False,
+        "off (training.logprob_cuda_graphs=false)",
+    )
+    assert gp._plan(gp.KNOB, "why", [moe], tp2, None, None) == (False, "off: why")

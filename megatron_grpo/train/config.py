@@ -119,11 +119,12 @@ class TrainingConfig:
             decoder per micro-batch shape (``megatron/step/logprob_graphs.py``: micro-batches
             padded to a few shapes, captured once per shape and pass, the LM head eager; the
             same log-probs as eager on one H200). null (default): where they can run (one
-            pipeline stage, no CP, 'varlen' attention, 16-bit, MoE without host syncs), the
-            forward holds no collective (TP = EP = 1) and a forward of
-            ``logprob_pass_tokens`` is host-bound by an estimate (``megatron/step/
-            graph_plan.py``); said at start-up with the reason. true: on wherever they can run
-            (an error elsewhere); false: off.
+            pipeline stage, no CP, 'varlen' attention, 16-bit, MoE without host syncs,
+            no hidden dropout) and either EP > 1 (the expert group's ranks wait for each
+            other's host at every dispatch: measured ahead) or TP = 1 and a forward of
+            ``logprob_pass_tokens`` host-bound by an estimate (``megatron/step/
+            graph_plan.py``); off for dense models at TP > 1 (not measured). Said at start-up
+            with the reason. true: on wherever they can run (an error elsewhere); false: off.
         update_cuda_graphs: the update's forward and backward replay captured CUDA graphs per
             micro-batch shape (``megatron/step/update_graphs.py``: the backward graph adds the
             gradients to megatron-core's DDP ``main_grad``; the LM head and loss eager). null

@@ -10,8 +10,9 @@ replay saves the host's time of a forward (megatron-core's module code and launc
 Xeon host), the 0.6B shape's pass: 2.2-2.6x faster at 4k-token micro-batches, 0.80-0.96x at 32k
 ones (there the GEMMs take longer than the host); its fwd+bwd 2.8-3.4x at 4k, 1.25-1.95x at 8k.
 Auto compares the two: the pass's GEMM time at ``FORWARD_TFLOPS`` (fwd+bwd: three times the
-forward's) against the host's, per micro-batch; it leaves them off where the forward holds
-collectives (TP, EP > 1), which no GPU run has captured yet (``true`` does).
+forward's) against the host's, per micro-batch. At EP > 1 every MoE layer's dispatch waits for
+the expert group's slowest host, and graphs won where measured (:data:`EP_RANKS_WAIT`): auto
+turns them on. Dense models at TP > 1 were not measured: auto leaves them off (``true`` runs).
 """
 
 from __future__ import annotations
@@ -151,8 +152,8 @@ def plan_logprob_graphs(
     tokens: int | None = None,
 ) -> tuple[bool, str]:
     """(whether the log-prob passes run captured, the start-up line's reason). ``requested``:
-    ``training.logprob_cuda_graphs``: None = auto (where they run, the forward holds no
-    collective and a micro-batch of ``tokens`` is host-bound; unknown ``tokens``: off). An
+    ``training.logprob_cuda_graphs``: None = auto (where they run: at EP > 1, or at TP 1 where a
+    micro-batch of ``tokens`` is host-bound; unknown ``tokens``: off). An
     explicit request that cannot be honoured is an error naming why."""
     why = graphs_unsupported(chunks, layout)
     return _plan(KNOB, why, chunks, layout, requested, tokens)
@@ -177,6 +178,13 @@ def plan_update_graphs(
     return on, f"{line}; {MOVING_GRADS}" if on and grads_move else line
 
 
+# Why auto captures at EP > 1 (measured, tools/gpu_e2e.sh moe_ep, one call on 2 x H200)
+EP_RANKS_WAIT = (
+    "each dispatch waits for the expert group's slowest host (the MoE twin at EP 2, TP 2 + SP, "
+    "32k micro-batches: step 1.28x, log-prob 1.74x, update 1.55x with graphs)"
+)
+
+
 def _plan(
     knob: str,
     why: str | None,
@@ -194,8 +202,10 @@ def _plan(
     if why:
         return False, f"off: {why}"
     gpt = unwrap(chunks[0])
-    if layout.tp_size > 1 or gpt.config.expert_model_parallel_size > 1:
-        return False, f"off under auto at TP / EP > 1 (collectives in the forward; {knob}=true)"
+    if gpt.config.expert_model_parallel_size > 1:
+        return True, f"on under auto at EP > 1: {EP_RANKS_WAIT}"
+    if layout.tp_size > 1:
+        return False, f"off under auto at TP > 1 (not measured there; {knob}=true)"
     if tokens is None:
         return False, "off under auto: the passes' micro-batch size is unknown"
     bound, reason = host_bound(gpt, tokens, backward)
