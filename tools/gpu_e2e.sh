@@ -245,8 +245,11 @@ moe_ep() {
     local common=(--set training.steps="$STEPS" --set training.mini_batches_per_step=1
         --set rollout.reverse_digits.num_digits=128 --set rollout.max_prompt_length=132
         --set rollout.max_response_length=129)
+    # the training passes' graphs: on under auto at EP > 1 where the dispatch can be captured
+    # (gathered); the "e" rows run them eager, the "g" row captures them at EP 4 TP 1
     local graphs=training.update_cuda_graphs=true,training.logprob_cuda_graphs=true
-    local layouts="ep1:1:1:false ep2_tp2sp:2:2:true:gathered ep2g_tp2sp:2:2:true:gathered::$graphs
+    local eager=training.update_cuda_graphs=false,training.logprob_cuda_graphs=false
+    local layouts="ep1:1:1:false ep2_tp2sp:2:2:true:gathered ep2e_tp2sp:2:2:true:gathered::$eager
         ep4_tp1:4:1:false ep4g_tp1:4:1:false:gathered::$graphs ep4_tp2sp:4:2:true"
     layouts=${MOE_EP_LAYOUTS:-$layouts}
     for spec in $layouts; do
