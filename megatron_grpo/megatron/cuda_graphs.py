@@ -53,11 +53,15 @@ def rng_forks_skipped() -> Iterator[None]:
     if getattr(tracker, "use_cudagraphable_rng", False):
         yield
         return
+    own = vars(tracker).get("fork")  # a fork set on the instance, kept; else the class's
     tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
     try:
         yield
     finally:
-        del tracker.fork  # the class's method again
+        if own is None:
+            del tracker.fork
+        else:
+            tracker.fork = own
 
 
 def no_checkpoint() -> Callable[[], None]:
