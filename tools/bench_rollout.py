@@ -260,11 +260,8 @@ def main() -> None:
     for mode in args.modes.split(","):
         graphs = mode.startswith("graphs")
         new = args.new_tokens if graphs else (args.eager_new_tokens or args.new_tokens)
-        key = (
-            mode
-            if mode not in report
-            else f"{mode}#{sum(k.split('#')[0] == mode for k in report) + 1}"
-        )
+        runs = sum(k.split("#")[0] == mode for k in report)
+        key = f"{mode}#{runs + 1}" if runs else mode
         report[key] = dict(new_tokens=new, **run_ours(model, cfg, args, mode, new))
         if rank == 0:  # a repeated mode (A B A B) keeps each run: "graphs#2"
             print(key, json.dumps(report[key]), flush=True)
