@@ -138,3 +138,23 @@ def test_collect_errors_finds_every_mistake_and_raising_stays_the_default():
     assert "flag: expected true/false, got 'yes'" in messages and cfg.flag is False
     with pytest.raises(ConfigError, match="unknown config key 'inner.nn'"):
         from_dict(Outer, data)
+
+
+@dataclass
+class Switches:
+    overlap: Literal["auto", "off", "ring"] = "auto"
+    light: Literal["on", "off"] = "on"
+    name: str = "x"
+
+
+def test_bare_on_off_in_yaml_are_the_choices(tmp_path):
+    """YAML 1.1 reads a bare off / on as false / true: a choice field that has "off" / "on"
+    takes the word; elsewhere the error says to quote it."""
+    path = tmp_path / "c.yaml"
+    path.write_text("overlap: off\nlight: off\n")
+    cfg = load_config(Switches, path, ["light=on"])
+    assert (cfg.overlap, cfg.light) == ("off", "on")
+    with pytest.raises(ConfigError, match=r"overlap: True is not one of.*quote it, e\.g\. 'off'"):
+        from_dict(Switches, {"overlap": True})  # "on" is not a choice of overlap
+    with pytest.raises(ConfigError, match=r"name: expected a string, got False \(YAML reads"):
+        from_dict(Switches, {"name": False})

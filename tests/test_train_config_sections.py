@@ -230,3 +230,22 @@ def test_generation_needs_the_runtime_fields():
         check_prompts([[1]], SamplingParams(), max_sequence_length=16)
     with pytest.raises(ValueError, match="eos_id 16 is outside the vocabulary"):
         SamplingParams(eos_id=16, vocab_size=16)
+
+
+@pytest.mark.parametrize(
+    ("recipe", "overrides", "why"),
+    [
+        ("tiny.yaml", ["parallel.tensor_model_parallel_size=1"], "TP is 1"),
+        ("qwen3_8b_long_sp.yaml", ["rollout.engine.decode_path=modules"], "through the modules"),
+        ("qwen3_8b_long_sp.yaml", ["rollout.colocated.weights=replica"], "TP is 1"),
+        ("qwen3_30b_a3b_moe_twin.yaml", ["rollout.colocated.weights=shared"], "MoE layers"),
+    ],
+)
+def test_decode_halves_are_checked_against_the_generating_layout(recipe, overrides, why):
+    """``rollout.engine.decode_overlap: halves`` fails at load (``--check``, in seconds) where the
+    engine would refuse it: TP 1 (also a replica's), the modules path, MoE layers."""
+    sets = ["rollout.engine.decode_overlap=halves", "checkpoint.load=null", *overrides]
+    with pytest.raises(ConfigError, match=f"decode_overlap: halves cannot run here: .*{why}"):
+        _load_quietly(RECIPES / recipe, sets)
+    loaded = _load_quietly(RECIPES / "qwen3_8b_long_sp.yaml", sets[:2])  # TP 4, dense, shared
+    assert loaded.rollout.engine.decode_overlap == "halves"

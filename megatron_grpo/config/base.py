@@ -110,8 +110,10 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     if origin in (Union, types.UnionType):
         return _coerce_union(value, tp, path)
     if origin is Literal:
+        value = _yaml_word(value, get_args(tp))
         if value not in get_args(tp):
-            raise ConfigError(f"{path}: {value!r} is not one of {list(get_args(tp))}")
+            hint = f" ({_BARE_BOOL})" if isinstance(value, bool) else ""
+            raise ConfigError(f"{path}: {value!r} is not one of {list(get_args(tp))}{hint}")
         return value
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
@@ -178,6 +180,18 @@ def _coerce_sequence(value: Any, tp: Any, path: str) -> list | tuple:
 
 
 _SCALAR_NAMES = {float: "a number", int: "an integer", bool: "true/false", str: "a string"}
+# YAML 1.1 (PyYAML) reads a bare on / off / yes / no as true / false
+_BARE_BOOL = "YAML reads a bare on / off / yes / no as true / false: quote it, e.g. 'off'"
+
+
+def _yaml_word(value: Any, choices: tuple) -> Any:
+    """The choice a YAML boolean stands for: ``off`` (False) or ``on`` (True) where it is one
+    of ``choices``; anything else unchanged."""
+    if isinstance(value, bool):
+        word = "on" if value else "off"
+        if word in choices and value not in choices:
+            return word
+    return value
 
 
 def _coerce_scalar(value: Any, tp: Any, path: str) -> Any:
@@ -187,7 +201,8 @@ def _coerce_scalar(value: Any, tp: Any, path: str) -> Any:
     if tp in _SCALAR_NAMES:
         accepted = (int, float) if tp is float else tp
         if (isinstance(value, bool) and tp is not bool) or not isinstance(value, accepted):
-            raise ConfigError(f"{path}: expected {_SCALAR_NAMES[tp]}, got {value!r}")
+            hint = f" ({_BARE_BOOL})" if tp is str and isinstance(value, bool) else ""
+            raise ConfigError(f"{path}: expected {_SCALAR_NAMES[tp]}, got {value!r}{hint}")
         return float(value) if tp is float else value
     if isinstance(tp, type) and not isinstance(value, tp):
         raise ConfigError(f"{path}: expected {tp.__name__}, got {value!r}")

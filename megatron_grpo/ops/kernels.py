@@ -19,6 +19,7 @@ import difflib
 import importlib.util
 import os
 from dataclasses import dataclass
+from typing import Literal
 
 import megatron_grpo.kernels as triton_kernels
 from megatron_grpo.kernels.split_accumulator import RESIDUAL_BITS
@@ -155,7 +156,7 @@ class LayerKernels:
     packed_attention: str = "auto"
     moe_dispatch: str = "auto"
     moe_sort: str = "auto"
-    tp_overlap: str = "auto"
+    tp_overlap: Literal["auto", "off", "ring", "symm"] = "auto"  # a recipe's bare off: "off"
     qk_norm_rope: str = "auto"  # last: the fields before it keep their positions
 
     def __post_init__(self) -> None:

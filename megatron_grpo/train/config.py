@@ -37,6 +37,7 @@ from megatron_grpo.megatron.config import ModelConfig, ParallelConfig
 from megatron_grpo.ops.lm_head.options import LMHeadOptions
 from megatron_grpo.rollout.config import EvaluationConfig, RolloutConfig
 from megatron_grpo.rollout.context import RolloutContext
+from megatron_grpo.rollout.engine.decode_overlap import why_not as why_not_halves
 from megatron_grpo.train.logprob_sizes import (  # noqa: F401 (LOGPROB_MERGE_TOKENS: public here)
     LOGPROB_MERGE_TOKENS,
     MERGE_NEEDS_ALLTOALL,
@@ -330,6 +331,7 @@ class TrainConfig(LogprobPassSizes):
                 "rollout.input_path reads them from files (set it to auto or false)"
             )
         self._check_separate()
+        self._check_decode_overlap()
         p = self.rollout.partial
         if p.enabled and p.max_staleness > 0 and self.loss.is_correction_level is None:
             raise ValueError(
@@ -337,6 +339,20 @@ class TrainConfig(LogprobPassSizes):
                 "policy versions: set loss.is_correction_level (token, sequence or "
                 "sequence_mean: the decoupled IS correction behaviour -> proximal policy)"
             )
+
+    def _check_decode_overlap(self) -> None:
+        """``rollout.engine.decode_overlap: halves`` against the TP the engine decodes at."""
+        r = self.rollout
+        if r.engine.decode_overlap != "halves":
+            return
+        tp = self.parallel.tensor_model_parallel_size
+        if r.placement == "separate":
+            tp = r.separate.tensor_model_parallel_size
+        elif r.colocated.weights == "replica":
+            tp = 1  # each rank decodes on a TP = EP = 1 copy
+        why = why_not_halves(tp, r.engine.decode_path, self.model.num_moe_experts is not None)
+        if why:
+            raise ValueError(f"rollout.engine.decode_overlap: halves cannot run here: {why}")
 
     def _check_separate(self) -> None:
         """``rollout.placement: separate``: the layouts a generation replica cannot run."""

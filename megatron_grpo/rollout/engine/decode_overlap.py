@@ -41,18 +41,24 @@ def plan_overlap(choice: str, tp_size: int, decode_path: str, moe: bool) -> int:
     check_choice("decode_overlap", choice, FIELD)
     if choice == "off":
         return 0
-    why = ""
-    if decode_path != "fused":
-        why = "this engine decodes through the modules"
-    elif tp_size == 1:
-        why = "TP is 1 (no all-reduce to overlap)"
-    elif moe:
-        why = "the model has MoE layers (their dispatch would run once per half)"
+    why = why_not(tp_size, decode_path, moe)
     if choice == "halves":
         if why:
             raise ValueError(f"{FIELD} 'halves' cannot run here: {why} (use 'off' or 'auto')")
         return EXPLICIT_ROWS
     return 0 if why else MEASURED_AHEAD.get(tp_size, 0)
+
+
+def why_not(tp_size: int, decode_path: str, moe: bool) -> str:
+    """Why an engine of ``tp_size`` on ``decode_path`` ("auto" / "fused" / "modules") cannot
+    decode in halves ("" when it can): also the config's check (``TrainConfig``)."""
+    if decode_path == "modules":
+        return "this engine decodes through the modules"
+    if tp_size == 1:
+        return "TP is 1 (no all-reduce to overlap)"
+    if moe:
+        return "the model has MoE layers (their dispatch would run once per half)"
+    return ""
 
 
 def describe(rows: int) -> str:
