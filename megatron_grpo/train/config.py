@@ -26,7 +26,8 @@ from megatron_grpo.config import (
     rename_keys,
     to_dict,
 )
-from megatron_grpo.config.base import collect_errors, raise_collected, report
+from megatron_grpo.config.base import collect_errors, report
+from megatron_grpo.config.recipe_lines import raise_collected
 from megatron_grpo.convert.layout import (
     MODEL_CONFIG_NAME,
     check_checkpoint_architecture,
