@@ -49,7 +49,7 @@ from megatron_grpo.rollout.engine.decode_overlap import HalvesReduce, plan_overl
 from megatron_grpo.rollout.engine.decode_overlap import describe as describe_overlap
 from megatron_grpo.rollout.engine.graphs import plan_graphs
 from megatron_grpo.rollout.engine.kv_cache import KVCache
-from megatron_grpo.rollout.engine.tp_all_reduce import TPAllReduce, describe, reduce_tiers
+from megatron_grpo.rollout.engine.tp_all_reduce import describe, reduce_tiers
 
 if TYPE_CHECKING:
     from megatron_grpo.megatron.layout import ParallelLayout
@@ -256,11 +256,11 @@ class FusedDecoder:
         model: torch.nn.Module,
         kernels: DecodeKernels,
         tp_group: dist.ProcessGroup | None,
-        reduce: TPAllReduce | HalvesReduce | None = None,
+        reduce: HalvesReduce | None = None,
     ) -> None:
         """``tp_group``: the layout's (None without TP). ``reduce``: the row-parallel outputs'
-        sum over TP (None: NCCL's alone, ``TPAllReduce(tp_group, ())``); a
-        :class:`HalvesReduce` with rows splits steps into two overlapped halves."""
+        sums over TP (None: NCCL's, one batch); with ``rows`` it splits steps into two
+        overlapped halves."""
         self.model = model
         self.add_norm, self.qkv_rope = kernels.add_rms_norm, kernels.qkv_rope_cache
         self.swiglu = kernels.swiglu
@@ -273,10 +273,7 @@ class FusedDecoder:
         self.layers = [_Layer.of(layer) for layer in model.decoder.layers]
         self.final = _norm(model.decoder.final_layernorm)
         device = next(model.parameters()).device
-        reduce = reduce or TPAllReduce(tp_group, (), device)
-        self.reduce = (
-            reduce if isinstance(reduce, HalvesReduce) else HalvesReduce((reduce,), 0, device)
-        )
+        self.reduce = reduce or HalvesReduce.build(tp_group, (), 0, device)
         self.scale = softmax_scale(model)
 
     def __call__(

@@ -229,12 +229,11 @@ class KVCacheEngine:
         if not changed:
             return
         if self.decode.path == "fused":
-            tp = self.layout.tp_group
-            d = self.decode
+            tp, d = self.layout.tp_group, self.decode
             self._all_reduce = self._all_reduce or HalvesReduce.build(
                 tp, d.all_reduce, d.overlap_rows, device
             )
-            self._fused = fd.FusedDecoder(self.model, self.decode.kernels, tp, self._all_reduce)
+            self._fused = fd.FusedDecoder(self.model, d.kernels, tp, self._all_reduce)
         self._meta = torch.zeros(4, cache.slots, dtype=torch.long, device=device)
         self._u = torch.zeros(cache.slots, dtype=torch.float32, device=device)
         self._out = torch.zeros(2, cache.slots, dtype=torch.float64, device=device)
