@@ -335,6 +335,7 @@ def _rerun_body(rank: int, world: int, layout: str) -> None:
     assert store.cache.captures == 2 * len(store.statics) > 0
     # the metric counts each step's captures (forward and backward); seed 3 again: none new
     counts = [m.pop("perf/update_graph_captures") for m in captures]
+    assert all(0 < m.pop("perf/update_graph_padding") < 1 for m in captures), captures
     assert counts[0] > 0 and counts[2] == 0 and sum(counts) == store.captures, counts
     assert captures == [{}] * 3  # the log-prob graphs are off: no key of theirs
     shared = {len(b.shared) for b in store.backwards.values()}

@@ -13,6 +13,10 @@ more tokens (dropless routing: no real token changes its experts). One call's mi
 take at most ``MAX_SHAPES`` shapes: past that, more documents and coarser token buckets (more
 padding: 6.6% against 1.8% on 4k micro-batches of 520-1030-token documents, by arithmetic),
 so that the shapes recur from step to step and their graphs are replayed, not captured again.
+A micro-batch whose shape has no graph yet takes a larger shape that has one (or that another
+micro-batch of the call brings) when its padding costs less GPU time than a capture's host time
+(:class:`ShapeReuse`): the small last micro-batch of a schedule, a longest document just past
+a power of two.
 """
 
 from __future__ import annotations
@@ -44,6 +48,18 @@ class GraphShape:
     tokens: int  # T: packed tokens
     docs: int  # S: documents, padding documents included (``cu_seqlens`` holds S + 1)
     max_len: int  # an upper bound of the longest document (the attention's and RoPE's)
+
+
+@dataclass(frozen=True)
+class ShapeReuse:
+    """Shapes with a graph already, and what padding is worth not capturing another: a
+    micro-batch whose own shape is new takes the one of these (or of the call's other new
+    shapes) that adds the fewest padding tokens, if the tokens added over all the micro-batches
+    of its shape are at most ``tokens`` (the GPU time of that many tokens against a capture's
+    host time: :func:`~megatron_grpo.megatron.step.graph_plan.capture_padding_tokens`)."""
+
+    captured: tuple[GraphShape, ...] = ()
+    tokens: int = 0
 
 
 def _pow2(n: int) -> int:
@@ -87,6 +103,15 @@ def _padding_lengths(batch: PackedBatch, shape: GraphShape) -> list[int]:
     return [pad // n + (i < pad % n) for i in range(n)]
 
 
+def fits(batch: PackedBatch, shape: GraphShape) -> bool:
+    """Whether ``batch`` pads to ``shape``: a padding document of a token or more, none longer
+    than ``shape.max_len`` (:func:`pad_to_shape` would raise otherwise)."""
+    n = shape.docs - (batch.cu_seqlens.numel() - 1)
+    if n < 1 or shape.tokens - batch.num_tokens < n:
+        return False
+    return max(_lengths(batch) + _padding_lengths(batch, shape)) <= shape.max_len
+
+
 def max_len_of(batch: PackedBatch, shape: GraphShape) -> int:
     """The longest-document bucket of ``batch`` padded to ``shape`` (``tokens`` at most)."""
     longest = max(_lengths(batch) + _padding_lengths(batch, shape))
@@ -98,17 +123,27 @@ def graph_shapes(
     multiple: int = 1,
     group: dist.ProcessGroup | None = None,
     most: int = MAX_SHAPES,
+    reuse: ShapeReuse | None = None,
 ) -> list[GraphShape]:
     """The shape each of ``batches`` is padded to, at most ``most`` distinct ones: beyond
     that every batch takes the largest document count and the tokens coarser buckets (to one
     shape, the largest, at the end). ``group``: ranks that run these forwards as collectives
     with each other with batches of their own (MoE expert parallelism over DP): their i-th
     forwards get one shape, the largest of theirs (small all-reduces). Ranks of one TP group
-    hold the same batches, hence the same shapes, without it."""
+    hold the same batches, hence the same shapes, without it. ``reuse``: shapes with graphs
+    that new ones give way to (:class:`ShapeReuse`; the same on every rank of ``group``)."""
 
     def agree(values: list[int]) -> list[int]:
         return values if group is None else all_reduce_max(values, group, torch.int64)
 
+    shapes = _budgeted_shapes(batches, multiple, most, agree)
+    if reuse is None or reuse.tokens <= 0 or set(shapes) <= set(reuse.captured):
+        return shapes
+    return _reused(batches, shapes, reuse, agree)
+
+
+def _budgeted_shapes(batches, multiple: int, most: int, agree) -> list[GraphShape]:
+    """:func:`graph_shapes` without ``reuse``."""
     largest, fewest = agree([len(batches), -len(batches)])
     if largest != -fewest:  # else the ranks would agree on lists of different lengths: a hang
         raise ValueError(
@@ -130,6 +165,30 @@ def graph_shapes(
             return shapes
     tokens = [max(tokens)] * len(batches)
     return _with_lens(batches, tokens, [top] * len(batches), agree, unify=True)
+
+
+def _reused(batches, shapes: list[GraphShape], reuse: ShapeReuse, agree) -> list[GraphShape]:
+    """``shapes`` with each new one (smallest first) replaced by the candidate that fits all its
+    batches on every rank (agreed) and adds the fewest padding tokens, if at most
+    ``reuse.tokens``. Candidates: the captured shapes and the other new shapes still in use."""
+    order = lambda s: (s.tokens, s.docs, s.max_len)  # noqa: E731
+    new = sorted(set(shapes) - set(reuse.captured), key=order)
+    candidates = sorted(set(reuse.captured) | set(new), key=order)
+    misfit = agree([int(not fits(b, c)) for b in batches for c in candidates])
+    column = {c: j for j, c in enumerate(candidates)}
+    shapes = list(shapes)
+    for s in new:
+        rows = [i for i, x in enumerate(shapes) if x == s]
+        best, cost = None, reuse.tokens + 1
+        for c in sorted((set(reuse.captured) | set(shapes)) - {s}, key=order):
+            if any(misfit[i * len(candidates) + column[c]] for i in rows):
+                continue
+            added = len(rows) * (c.tokens - s.tokens)
+            if added < cost:
+                best, cost = c, added
+        if best is not None:
+            shapes = [best if x == s else x for x in shapes]
+    return shapes
 
 
 def _with_lens(batches, tokens, docs, agree, unify: bool = False) -> list[GraphShape]:

@@ -214,16 +214,25 @@ class GRPOStep:
         return why
 
     def graph_metrics(self) -> dict[str, float]:
-        """Graphs captured since the last call by each kind that is on:
-        ``perf/logprob_graph_captures``, ``perf/update_graph_captures`` (an update shape is two:
-        forward and backward). A steady run captures none; captures in every step mean more
-        shapes than ``graph_store.MAX_GRAPHS``, or graphs dropped for the KV cache."""
-        now = (self.graphs.captures, self.update_store.captures)
+        """Since the last call, by each kind that is on: graphs captured
+        (``perf/logprob_graph_captures``, ``perf/update_graph_captures``: an update shape is two,
+        forward and backward) and the padding's share of the tokens replayed
+        (``perf/logprob_graph_padding``, ``perf/update_graph_padding``; absent if none ran). A
+        steady run captures none; captures in every step mean more shapes than
+        ``graph_store.MAX_GRAPHS``, or graphs dropped for the KV cache."""
+        stores = (self.graphs, self.update_store)
+        now = tuple(s.captures for s in stores)
         new = [a - b for a, b in zip(now, self._captures, strict=True)]
         self._captures = now
+        out = {}
         on = (self.logprob_graphs, self.update_graphs)
-        kinds = zip(("logprob", "update"), on, new, strict=True)
-        return {f"perf/{kind}_graph_captures": float(n) for kind, yes, n in kinds if yes}
+        for kind, yes, n, store in zip(("logprob", "update"), on, new, stores, strict=True):
+            padding = store.padding()
+            if yes:
+                out[f"perf/{kind}_graph_captures"] = float(n)
+                if padding is not None:
+                    out[f"perf/{kind}_graph_padding"] = padding
+        return out
 
     def drop_graphs(self) -> int:
         """Drop every captured graph of the log-prob and update passes, and with them their
@@ -251,12 +260,12 @@ class GRPOStep:
         layout = self.layout_of(unwrap(chunk))
         for b in micro_batches:
             b.validate()
-        shapes = graph_shapes(
-            micro_batches, layout.token_multiple, count_group, self._update_shapes
-        )
-        self._shapes = deque(shapes)
         self._routes = routes_shape(micro_batches)
-        self.update_store.before_replays(chunk, [layout.tp_group, count_group])
+        store = self.update_store
+        store.before_replays(chunk, [layout.tp_group, count_group])  # may drop its graphs
+        reuse = store.reuse(chunk, self._routes, backward=True)
+        multiple, most = layout.token_multiple, self._update_shapes
+        self._shapes = deque(graph_shapes(micro_batches, multiple, count_group, most, reuse))
 
     @classmethod
     def from_options(
@@ -304,6 +313,7 @@ class GRPOStep:
             )
         shape = self._shapes.popleft()
         padded = pad_to_shape(batch, shape)  # padding documents: loss_mask False
+        self.update_store.count(batch.num_tokens, shape)
         hidden = self.update_store.forward(model, padded, shape, self._routes)
         return hidden, partial(self.loss_func, padded, unwrap(model))
 

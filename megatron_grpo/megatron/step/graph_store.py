@@ -15,11 +15,12 @@ from torch import Tensor
 
 from megatron_grpo.loss.segments import host_to_device
 from megatron_grpo.megatron.attention.packed import forget_forward_caches, mark_static
-from megatron_grpo.megatron.batch.graph_shape import MAX_SHAPES, GraphShape
+from megatron_grpo.megatron.batch.graph_shape import MAX_SHAPES, GraphShape, ShapeReuse
 from megatron_grpo.megatron.batch.packing import PackedBatch
 from megatron_grpo.megatron.batch.transport import forward_tokens
 from megatron_grpo.megatron.cuda_graphs import GraphCache
 from megatron_grpo.megatron.gpt import unwrap
+from megatron_grpo.megatron.step.graph_plan import capture_padding_tokens
 
 # captured shapes kept per store (each holds its static inputs and hidden states)
 MAX_GRAPHS = 16
@@ -124,11 +125,23 @@ class GraphStore:
         self.statics: OrderedDict[tuple, StaticBatch] = OrderedDict()
         self.addresses: dict[int, tuple[int, ...]] = {}
         self._captured = 0  # by the caches :meth:`clear` dropped
+        self._tokens = [0, 0]  # (real, replayed) tokens since :meth:`padding` was last read
 
     @property
     def captures(self) -> int:
         """Graphs captured so far, across :meth:`clear`."""
         return self._captured + (0 if self.cache is None else self.cache.captures)
+
+    def count(self, real: int, shape: GraphShape) -> None:
+        """A micro-batch of ``real`` tokens ran padded to ``shape``."""
+        self._tokens[0] += real
+        self._tokens[1] += shape.tokens
+
+    def padding(self) -> float | None:
+        """The padding's share of the tokens run since the last call (None: none ran)."""
+        real, run = self._tokens
+        self._tokens = [0, 0]
+        return None if run == 0 else 1.0 - real / run
 
     def clear(self) -> None:
         self._captured = self.captures
@@ -154,6 +167,12 @@ class GraphStore:
     def addresses_of(self, chunk: torch.nn.Module) -> tuple[int, ...]:
         """Where ``chunk``'s graphs read (and write): its parameters and buffers."""
         return model_addresses(chunk)
+
+    def reuse(self, chunk: torch.nn.Module, routes, backward: bool = False) -> ShapeReuse:
+        """The shapes of ``chunk``'s graphs (with ``routes``) a new shape may give way to, and
+        the padding a capture is worth (``backward``: the update's fwd+bwd)."""
+        shapes = tuple(k[1] for k in self.statics if k[0] == id(chunk) and k[2] == routes)
+        return ShapeReuse(shapes, capture_padding_tokens(unwrap(chunk), backward))
 
     def static(self, chunk, shape: GraphShape, routes, device) -> tuple[tuple, StaticBatch]:
         """The key and static buffers of ``chunk``'s forward of ``shape`` (made if new)."""

@@ -62,6 +62,7 @@ def _run_one(
     returns the static hidden states ``[T_local, H]`` and the padded batch."""
     key, static = graphs.static(chunk, shape, routes, device)
     padded = pad_to_shape(batch, shape)
+    graphs.count(batch.num_tokens, shape)
     static.load(padded)
     checkpoint = no_checkpoint
     if static.routes is not None:
@@ -89,9 +90,10 @@ def graphed_logprob_passes(
     device = next(gpt.parameters()).device
     for b in batches:
         b.validate()
-    shapes = graph_shapes(batches, layout.token_multiple, count_group)
     routes = routes_shape(batches)
     graphs.before_replays(chunk, [layout.tp_group, count_group])
+    reuse = graphs.reuse(chunk, routes)
+    shapes = graph_shapes(batches, layout.token_multiple, count_group, reuse=reuse)
     out = []
     replay = replay_routes(chunk) if routes is not None else contextlib.nullcontext()
     with no_host_sync(chunk), replay:
