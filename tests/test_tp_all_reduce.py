@@ -16,9 +16,12 @@ from megatron_grpo.rollout.engine import tp_all_reduce as tar
 from tests.dist_utils import run_distributed
 
 
-def test_tp1_and_nccl_need_no_group():
+def test_tp1_and_nccl_need_no_group_and_tp1_refuses_kernels():
     assert tar.reduce_tiers("auto", None, torch.device("cuda")) == ()
     assert tar.reduce_tiers("nccl", None, torch.device("cpu")) == ()
+    for kernel in tar.KERNELS:  # an explicit kernel at TP 1 would reduce nothing: an error
+        with pytest.raises(ValueError, match=f"'{kernel}' cannot run here: TP is 1"):
+            tar.reduce_tiers(kernel, None, torch.device("cuda"))
     with pytest.raises(ValueError, match="tp_all_reduce must be one of.*did you mean 'one_shot'"):
         tar.reduce_tiers("oneshot", None, torch.device("cpu"))
     with pytest.raises(ValueError, match="tp_all_reduce 'two_shot' needs the fused decode path"):

@@ -249,3 +249,21 @@ def test_decode_halves_are_checked_against_the_generating_layout(recipe, overrid
         _load_quietly(RECIPES / recipe, sets)
     loaded = _load_quietly(RECIPES / "qwen3_8b_long_sp.yaml", sets[:2])  # TP 4, dense, shared
     assert loaded.rollout.engine.decode_overlap == "halves"
+
+
+@pytest.mark.parametrize(
+    ("recipe", "overrides"),
+    [
+        ("tiny.yaml", ["parallel.tensor_model_parallel_size=1"]),
+        ("qwen3_8b_long_sp.yaml", ["rollout.colocated.weights=replica"]),
+    ],
+)
+@pytest.mark.parametrize("kernel", ["one_shot", "two_shot"])
+def test_explicit_tp_all_reduce_kernels_need_a_tp_group(recipe, overrides, kernel):
+    """An explicit symmetric-memory ``rollout.engine.tp_all_reduce`` where the engine decodes at
+    TP 1 (also a replica's) fails at load instead of reducing nothing; TP 4 keeps it."""
+    sets = [f"rollout.engine.tp_all_reduce={kernel}", "checkpoint.load=null", *overrides]
+    with pytest.raises(ConfigError, match=f"tp_all_reduce: {kernel} cannot run here: .*TP 1"):
+        _load_quietly(RECIPES / recipe, sets)
+    loaded = _load_quietly(RECIPES / "qwen3_8b_long_sp.yaml", sets[:2])
+    assert loaded.rollout.engine.tp_all_reduce == kernel

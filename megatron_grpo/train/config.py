@@ -39,10 +39,17 @@ from megatron_grpo.ops.lm_head.options import LMHeadOptions
 from megatron_grpo.rollout.config import EvaluationConfig, RolloutConfig
 from megatron_grpo.rollout.context import RolloutContext
 from megatron_grpo.rollout.engine.decode_overlap import why_not as why_not_halves
+from megatron_grpo.rollout.engine.tp_all_reduce import KERNELS as TP_REDUCE_KERNELS
 from megatron_grpo.train.logprob_sizes import (  # noqa: F401 (LOGPROB_MERGE_TOKENS: public here)
     LOGPROB_MERGE_TOKENS,
     MERGE_NEEDS_ALLTOALL,
     LogprobPassSizes,
+)
+
+# rollouts of older policies (partial, separate placement) need the decoupled IS correction
+STALE_NEEDS_IS = (
+    "trains on tokens of older policy versions: set loss.is_correction_level (token, sequence "
+    "or sequence_mean: the decoupled IS correction behaviour -> proximal policy)"
 )
 
 
@@ -335,22 +342,24 @@ class TrainConfig(LogprobPassSizes):
         self._check_decode_overlap()
         p = self.rollout.partial
         if p.enabled and p.max_staleness > 0 and self.loss.is_correction_level is None:
-            raise ValueError(
-                f"rollout.partial.max_staleness={p.max_staleness} trains on tokens of older "
-                "policy versions: set loss.is_correction_level (token, sequence or "
-                "sequence_mean: the decoupled IS correction behaviour -> proximal policy)"
-            )
+            raise ValueError(f"rollout.partial.max_staleness={p.max_staleness} {STALE_NEEDS_IS}")
 
     def _check_decode_overlap(self) -> None:
-        """``rollout.engine.decode_overlap: halves`` against the TP the engine decodes at."""
+        """``rollout.engine.decode_overlap: halves`` and an explicit symmetric-memory
+        ``rollout.engine.tp_all_reduce`` against the TP the engine decodes at."""
         r = self.rollout
-        if r.engine.decode_overlap != "halves":
-            return
         tp = self.parallel.tensor_model_parallel_size
         if r.placement == "separate":
             tp = r.separate.tensor_model_parallel_size
         elif r.colocated.weights == "replica":
             tp = 1  # each rank decodes on a TP = EP = 1 copy
+        if r.engine.tp_all_reduce in TP_REDUCE_KERNELS and tp == 1:
+            raise ValueError(
+                f"rollout.engine.tp_all_reduce: {r.engine.tp_all_reduce} cannot run here: the "
+                "engine decodes at TP 1 (nothing to reduce); use auto or nccl"
+            )
+        if r.engine.decode_overlap != "halves":
+            return
         why = why_not_halves(tp, r.engine.decode_path, self.model.num_moe_experts is not None)
         if why:
             raise ValueError(f"rollout.engine.decode_overlap: halves cannot run here: {why}")
@@ -362,11 +371,7 @@ class TrainConfig(LogprobPassSizes):
             return
         s, p = r.separate, self.parallel
         if s.max_staleness > 0 and self.loss.is_correction_level is None:
-            raise ValueError(
-                f"rollout.separate.max_staleness={s.max_staleness} trains on tokens of older "
-                "policy versions: set loss.is_correction_level (token, sequence or "
-                "sequence_mean: the decoupled IS correction behaviour -> proximal policy)"
-            )
+            raise ValueError(f"rollout.separate.max_staleness={s.max_staleness} {STALE_NEEDS_IS}")
         if p.pipeline_model_parallel_size > 1 or p.context_parallel_size > 1:
             raise ValueError(
                 "rollout.placement: separate streams the weights from a trainer with "

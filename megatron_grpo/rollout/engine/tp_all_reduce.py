@@ -80,9 +80,9 @@ def reduce_tiers(
     if decode_path != "fused" and explicit:
         why = "this engine decodes through the modules"
         raise ValueError(f"{FIELD} {choice!r} needs the fused decode path ({why})")
-    if choice == "nccl" or decode_path != "fused" or group is None:
+    if choice == "nccl" or decode_path != "fused":
         return ()
-    why = symm_mem_unavailable(group, device)
+    why = symm_mem_unavailable(group, device)  # TP 1 (no group) too: an explicit kernel errs
     if explicit:
         if why:
             raise ValueError(f"{FIELD} {choice!r} cannot run here: {why} (use 'nccl' or 'auto')")
