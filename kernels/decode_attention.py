@@ -120,11 +120,14 @@ def num_splits(b: int, groups: int, ctx: int, sms: int = 132) -> int:
 
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-    ctx: int, scale: float,
+    ctx: int, scale: float, *, splits: int | None = None, block_n: int = BLOCK_N,
+    num_warps: int = 4,
 ) -> torch.Tensor:  # fmt: skip
     """``q [b, G, R, D]`` contiguous, row i attending to ``k/v_cache[i, :, :pos[i] + 1]``
     (``[slots >= b, G, S, D]``, D contiguous); ``ctx >= max(pos) + 1`` bounds the split sizes.
-    Returns ``[b, G, R, D]`` in q's dtype."""
+    ``splits``: key splits per (row, group) (None: :func:`num_splits`); ``block_n`` keys a
+    step, ``num_warps``: the split kernel's tile (``tools/bench_decode_attention.py`` sweeps
+    them). Returns ``[b, G, R, D]`` in q's dtype."""
     require_triton()
     check_device("q", q)
     b, groups, heads, d = q.shape
@@ -135,7 +138,10 @@ def decode_attention(
         raise ValueError("k_cache and v_cache must have equal strides, D contiguous")
     if pos.shape != (b,) or pos.dtype != torch.int64:
         raise ValueError(f"pos must be int64 [{b}], got {pos.dtype} {list(pos.shape)}")
-    splits = num_splits(b, groups, ctx)
+    splits = num_splits(b, groups, ctx) if splits is None else splits
+    if splits < 1 or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"splits must be >= 1 and block_n a power of two >= 16, got "
+                         f"{splits}, {block_n}")  # fmt: skip
     chunk = -(-ctx // splits)
     f32 = dict(dtype=torch.float32, device=q.device)
     m = torch.empty(b, groups, splits, heads, **f32)
@@ -150,9 +156,9 @@ def decode_attention(
     split_kernel[(b, groups, splits)](
         q, k_cache, v_cache, pos, m, l_, acc,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), chunk, float(scale), heads, d,
-        BLOCK_R=max(16, triton.next_power_of_2(heads)), BLOCK_D=block_d, BLOCK_N=BLOCK_N,
+        BLOCK_R=max(16, triton.next_power_of_2(heads)), BLOCK_D=block_d, BLOCK_N=block_n,
         PRECISION="ieee" if q.dtype == torch.float32 or interpret else "tf32",
-        DOT_F32=interpret, num_warps=4,
+        DOT_F32=interpret, num_warps=num_warps,
     )  # fmt: skip
     merge_kernel[(b, groups, heads)](m, l_, acc, out, heads, d, SPLITS=splits, BLOCK_D=block_d)
     return out

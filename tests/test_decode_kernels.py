@@ -216,9 +216,16 @@ def _attention_test(dtype, device="cpu", b=5, groups=2, heads=3, d=24, seq=768):
         return sdpa(q, k[:b, :, :ctx], v[:b, :, :ctx], mask=mask, scale=0.3)
 
     truth = ref(q.double(), cache[0].double(), cache[1].double())
-    got = decode_attention(q, cache[0], cache[1], pos, ctx, 0.3)
-    # fp32: sums over 700 keys in another order (and split) than SDPA's
-    _check([got], [ref(q, cache[0], cache[1])], [truth], dtype, 16 if dtype == torch.float32 else 2)
+    want = ref(q, cache[0], cache[1])
+    # the chosen splits and tile, and explicit ones: one split, 5 (154 keys, not a multiple of
+    # the block), 32- and 128-key blocks with 8 warps
+    tiles = [{}, dict(splits=1), dict(splits=5, block_n=32), dict(block_n=128, num_warps=8)]
+    for tile in tiles:
+        got = decode_attention(q, cache[0], cache[1], pos, ctx, 0.3, **tile)
+        # fp32: sums over 700 keys in another order (and split) than SDPA's
+        _check([got], [want], [truth], dtype, 16 if dtype == torch.float32 else 2)
+    with pytest.raises(ValueError, match="block_n a power of two"):
+        decode_attention(q, cache[0], cache[1], pos, ctx, 0.3, block_n=48)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
