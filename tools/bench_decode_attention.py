@@ -8,8 +8,8 @@ bytes read per second, for the engine's shapes, over key splits and tiles. One G
 A shape is (KV groups G, query heads a group R, head dim D): ``8b-tp4`` is one TP 4 rank of
 Qwen3-8B (2 KV heads of 8), ``8b-tp2`` (4), ``8b`` / ``0.6b`` (8 KV heads; R 4 / 2),
 ``moe-twin`` (4 KV heads, R 4). Every row has the context ``--ctx`` (``--spread F``: uniform
-lengths within ctx x (1 +- F)). Each call is timed over ``--iters`` back-to-back calls after a
-warm-up (CUDA events); bandwidth counts every row's K and V once.
+lengths within ctx x (1 +- F)). Each call is timed as ``--iters`` calls replayed from one CUDA
+graph (the engine's decode step is a graph); bandwidth counts every row's K and V once.
 """
 
 from __future__ import annotations
@@ -56,17 +56,27 @@ def _inputs(shape: str, rows: int, ctx: int, spread: float, seed: int = 0):
 
 
 def _time(fn, iters: int) -> float:
-    """Microseconds a call: the mean of ``iters`` back-to-back calls after three warm-ups."""
-    for _ in range(3):
-        fn()
+    """Microseconds a call: ``iters`` calls captured in one CUDA graph (as the engine's decode
+    step replays them: no host time between kernels), the mean of three replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
-    for _ in range(iters):
-        fn()
+    for _ in range(3):
+        graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
+    return start.elapsed_time(end) * 1e3 / (3 * iters)
 
 
 def _case(args, shape: str, rows: int, ctx: int) -> list[dict]:
