@@ -5,8 +5,8 @@
 never read (a masked dense call reads the whole context bucket of every row).
 
 Split-K (flash decoding): programs (row, group, split) each take a range of the row's keys in
-blocks of BLOCK_N, keep an online softmax per query head in fp32 and write a partial
-``(m, l, acc)``; splits past a row's length exit at once. A second kernel merges the splits and
+blocks of ``block_n`` (:func:`tile`: 32 or 64 by the grid's size), keep an online softmax per
+query head in fp32 and write a partial ``(m, l, acc)``; splits past a row's length exit at once. A second kernel merges the splits and
 rounds once to the model dtype. The query heads of a group are one tensor-core tile (padded to
 16 rows), so every key block is read once for all of them; fp32 inputs use IEEE products.
 The reference is ``torch.nn.functional.scaled_dot_product_attention`` with a key-padding mask.
@@ -111,23 +111,37 @@ def _build(interpret: bool):
     return triton.jit(_split_kernel), triton.jit(_merge_kernel)
 
 
+# Programs (row, group, split) up to which a split takes BLOCK_N 32 with 2 warps (more programs
+# resident on an SM: more loads in flight), past which 64 keys with 4 warps. One H200, one TP 4
+# rank of the 8B (G 2) at 256 rows (512 programs): 24.4 / 40.2 / 84.5 us at contexts of 260 /
+# 520 / 1288 against 28.7 / 45.5 / 94.5; at 1024 programs 64 x 4 stays ahead by 1-5%
+# (tools/bench_decode_attention.py, calls replayed from a CUDA graph).
+SMALL_GRID_PER_SM = 4
+
+
 def num_splits(b: int, groups: int, ctx: int, sms: int = 132) -> int:
-    """Key splits per (row, group): enough programs for two waves of the GPU, at least 256
-    keys a split. A function of shapes only, so a CUDA graph's launch is fixed."""
-    want = -(-2 * sms // max(b * groups, 1))
+    """Key splits per (row, group): enough programs for one wave of the GPU, at least 256 keys
+    a split. A function of shapes only, so a CUDA graph's launch is fixed. (Two waves took 2
+    splits at 256 programs: 28.3 us against 23.9 with one, G 4 at 64 rows and 520 keys.)"""
+    want = -(-sms // max(b * groups, 1))
     return max(1, min(want, ctx // 256))
+
+
+def tile(programs: int, sms: int = 132) -> tuple[int, int]:
+    """``(block_n, num_warps)`` of the split kernel for a grid of ``programs``."""
+    return (32, 2) if programs <= SMALL_GRID_PER_SM * sms else (BLOCK_N, 4)
 
 
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-    ctx: int, scale: float, *, splits: int | None = None, block_n: int = BLOCK_N,
-    num_warps: int = 4,
+    ctx: int, scale: float, *, splits: int | None = None, block_n: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``q [b, G, R, D]`` contiguous, row i attending to ``k/v_cache[i, :, :pos[i] + 1]``
     (``[slots >= b, G, S, D]``, D contiguous); ``ctx >= max(pos) + 1`` bounds the split sizes.
     ``splits``: key splits per (row, group) (None: :func:`num_splits`); ``block_n`` keys a
-    step, ``num_warps``: the split kernel's tile (``tools/bench_decode_attention.py`` sweeps
-    them). Returns ``[b, G, R, D]`` in q's dtype."""
+    step and ``num_warps``: the split kernel's tile (None: :func:`tile`;
+    ``tools/bench_decode_attention.py`` sweeps them). Returns ``[b, G, R, D]`` in q's dtype."""
     require_triton()
     check_device("q", q)
     b, groups, heads, d = q.shape
@@ -139,6 +153,9 @@ def decode_attention(
     if pos.shape != (b,) or pos.dtype != torch.int64:
         raise ValueError(f"pos must be int64 [{b}], got {pos.dtype} {list(pos.shape)}")
     splits = num_splits(b, groups, ctx) if splits is None else splits
+    auto_n, auto_warps = tile(b * groups * splits)
+    block_n = auto_n if block_n is None else block_n
+    num_warps = auto_warps if num_warps is None else num_warps
     if splits < 1 or block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"splits must be >= 1 and block_n a power of two >= 16, got "
                          f"{splits}, {block_n}")  # fmt: skip

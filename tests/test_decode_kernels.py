@@ -196,6 +196,16 @@ def test_gpu_decode_kernels(dtype):
     _attention_test(dtype, device="cuda", b=5)
 
 
+def test_decode_attention_grid_decisions():
+    """One wave of programs (splits), and the small tile up to 4 programs an SM (132 SMs):
+    the choices measured ahead on one H200 (kernels/decode_attention.py)."""
+    from megatron_grpo.kernels.decode_attention import num_splits, tile
+
+    assert [num_splits(64, 4, 520), num_splits(64, 2, 1288), num_splits(64, 2, 260)] == [1, 2, 1]
+    assert num_splits(1, 1, 768) == 3 and num_splits(1, 1, 100) == 1  # >= 256 keys a split
+    assert [tile(128), tile(528), tile(529), tile(1024)] == [(32, 2), (32, 2), (64, 4), (64, 4)]
+
+
 def _attention_test(dtype, device="cpu", b=5, groups=2, heads=3, d=24, seq=768):
     """Rows of lengths 1 .. seq (split-K: several splits, some past a row's end) against
     float64, bounded by the same-dtype SDPA with a key-padding mask."""
@@ -219,7 +229,8 @@ def _attention_test(dtype, device="cpu", b=5, groups=2, heads=3, d=24, seq=768):
     want = ref(q, cache[0], cache[1])
     # the chosen splits and tile, and explicit ones: one split, 5 (154 keys, not a multiple of
     # the block), 32- and 128-key blocks with 8 warps
-    tiles = [{}, dict(splits=1), dict(splits=5, block_n=32), dict(block_n=128, num_warps=8)]
+    tiles = [{}, dict(splits=1), dict(splits=5, block_n=32), dict(block_n=64, num_warps=4)]
+    tiles += [dict(block_n=128, num_warps=8)]
     for tile in tiles:
         got = decode_attention(q, cache[0], cache[1], pos, ctx, 0.3, **tile)
         # fp32: sums over 700 keys in another order (and split) than SDPA's

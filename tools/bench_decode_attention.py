@@ -3,7 +3,7 @@ bytes read per second, for the engine's shapes, over key splits and tiles. One G
 
     python tools/bench_decode_attention.py --out $OUT/attn
     python tools/bench_decode_attention.py --shapes 8b-tp4 --rows 512 --ctx 520 \\
-        --splits auto,1,2,4,8 --tiles 64x4,32x4,128x8
+        --splits auto,1,2,4,8 --tiles auto,64x4,32x2,128x8
 
 A shape is (KV groups G, query heads a group R, head dim D): ``8b-tp4`` is one TP 4 rank of
 Qwen3-8B (2 KV heads of 8), ``8b-tp2`` (4), ``8b`` / ``0.6b`` (8 KV heads; R 4 / 2),
@@ -20,6 +20,7 @@ import os
 
 import torch
 from megatron_grpo.kernels.decode_attention import decode_attention, num_splits
+from megatron_grpo.kernels.decode_attention import tile as choose_tile
 
 SHAPES = {  # name: (G, R, D)
     "8b-tp4": (2, 4, 128),
@@ -37,7 +38,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--ctx", default="260,520,1288")
     p.add_argument("--spread", type=float, default=0.0)
     p.add_argument("--splits", default="auto,1,2,4,8")
-    p.add_argument("--tiles", default="64x4", help="BLOCK_N x num_warps, comma-separated")
+    p.add_argument("--tiles", default="auto", help="auto or BLOCK_N x num_warps, comma-separated")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--out", default=None)
     return p.parse_args()
@@ -86,8 +87,8 @@ def _case(args, shape: str, rows: int, ctx: int) -> list[dict]:
     out = []
     for split in args.splits.split(","):
         for tile in args.tiles.split(","):
-            block_n, warps = (int(x) for x in tile.split("x"))
             n = None if split == "auto" else int(split)
+            block_n, warps = (None, None) if tile == "auto" else map(int, tile.split("x"))
             kw = dict(splits=n, block_n=block_n, num_warps=warps)
             try:
                 got = decode_attention(q, k, v, pos, cap, 0.088, **kw)
@@ -99,7 +100,10 @@ def _case(args, shape: str, rows: int, ctx: int) -> list[dict]:
                 print(f"{shape} rows={rows} ctx={ctx} splits={split} tile={tile}: {e!r:.120}")
                 continue
             used = num_splits(rows, k.shape[1], cap) if n is None else n
-            row = dict(shape=shape, rows=rows, ctx=ctx, splits=split, used=used, tile=tile,
+            name = tile
+            if tile == "auto":
+                name = "auto={}x{}".format(*choose_tile(rows * k.shape[1] * used))
+            row = dict(shape=shape, rows=rows, ctx=ctx, splits=split, used=used, tile=name,
                        us=round(us, 2), tbps=round(nbytes / us / 1e6, 3), max_diff=err)  # fmt: skip
             print(" ".join(f"{k_}={v_}" for k_, v_ in row.items()), flush=True)
             out.append(row)
