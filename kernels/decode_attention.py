@@ -111,12 +111,13 @@ def _build(interpret: bool):
     return triton.jit(_split_kernel), triton.jit(_merge_kernel)
 
 
-# Programs (row, group, split) up to which a split takes BLOCK_N 32 with 2 warps (more programs
-# resident on an SM: more loads in flight), past which 64 keys with 4 warps. One H200, one TP 4
-# rank of the 8B (G 2) at 256 rows (512 programs): 24.4 / 40.2 / 84.5 us at contexts of 260 /
-# 520 / 1288 against 28.7 / 45.5 / 94.5; at 1024 programs 64 x 4 stays ahead by 1-5%
-# (tools/bench_decode_attention.py, calls replayed from a CUDA graph).
-SMALL_GRID_PER_SM = 4
+# A grid of more than 2 and at most 4 programs (row, group, split) an SM takes 32-key blocks on 2
+# warps: all of its programs stay resident in one wave (64 keys on 4 warps keep about 2 an SM).
+# One H200, one TP 4 rank of the 8B (G 2) at 256 rows (512 programs): 24.5 / 40.0 / 84.4 us at
+# contexts of 260 / 520 / 1288 against 28.7 / 45.6 / 94.7; at 128-256 programs and at 1024 the
+# 64-key tile was as fast or ahead by up to 1.25x (tools/bench_decode_attention.py, calls
+# replayed from a CUDA graph).
+SMALL_TILE_PER_SM = (2, 4)
 
 
 def num_splits(b: int, groups: int, ctx: int, sms: int = 132) -> int:
@@ -129,7 +130,8 @@ def num_splits(b: int, groups: int, ctx: int, sms: int = 132) -> int:
 
 def tile(programs: int, sms: int = 132) -> tuple[int, int]:
     """``(block_n, num_warps)`` of the split kernel for a grid of ``programs``."""
-    return (32, 2) if programs <= SMALL_GRID_PER_SM * sms else (BLOCK_N, 4)
+    low, high = SMALL_TILE_PER_SM
+    return (32, 2) if low * sms < programs <= high * sms else (BLOCK_N, 4)
 
 
 def decode_attention(

@@ -197,13 +197,14 @@ def test_gpu_decode_kernels(dtype):
 
 
 def test_decode_attention_grid_decisions():
-    """One wave of programs (splits), and the small tile up to 4 programs an SM (132 SMs):
-    the choices measured ahead on one H200 (kernels/decode_attention.py)."""
+    """One wave of programs (splits), and the small tile for more than 2 and at most 4
+    programs an SM (132 SMs): the choices measured ahead on one H200."""
     from megatron_grpo.kernels.decode_attention import num_splits, tile
 
     assert [num_splits(64, 4, 520), num_splits(64, 2, 1288), num_splits(64, 2, 260)] == [1, 2, 1]
     assert num_splits(1, 1, 768) == 3 and num_splits(1, 1, 100) == 1  # >= 256 keys a split
-    assert [tile(128), tile(528), tile(529), tile(1024)] == [(32, 2), (32, 2), (64, 4), (64, 4)]
+    got = [tile(n) for n in (128, 264, 265, 528, 529, 1024)]
+    assert got == [(64, 4), (64, 4), (32, 2), (32, 2), (64, 4), (64, 4)]
 
 
 def _attention_test(dtype, device="cpu", b=5, groups=2, heads=3, d=24, seq=768):
