@@ -267,3 +267,18 @@ def test_explicit_tp_all_reduce_kernels_need_a_tp_group(recipe, overrides, kerne
         _load_quietly(RECIPES / recipe, sets)
     loaded = _load_quietly(RECIPES / "qwen3_8b_long_sp.yaml", sets[:2])
     assert loaded.rollout.engine.tp_all_reduce == kernel
+
+
+@pytest.mark.parametrize("kind", ["ring", "symm"])
+def test_explicit_tp_overlap_needs_sequence_parallelism(kind):
+    """``model.layer_kernels.tp_overlap`` ring / symm overlaps SP's collectives: at TP 1 or with
+    SP off nothing would overlap, an error at load naming both fields; TP 4 + SP keeps it."""
+    sets = [f"model.layer_kernels.tp_overlap={kind}", "checkpoint.load=null"]
+    for extra, shown in (
+        (["parallel.tensor_model_parallel_size=1"], "here 1, sequence_parallel true"),
+        (["parallel.sequence_parallel=false"], "here 4, sequence_parallel false"),
+    ):
+        with pytest.raises(ConfigError, match=f"tp_overlap: {kind} overlaps .*{shown}"):
+            _load_quietly(RECIPES / "qwen3_8b_long_sp.yaml", sets + extra)
+    loaded = _load_quietly(RECIPES / "qwen3_8b_long_sp.yaml", sets)
+    assert loaded.model.layer_kernels.tp_overlap == kind

@@ -38,18 +38,16 @@ from megatron_grpo.megatron.config import ModelConfig, ParallelConfig
 from megatron_grpo.ops.lm_head.options import LMHeadOptions
 from megatron_grpo.rollout.config import EvaluationConfig, RolloutConfig
 from megatron_grpo.rollout.context import RolloutContext
-from megatron_grpo.rollout.engine.decode_overlap import why_not as why_not_halves
-from megatron_grpo.rollout.engine.tp_all_reduce import KERNELS as TP_REDUCE_KERNELS
+from megatron_grpo.train.layout_checks import (
+    STALE_NEEDS_IS,
+    check_evaluation,
+    check_separate,
+    check_tp_collectives,
+)
 from megatron_grpo.train.logprob_sizes import (  # noqa: F401 (LOGPROB_MERGE_TOKENS: public here)
     LOGPROB_MERGE_TOKENS,
     MERGE_NEEDS_ALLTOALL,
     LogprobPassSizes,
-)
-
-# rollouts of older policies (partial, separate placement) need the decoupled IS correction
-STALE_NEEDS_IS = (
-    "trains on tokens of older policy versions: set loss.is_correction_level (token, sequence "
-    "or sequence_mean: the decoupled IS correction behaviour -> proximal policy)"
 )
 
 
@@ -332,87 +330,17 @@ class TrainConfig(LogprobPassSizes):
                 f"rollout.max_prompt_length + rollout.max_response_length = {total} exceeds "
                 f"model.max_sequence_length = {self.model.max_sequence_length}"
             )
-        self._check_evaluation()
+        check_evaluation(self)
         if self.training.offload_during_rollout is True and self.rollout.input_path is not None:
             raise ValueError(
                 "training.offload_during_rollout: true needs generated rollouts, but "
                 "rollout.input_path reads them from files (set it to auto or false)"
             )
-        self._check_separate()
-        self._check_decode_overlap()
+        check_separate(self)
+        check_tp_collectives(self)
         p = self.rollout.partial
         if p.enabled and p.max_staleness > 0 and self.loss.is_correction_level is None:
             raise ValueError(f"rollout.partial.max_staleness={p.max_staleness} {STALE_NEEDS_IS}")
-
-    def _check_decode_overlap(self) -> None:
-        """``rollout.engine.decode_overlap: halves`` and an explicit symmetric-memory
-        ``rollout.engine.tp_all_reduce`` against the TP the engine decodes at."""
-        r = self.rollout
-        tp = self.parallel.tensor_model_parallel_size
-        if r.placement == "separate":
-            tp = r.separate.tensor_model_parallel_size
-        elif r.colocated.weights == "replica":
-            tp = 1  # each rank decodes on a TP = EP = 1 copy
-        if r.engine.tp_all_reduce in TP_REDUCE_KERNELS and tp == 1:
-            raise ValueError(
-                f"rollout.engine.tp_all_reduce: {r.engine.tp_all_reduce} cannot run here: the "
-                "engine decodes at TP 1 (nothing to reduce); use auto or nccl"
-            )
-        if r.engine.decode_overlap != "halves":
-            return
-        why = why_not_halves(tp, r.engine.decode_path, self.model.num_moe_experts is not None)
-        if why:
-            raise ValueError(f"rollout.engine.decode_overlap: halves cannot run here: {why}")
-
-    def _check_separate(self) -> None:
-        """``rollout.placement: separate``: the layouts a generation replica cannot run."""
-        r = self.rollout
-        if r.placement != "separate":
-            return
-        s, p = r.separate, self.parallel
-        if s.max_staleness > 0 and self.loss.is_correction_level is None:
-            raise ValueError(f"rollout.separate.max_staleness={s.max_staleness} {STALE_NEEDS_IS}")
-        if p.pipeline_model_parallel_size > 1 or p.context_parallel_size > 1:
-            raise ValueError(
-                "rollout.placement: separate streams the weights from a trainer with "
-                "parallel.pipeline_model_parallel_size = 1 and context_parallel_size = 1"
-            )
-        tp, m = s.tensor_model_parallel_size, self.model
-        groups = m.num_query_groups or m.num_attention_heads
-        if m.num_attention_heads % tp or groups % tp:
-            raise ValueError(
-                f"rollout.separate.tensor_model_parallel_size={tp} must divide "
-                f"model.num_attention_heads={m.num_attention_heads} and the query groups "
-                f"({groups})"
-            )
-        if self.training.offload_during_rollout is True:
-            raise ValueError(
-                "training.offload_during_rollout: true frees memory for generation, but with "
-                "rollout.placement: separate the trainer ranks do not generate (set auto or false)"
-            )
-
-    def _check_evaluation(self) -> None:
-        """Evaluation generates with the policy from the dataset task's validation prompts."""
-        e, r = self.evaluation, self.rollout
-        if not e.enabled:
-            return
-        on = f"evaluation.interval={e.interval}"
-        if r.task != "dataset":
-            raise ValueError(
-                f"{on} evaluates on validation prompts: it needs rollout.task: dataset with "
-                f"rollout.dataset.val_files (rollout.task is {r.task!r})"
-            )
-        if not r.dataset.val_files:
-            raise ValueError(
-                f"{on} needs validation prompts: rollout.dataset.val_files is empty (or set "
-                "evaluation.interval: 0)"
-            )
-        p = self.parallel
-        if p.pipeline_model_parallel_size > 1 or p.context_parallel_size > 1:
-            raise ValueError(
-                f"{on} generates with the policy, which needs "
-                "parallel.pipeline_model_parallel_size = 1 and parallel.context_parallel_size = 1"
-            )
 
     def rollout_context(self) -> RolloutContext:
         """What the rollout wing needs of the sections beside ``rollout``."""
