@@ -34,6 +34,10 @@ PRESETS = {  # Qwen3 shapes
     "8b-tp4-rank": dict(num_layers=36, hidden_size=4096, num_attention_heads=8,
                         num_query_groups=2, kv_channels=128, ffn_hidden_size=3072,
                         vocab_size=151936 // 4),
+    # the MoE twin (recipes/qwen3_30b_a3b_moe_twin.yaml) at EP 1: a replica's decode at EP > 1
+    "moe-twin": dict(num_layers=12, hidden_size=1024, num_attention_heads=16, num_query_groups=4,
+                     kv_channels=128, ffn_hidden_size=3072, num_moe_experts=32,
+                     moe_router_topk=4, moe_ffn_hidden_size=384, vocab_size=13),
 }  # fmt: skip
 HBM_TBPS = {"H200": 4.8, "H100": 3.35}
 
