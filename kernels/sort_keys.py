@@ -11,7 +11,7 @@ which every program computes for its block of pairs by comparing it with all ``N
 deterministic and fits a CUDA graph. Meant for decode-sized ``N``, where ``torch.argsort`` (a
 multi-pass radix sort) plus the inverse scatter and the per-expert counts take several launches;
 ``ops.layers.sort_keys`` picks it where ``tools/bench_moe_sort.py`` measured it ahead.
-Programs past the pair blocks count the pairs of each key in ``[0, K)``.
+Programs past the pair blocks count the pairs of each key in ``[0, K)``, ``BLOCK_P`` keys each.
 """
 
 from __future__ import annotations
@@ -29,10 +29,16 @@ except ImportError:  # the launcher raises a clear error on use
     triton = None
     tl = None
 
-BLOCK_P = 32  # pairs per program: small tiles stay in registers
-BLOCK_Q = 128  # keys compared per step
-BLOCK_K = 32  # keys counted per counting program
 NUM_WARPS = 4
+# (pairs a program places = keys a counting program counts, keys compared a step) by pair count:
+# the first entry whose bound holds. A program's latency is its N / BLOCK_Q steps, and the grid
+# N / BLOCK_P programs, so decode-sized N takes narrow, long tiles: more programs, fewer steps.
+TILES: tuple[tuple[int, tuple[int, int]], ...] = ((4096, (8, 512)), (1 << 62, (32, 128)))
+
+
+def tile_for(n: int) -> tuple[int, int]:
+    """``(block_p, block_q)`` for ``n`` pairs (``TILES``)."""
+    return next(t for bound, t in TILES if n <= bound)
 
 
 def _key(ids_ptr, idx, N, offset, num_keys):
@@ -44,7 +50,7 @@ def _key(ids_ptr, idx, N, offset, num_keys):
 
 def _sort_keys_kernel(
     ids_ptr, order_ptr, back_ptr, counts_ptr, N, offset, num_keys, fill,
-    BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     blocks = tl.cdiv(N, BLOCK_P)
@@ -65,8 +71,8 @@ def _sort_keys_kernel(
         back = tl.where(kp < num_keys, pos.to(tl.int64), fill)
         tl.store(back_ptr + p, back, mask=p_ok)
     else:
-        e = (pid - blocks) * BLOCK_K + tl.arange(0, BLOCK_K)
-        count = tl.zeros([BLOCK_K], tl.int32)
+        e = (pid - blocks) * BLOCK_P + tl.arange(0, BLOCK_P)  # BLOCK_P keys counted
+        count = tl.zeros([BLOCK_P], tl.int32)
         for start in range(0, N, BLOCK_Q):
             kq = _key(ids_ptr, start + lanes, N, offset, num_keys)
             count += tl.sum((kq[None, :] == e[:, None]).to(tl.int32), axis=1)
@@ -85,12 +91,13 @@ def _build(interpret: bool):
 
 
 def sort_keys(
-    ids: torch.Tensor, offset: int, num_keys: int, fill: int
+    ids: torch.Tensor, offset: int, num_keys: int, fill: int, tile: tuple[int, int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``ids [N]`` int64 -> ``(order [N], back [N], counts [num_keys])`` int64: ``order`` lists
     the pairs by key (``ids - offset`` in ``[0, num_keys)``, else last), ties in index order;
     ``back[p]`` is pair p's position in it, or ``fill`` for a pair of no local key;
-    ``counts[e]`` the pairs of key ``e``."""
+    ``counts[e]`` the pairs of key ``e``. ``tile``: ``(block_p, block_q)``, powers of two
+    (None: :func:`tile_for`; ``tools/bench_moe_sort.py --tiles`` times them)."""
     require_triton()
     check_device("ids", ids)
     if ids.dim() != 1 or ids.dtype != torch.int64:
@@ -98,12 +105,15 @@ def sort_keys(
     if num_keys < 1:
         raise ValueError(f"num_keys must be positive, got {num_keys}")
     n = ids.numel()
+    block_p, block_q = tile_for(n) if tile is None else tile
+    if min(block_p, block_q) < 1 or block_p & (block_p - 1) or block_q & (block_q - 1):
+        raise ValueError(f"tile must be two powers of two, got {tile}")
     order = torch.empty(n, dtype=torch.int64, device=ids.device)
     back = torch.empty(n, dtype=torch.int64, device=ids.device)
     counts = torch.empty(num_keys, dtype=torch.int64, device=ids.device)
-    grid = (triton.cdiv(n, BLOCK_P) + triton.cdiv(num_keys, BLOCK_K),)
+    grid = (triton.cdiv(n, block_p) + triton.cdiv(num_keys, block_p),)
     _build(interpret_mode())[grid](
         ids.contiguous(), order, back, counts, n, offset, num_keys, fill,
-        BLOCK_P=BLOCK_P, BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
+        BLOCK_P=block_p, BLOCK_Q=block_q, num_warps=NUM_WARPS,
     )  # fmt: skip
     return order, back, counts

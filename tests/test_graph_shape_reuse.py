@@ -9,23 +9,23 @@ gradients.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from megatron_grpo.loss import GRPOLossConfig
 from megatron_grpo.loss.metrics import reduce_metrics
-from megatron_grpo.megatron import GRPOStep, unwrap
+from megatron_grpo.megatron import GRPOStep
 from megatron_grpo.megatron.batch import graph_shape as gs
 from megatron_grpo.megatron.step import graph_plan as gp
 from tests.dist_utils import run_distributed
 from tests.graph_utils import RerunCache, mixed_batches, rerun_model
 from tests.megatron_utils import (
     assert_close,
-    build_layout,
     gather_full_grads,
     make_sequences,
     pack,
-    tiny_model,
     train_grads,
 )
 
@@ -97,13 +97,22 @@ def test_new_shapes_merge_into_the_calls_larger_ones_and_captured_ones():
     assert gs.graph_shapes(batches, 2, most=8, reuse=gs.ShapeReuse((BIG,), 1)) == own
 
 
+def _decoder(layers: int, width: int, ffn: int) -> torch.nn.Module:
+    """A stand-in GPT: what the estimate reads (config, decoder layers and their weights),
+    built in this process without megatron-core's parallel state (no env changes)."""
+    gpt, decoder = torch.nn.Module(), torch.nn.Module()
+    decoder.layers = torch.nn.ModuleList(
+        torch.nn.Linear(width, ffn, bias=False) for _ in range(layers)
+    )
+    gpt.decoder = decoder
+    gpt.config = SimpleNamespace(num_moe_experts=None, expert_model_parallel_size=1)
+    return gpt
+
+
 def test_capture_padding_tokens_weighs_a_capture_against_the_padding():
     """The padding whose GEMM time (host_bound's estimate) is a capture's host time:
     ``CAPTURE_PASSES`` eager passes of the layers' host time."""
-    from megatron_grpo.megatron import ParallelConfig
-
-    small = unwrap(build_layout(ParallelConfig(), tiny_model())[0])
-    wide = unwrap(build_layout(ParallelConfig(), tiny_model(ffn_hidden_size=512))[0])
+    small, wide = _decoder(4, 64, 128), _decoder(4, 64, 512)
     for gpt in (small, wide):
         for backward in (False, True):
             tokens = gp.capture_padding_tokens(gpt, backward)

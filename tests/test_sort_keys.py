@@ -77,6 +77,31 @@ def _kernel_test(device: str = "cpu") -> None:
 test_interpreter_counting_sort_equals_argsort = interpreter_only(_kernel_test)
 
 
+def _tiles_test() -> None:
+    """The kernel with explicit tiles (narrow and long, wide and short; a tile wider than the
+    pairs; more counting programs than keys) equals the reference; a bad tile is an error."""
+    from megatron_grpo.kernels import sort_keys as kernel
+
+    for tile in [(8, 512), (32, 128), (4, 16), (16, 64)]:
+        for seed, (n, experts, offset, local) in enumerate([*CASES[:5], CASES[8]]):
+            ids = _ids(n, experts, seed)
+            got = kernel(ids, offset, local, FILL, tile=tile)
+            for a, b in zip(got, sort_keys_torch(ids, offset, local, FILL), strict=True):
+                assert torch.equal(a, b), (tile, n, offset, local)
+    with pytest.raises(ValueError, match="tile must be two powers of two"):
+        kernel(_ids(8, 4, 0), 0, 4, FILL, tile=(8, 100))
+
+
+test_interpreter_counting_sort_tiles = interpreter_only(_tiles_test)
+
+
+def test_tiles_by_pair_count():
+    from megatron_grpo.kernels.sort_keys import TILES, tile_for
+
+    assert tile_for(1) == tile_for(4096) == TILES[0][1] == (8, 512)  # decode steps
+    assert tile_for(4097) == tile_for(10**6) == (32, 128)
+
+
 def test_the_decision_is_one_function():
     assert resolve_moe_sort("auto", 256, "cpu") == "argsort"  # no Triton on CPU tensors
     assert resolve_moe_sort("auto", COUNTING_SORT_MAX_PAIRS, "cuda") == "counting"

@@ -172,7 +172,8 @@ def test_bench_tp_comparison_table(capsys):
 
 def test_bench_moe_sort_dry_run(tmp_path):
     """Tiny shapes in the interpreter: the counting sort and argsort agree; the table prints."""
-    stdout = run_tool("bench_moe_sort.py", "--pairs", "7,300", "--experts", "8:2", out=tmp_path)
+    args = ("--pairs", "7,300", "--experts", "8:2", "--tiles", "8x512,4x16")
+    stdout = run_tool("bench_moe_sort.py", *args, out=tmp_path)
     assert "| 300 | 8 | 2 (4) | - | - | - | True |" in stdout, stdout
     rows = json.loads((tmp_path / "bench_moe_sort.json").read_text())["rows"]
     assert [r["pairs"] for r in rows] == [7, 300] and all(r["equal"] for r in rows)

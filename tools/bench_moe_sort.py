@@ -9,6 +9,7 @@ counting sort's speed-up, and its outputs' equality with argsort's. The sizes wh
 tiny shapes eagerly in Triton's interpreter (a dry run: no timings worth reading).
 
     python tools/bench_moe_sort.py --out gpu_out/sort
+    python tools/bench_moe_sort.py --tiles 8x512,32x128,16x256 --out gpu_out/sort  # the tiles
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--experts", default="32:1,32:2,128:8", help="E:EP list (local = E / EP)")
     p.add_argument("--per-graph", type=int, default=48, help="sorts per graph (MoE layers)")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument(
+        "--tiles", default="", help="counting-sort tiles to time besides auto: 8x512,32x128,..."
+    )
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--out", type=Path, default=Path("gpu_out/sort"))
     return p.parse_args(argv)
@@ -63,6 +67,7 @@ def _time_us(graph, iters: int, per_graph: int) -> float:
 
 def _row(n: int, experts: int, ep: int, args) -> dict:
     import torch
+    from megatron_grpo.kernels import sort_keys as kernel
 
     from megatron_grpo.ops.layers.sort_keys import sort_keys
 
@@ -72,17 +77,18 @@ def _row(n: int, experts: int, ep: int, args) -> dict:
     ids = torch.randint(0, experts, (n,), generator=g).to(args.device)
     row = {"pairs": n, "experts": experts, "ep": ep}
     outs = {}
-    for choice in ("argsort", "counting"):
-
-        def sort(x, choice=choice):
-            return sort_keys(x, offset, local, n, choice)
-
+    sorts = {c: (lambda x, c=c: sort_keys(x, offset, local, n, c)) for c in ("argsort", "counting")}
+    for tile in filter(None, args.tiles.split(",")):  # the kernel with an explicit tile
+        bp, bq = (int(v) for v in tile.split("x"))
+        sorts[f"counting_{tile}"] = lambda x, t=(bp, bq): kernel(x, offset, local, n, tile=t)
+    for choice, sort in sorts.items():
         if args.device == "cpu":
             outs[choice] = sort(ids)
             continue
         graph, outs[choice] = _graph(sort, ids, args.per_graph)
         row[f"{choice}_us"] = _time_us(graph, args.iters, args.per_graph)
-    row["equal"] = all(torch.equal(a, b) for a, b in zip(*outs.values(), strict=True))
+    want = outs.pop("argsort")
+    row["equal"] = all(all(map(torch.equal, o, want)) for o in outs.values())
     if args.device == "cuda":
         row["speedup"] = row["argsort_us"] / row["counting_us"]
     return row
@@ -105,8 +111,13 @@ def main(argv=None) -> int:
         a, c, s = (
             f"{r[k]:.1f}" if k in r else "-" for k in ("argsort_us", "counting_us", "speedup")
         )
+        tiles = " ".join(
+            f"{k[9:-3]}={v:.1f}"
+            for k, v in r.items()
+            if k.startswith("counting_") and k != "counting_us"
+        )
         print(f"| {r['pairs']} | {r['experts']} | {r['ep']} ({r['experts'] // r['ep']}) | {a} "
-              f"| {c} | {s} | {r['equal']} |")  # fmt: skip
+              f"| {c} | {s} | {r['equal']} |{' ' + tiles if tiles else ''}")  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     (args.out / "bench_moe_sort.json").write_text(json.dumps({"device": device, "rows": rows}))
