@@ -191,3 +191,26 @@ def test_bench_nonfinite_runs_on_cpu(capsys, monkeypatch):
     finally:
         sys.path.remove(str(TOOLS))
     assert "225 parameters, 5,000 elements: per parameter" in capsys.readouterr().out
+
+
+def test_install_tree_brings_the_trees_own_kernels(tmp_path):
+    """tools/gpu_env.sh ``install_tree``: another source tree (a before / after's base) installed
+    on its own imports its own ``megatron_grpo.kernels``; with the tree only on PYTHONPATH they
+    came from this checkout's editable install (setup.py maps the top-level kernels/)."""
+    root = TOOLS.parent
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    for part in ("setup.py", "README.md", "megatron_grpo", "kernels"):  # the package's sources
+        subprocess.run(["cp", "-r", str(root / part), str(tree)], check=True)
+    marker = tree / "kernels" / "tree_marker.py"
+    marker.write_text("WHERE = 'the tree'\n")
+    script = f". {TOOLS / 'gpu_env.sh'}; install_tree {tree}"
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    site = proc.stdout.strip().splitlines()[-1]
+    code = "import megatron_grpo.kernels.tree_marker as m, megatron_grpo as g; print(m.WHERE, g.__file__)"
+    env = dict(os.environ, PYTHONSAFEPATH="1", PYTHONPATH=site)
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, text=True,
+                         capture_output=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("the tree " + site), out.stdout

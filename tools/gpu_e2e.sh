@@ -60,9 +60,9 @@
 # packed document; 0 = one sequence), MAXCTX_RECOMPUTE ("full": full activation recompute, as
 # long-context recipes use; the 36-layer Qwen3-8B then fits one H200 without optimizer state),
 # RUN_TIMEOUT (seconds per trainer run; unset: none), WHEELS (.whl), E2E_CODE (a directory
-# holding another megatron_grpo, e.g. `git archive BASE megatron_grpo | tar -x -C .run/base`:
-# the trainer runs that code with this checkout's recipes, for a before / after in one call;
-# give each side its own OUT and WORK), TORCHRUN_ARGS (more torchrun options for every trainer
+# holding another source tree, e.g. `git archive BASE | tar -x -C .run/base`: installed on its
+# own (gpu_env.sh install_tree, kernels/ included), the trainer runs that code with this
+# checkout's recipes, for a before / after in one call; give each side its own OUT and WORK), TORCHRUN_ARGS (more torchrun options for every trainer
 # run, e.g. "--numa-binding node": each rank on the CPUs near its GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -93,6 +93,10 @@ export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF-expa
 
 setup() {
     install_carried || return 1
+    if [ -n "${E2E_CODE:-}" ]; then
+        E2E_SITE=$(install_tree "$E2E_CODE") || return 1
+        echo "E2E_CODE: $E2E_CODE installed in $E2E_SITE" | tee -a "$LOG"
+    fi
     python3 - <<'EOF' 2>&1 | tee "$OUT/env.txt"
 import torch
 import megatron.core
@@ -137,11 +141,11 @@ train() {
     # mode's next run starts; a hung run no longer takes the rest of the call
     local limit=()
     [ -n "${RUN_TIMEOUT:-}" ] && limit=(timeout -k 30 "$RUN_TIMEOUT")
-    # E2E_CODE: the trainer imports that directory's megatron_grpo, not this checkout's (-m
-    # would put the working directory first on sys.path; PYTHONSAFEPATH keeps it off)
+    # E2E_CODE: the trainer imports that tree's megatron_grpo and kernels, not this checkout's
+    # (-m would put the working directory first on sys.path; PYTHONSAFEPATH keeps it off)
     local code=()
     [ -n "${E2E_CODE:-}" ] &&
-        code=(env PYTHONSAFEPATH=1 "PYTHONPATH=$E2E_CODE${PYTHONPATH:+:$PYTHONPATH}")
+        code=(env PYTHONSAFEPATH=1 "PYTHONPATH=$E2E_SITE${PYTHONPATH:+:$PYTHONPATH}")
     local torchrun_extra=()
     read -ra torchrun_extra <<<"${TORCHRUN_ARGS:-}"
     with_memory_sampling "$tag" "${limit[@]}" "${code[@]}" python3 -m torch.distributed.run \
