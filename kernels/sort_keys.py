@@ -32,8 +32,11 @@ except ImportError:  # the launcher raises a clear error on use
 NUM_WARPS = 4
 # (pairs a program places = keys a counting program counts, keys compared a step) by pair count:
 # the first entry whose bound holds. A program's latency is its N / BLOCK_Q steps, and the grid
-# N / BLOCK_P programs, so decode-sized N takes narrow, long tiles: more programs, fewer steps.
-TILES: tuple[tuple[int, tuple[int, int]], ...] = ((4096, (8, 512)), (1 << 62, (32, 128)))
+# N / BLOCK_P programs, so narrow, long tiles: more programs, fewer steps. One H200, 48 sorts in
+# a CUDA graph (tools/bench_moe_sort.py --tiles), us a sort at 256 / 1,024 / 2,048 / 8,192 pairs:
+# 4x512 1.8 / 2.6 / 4.2 / 35.4, 8x1024 2.2 / 2.5 / 4.0 / 28.7, the former 32x128 3.3 / 9.1 /
+# 16.8 / 67.4 (argsort 44-97).
+TILES: tuple[tuple[int, tuple[int, int]], ...] = ((512, (4, 512)), (1 << 62, (8, 1024)))
 
 
 def tile_for(n: int) -> tuple[int, int]:

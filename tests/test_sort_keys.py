@@ -82,7 +82,7 @@ def _tiles_test() -> None:
     pairs; more counting programs than keys) equals the reference; a bad tile is an error."""
     from megatron_grpo.kernels import sort_keys as kernel
 
-    for tile in [(8, 512), (32, 128), (4, 16), (16, 64)]:
+    for tile in [(8, 1024), (4, 512), (32, 128), (4, 16), (16, 64)]:
         for seed, (n, experts, offset, local) in enumerate([*CASES[:5], CASES[8]]):
             ids = _ids(n, experts, seed)
             got = kernel(ids, offset, local, FILL, tile=tile)
@@ -98,8 +98,8 @@ test_interpreter_counting_sort_tiles = interpreter_only(_tiles_test)
 def test_tiles_by_pair_count():
     from megatron_grpo.kernels.sort_keys import TILES, tile_for
 
-    assert tile_for(1) == tile_for(4096) == TILES[0][1] == (8, 512)  # decode steps
-    assert tile_for(4097) == tile_for(10**6) == (32, 128)
+    assert tile_for(1) == tile_for(512) == TILES[0][1] == (4, 512)
+    assert tile_for(513) == tile_for(8192) == tile_for(10**6) == (8, 1024)
 
 
 def test_the_decision_is_one_function():
