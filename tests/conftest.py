@@ -7,6 +7,34 @@ import torch
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+# torchrun's variables: a test that initializes megatron-core's parallel state in the pytest
+# process (plain-python runs set RANK / WORLD_SIZE / LOCAL_RANK for their own process) would leave
+# them for every later subprocess test, which then fails far from the cause ("MASTER_ADDR
+# expected"). Such state belongs in a spawned process (tests/dist_utils.run_distributed).
+_LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+@pytest.fixture(autouse=True)
+def _no_launch_vars_left():
+    before = {k: os.environ.get(k) for k in _LAUNCH_VARS}
+    yield
+    left = {k: os.environ.get(k) for k in _LAUNCH_VARS if os.environ.get(k) != before[k]}
+    for k, v in before.items():  # restored, so the tests after this one run as they would
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    if left:
+        pytest.fail(f"the test changed torchrun's variables in the pytest process: {left}")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -333,7 +333,9 @@ def test_the_engine_knows_nothing_of_the_rollout_wing():
 
 # The trainer's room keeps the loop, optimizer, checkpoint, metrics, run directory and stop
 # handling (everything that produces scored samples lives in rollout/); both rooms stay small.
-TRAIN_MAX_FILES = 20  # 20: logprob_sizes.py, config.py's log-prob pass sizes (500 lines)
+# 20: logprob_sizes.py, config.py's log-prob pass sizes (500 lines); 21: layout_checks.py, its
+# checks across sections (config.py again at 500 lines)
+TRAIN_MAX_FILES = 21
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 60
 

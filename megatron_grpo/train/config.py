@@ -330,14 +330,15 @@ class TrainConfig(LogprobPassSizes):
                 f"rollout.max_prompt_length + rollout.max_response_length = {total} exceeds "
                 f"model.max_sequence_length = {self.model.max_sequence_length}"
             )
-        check_evaluation(self)
+        check_evaluation(self.evaluation, self.rollout, self.parallel)
         if self.training.offload_during_rollout is True and self.rollout.input_path is not None:
             raise ValueError(
                 "training.offload_during_rollout: true needs generated rollouts, but "
                 "rollout.input_path reads them from files (set it to auto or false)"
             )
-        check_separate(self)
-        check_tp_collectives(self)
+        off = self.training.offload_during_rollout
+        check_separate(self.rollout, self.parallel, self.model, self.loss.is_correction_level, off)
+        check_tp_collectives(self.parallel, self.model, self.rollout)
         p = self.rollout.partial
         if p.enabled and p.max_staleness > 0 and self.loss.is_correction_level is None:
             raise ValueError(f"rollout.partial.max_staleness={p.max_staleness} {STALE_NEEDS_IS}")

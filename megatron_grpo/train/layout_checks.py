@@ -1,8 +1,8 @@
 """Checks across a recipe's sections that a layout can run what the recipe asks of it, made at
 load (``--check`` reports them in seconds, not at a run's start-up): a separate generation
 replica, evaluation, and the TP collectives' options against the TP they run at. Each takes the
-whole :class:`~megatron_grpo.train.config.TrainConfig` and raises ``ValueError`` naming the
-fields; the config's loader adds the recipe's FILE:LINE."""
+sections it reads (``TrainConfig.__post_init__`` calls them) and raises ``ValueError`` naming
+the fields; the config's loader adds the recipe's FILE:LINE."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from megatron_grpo.rollout.engine.decode_overlap import why_not as why_not_halve
 from megatron_grpo.rollout.engine.tp_all_reduce import KERNELS as TP_REDUCE_KERNELS
 
 if TYPE_CHECKING:
-    from megatron_grpo.train.config import TrainConfig
+    from megatron_grpo.megatron.config import ModelConfig, ParallelConfig
+    from megatron_grpo.rollout.config import EvaluationConfig, RolloutConfig
 
 # rollouts of older policies (partial, separate placement) need the decoupled IS correction
 STALE_NEEDS_IS = (
@@ -21,23 +22,24 @@ STALE_NEEDS_IS = (
 )
 
 
-def generating_tp(cfg: TrainConfig) -> int:
+def generating_tp(rollout: RolloutConfig, parallel: ParallelConfig) -> int:
     """The TP size the engine decodes at: the separate replica's, 1 on colocated replicas (each
     rank a TP = EP = 1 copy), else the trainer's."""
-    r = cfg.rollout
-    if r.placement == "separate":
-        return r.separate.tensor_model_parallel_size
-    if r.colocated.weights == "replica":
+    if rollout.placement == "separate":
+        return rollout.separate.tensor_model_parallel_size
+    if rollout.colocated.weights == "replica":
         return 1
-    return cfg.parallel.tensor_model_parallel_size
+    return parallel.tensor_model_parallel_size
 
 
-def check_tp_collectives(cfg: TrainConfig) -> None:
+def check_tp_collectives(
+    parallel: ParallelConfig, model: ModelConfig, rollout: RolloutConfig
+) -> None:
     """An explicit option of the TP collectives where it would do nothing or cannot run:
     ``model.layer_kernels.tp_overlap`` ring / symm without sequence parallelism at TP > 1,
     ``rollout.engine.tp_all_reduce`` one_shot / two_shot and ``rollout.engine.decode_overlap:
     halves`` where the engine decodes at TP 1 (and the halves' other limits)."""
-    p, overlap = cfg.parallel, cfg.model.layer_kernels.tp_overlap
+    p, overlap = parallel, model.layer_kernels.tp_overlap
     if overlap in ("ring", "symm") and not (
         p.sequence_parallel and p.tensor_model_parallel_size > 1
     ):
@@ -47,7 +49,7 @@ def check_tp_collectives(cfg: TrainConfig) -> None:
             f"parallel.tensor_model_parallel_size > 1 (here {p.tensor_model_parallel_size}, "
             f"sequence_parallel {str(p.sequence_parallel).lower()}); use auto or off"
         )
-    engine, tp = cfg.rollout.engine, generating_tp(cfg)
+    engine, tp = rollout.engine, generating_tp(rollout, parallel)
     if engine.tp_all_reduce in TP_REDUCE_KERNELS and tp == 1:
         raise ValueError(
             f"rollout.engine.tp_all_reduce: {engine.tp_all_reduce} cannot run here: the engine "
@@ -55,42 +57,49 @@ def check_tp_collectives(cfg: TrainConfig) -> None:
         )
     if engine.decode_overlap != "halves":
         return
-    why = why_not_halves(tp, engine.decode_path, cfg.model.num_moe_experts is not None)
+    why = why_not_halves(tp, engine.decode_path, model.num_moe_experts is not None)
     if why:
         raise ValueError(f"rollout.engine.decode_overlap: halves cannot run here: {why}")
 
 
-def check_separate(cfg: TrainConfig) -> None:
-    """``rollout.placement: separate``: the layouts a generation replica cannot run."""
-    r = cfg.rollout
-    if r.placement != "separate":
+def check_separate(
+    rollout: RolloutConfig,
+    parallel: ParallelConfig,
+    model: ModelConfig,
+    is_correction_level: str | None,
+    offload_during_rollout: bool | str,
+) -> None:
+    """``rollout.placement: separate``: the layouts a generation replica cannot run
+    (``is_correction_level``: ``loss.``'s; ``offload_during_rollout``: ``training.``'s)."""
+    if rollout.placement != "separate":
         return
-    s, p = r.separate, cfg.parallel
-    if s.max_staleness > 0 and cfg.loss.is_correction_level is None:
+    s, p = rollout.separate, parallel
+    if s.max_staleness > 0 and is_correction_level is None:
         raise ValueError(f"rollout.separate.max_staleness={s.max_staleness} {STALE_NEEDS_IS}")
     if p.pipeline_model_parallel_size > 1 or p.context_parallel_size > 1:
         raise ValueError(
             "rollout.placement: separate streams the weights from a trainer with "
             "parallel.pipeline_model_parallel_size = 1 and context_parallel_size = 1"
         )
-    tp, m = s.tensor_model_parallel_size, cfg.model
-    groups = m.num_query_groups or m.num_attention_heads
-    if m.num_attention_heads % tp or groups % tp:
+    tp, groups = s.tensor_model_parallel_size, model.num_query_groups or model.num_attention_heads
+    if model.num_attention_heads % tp or groups % tp:
         raise ValueError(
             f"rollout.separate.tensor_model_parallel_size={tp} must divide "
-            f"model.num_attention_heads={m.num_attention_heads} and the query groups "
+            f"model.num_attention_heads={model.num_attention_heads} and the query groups "
             f"({groups})"
         )
-    if cfg.training.offload_during_rollout is True:
+    if offload_during_rollout is True:
         raise ValueError(
             "training.offload_during_rollout: true frees memory for generation, but with "
             "rollout.placement: separate the trainer ranks do not generate (set auto or false)"
         )
 
 
-def check_evaluation(cfg: TrainConfig) -> None:
+def check_evaluation(
+    evaluation: EvaluationConfig, rollout: RolloutConfig, parallel: ParallelConfig
+) -> None:
     """Evaluation generates with the policy from the dataset task's validation prompts."""
-    e, r = cfg.evaluation, cfg.rollout
+    e, r = evaluation, rollout
     if not e.enabled:
         return
     on = f"evaluation.interval={e.interval}"
@@ -104,7 +113,7 @@ def check_evaluation(cfg: TrainConfig) -> None:
             f"{on} needs validation prompts: rollout.dataset.val_files is empty (or set "
             "evaluation.interval: 0)"
         )
-    p = cfg.parallel
+    p = parallel
     if p.pipeline_model_parallel_size > 1 or p.context_parallel_size > 1:
         raise ValueError(
             f"{on} generates with the policy, which needs "
