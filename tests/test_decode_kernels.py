@@ -229,9 +229,9 @@ def _attention_test(dtype, device="cpu", b=5, groups=2, heads=3, d=24, seq=768):
     truth = ref(q.double(), cache[0].double(), cache[1].double())
     want = ref(q, cache[0], cache[1])
     # the chosen splits and tile, and explicit ones: one split, 5 (154 keys, not a multiple of
-    # the block), 32- and 128-key blocks with 8 warps
+    # the block), 32- and 128-key blocks with 8 warps, the small tile (32 keys, 2 warps)
     tiles = [{}, dict(splits=1), dict(splits=5, block_n=32), dict(block_n=64, num_warps=4)]
-    tiles += [dict(block_n=128, num_warps=8)]
+    tiles += [dict(block_n=128, num_warps=8), dict(splits=1, block_n=32, num_warps=2)]
     for tile in tiles:
         got = decode_attention(q, cache[0], cache[1], pos, ctx, 0.3, **tile)
         # fp32: sums over 700 keys in another order (and split) than SDPA's
