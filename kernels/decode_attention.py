@@ -6,8 +6,8 @@ never read (a masked dense call reads the whole context bucket of every row).
 
 Split-K (flash decoding): programs (row, group, split) each take a range of the row's keys in
 blocks of ``block_n`` (:func:`tile`: 32 or 64 by the grid's size), keep an online softmax per
-query head in fp32 and write a partial ``(m, l, acc)``; splits past a row's length exit at once. A second kernel merges the splits and
-rounds once to the model dtype. The query heads of a group are one tensor-core tile (padded to
+query head in fp32 and write a partial ``(m, l, acc)``; splits past a row's length exit at once.
+A second kernel merges the splits and rounds once to the model dtype. The query heads of a group are one tensor-core tile (padded to
 16 rows), so every key block is read once for all of them; fp32 inputs use IEEE products.
 The reference is ``torch.nn.functional.scaled_dot_product_attention`` with a key-padding mask.
 """

@@ -106,14 +106,21 @@ def active_matmul_params(gpt: torch.nn.Module) -> float:
     return total
 
 
+def _pass_costs(gpt: torch.nn.Module, backward: bool) -> tuple[float, float]:
+    """(GEMM ms a token at ``FORWARD_TFLOPS``, the host's ms) of a forward (``backward``: a
+    forward and backward, three times the forward's GEMMs) of ``gpt``'s decoder."""
+    passes = 3 if backward else 1
+    per_token_ms = passes * 2 * active_matmul_params(gpt) / (FORWARD_TFLOPS * 1e9)
+    per_layer = UPDATE_HOST_MS_PER_LAYER if backward else HOST_MS_PER_LAYER
+    return per_token_ms, per_layer * len(gpt.decoder.layers)
+
+
 def host_bound(gpt: torch.nn.Module, tokens: int, backward: bool = False) -> tuple[bool, str]:
     """Whether a forward (``backward``: a forward and backward) of ``tokens`` packed tokens
     waits on the host: its GEMMs' estimated time against ``HOST_MS_PER_LAYER``
     (``UPDATE_HOST_MS_PER_LAYER``) per layer; the reason with both numbers."""
-    passes = 3 if backward else 1
-    gemm_ms = passes * 2 * active_matmul_params(gpt) * tokens / (FORWARD_TFLOPS * 1e9)
-    per_layer = UPDATE_HOST_MS_PER_LAYER if backward else HOST_MS_PER_LAYER
-    host_ms = per_layer * len(gpt.decoder.layers)
+    per_token_ms, host_ms = _pass_costs(gpt, backward)
+    gemm_ms = per_token_ms * tokens
     bound = gemm_ms < host_ms
     what = "forward and backward" if backward else "forward"
     return bound, (
@@ -131,11 +138,8 @@ def capture_padding_tokens(gpt: torch.nn.Module, backward: bool = False) -> int:
     """Padding tokens whose estimated GEMM time (as :func:`host_bound`'s) equals a capture's
     host time (``CAPTURE_PASSES`` eager passes): a micro-batch takes a larger shape that has a
     graph rather than capture its own when that adds fewer (``graph_shape.ShapeReuse``)."""
-    passes = 3 if backward else 1
-    per_token_ms = passes * 2 * active_matmul_params(gpt) / (FORWARD_TFLOPS * 1e9)
-    per_layer = UPDATE_HOST_MS_PER_LAYER if backward else HOST_MS_PER_LAYER
-    capture_ms = CAPTURE_PASSES * per_layer * len(gpt.decoder.layers)
-    return int(capture_ms / max(per_token_ms, 1e-12))
+    per_token_ms, host_ms = _pass_costs(gpt, backward)
+    return int(CAPTURE_PASSES * host_ms / max(per_token_ms, 1e-12))
 
 
 def update_graphs_unsupported(chunks: list[torch.nn.Module], layout: ParallelLayout) -> str | None:
